@@ -1,0 +1,1 @@
+"""FSDP policies of the tutorial: mixed precision, auto-wrap, activation checkpointing."""

@@ -1,0 +1,73 @@
+"""How the model is sharded. Every field is a `--field value` flag (see configs/cli.py); enums by name."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+
+from configs.options import option
+
+
+@dataclass
+class FSDPConfig:
+    mixed_precision: bool = option(
+        default=True,
+        help=(
+            "true: bf16 (or fp16 with use_fp16) FSDP mixed precision; falls back to fp32 with a warning "
+            "where bf16 is not supported. false: fp32 everywhere (fp32_policy)."
+        ),
+    )
+    use_fp16: bool = option(
+        default=False,
+        help=(
+            "With mixed_precision: fp16 (fpSixteen) with a ShardedGradScaler instead of bf16. GPU only; "
+            "T5 is known to overflow in fp16, bf16 is its precision."
+        ),
+    )
+    bf16_policy: Literal["bfSixteen", "bfSixteen_working"] = option(
+        default="bfSixteen",
+        help=(
+            "bfSixteen: parameters, gradient reduction and buffers in bf16. bfSixteen_working: compute in "
+            "fp32, reduce gradients and keep buffers in bf16 (halves gradient traffic only)."
+        ),
+    )
+    sharding_strategy: ShardingStrategy = option(
+        default=ShardingStrategy.FULL_SHARD,
+        help=(
+            "FULL_SHARD (ZeRO-3: params, grads, optimizer state sharded), SHARD_GRAD_OP (ZeRO-2: params "
+            "kept whole between forward and backward), NO_SHARD (DDP-like)."
+        ),
+    )
+    backward_prefetch: BackwardPrefetch | None = option(
+        default=BackwardPrefetch.BACKWARD_PRE,
+        help=(
+            "When the next unit's parameters are all-gathered in backward: BACKWARD_PRE (before the current "
+            "unit's gradient computation: fastest, more memory), BACKWARD_POST (after it), NONE."
+        ),
+    )
+    fsdp_activation_checkpointing: bool = option(
+        default=True,
+        help=(
+            "Recompute each T5Block's activations in backward instead of storing them (non-reentrant): "
+            "much less activation memory for about 30% more compute."
+        ),
+    )
+    limit_all_gathers: bool = option(
+        default=True,
+        help=(
+            "Rate-limit all-gathers so at most two units' full parameters are in flight: bounds memory "
+            "(GPU); turning it off can be faster when memory is plentiful."
+        ),
+    )
+    wrap_policy: Literal["transformer", "size_based"] = option(
+        default="transformer",
+        help=(
+            "transformer: each T5Block is one FSDP unit, the shared embedding in the root unit (the "
+            "tutorial's policy). size_based: a unit whenever min_num_params parameters accumulate."
+        ),
+    )
+    min_num_params: int = option(
+        default=1_000_000,
+        help="Parameter threshold of the size_based wrap policy.",
+        minimum=1,
+    )

@@ -1,0 +1,8 @@
+"""`option()`: a dataclass field with its --help text and the bounds the CLI checks."""
+
+from dataclasses import field
+
+
+def option(default, help: str, *, minimum: float | None = None, above: float | None = None):
+    """A config field. `minimum`: value must be >= it; `above`: value must be > it."""
+    return field(default=default, metadata={"help": help, "minimum": minimum, "above": above})

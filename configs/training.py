@@ -1,0 +1,118 @@
+"""What to train on and for how long. Every field is a `--field value` flag (see configs/cli.py).
+
+The defaults are the offline demo: the embedded tiny T5 and WikiHow-format sample in data/, which train on
+a laptop CPU. For the tutorial's real setting use `--model_name t5-base --data_dir data` (README).
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from configs.options import option
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED_MODEL_DIR = str(REPO_ROOT / "data" / "tiny-t5")
+EMBEDDED_DATA_DIR = str(REPO_ROOT / "data" / "sample")
+
+
+@dataclass
+class TrainConfig:
+    model_name: str = option(
+        default=EMBEDDED_MODEL_DIR,
+        help=(
+            "Hub name (t5-small, t5-base, t5-large, t5-3b, t5-11b) or local folder for "
+            "T5ForConditionalGeneration/T5Tokenizer.from_pretrained. Default: the embedded tiny T5."
+        ),
+    )
+    data_dir: str = option(
+        default=EMBEDDED_DATA_DIR,
+        help=(
+            "Folder with wikihowAll.csv and all_train.txt/all_val.txt/all_test.txt. "
+            "Default: the embedded sample; the real data goes in data/ (scripts/download_wikihow.py)."
+        ),
+    )
+    output_dir: str = option(
+        default="outputs",
+        help="Where config.json, metrics.jsonl and checkpoints are written.",
+    )
+    device: Literal["auto", "cuda", "cpu"] = option(
+        default="auto",
+        help=(
+            "auto: one GPU per LOCAL_RANK with NCCL when CUDA is available, else CPU with gloo; "
+            "cuda or cpu force the choice."
+        ),
+    )
+    dist_timeout_s: int = option(
+        default=600,
+        help=(
+            "Process-group timeout in seconds: how long a rank waits in a collective for a stuck peer "
+            "before failing (torch's default is 30 minutes)."
+        ),
+        minimum=1,
+    )
+    epochs: int = option(default=2, help="Number of passes over the training samples.", minimum=1)
+    batch_size_training: int = option(default=4, help="Training batch size per rank.", minimum=1)
+    val_batch_size: int = option(default=4, help="Validation batch size per rank.", minimum=1)
+    lr: float = option(default=0.002, help="AdamW learning rate.", above=0)
+    weight_decay: float = option(default=0.0, help="AdamW weight decay.", minimum=0)
+    gamma: float = option(
+        default=0.85,
+        help="StepLR factor: the learning rate is multiplied by gamma after each epoch.",
+        above=0,
+    )
+    seed: int = option(default=1, help="Seed for weights of a fresh model, dropout and shuffling.")
+    num_train_samples: int = option(
+        default=1500,
+        help="Use the first N training articles (tutorial: 1500); 0 = all.",
+        minimum=0,
+    )
+    num_val_samples: int = option(
+        default=300,
+        help="Use the first N validation articles (tutorial: 300); 0 = all.",
+        minimum=0,
+    )
+    max_source_length: int = option(default=512, help="Article tokens kept (truncation).", minimum=2)
+    max_target_length: int = option(default=150, help="Summary tokens kept (truncation).", minimum=2)
+    source_prefix: str = option(
+        default="",
+        help=(
+            "Text put before every article. The tutorial uses none; pretrained T5 checkpoints were "
+            "trained with 'summarize: '."
+        ),
+    )
+    pad_to_max_length: bool = option(
+        default=False,
+        help=(
+            "true: pad every sample to the max lengths, as the tutorial does (fixed shapes, predictable "
+            "memory). false: pad each batch to its longest sample (much faster on short texts)."
+        ),
+    )
+    num_workers_dataloader: int = option(
+        default=0,
+        help=(
+            "DataLoader worker processes per rank (tutorial: 2 on GPU). 0 tokenizes in the training "
+            "process, which is best on a CPU with few cores."
+        ),
+        minimum=0,
+    )
+    log_every_n_steps: int = option(
+        default=10,
+        help=(
+            "Per-step losses are kept on the device and written to metrics.jsonl every N steps: "
+            "one all-reduce and one host sync per N steps instead of per step."
+        ),
+        minimum=1,
+    )
+    run_validation: bool = option(default=True, help="Compute the validation loss after each epoch.")
+    save_model: bool = option(
+        default=False,
+        help=(
+            "Save the full model state dict (.pt, gathered on rank 0) at each new best validation loss, "
+            "or every epoch when run_validation is false."
+        ),
+    )
+    track_memory: bool = option(
+        default=True,
+        help=("Record each rank's peak memory per epoch: CUDA allocated/reserved on GPU, peak RSS on CPU."),
+    )
+    print_text: bool = option(default=False, help="Log every source text as it is tokenized (debug).")

@@ -1,0 +1,485 @@
+"""WikiHow reader (the original builder's semantics) and the tutorial's Dataset, on fixture files.
+
+No network and no dependency on data/sample: every CSV and split list is written to tmp_path, and the
+T5 tokenizer is a tiny sentencepiece model trained here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from summarization_dataset import (
+    ITEM_KEYS,
+    clean_text,
+    hash_split,
+    labels_for_loss,
+    load_wikihow,
+    pad_collate,
+    wikihow,
+)
+from utils.errors import ConfigError, DataError, DataFileNotFoundError
+from utils.logging_utils import get_logger
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# The real file's quirks: a quoted multi-line headline whose bold lines are joined by ".,\n"; a text
+# whose paragraphs are joined by ".\n,", by ";\n," and by "..\n\n,"; a title with surrounding spaces;
+# a blank line; rows of 2 and 4 fields; an empty text; an empty headline; a summary too long for its
+# article; the 0.75 boundary on both sides; a title in no split list.
+FIXTURE_CSV = (
+    "headline,title,text\n"
+    '"\nMix the flour.,\nBake the loaf.", How to Bake Bread ,'
+    '" Pour flour into a bowl and add water.\n,Knead it for ten minutes;\n,'
+    'Put it in the oven and wait..\n\n,Enjoy it. "\n'
+    "\n"
+    "Two fields only,How to Two\n"
+    'Zip it.,How to Zip,"Pull the zipper up slowly, from bottom to top."\n'
+    "a,How to Four,some text that is long enough,extra\n"
+    'Vote.,How to Vote,"Go to the polling station and cast your ballot."\n'
+    "Feed it.,Zebra Care,Give the zebra hay every morning.\n"
+    "This summary is far too long for the text,How to Drop Long,Short text.\n"
+    "Orphan headline,How to Empty,\n"
+    ',How to No Headline,"Some text here, long enough."\n'
+    "xyz,Boundary Drop,abcd\n"
+    "xyz,Boundary Keep,abcde\n"
+    "Lost.,How to Orphan,This article is in no split list at all.\n"
+    "Pick ripe ones.,Apple Picking,Look for apples that come off the branch easily.\n"
+)
+# Every title of the CSV that has 3 fields, except "How to Orphan", is in a list; the train list is not
+# in file order (file order must win), has trailing spaces and a blank line.
+FIXTURE_LISTS = {
+    "all_train.txt": (
+        "ApplePicking\nHowtoBakeBread  \n\nHowtoTwo\nHowtoFour\nZebraCare\nHowtoDropLong\nHowtoEmpty\n"
+        "HowtoNoHeadline\nBoundaryDrop\nBoundaryKeep\n"
+    ),
+    "all_val.txt": "HowtoVote\n",
+    "all_test.txt": "HowtoZip\n",
+}
+
+# Worked out by hand from FIXTURE_CSV: headline ".," -> "."; text "[.]+[\n]+[,]" -> ".\n" (the ";\n,"
+# join is left alone); fields stripped; titles keep their inner spaces.
+BREAD_TEXT = (
+    "Pour flour into a bowl and add water.\nKnead it for ten minutes;\n,Put it in the oven and wait.\nEnjoy it."
+)
+EXPECTED = {
+    "train": [
+        {"title": "How to Bake Bread", "headline": "Mix the flour.\nBake the loaf.", "text": BREAD_TEXT},
+        {"title": "Zebra Care", "headline": "Feed it.", "text": "Give the zebra hay every morning."},
+        {"title": "Boundary Keep", "headline": "xyz", "text": "abcde"},
+        {
+            "title": "Apple Picking",
+            "headline": "Pick ripe ones.",
+            "text": "Look for apples that come off the branch easily.",
+        },
+    ],
+    "validation": [
+        {"title": "How to Vote", "headline": "Vote.", "text": "Go to the polling station and cast your ballot."}
+    ],
+    "test": [
+        {"title": "How to Zip", "headline": "Zip it.", "text": "Pull the zipper up slowly, from bottom to top."}
+    ],
+}
+
+
+def write_data(data_dir: Path, csv_text: str = FIXTURE_CSV, lists: dict[str, str] | None = None) -> Path:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    # newline="": the bytes on disk are exactly the string (as in the original file, "\n" endings).
+    (data_dir / "wikihowAll.csv").write_text(csv_text, encoding="utf-8", newline="")
+    for name, content in (FIXTURE_LISTS if lists is None else lists).items():
+        (data_dir / name).write_text(content, encoding="utf-8")
+    return data_dir
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def log_records():
+    """Records of the package logger. Its own handler: setup_logging() turns propagation (caplog) off."""
+    logger = get_logger()
+    handler, old_level = _ListHandler(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler.records
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+
+
+def _warnings(records: list[logging.LogRecord]) -> list[str]:
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+# ---------------------------------------------------------------------------------------------------
+# load_wikihow: the builder's semantics
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", ["train", "validation", "test"])
+def test_split_rows_exactly_as_the_builder(tmp_path, split):
+    frame = load_wikihow(write_data(tmp_path), split)
+    assert list(frame.columns) == ["title", "headline", "text"]
+    assert frame.index.equals(pd.RangeIndex(len(EXPECTED[split])))
+    assert frame.to_dict("records") == EXPECTED[split]
+
+
+def test_file_order_not_list_order(tmp_path):
+    # The train list starts with ApplePicking, the last train row of the file.
+    titles = load_wikihow(write_data(tmp_path), "train")["title"].tolist()
+    assert titles == ["How to Bake Bread", "Zebra Care", "Boundary Keep", "Apple Picking"]
+
+
+def test_split_lists_do_not_warn(tmp_path, log_records):
+    load_wikihow(write_data(tmp_path), "train")
+    assert _warnings(log_records) == []
+
+
+def test_accepts_str_data_dir(tmp_path):
+    assert len(load_wikihow(str(write_data(tmp_path)), "validation")) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# load_wikihow: the hash split when no list exists
+# ---------------------------------------------------------------------------------------------------
+
+N_HASH_ROWS = 300
+
+
+def _hash_fixture_csv() -> str:
+    rows = [
+        f"Step {i} done.,Article number {i},This is the much longer text of article {i}."
+        for i in range(N_HASH_ROWS)
+    ]
+    return "headline,title,text\n" + "\n".join(rows) + "\n"
+
+
+def _titles_by_split(data_dir: Path) -> dict[str, list[str]]:
+    return {split: load_wikihow(data_dir, split)["title"].tolist() for split in ("train", "validation", "test")}
+
+
+def test_hash_split_deterministic_disjoint_complete(tmp_path):
+    data_dir = write_data(tmp_path, _hash_fixture_csv(), lists={})
+    first, second = _titles_by_split(data_dir), _titles_by_split(data_dir)
+    assert first == second
+    train, validation, test = (set(first[s]) for s in ("train", "validation", "test"))
+    assert not (train & validation or train & test or validation & test)
+    assert train | validation | test == {f"Article number {i}" for i in range(N_HASH_ROWS)}
+    assert validation and test
+    assert len(train) > 0.8 * N_HASH_ROWS
+    # Each split keeps file order.
+    for titles in first.values():
+        assert titles == sorted(titles, key=lambda title: int(title.rsplit(" ", 1)[1]))
+
+
+def test_hash_split_ignores_spaces_like_the_lists():
+    assert hash_split(" How to Bake Bread ") == hash_split("HowtoBakeBread")
+
+
+def test_hash_split_warns_once_per_load(tmp_path, log_records):
+    data_dir = write_data(tmp_path, _hash_fixture_csv(), lists={})
+    load_wikihow(data_dir, "train")
+    warnings = _warnings(log_records)
+    assert len(warnings) == 1
+    for name in ("all_train.txt", "all_val.txt", "all_test.txt"):
+        assert name in warnings[0]
+    assert "differs from the published split" in warnings[0]
+
+
+def test_hash_split_independent_of_pythonhashseed(tmp_path):
+    data_dir = write_data(tmp_path, _hash_fixture_csv(), lists={})
+    code = (
+        "import json, sys\n"
+        "from summarization_dataset import load_wikihow\n"
+        "print(json.dumps({s: load_wikihow(sys.argv[1], s)['title'].tolist()\n"
+        "                  for s in ('train', 'validation', 'test')}))\n"
+    )
+    procs = []
+    for seed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO_ROOT)}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(data_dir)],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert results[0] == results[1] == _titles_by_split(data_dir)
+
+
+# ---------------------------------------------------------------------------------------------------
+# load_wikihow: errors a user can fix
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_missing_csv(tmp_path):
+    with pytest.raises(DataFileNotFoundError) as info:
+        load_wikihow(tmp_path, "train")
+    assert isinstance(info.value, FileNotFoundError)
+    message = str(info.value)
+    assert str((tmp_path / "wikihowAll.csv").resolve()) in message
+    assert "download_wikihow" in message
+
+
+@pytest.mark.parametrize(
+    "csv_text, found",
+    [
+        ("title,headline,text\nA.,How to A,Some long text.\n", "title,headline,text"),
+        ("headline,title\nA.,How to A\n", "headline,title"),
+        ("", "empty"),
+    ],
+)
+def test_wrong_header(tmp_path, csv_text, found):
+    with pytest.raises(DataError) as info:
+        load_wikihow(write_data(tmp_path, csv_text), "train")
+    message = str(info.value)
+    assert found in message
+    assert "headline,title,text" in message
+    assert "original wikihowAll.csv" in message
+
+
+def test_no_usable_rows(tmp_path):
+    # One row dropped by the 0.75 filter, one of 4 fields, one in the test list only.
+    csv_text = (
+        "headline,title,text\n"
+        "This summary is far too long,How to Drop Long,Short.\n"
+        "a,How to Four,long enough text,extra\n"
+        'Zip it.,How to Zip,"Pull the zipper up slowly, from bottom to top."\n'
+    )
+    lists = {"all_train.txt": "HowtoDropLong\nHowtoFour\n", "all_val.txt": "", "all_test.txt": "HowtoZip\n"}
+    data_dir = write_data(tmp_path, csv_text, lists)
+    with pytest.raises(DataError, match="no usable rows for split 'train'"):
+        load_wikihow(data_dir, "train")
+    with pytest.raises(DataError, match="no usable rows for split 'validation'"):
+        load_wikihow(data_dir, "validation")
+    assert load_wikihow(data_dir, "test")["title"].tolist() == ["How to Zip"]
+
+
+def test_partial_split_lists(tmp_path):
+    data_dir = write_data(tmp_path, lists={"all_train.txt": FIXTURE_LISTS["all_train.txt"]})
+    with pytest.raises(DataFileNotFoundError) as info:
+        load_wikihow(data_dir, "train")
+    message = str(info.value)
+    assert str(data_dir / "all_val.txt") in message
+    assert str(data_dir / "all_test.txt") in message
+
+
+def test_bad_split_name(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_wikihow(write_data(tmp_path), "valid")
+    for split in ("train", "validation", "test"):
+        assert split in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tutorial's Dataset on a tiny real T5 tokenizer
+# ---------------------------------------------------------------------------------------------------
+
+_WORDS = (
+    "the a to and it of in for is pour flour into bowl add water knead ten minutes put oven wait enjoy "
+    "mix bake loaf zebra hay every morning give feed pick ripe apples look branch easily come off "
+    "summarize step one two text summary"
+).split()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A real T5Tokenizer on a sentencepiece model of ~200 pieces trained on generated sentences."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    transformers = pytest.importorskip("transformers")
+    rng = random.Random(0)
+    sentences = [
+        " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))) + rng.choice([".", ",", ";", ":"])
+        for _ in range(400)
+    ]
+    folder = tmp_path_factory.mktemp("t5_tokenizer")
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_prefix=str(folder / "spiece"),
+        vocab_size=200,
+        hard_vocab_limit=False,  # the corpus may not support 200 pieces; fewer is fine
+        character_coverage=1.0,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        minloglevel=2,
+    )
+    # From the folder: T5Tokenizer(vocab_file=...) does not load the vocabulary in transformers 5.
+    return transformers.T5Tokenizer.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("wikihow"))
+
+
+# The train rows as the Dataset feeds them to the tokenizer, worked out by hand: newline -> space.
+BREAD_SOURCE = (
+    "Pour flour into a bowl and add water. Knead it for ten minutes; ,Put it in the oven and wait. Enjoy it."
+)
+BREAD_TARGET = "Mix the flour. Bake the loaf."
+
+
+def test_clean_text_keeps_words_apart():
+    text = 'Example of text: He said "hi"\nthen ``left``.\n\nExample of Summary:Bye.'
+    assert clean_text(text) == "He said hi then left. Bye."
+
+
+def test_items_padded_to_max_length(tokenizer, data_dir):
+    dataset = wikihow(tokenizer, "train", None, 16, 8, data_dir=data_dir)
+    assert len(dataset) == 4
+    for index in range(len(dataset)):
+        item = dataset[index]
+        assert tuple(item) == ITEM_KEYS
+        for key, length in (("source", 16), ("target", 8)):
+            ids, mask = item[f"{key}_ids"], item[f"{key}_mask"]
+            assert ids.dtype == mask.dtype == torch.int64
+            assert ids.shape == mask.shape == (length,)
+            assert set(mask.tolist()) <= {0, 1}
+            # Mask 1 then 0: right padding with the pad token; </s> is the last real token.
+            n_real = int(mask.sum())
+            assert mask.tolist() == [1] * n_real + [0] * (length - n_real)
+            assert ids[n_real:].tolist() == [tokenizer.pad_token_id] * (length - n_real)
+            assert ids[n_real - 1] == tokenizer.eos_token_id
+    # "abcde" / "xyz" are short: padded.
+    assert dataset[2]["source_mask"].sum() < 16
+
+
+def test_items_without_padding(tokenizer, data_dir):
+    dataset = wikihow(tokenizer, "train", None, 512, 512, data_dir=data_dir, pad_to_max_length=False)
+    item = dataset[0]
+    assert item["source_ids"].tolist() == tokenizer(BREAD_SOURCE)["input_ids"]
+    assert item["target_ids"].tolist() == tokenizer(BREAD_TARGET)["input_ids"]
+    for key in ("source", "target"):
+        ids, mask = item[f"{key}_ids"], item[f"{key}_mask"]
+        assert ids.dtype == mask.dtype == torch.int64 and ids.dim() == 1
+        assert ids[-1] == tokenizer.eos_token_id
+        assert mask.tolist() == [1] * len(ids)
+
+
+def test_source_prefix(tokenizer, data_dir):
+    dataset = wikihow(
+        tokenizer, "train", None, 512, 512, data_dir=data_dir, source_prefix="summarize: ", pad_to_max_length=False
+    )
+    assert dataset[0]["source_ids"].tolist() == tokenizer("summarize: " + BREAD_SOURCE)["input_ids"]
+    assert dataset[0]["target_ids"].tolist() == tokenizer(BREAD_TARGET)["input_ids"]
+
+
+def test_truncation_keeps_eos(tokenizer, data_dir):
+    for pad in (True, False):
+        dataset = wikihow(tokenizer, "train", None, 6, 4, data_dir=data_dir, pad_to_max_length=pad)
+        item = dataset[0]
+        assert item["source_ids"].shape == (6,) and item["target_ids"].shape == (4,)
+        assert item["source_ids"][-1] == tokenizer.eos_token_id
+        assert item["target_ids"][-1] == tokenizer.eos_token_id
+        assert int(item["source_mask"].sum()) == 6
+
+
+def test_num_samples_takes_the_first_rows(tokenizer, data_dir, log_records):
+    every = wikihow(tokenizer, "train", None, 16, 8, data_dir=data_dir)
+    first_two = wikihow(tokenizer, "train", 2, 16, 8, data_dir=data_dir)
+    assert len(first_two) == 2
+    assert first_two.dataset["title"].tolist() == ["How to Bake Bread", "Zebra Care"]
+    for index in range(2):
+        for key in ITEM_KEYS:
+            assert torch.equal(first_two[index][key], every[index][key])
+    assert _warnings(log_records) == []
+
+
+def test_num_samples_more_than_available_warns(tokenizer, data_dir, log_records):
+    dataset = wikihow(tokenizer, "train", 100, 16, 8, data_dir=data_dir)
+    assert len(dataset) == 4
+    warnings = _warnings(log_records)
+    assert len(warnings) == 1
+    assert "100" in warnings[0] and "4" in warnings[0]
+
+
+@pytest.mark.parametrize("num_samples", [0, -3])
+def test_num_samples_below_one_is_a_config_error(tokenizer, data_dir, num_samples):
+    with pytest.raises(ConfigError, match="num_samples"):
+        wikihow(tokenizer, "train", num_samples, 16, 8, data_dir=data_dir)
+
+
+def test_print_text_logs_the_input(tokenizer, data_dir, log_records):
+    wikihow(tokenizer, "train", None, 16, 8, print_text=True, data_dir=data_dir)[0]
+    infos = [r.getMessage() for r in log_records if r.levelno == logging.INFO]
+    assert any(BREAD_SOURCE in message for message in infos)
+
+
+def test_dataset_split_and_errors_pass_through(tokenizer, data_dir):
+    assert len(wikihow(tokenizer, "validation", None, 16, 8, data_dir=data_dir)) == 1
+    with pytest.raises(ConfigError):
+        wikihow(tokenizer, "dev", None, 16, 8, data_dir=data_dir)
+
+
+# ---------------------------------------------------------------------------------------------------
+# pad_collate and labels_for_loss
+# ---------------------------------------------------------------------------------------------------
+
+
+def _item(source: list[int], target: list[int]) -> dict[str, torch.Tensor]:
+    return {
+        "source_ids": torch.tensor(source),
+        "source_mask": torch.ones(len(source), dtype=torch.int64),
+        "target_ids": torch.tensor(target),
+        "target_mask": torch.ones(len(target), dtype=torch.int64),
+    }
+
+
+def test_pad_collate_right_pads_to_the_longest():
+    batch = pad_collate([_item([5, 6, 1], [7, 1]), _item([8, 1], [9, 10, 11, 1])], pad_token_id=3)
+    assert tuple(batch) == ITEM_KEYS
+    assert batch["source_ids"].tolist() == [[5, 6, 1], [8, 1, 3]]
+    assert batch["source_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["target_ids"].tolist() == [[7, 1, 3, 3], [9, 10, 11, 1]]
+    assert batch["target_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert all(tensor.dtype == torch.int64 for tensor in batch.values())
+
+
+def test_pad_collate_in_a_dataloader(tokenizer, data_dir):
+    dataset = wikihow(tokenizer, "train", None, 64, 16, data_dir=data_dir, pad_to_max_length=False)
+    collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)
+    pickle.dumps(collate)  # DataLoader workers receive it pickled
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=collate)
+    batch = next(iter(loader))
+    lengths = [len(dataset[i]["source_ids"]) for i in range(4)]
+    assert batch["source_ids"].shape == (4, max(lengths))
+    for row, length in enumerate(lengths):
+        assert batch["source_ids"][row, :length].tolist() == dataset[row]["source_ids"].tolist()
+        assert batch["source_ids"][row, length:].eq(tokenizer.pad_token_id).all()
+        assert batch["source_mask"][row].tolist() == [1] * length + [0] * (max(lengths) - length)
+
+
+def test_labels_for_loss_ignores_exactly_the_padding():
+    target_ids = torch.tensor([[7, 8, 1, 0, 0], [9, 1, 0, 0, 0]])
+    target_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    labels = labels_for_loss(target_ids, target_mask)
+    assert labels.dtype == torch.int64
+    assert labels.tolist() == [[7, 8, 1, -100, -100], [9, 1, -100, -100, -100]]
+    # A copy: the batch itself is untouched.
+    assert target_ids.tolist() == [[7, 8, 1, 0, 0], [9, 1, 0, 0, 0]]
