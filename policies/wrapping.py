@@ -7,7 +7,9 @@ three can reach it.
 """
 
 import functools
+from collections import Counter
 
+from torch import nn
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from transformers.models.t5.modeling_t5 import T5Block
 
@@ -16,13 +18,37 @@ def get_t5_wrap_policy():
     return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={T5Block})
 
 
-def get_size_based_wrap_policy(min_num_params: int):
-    return functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params)
+def modules_holding_tied_parameters(model: nn.Module) -> set[int]:
+    """ids of the modules whose subtree holds a parameter that more than one module owns (a tie).
+
+    T5 ties `shared` (= encoder/decoder embed_tokens) to `lm_head` (t5 v1.0 checkpoints): the modules
+    holding them are shared, lm_head, both T5Stacks and the model itself.
+    """
+    owners = Counter(id(p) for module in model.modules() for p in module.parameters(recurse=False))
+    tied = {param_id for param_id, count in owners.items() if count > 1}
+    return {id(module) for module in model.modules() if any(id(p) in tied for p in module.parameters())}
 
 
-def get_wrap_policy(name: str, min_num_params: int):
+def _size_based_keeping_ties(module, recurse, nonwrapped_numel, *, min_num_params, tied_modules):
+    # recurse=False asks "make this module a unit?": never for a module holding a tied parameter. In a
+    # unit apart from its twin the tie breaks and training silently goes wrong (measured in
+    # tests/test_fsdp_numerics.py); tied parameters stay in the root unit, which holds everything.
+    if not recurse and id(module) in tied_modules:
+        return False
+    return size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params=min_num_params)
+
+
+def get_size_based_wrap_policy(model: nn.Module, min_num_params: int):
+    return functools.partial(
+        _size_based_keeping_ties,
+        min_num_params=min_num_params,
+        tied_modules=modules_holding_tied_parameters(model),
+    )
+
+
+def get_wrap_policy(name: str, model: nn.Module, min_num_params: int):
     if name == "transformer":
         return get_t5_wrap_policy()
     if name == "size_based":
-        return get_size_based_wrap_policy(min_num_params)
+        return get_size_based_wrap_policy(model, min_num_params)
     raise ValueError(f"wrap policy must be transformer or size_based, not {name!r}")

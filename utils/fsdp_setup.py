@@ -17,6 +17,24 @@ from utils.environment import bf16_supported
 from utils.errors import ConfigError
 from utils.logging_utils import get_logger
 
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def check_strategy_for_device(sharding_strategy: ShardingStrategy, device: torch.device) -> None:
+    """Refuse what FSDP1 would accept but get silently wrong.
+
+    Without an explicit process-group pair, FSDP1's hybrid strategies shard within a node of
+    torch.cuda.device_count() ranks. On a CPU group that count is 0, so every rank becomes its own
+    one-rank "node", FSDP falls back to NO_SHARD on it, and gradients are never synchronised: the ranks
+    train different models without any error (measured in tests/test_fsdp_numerics.py).
+    """
+    if sharding_strategy in HYBRID_STRATEGIES and device.type != "cuda":
+        raise ConfigError(
+            f"--sharding_strategy {sharding_strategy.name} needs GPUs: on a CPU group FSDP1 builds its shard "
+            "groups from the GPU count (0) and silently stops synchronising gradients. Use FULL_SHARD or "
+            "SHARD_GRAD_OP on CPU."
+        )
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -33,6 +51,7 @@ def apply_fsdp(
     `device_id` makes FSDP move each unit to the device as it wraps it, so a model that fits in host memory
     but not on one GPU never needs to be on the GPU whole (tutorial: "FSDP model init on device").
     """
+    check_strategy_for_device(sharding_strategy, device)
     return FSDP(
         model,
         auto_wrap_policy=auto_wrap_policy,
@@ -63,7 +82,7 @@ def wrap_model(model, fsdp_config: FSDPConfig, device: torch.device, precision: 
     model = apply_fsdp(
         model,
         device=device,
-        auto_wrap_policy=get_wrap_policy(fsdp_config.wrap_policy, fsdp_config.min_num_params),
+        auto_wrap_policy=get_wrap_policy(fsdp_config.wrap_policy, model, fsdp_config.min_num_params),
         sharding_strategy=fsdp_config.sharding_strategy,
         mixed_precision=POLICIES[precision],
         backward_prefetch=fsdp_config.backward_prefetch,

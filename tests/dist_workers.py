@@ -1,0 +1,265 @@
+"""Functions run on each rank of a spawned gloo group by tests/dist_harness.run_ranks.
+
+Models are the embedded tiny T5's architecture with dropout off, so that sharded and unsharded runs see the
+same computation and any difference comes from FSDP itself.
+"""
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.utils.data import Dataset
+from transformers import T5Config, T5ForConditionalGeneration
+from transformers.models.t5.modeling_t5 import T5Attention, T5Block
+
+from configs.fsdp import FSDPConfig
+from configs.training import EMBEDDED_MODEL_DIR
+from policies.mixed_precision import POLICIES
+from utils.checkpointing import gather_full_state_dict, load_full_model_state, save_full_model
+from utils.data_loading import PaddedEvalSampler, build_loader
+from utils.fsdp_setup import wrap_model
+from utils.train_utils import StepLog, forward_token_losses, train_step, validate
+
+CPU = torch.device("cpu")
+VOCAB = 1100
+LR = 1e-3
+FP32 = "fp32_policy"
+
+
+def tiny_t5(seed: int = 0) -> T5ForConditionalGeneration:
+    config = T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0, use_cache=False)
+    torch.manual_seed(seed)
+    return T5ForConditionalGeneration(config)
+
+
+def make_batch(seed: int, rows: int = 3, src_len: int = 12, tgt_len: int = 7) -> dict:
+    """Random token ids with random right padding: ranks get different numbers of target tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    source = torch.randint(2, VOCAB, (rows, src_len), generator=gen)
+    target = torch.randint(2, VOCAB, (rows, tgt_len), generator=gen)
+    source_mask = (torch.arange(src_len) < torch.randint(3, src_len + 1, (rows, 1), generator=gen)).long()
+    target_mask = (torch.arange(tgt_len) < torch.randint(2, tgt_len + 1, (rows, 1), generator=gen)).long()
+    return {
+        "source_ids": source.masked_fill(source_mask == 0, 0),
+        "source_mask": source_mask,
+        "target_ids": target.masked_fill(target_mask == 0, 0),
+        "target_mask": target_mask,
+    }
+
+
+def batch_seed(step: int, rank: int) -> int:
+    return 1000 * step + rank
+
+
+def global_batch(step: int, world_size: int) -> dict:
+    """What all ranks see at `step`, as one batch (the unsharded reference's input)."""
+    parts = [make_batch(batch_seed(step, rank)) for rank in range(world_size)]
+    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+
+
+def reference_run(steps: int, world_size: int) -> tuple[list[float], dict]:
+    """Unsharded model, no process group: token-mean loss over the global batch, AdamW."""
+    model = tiny_t5()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        token_losses, labels = forward_token_losses(model, global_batch(step, world_size))
+        loss = token_losses.sum() / (labels != -100).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def fsdp_run(config: FSDPConfig, rank: int, world_size: int, steps: int, precision: str = FP32):
+    """Per-step reported losses of train_step under FSDP, and the final full state dict (rank 0)."""
+    model = wrap_model(tiny_t5(), config, CPU, precision)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    records: list[dict] = []
+    step_log = StepLog(every=steps, on_flush=records.extend)
+    for step in range(steps):
+        stats = train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
+        step_log.add(step + 1, LR, stats)
+    step_log.flush()
+    full_state = gather_full_state_dict(model, CPU)
+    return [r["loss"] for r in records], full_state
+
+
+PARITY_VARIANTS = {
+    "FULL_SHARD": {},
+    "SHARD_GRAD_OP": {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP},
+    "NO_SHARD": {"sharding_strategy": ShardingStrategy.NO_SHARD},
+    "FULL_SHARD+checkpointing": {"fsdp_activation_checkpointing": True},
+    "SHARD_GRAD_OP+checkpointing": {
+        "sharding_strategy": ShardingStrategy.SHARD_GRAD_OP,
+        "fsdp_activation_checkpointing": True,
+    },
+    "BACKWARD_POST": {"backward_prefetch": BackwardPrefetch.BACKWARD_POST},
+    "no prefetch, no all-gather limit": {"backward_prefetch": None, "limit_all_gathers": False},
+    "size_based wrap": {"wrap_policy": "size_based", "min_num_params": 20_000},
+}
+
+
+def _fsdp_config(overrides: dict) -> FSDPConfig:
+    base = FSDPConfig(mixed_precision=False, fsdp_activation_checkpointing=False)
+    return dataclasses.replace(base, **overrides)
+
+
+def parity_worker(rank: int, world_size: int, steps: int) -> dict:
+    """Losses and final weights of every variant; the unsharded reference on rank 0."""
+    out = {"losses": {}, "max_param_diff": {}}
+    reference_losses, reference_state = reference_run(steps, world_size) if rank == 0 else (None, None)
+    for name, overrides in PARITY_VARIANTS.items():
+        losses, state = fsdp_run(_fsdp_config(overrides), rank, world_size, steps)
+        out["losses"][name] = losses
+        if rank == 0:
+            out["max_param_diff"][name] = max(
+                (state[key] - reference_state[key]).abs().max().item() for key in reference_state
+            )
+    out["reference_losses"] = reference_losses
+    return out
+
+
+def structure_worker(rank: int, world_size: int) -> dict:
+    """Which modules are FSDP units, and which parameters each unit's flat parameter holds."""
+    out = {}
+    for checkpointing in (False, True):
+        config = dataclasses.replace(_fsdp_config({}), fsdp_activation_checkpointing=checkpointing)
+        plain = tiny_t5()
+        n_blocks = sum(isinstance(m, T5Block) for m in plain.modules())
+        model = wrap_model(plain, config, CPU, FP32)
+        units = FSDP.fsdp_modules(model)
+        out[checkpointing] = {
+            "n_blocks": n_blocks,
+            "root_is_model": units[0] is model and isinstance(model.module, T5ForConditionalGeneration),
+            "unit_module_types": [type(unit.module).__name__ for unit in units[1:]],
+            # FQNs of the original parameters inside each unit's flat parameter (private FSDP1 attribute:
+            # the only record of which unit owns a parameter when use_orig_params=False).
+            "root_fqns": list(units[0]._handle.flat_param._fqns),
+            "block_fqns": [list(unit._handle.flat_param._fqns) for unit in units[1:]],
+        }
+    return out
+
+
+def precision_worker(rank: int, world_size: int) -> dict:
+    """The dtype that T5's attention projections compute in under each policy, and the master dtype."""
+    out = {}
+    for name in POLICIES:
+        model = wrap_model(tiny_t5(), _fsdp_config({}), CPU, name)
+        attention = next(m for m in model.modules() if isinstance(m, T5Attention))
+        seen = {}
+
+        def hook(module, inputs, output, seen=seen):
+            seen["weight"] = module.weight.dtype
+            seen["output"] = output.dtype
+
+        handle = attention.q.register_forward_hook(hook)
+        batch = make_batch(rank)
+        with torch.no_grad():
+            model(
+                input_ids=batch["source_ids"],
+                attention_mask=batch["source_mask"],
+                labels=batch["target_ids"].masked_fill(batch["target_mask"] == 0, -100),
+            )
+        handle.remove()
+        out[name] = {
+            "compute_weight": str(seen["weight"]),
+            "compute_output": str(seen["output"]),
+            "sharded_master": str(next(model.parameters()).dtype),
+            "reduce": str(POLICIES[name].reduce_dtype),
+        }
+    return out
+
+
+def checkpoint_worker(rank: int, world_size: int, path: str) -> dict:
+    """Train 2 steps, save the rank-0 full state dict, reload it into a plain model, compare logits."""
+    config = _fsdp_config({"fsdp_activation_checkpointing": True})
+    model = wrap_model(tiny_t5(), config, CPU, FP32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(2):
+        train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
+    saved = save_full_model(model, CPU, rank == 0, path)
+    probe = make_batch(seed=777)
+    model.eval()
+    with torch.no_grad():
+        fsdp_logits = forward_logits(model, probe)
+    out = {"saved": saved}
+    if rank == 0:
+        plain = T5ForConditionalGeneration(T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0))
+        result = plain.load_state_dict(load_full_model_state(path), strict=True)
+        plain.eval()
+        with torch.no_grad():
+            plain_logits = forward_logits(plain, probe)
+        out.update(
+            missing=list(result.missing_keys),
+            unexpected=list(result.unexpected_keys),
+            max_logit_diff=(plain_logits - fsdp_logits).abs().max().item(),
+            logit_scale=fsdp_logits.abs().max().item(),
+            tied=plain.lm_head.weight.data_ptr() == plain.shared.weight.data_ptr(),
+        )
+    return out
+
+
+def forward_logits(model, batch: dict) -> torch.Tensor:
+    labels = batch["target_ids"].masked_fill(batch["target_mask"] == 0, -100)
+    return model(input_ids=batch["source_ids"], attention_mask=batch["source_mask"], labels=labels).logits
+
+
+class ItemsDataset(Dataset):
+    """Unpadded items of different lengths, as summarization_dataset.wikihow returns with dynamic padding."""
+
+    def __init__(self, n: int):
+        self.items = []
+        for i in range(n):
+            batch = make_batch(seed=500 + i, rows=1)
+            src_len, tgt_len = int(batch["source_mask"].sum()), int(batch["target_mask"].sum())
+            self.items.append(
+                {
+                    "source_ids": batch["source_ids"][0, :src_len],
+                    "source_mask": batch["source_mask"][0, :src_len],
+                    "target_ids": batch["target_ids"][0, :tgt_len],
+                    "target_mask": batch["target_mask"][0, :tgt_len],
+                }
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def validation_worker(rank: int, world_size: int, n_samples: int, batch_size: int) -> dict:
+    """validate() over an uneven split vs a hand-computed token mean over the unique samples."""
+    plain = tiny_t5()
+    reference_model = copy.deepcopy(plain).eval()
+    model = wrap_model(plain, _fsdp_config({}), CPU, FP32)
+    dataset = ItemsDataset(n_samples)
+    sampler = PaddedEvalSampler(len(dataset), rank, world_size)
+    loader = build_loader(dataset, sampler, batch_size, pad_token_id=0, num_workers=0, device=CPU)
+
+    class NoBar:
+        def update(self, n):
+            pass
+
+    loss = validate(model, loader, device=CPU, num_real_samples=sampler.num_real_samples, progress=NoBar())
+    out = {"reported": loss, "indices": sampler.indices, "num_real": sampler.num_real_samples}
+    if rank == 0:
+        sums, counts = [], []
+        with torch.no_grad():
+            for item in dataset.items:
+                batch = {key: value.unsqueeze(0) for key, value in item.items()}
+                token_losses, labels = forward_token_losses(reference_model, batch)
+                sums.append(token_losses.sum().item())
+                counts.append((labels != -100).sum().item())
+        out["hand_token_mean"] = sum(sums) / sum(counts)
+        out["mean_of_sample_means"] = sum(s / c for s, c in zip(sums, counts, strict=True)) / len(sums)
+        # What a padded DistributedSampler would report: the repeated samples counted again.
+        repeated = [i for r in range(world_size) for i in PaddedEvalSampler(n_samples, r, world_size).indices]
+        out["with_duplicates"] = sum(sums[i] for i in repeated) / sum(counts[i] for i in repeated)
+    dist.barrier()
+    return out

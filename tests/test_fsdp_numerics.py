@@ -1,0 +1,164 @@
+"""FSDP numerics on a 2-process gloo CPU group: parity with an unsharded model, wrapping, precision,
+checkpoint round trip, and the reported losses. fp32, dropout off, so differences come from FSDP alone."""
+
+import math
+
+import pytest
+
+from policies.mixed_precision import select_policy_name
+from tests.dist_harness import run_ranks
+from tests.dist_workers import (
+    PARITY_VARIANTS,
+    checkpoint_worker,
+    parity_worker,
+    precision_worker,
+    structure_worker,
+    validation_worker,
+)
+from utils.environment import bf16_supported
+
+STEPS = 4
+RTOL = 1e-5  # the acceptance bound is 1e-4 relative; fp32 on CPU does much better
+
+
+def relative_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.fixture(scope="module")
+def parity():
+    return run_ranks(parity_worker, STEPS)
+
+
+def test_every_strategy_matches_the_unsharded_reference_step_by_step(parity):
+    rank0, rank1 = parity
+    reference = rank0["reference_losses"]
+    assert len(reference) == STEPS and all(math.isfinite(x) for x in reference)
+    for name in PARITY_VARIANTS:
+        losses = rank0["losses"][name]
+        assert rank1["losses"][name] == losses, f"{name}: ranks report different losses"
+        for step, (got, want) in enumerate(zip(losses, reference, strict=True)):
+            assert relative_diff(got, want) < RTOL, f"{name} step {step + 1}: {got} vs reference {want}"
+
+
+def test_strategies_and_checkpointing_agree_with_each_other(parity):
+    losses = parity[0]["losses"]
+    base = losses["FULL_SHARD"]
+    for name in PARITY_VARIANTS:
+        assert max(relative_diff(a, b) for a, b in zip(losses[name], base, strict=True)) < 1e-6, name
+
+
+def test_trained_weights_match_the_unsharded_reference(parity):
+    for name, diff in parity[0]["max_param_diff"].items():
+        assert diff < 1e-5, f"{name}: weights differ from the reference by {diff}"
+
+
+def test_reported_step_loss_is_the_token_mean_over_both_ranks(parity):
+    """Step 1 happens before any update: the reference's loss there is the token mean over the union of
+    both ranks' batches, which hold different numbers of target tokens, computed without FSDP."""
+    first = parity[0]["losses"]["FULL_SHARD"][0]
+    assert relative_diff(first, parity[0]["reference_losses"][0]) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def structure():
+    return run_ranks(structure_worker)[0]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_every_t5block_is_its_own_unit_and_the_embedding_is_in_the_root(structure, checkpointing):
+    layout = structure[checkpointing]
+    assert layout["root_is_model"]
+    assert layout["unit_module_types"] == ["T5Block"] * layout["n_blocks"]
+    assert "shared.weight" in layout["root_fqns"]
+    assert not any(".block." in fqn for fqn in layout["root_fqns"])
+    for fqns in layout["block_fqns"]:
+        assert fqns and all("layer." in fqn for fqn in fqns)
+        assert not any("shared" in fqn or "embed_tokens" in fqn for fqn in fqns)
+
+
+def test_each_policy_computes_in_its_dtype():
+    got = run_ranks(precision_worker)[0]
+    expected_compute = {
+        "bfSixteen": "torch.bfloat16",
+        "fpSixteen": "torch.float16",
+        "bfSixteen_working": "torch.float32",
+        "fp32_policy": "torch.float32",
+    }
+    for name, dtype in expected_compute.items():
+        assert got[name]["compute_weight"] == dtype, name
+        assert got[name]["compute_output"] == dtype, name
+        # The optimizer's sharded master copy stays fp32 under every policy.
+        assert got[name]["sharded_master"] == "torch.float32", name
+    assert got["bfSixteen_working"]["reduce"] == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+def test_hybrid_sharding_is_refused_on_cpu(strategy):
+    """FSDP1 would accept it and silently train a different model on each rank (no gradient sync)."""
+    import torch
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from utils.errors import ConfigError
+    from utils.fsdp_setup import check_strategy_for_device
+
+    with pytest.raises(ConfigError, match="silently stops synchronising gradients"):
+        check_strategy_for_device(ShardingStrategy[strategy], torch.device("cpu"))
+    check_strategy_for_device(ShardingStrategy[strategy], torch.device("cuda", 0))  # allowed on GPU
+
+
+def test_bf16_check_on_cpu():
+    import torch
+
+    assert bf16_supported(torch.device("cpu")) is True
+
+
+@pytest.mark.parametrize(
+    "mixed, fp16, policy, bf16_ok, expected",
+    [
+        (False, False, "bfSixteen", True, "fp32_policy"),
+        (True, False, "bfSixteen", True, "bfSixteen"),
+        (True, False, "bfSixteen_working", True, "bfSixteen_working"),
+        (True, False, "bfSixteen", False, "fp32_policy"),
+        (True, True, "bfSixteen", False, "fpSixteen"),
+    ],
+)
+def test_policy_selection(mixed, fp16, policy, bf16_ok, expected):
+    assert select_policy_name(mixed, fp16, policy, bf16_ok) == expected
+
+
+def test_full_state_checkpoint_round_trip(tmp_path):
+    path = str(tmp_path / "model.pt")
+    rank0, rank1 = run_ranks(checkpoint_worker, path)
+    assert rank0["saved"] == path and rank1["saved"] is None
+    assert rank0["missing"] == [] and rank0["unexpected"] == []
+    assert rank0["tied"]
+    assert rank0["max_logit_diff"] <= 1e-5 * max(1.0, rank0["logit_scale"])
+
+
+@pytest.mark.parametrize("n_samples, batch_size", [(5, 2), (7, 3)])
+def test_validation_loss_is_the_unbiased_token_mean(n_samples, batch_size):
+    rank0, rank1 = run_ranks(validation_worker, n_samples, batch_size)
+    assert rank0["reported"] == rank1["reported"]
+    assert len(rank0["indices"]) == len(rank1["indices"])
+    assert sorted(rank0["indices"][: rank0["num_real"]] + rank1["indices"][: rank1["num_real"]]) == list(
+        range(n_samples)
+    )
+    assert relative_diff(rank0["reported"], rank0["hand_token_mean"]) < 1e-6
+    # The alternatives the test must be able to tell apart really differ on this data.
+    assert relative_diff(rank0["with_duplicates"], rank0["hand_token_mean"]) > 1e-4
+    assert relative_diff(rank0["mean_of_sample_means"], rank0["hand_token_mean"]) > 1e-4
+
+
+def test_size_based_policy_never_separates_tied_weights():
+    from policies.wrapping import modules_holding_tied_parameters
+    from tests.dist_workers import tiny_t5
+
+    model = tiny_t5()
+    held = modules_holding_tied_parameters(model)
+    for must_hold in (model, model.shared, model.lm_head, model.encoder, model.decoder):
+        assert id(must_hold) in held
+    assert not any(id(block) in held for block in model.encoder.block)
+    # Untie the head: nothing is tied any more, so nothing is protected.
+    model.lm_head.weight = type(model.lm_head.weight)(model.lm_head.weight.detach().clone())
+    assert modules_holding_tied_parameters(model) == set()
