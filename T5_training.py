@@ -8,6 +8,7 @@ it trains the embedded tiny T5 on the embedded WikiHow sample (offline, CPU or G
 
 import os
 import sys
+import time
 from datetime import datetime
 
 import torch
@@ -19,6 +20,7 @@ from torch.optim.lr_scheduler import StepLR
 from configs.cli import parse_args
 from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
+from summarization_dataset import check_csv_header, require_csv
 from utils.data_loading import PaddedEvalSampler, build_dataset, build_loader, train_sampler_for
 from utils.environment import DistInfo, destroy_distributed, init_distributed, launcher_ranks
 from utils.errors import ConfigError, UserError
@@ -27,6 +29,8 @@ from utils.logging_utils import get_logger, setup_logging
 from utils.metrics import MetricsWriter, run_record, write_json_atomic
 from utils.model_builder import load_model_and_tokenizer
 from utils.trainer import LoopSettings, fit
+
+RANK0_MESSAGE_GRACE_S = 2.0
 
 
 def check_output_dir(output_dir: str, info: DistInfo) -> None:
@@ -52,6 +56,7 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
     torch.manual_seed(train_config.seed)
     check_output_dir(train_config.output_dir, info)
     precision = choose_precision(fsdp_config, info.device)
+    check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
 
     model, tokenizer = load_model_and_tokenizer(train_config.model_name)
     train_set = build_dataset(tokenizer, "train", train_config.num_train_samples, train_config, info.world_size)
@@ -128,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         run(train_config, fsdp_config)
     except UserError as err:
         # The same input error happens on every rank: rank 0 says it once, every rank exits non-zero.
+        # torchrun stops the other ranks as soon as one exits non-zero; the other ranks wait a moment so
+        # rank 0 is not killed before its message is out.
         if rank == 0:
             get_logger().error("%s", err)
+        else:
+            time.sleep(RANK0_MESSAGE_GRACE_S)
         return 2 if isinstance(err, ConfigError) else 1
     finally:
         destroy_distributed()

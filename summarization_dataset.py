@@ -154,6 +154,20 @@ def _split_titles(data_dir: Path, split: str) -> set[str] | None:
     return _read_title_list(paths[split])
 
 
+def require_csv(data_dir: str | os.PathLike) -> Path:
+    """Path of data_dir/wikihowAll.csv, or DataFileNotFoundError with the way to get it.
+
+    Cheap: the training script calls it before loading a (possibly huge) model, so missing data is
+    reported in seconds.
+    """
+    csv_path = Path(data_dir) / CSV_NAME
+    if not csv_path.is_file():
+        raise DataFileNotFoundError(
+            f"WikiHow data file not found: {csv_path.resolve()}. {_how_to_get_data(Path(data_dir))}"
+        )
+    return csv_path
+
+
 def load_wikihow(data_dir: str | os.PathLike, split: str) -> pd.DataFrame:
     """One split of WikiHow 'all' as the original builder makes it: columns title, headline, text.
 
@@ -162,11 +176,7 @@ def load_wikihow(data_dir: str | os.PathLike, split: str) -> pd.DataFrame:
     if split not in SPLIT_FILES:
         raise ConfigError(f"Unknown WikiHow split {split!r}; valid splits: {', '.join(SPLIT_FILES)}.")
     data_dir = Path(data_dir)
-    csv_path = data_dir / CSV_NAME
-    if not csv_path.is_file():
-        raise DataFileNotFoundError(
-            f"WikiHow data file not found: {csv_path.resolve()}. {_how_to_get_data(data_dir)}"
-        )
+    csv_path = require_csv(data_dir)
     titles = _split_titles(data_dir, split)
 
     rows: dict[str, list[str]] = {"title": [], "headline": [], "text": []}

@@ -8,6 +8,7 @@ There is no other config system: the dataclasses are the single source of defaul
 import argparse
 import difflib
 import enum
+import math
 import sys
 import types
 import typing
@@ -104,6 +105,8 @@ def parse_value(spec: FieldSpec, text: str):
             raise ConfigError(
                 f"{flag} takes {'an integer' if type_hint is int else 'a number'}, not {text!r}"
             ) from None
+        if not math.isfinite(value):  # nan compares False with every bound
+            raise ConfigError(f"{flag} takes a finite number, not {text!r}")
         _check_bounds(spec, value)
         return value
     return text
@@ -134,7 +137,7 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def _type_label(spec: FieldSpec) -> str:
+def type_label(spec: FieldSpec) -> str:
     choices = choices_of(spec.type_hint)
     if spec.type_hint is bool:
         return "true|false"
@@ -164,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
             f"--{spec.name}",
             *aliases,
             dest=f"{spec.section}.{spec.name}",
-            metavar=_type_label(spec),
+            metavar=type_label(spec),
             nargs="?" if spec.type_hint is bool else None,
             const="true" if spec.type_hint is bool else None,
             default=argparse.SUPPRESS,

@@ -53,8 +53,14 @@ class TrainConfig:
     epochs: int = option(default=2, help="Number of passes over the training samples.", minimum=1)
     batch_size_training: int = option(default=4, help="Training batch size per rank.", minimum=1)
     val_batch_size: int = option(default=4, help="Validation batch size per rank.", minimum=1)
-    lr: float = option(default=0.002, help="AdamW learning rate.", above=0)
-    weight_decay: float = option(default=0.0, help="AdamW weight decay.", minimum=0)
+    lr: float = option(
+        default=0.002,
+        help="Initial AdamW learning rate (tutorial: 0.002); StepLR multiplies it by gamma after each epoch.",
+        above=0,
+    )
+    weight_decay: float = option(
+        default=0.0, help="AdamW decoupled weight decay (0 = none, as in the tutorial).", minimum=0
+    )
     gamma: float = option(
         default=0.85,
         help="StepLR factor: the learning rate is multiplied by gamma after each epoch.",

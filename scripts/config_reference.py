@@ -1,0 +1,50 @@
+"""Print the README's config reference (a markdown table per dataclass) from configs/.
+
+    python scripts/config_reference.py
+
+tests/test_docs.py checks that README.md contains exactly this output, so the docs cannot drift from the
+code: after changing a field, paste the new output into the README.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configs.cli import ALIASES, field_specs, format_value, type_label  # noqa: E402
+from configs.fsdp import FSDPConfig  # noqa: E402
+from configs.training import REPO_ROOT, TrainConfig  # noqa: E402
+
+TABLE_HEADER = "| flag | values | default | meaning |"
+TITLES = {"train": "Training (`configs/training.py`)", "fsdp": "FSDP (`configs/fsdp.py`)"}
+
+
+def _default_text(value) -> str:
+    text = format_value(value)
+    # Paths into the checkout are shown relative to it, so the table is the same on every machine.
+    return text.replace(str(REPO_ROOT) + "/", "") if isinstance(value, str) else text
+
+
+def reference_markdown() -> str:
+    defaults = {"train": TrainConfig(), "fsdp": FSDPConfig()}
+    lines = []
+    for section in ("train", "fsdp"):
+        lines += [
+            f"#### {TITLES[section]}",
+            "",
+            "| flag | values | default | meaning |",
+            "| --- | --- | --- | --- |",
+        ]
+        for spec in field_specs():
+            if spec.section != section:
+                continue
+            flag = " / ".join(f"`{f}`" for f in [f"--{spec.name}", *ALIASES.get(spec.name, [])])
+            default = _default_text(getattr(defaults[section], spec.name))
+            values = type_label(spec).replace("|", " or ")
+            lines.append(f"| {flag} | {values} | `{default}` | {spec.help} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

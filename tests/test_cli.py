@@ -1,0 +1,615 @@
+"""The command line: every config field is a `--field value` flag, the tutorial's flags are aliases.
+
+In-process and fast: parse_args/build_parser only, no process group. One subprocess checks that
+`python T5_training.py --help` works before any distributed setup.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import typing
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+
+from configs.cli import (
+    ALIASES,
+    NO_CUDA_FLAG,
+    build_parser,
+    choices_of,
+    config_to_dict,
+    field_specs,
+    format_value,
+    parse_args,
+)
+from configs.fsdp import FSDPConfig
+from configs.training import TrainConfig
+from utils.errors import ConfigError, UserError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# The names the issue fixes (the README, the tutorial's flags and the run record use them).
+REQUIRED_FIELDS = [
+    "model_name",
+    "data_dir",
+    "output_dir",
+    "epochs",
+    "batch_size_training",
+    "val_batch_size",
+    "lr",
+    "gamma",
+    "seed",
+    "num_train_samples",
+    "num_val_samples",
+    "max_source_length",
+    "max_target_length",
+    "run_validation",
+    "save_model",
+    "track_memory",
+    "mixed_precision",
+    "use_fp16",
+    "sharding_strategy",
+    "backward_prefetch",
+    "fsdp_activation_checkpointing",
+    "limit_all_gathers",
+]
+
+# The tutorial's flags: (argv, section, field, expected value).
+TUTORIAL_FLAGS = [
+    (["--batch-size", "8"], "train", "batch_size_training", 8),
+    (["--test-batch-size", "16"], "train", "val_batch_size", 16),
+    (["--epochs", "3"], "train", "epochs", 3),
+    (["--lr", "0.01"], "train", "lr", 0.01),
+    (["--gamma", "0.7"], "train", "gamma", 0.7),
+    (["--seed", "42"], "train", "seed", 42),
+    (["--track_memory", "false"], "train", "track_memory", False),
+    (["--run_validation", "false"], "train", "run_validation", False),
+    (["--save-model"], "train", "save_model", True),
+    (["--save-model", "false"], "train", "save_model", False),
+    ([NO_CUDA_FLAG], "train", "device", "cpu"),
+]
+
+
+def all_fields() -> list[tuple[str, str]]:
+    """(section, name) of every field of both config dataclasses."""
+    return [("train", f.name) for f in fields(TrainConfig)] + [("fsdp", f.name) for f in fields(FSDPConfig)]
+
+
+def value_of(configs: tuple[TrainConfig, FSDPConfig], section: str, name: str):
+    return getattr(configs[0] if section == "train" else configs[1], name)
+
+
+def expect_config_error(argv: list[str]) -> str:
+    """parse_args(argv) must raise ConfigError (never SystemExit); returns the message."""
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    assert isinstance(info.value, UserError)
+    return str(info.value)
+
+
+def squash(text: str) -> str:
+    """Text without any whitespace: immune to argparse's line wrapping."""
+    return "".join(text.split())
+
+
+def help_of(parser, flag: str) -> str:
+    """The help string of the action that owns `flag`."""
+    for action in parser._actions:
+        if flag in action.option_strings:
+            return action.help or ""
+    raise AssertionError(f"no action owns {flag}")
+
+
+def non_default_value(spec, default):
+    """A valid value of the field's type that differs from its default."""
+    hint = spec.type_hint
+    if hint is bool:
+        return not default
+    choices = choices_of(hint)
+    if choices is not None:
+        for text in choices:
+            value = parse_args([f"--{spec.name}", text])
+            value = value_of(value, spec.section, spec.name)
+            if value != default:
+                return value
+        raise AssertionError(f"{spec.name}: no choice other than the default")
+    if hint is int:
+        return default + 1
+    if hint is float:
+        return default * 2 + 1
+    if hint is str:
+        return default + "_other"
+    raise AssertionError(f"{spec.name}: unexpected type {hint!r}")
+
+
+# --------------------------------------------------------------------------------------------- defaults
+
+
+def test_no_arguments_give_the_dataclass_defaults():
+    train_config, fsdp_config = parse_args([])
+    assert train_config == TrainConfig()
+    assert fsdp_config == FSDPConfig()
+
+
+def test_the_issue_field_names_exist():
+    names = {name for _, name in all_fields()}
+    missing = [name for name in REQUIRED_FIELDS if name not in names]
+    assert not missing, f"config fields missing: {missing}"
+
+
+def test_field_names_are_unique_across_sections():
+    names = [name for _, name in all_fields()]
+    assert len(names) == len(set(names))
+
+
+def test_field_specs_cover_every_field_with_help():
+    specs = field_specs()
+    assert [(s.section, s.name) for s in specs] == all_fields()
+    for spec in specs:
+        assert spec.help.strip(), f"{spec.name} has no help text"
+
+
+def test_every_field_is_a_flag_in_help():
+    text = build_parser().format_help()
+    for _, name in all_fields():
+        assert f"--{name}" in text, f"--{name} missing from --help"
+
+
+@pytest.mark.parametrize("section,name", all_fields())
+def test_every_field_is_accepted_as_a_flag(section, name):
+    spec = next(s for s in field_specs() if s.name == name)
+    defaults = (TrainConfig(), FSDPConfig())
+    default = value_of(defaults, section, name)
+
+    # Its default, spelled as the CLI spells it, changes nothing.
+    assert parse_args([f"--{name}", format_value(default)]) == defaults
+
+    # Another value changes that field and nothing else.
+    other = non_default_value(spec, default)
+    parsed = parse_args([f"--{name}", format_value(other)])
+    expected_train = replace(defaults[0], **{name: other}) if section == "train" else defaults[0]
+    expected_fsdp = replace(defaults[1], **{name: other}) if section == "fsdp" else defaults[1]
+    assert parsed == (expected_train, expected_fsdp)
+
+
+# ------------------------------------------------------------------------------------------------ types
+
+
+def test_int_and_float_values_are_typed():
+    train_config, fsdp_config = parse_args(
+        ["--epochs", "3", "--lr", "1", "--gamma", "5e-1", "--seed", "-5", "--min_num_params", "2000"]
+    )
+    assert train_config.epochs == 3 and type(train_config.epochs) is int
+    assert train_config.lr == 1.0 and type(train_config.lr) is float
+    assert train_config.gamma == 0.5
+    assert train_config.seed == -5  # a negative number is a value, not a flag
+    assert fsdp_config.min_num_params == 2000 and type(fsdp_config.min_num_params) is int
+
+
+def test_str_values_are_kept_verbatim():
+    train_config, _ = parse_args(["--model_name", "t5-base", "--source_prefix", "summarize: "])
+    assert train_config.model_name == "t5-base"
+    assert train_config.source_prefix == "summarize: "
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("true", True), ("false", False), ("True", True), ("FALSE", False)],
+)
+def test_bool_words(text, expected):
+    train_config, fsdp_config = parse_args(["--save_model", text, "--mixed_precision", text])
+    assert train_config.save_model is expected
+    # use_fp16 stays false, so mixed_precision false is a valid combination.
+    assert fsdp_config.mixed_precision is expected
+
+
+def test_bare_bool_flag_means_true():
+    train_config, fsdp_config = parse_args(["--save_model", "--epochs", "3", "--limit_all_gathers"])
+    assert train_config.save_model is True
+    assert train_config.epochs == 3  # the next flag is not eaten as the bool's value
+    assert fsdp_config.limit_all_gathers is True
+
+    train_config, _ = parse_args(["--track_memory", "false", "--print_text"])
+    assert train_config.track_memory is False
+    assert train_config.print_text is True
+
+
+def test_bool_false_turns_a_true_default_off():
+    train_config, fsdp_config = parse_args(
+        ["--run_validation", "false", "--fsdp_activation_checkpointing", "false"]
+    )
+    assert TrainConfig().run_validation is True and train_config.run_validation is False
+    assert FSDPConfig().fsdp_activation_checkpointing is True
+    assert fsdp_config.fsdp_activation_checkpointing is False
+
+
+def test_flag_equals_value_form():
+    train_config, fsdp_config = parse_args(
+        [
+            "--epochs=4",
+            "--lr=0.5",
+            "--save_model=true",
+            "--run_validation=false",
+            "--backward_prefetch=NONE",
+            "--sharding_strategy=NO_SHARD",
+            "--device=cpu",
+            "--source_prefix=--not-a-flag",
+        ]
+    )
+    assert train_config.epochs == 4
+    assert train_config.lr == 0.5
+    assert train_config.save_model is True
+    assert train_config.run_validation is False
+    assert fsdp_config.backward_prefetch is None
+    assert fsdp_config.sharding_strategy is ShardingStrategy.NO_SHARD
+    assert train_config.device == "cpu"
+    assert train_config.source_prefix == "--not-a-flag"
+
+
+@pytest.mark.parametrize("member", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_sharding_strategy_by_name(member):
+    _, fsdp_config = parse_args(["--sharding_strategy", member])
+    assert fsdp_config.sharding_strategy is ShardingStrategy[member]
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("BACKWARD_PRE", BackwardPrefetch.BACKWARD_PRE),
+        ("BACKWARD_POST", BackwardPrefetch.BACKWARD_POST),
+        ("NONE", None),
+    ],
+)
+def test_optional_enum_backward_prefetch(text, expected):
+    _, fsdp_config = parse_args(["--backward_prefetch", text])
+    assert fsdp_config.backward_prefetch is expected
+
+
+def test_literal_fields():
+    train_config, fsdp_config = parse_args(
+        ["--device", "cuda", "--bf16_policy", "bfSixteen_working", "--wrap_policy", "size_based"]
+    )
+    # Parsing does not check that CUDA exists: that is resolved at run time.
+    assert train_config.device == "cuda"
+    assert fsdp_config.bf16_policy == "bfSixteen_working"
+    assert fsdp_config.wrap_policy == "size_based"
+
+
+def test_last_occurrence_wins():
+    train_config, _ = parse_args(["--epochs", "3", "--epochs", "5"])
+    assert train_config.epochs == 5
+
+
+# ---------------------------------------------------------------------------------------------- aliases
+
+
+@pytest.mark.parametrize("argv,section,name,expected", TUTORIAL_FLAGS, ids=lambda x: str(x))
+def test_tutorial_flags(argv, section, name, expected):
+    configs = parse_args(argv)
+    assert value_of(configs, section, name) == expected
+    # Nothing else changes.
+    defaults = (TrainConfig(), FSDPConfig())
+    for other_section, other_name in all_fields():
+        if (other_section, other_name) != (section, name):
+            assert value_of(configs, other_section, other_name) == value_of(defaults, other_section, other_name)
+
+
+def test_alias_and_field_name_set_the_same_field():
+    assert parse_args(["--batch-size", "8"]) == parse_args(["--batch_size_training", "8"])
+    assert parse_args(["--test-batch-size", "8"]) == parse_args(["--val_batch_size", "8"])
+    assert parse_args(["--save-model", "true"]) == parse_args(["--save_model", "true"])
+    assert parse_args([NO_CUDA_FLAG]) == parse_args(["--device", "cpu"])
+
+
+def test_alias_values_are_checked_like_the_field():
+    message = expect_config_error(["--batch-size", "0"])
+    assert "batch_size_training" in message and ">= 1" in message
+    message = expect_config_error(["--save-model", "maybe"])
+    assert "true or false" in message
+
+
+def test_help_states_the_meaning_of_each_alias():
+    parser = build_parser()
+    help_text = squash(parser.format_help())
+    for name, aliases in ALIASES.items():
+        for alias in aliases:
+            assert alias in help_text
+            owner_help = help_of(parser, alias)
+            assert help_of(parser, f"--{name}") == owner_help, f"{alias} is not an alias of --{name}"
+            assert alias in owner_help and "tutorial" in owner_help
+    # The tutorial's store_false booleans now mean "on" when given alone: --help must say so.
+    for flag in ("--save-model", "--track_memory", "--run_validation"):
+        assert "Given alone: true" in help_of(parser, flag)
+    for flag in ("--epochs", "--lr", "--gamma", "--seed"):
+        assert flag in help_text
+    assert "gamma" in help_of(parser, "--gamma") and "epoch" in help_of(parser, "--gamma")
+    no_cuda_help = help_of(parser, NO_CUDA_FLAG)
+    assert "cpu" in no_cuda_help.lower() and "--device" in no_cuda_help
+
+
+def test_no_cuda_means_device_cpu():
+    train_config, _ = parse_args([NO_CUDA_FLAG])
+    assert train_config.device == "cpu"
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_flag_lists_valid_flags_and_suggests_the_close_one():
+    message = expect_config_error(["--batch_size", "8"])
+    assert "unknown argument" in message
+    assert "--batch_size" in message
+    assert "did you mean" in message and "--batch-size" in message.split("did you mean", 1)[1].splitlines()[0]
+    for _, name in all_fields():
+        assert f"--{name}" in message, f"--{name} not listed as a valid flag"
+    for aliases in ALIASES.values():
+        for alias in aliases:
+            assert alias in message
+
+
+def test_unknown_flag_equals_form_and_no_abbreviations():
+    message = expect_config_error(["--epoch=3"])
+    assert "--epoch=3" in message and "--epochs" in message
+    # Abbreviations are not accepted: --epoch is not --epochs.
+    message = expect_config_error(["--epoch", "3"])
+    assert "unknown argument" in message
+
+
+def test_unknown_field():
+    message = expect_config_error(["--no_such_field", "1"])
+    assert "unknown argument" in message and "--no_such_field" in message
+
+
+def test_positional_junk():
+    message = expect_config_error(["junk"])
+    assert "junk" in message and "unknown argument" in message
+    message = expect_config_error(["--epochs", "3", "4"])
+    assert "4" in message and "unknown argument" in message
+
+
+def test_missing_value():
+    message = expect_config_error(["--epochs"])
+    assert "--epochs" in message
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--epochs", "two"], ["--epochs", "integer", "two"]),
+        (["--epochs", "2.5"], ["--epochs", "integer", "2.5"]),
+        (["--min_num_params", "1e6"], ["--min_num_params", "integer"]),
+        (["--lr", "fast"], ["--lr", "number", "fast"]),
+        (["--gamma", ""], ["--gamma", "number"]),
+    ],
+)
+def test_bad_numbers(argv, words):
+    message = expect_config_error(argv)
+    for word in words:
+        assert word in message
+
+
+@pytest.mark.parametrize("text", ["yes", "1", "on", ""])
+def test_bad_bool(text):
+    message = expect_config_error(["--save_model", text])
+    assert "--save_model" in message and "true or false" in message
+
+
+@pytest.mark.parametrize(
+    "argv,flag,choices",
+    [
+        (["--sharding_strategy", "ZERO3"], "--sharding_strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]),
+        (["--sharding_strategy", "full_shard"], "--sharding_strategy", ["FULL_SHARD"]),
+        (["--backward_prefetch", "none"], "--backward_prefetch", ["BACKWARD_PRE", "BACKWARD_POST", "NONE"]),
+        (["--device", "tpu"], "--device", ["auto", "cuda", "cpu"]),
+        (["--bf16_policy", "fp16"], "--bf16_policy", ["bfSixteen", "bfSixteen_working"]),
+        (["--wrap_policy", "auto"], "--wrap_policy", ["transformer", "size_based"]),
+    ],
+)
+def test_value_not_in_choices_lists_the_choices(argv, flag, choices):
+    message = expect_config_error(argv)
+    assert flag in message and repr(argv[1]) in message
+    for choice in choices:
+        assert choice in message
+
+
+def test_optional_enum_does_not_accept_none_for_a_plain_enum():
+    message = expect_config_error(["--sharding_strategy", "NONE"])
+    assert "FULL_SHARD" in message
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--epochs", "0"], "--epochs"),
+        (["--batch_size_training", "0"], "--batch_size_training"),
+        (["--val_batch_size", "0"], "--val_batch_size"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "-1"], "--lr"),
+        (["--gamma", "0"], "--gamma"),
+        (["--weight_decay", "-0.1"], "--weight_decay"),
+        (["--num_train_samples", "-1"], "--num_train_samples"),
+        (["--max_source_length", "1"], "--max_source_length"),
+        (["--log_every_n_steps", "0"], "--log_every_n_steps"),
+        (["--dist_timeout_s", "0"], "--dist_timeout_s"),
+        (["--min_num_params", "0"], "--min_num_params"),
+    ],
+)
+def test_bounds(argv, flag):
+    message = expect_config_error(argv)
+    assert flag in message and argv[1].lstrip("-") in message
+    assert ">" in message  # states the bound
+
+
+def test_bounds_allow_the_edge_values():
+    train_config, _ = parse_args(["--epochs", "1", "--num_train_samples", "0", "--weight_decay", "0"])
+    assert train_config.epochs == 1 and train_config.num_train_samples == 0 and train_config.weight_decay == 0.0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--lr", "nan"], ["--lr", "inf"], ["--gamma", "inf"], ["--weight_decay", "nan"]],
+)
+def test_non_finite_numbers_are_rejected(argv):
+    # A NaN passes `value > 0` and `value >= 0` checks unnoticed; it would turn every weight into NaN.
+    message = expect_config_error(argv)
+    assert argv[0] in message
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--use_fp16", "true", "--mixed_precision", "false"],
+        ["--mixed_precision", "false", "--use_fp16"],
+    ],
+)
+def test_fp16_needs_mixed_precision(argv):
+    message = expect_config_error(argv)
+    assert "--use_fp16" in message and "--mixed_precision" in message
+
+
+def test_fp16_with_mixed_precision_is_valid():
+    _, fsdp_config = parse_args(["--use_fp16", "true", "--mixed_precision", "true"])
+    assert fsdp_config.use_fp16 is True and fsdp_config.mixed_precision is True
+
+
+# ------------------------------------------------------------------------------- formatting, round trip
+
+
+def test_format_value():
+    assert format_value(True) == "true"
+    assert format_value(False) == "false"
+    assert format_value(None) == "NONE"
+    assert format_value(ShardingStrategy.SHARD_GRAD_OP) == "SHARD_GRAD_OP"
+    assert format_value(BackwardPrefetch.BACKWARD_POST) == "BACKWARD_POST"
+    assert format_value(3) == "3"
+    assert float(format_value(0.002)) == 0.002
+    assert format_value("t5-base") == "t5-base"
+
+
+NON_DEFAULT_ARGV = [
+    "--model_name", "t5-small",
+    "--data_dir", "/somewhere/data",
+    "--output_dir", "runs/one",
+    "--device", "cpu",
+    "--epochs", "7",
+    "--batch-size", "3",
+    "--test-batch-size", "5",
+    "--lr", "1e-05",
+    "--gamma", "0.1",
+    "--seed", "-3",
+    "--num_train_samples", "0",
+    "--source_prefix", "summarize: ",
+    "--pad_to_max_length",
+    "--run_validation", "false",
+    "--save-model",
+    "--track_memory", "false",
+    "--mixed_precision", "true",
+    "--use_fp16", "true",
+    "--bf16_policy", "bfSixteen_working",
+    "--sharding_strategy", "SHARD_GRAD_OP",
+    "--backward_prefetch", "NONE",
+    "--fsdp_activation_checkpointing", "false",
+    "--limit_all_gathers", "false",
+    "--wrap_policy", "size_based",
+    "--min_num_params", "12345",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", [[], NON_DEFAULT_ARGV], ids=["defaults", "non_default"])
+def test_config_to_dict_is_json_and_round_trips(argv):
+    train_config, fsdp_config = parse_args(argv)
+    dicts = []
+    for config in (train_config, fsdp_config):
+        as_dict = config_to_dict(config)
+        assert list(as_dict) == [f.name for f in fields(config)]
+        for name, value in as_dict.items():
+            assert not isinstance(value, enum.Enum), f"{name} is not JSON-ready: {value!r}"
+        dicts.append(json.loads(json.dumps(as_dict)))  # raises if not serialisable
+
+    # Every value back to CLI text, parsed again: the same configs.
+    for form in ("space", "equals"):
+        rebuilt = []
+        for as_dict in dicts:
+            for name, value in as_dict.items():
+                text = format_value(value)
+                rebuilt += [f"--{name}={text}"] if form == "equals" else [f"--{name}", text]
+        assert parse_args(rebuilt) == (train_config, fsdp_config), form
+
+
+def test_config_to_dict_spells_enums_as_the_cli_does():
+    _, fsdp_config = parse_args(["--backward_prefetch", "NONE", "--sharding_strategy", "NO_SHARD"])
+    as_dict = config_to_dict(fsdp_config)
+    assert as_dict["backward_prefetch"] == "NONE"
+    assert as_dict["sharding_strategy"] == "NO_SHARD"
+    assert as_dict["mixed_precision"] is True
+
+
+def test_format_value_round_trips_every_field():
+    for configs in ((TrainConfig(), FSDPConfig()), parse_args(NON_DEFAULT_ARGV)):
+        for spec in field_specs():
+            value = value_of(configs, spec.section, spec.name)
+            parsed = value_of(parse_args([f"--{spec.name}", format_value(value)]), spec.section, spec.name)
+            if isinstance(value, float):
+                assert parsed == value and not math.isnan(parsed)
+            else:
+                assert parsed == value and type(parsed) is type(value)
+
+
+def test_type_hints_are_all_supported():
+    # parse_value knows bool, int, float, str, enums, Literals and optional enums: nothing else may appear.
+    for spec in field_specs():
+        hint = spec.type_hint
+        assert hint in (bool, int, float, str) or choices_of(hint) is not None, (spec.name, hint)
+        if typing.get_origin(hint) is typing.Literal:
+            assert all(isinstance(a, str) for a in typing.get_args(hint))
+
+
+# ------------------------------------------------------------------------------------------------- help
+
+
+def test_help_exits_zero_and_prints_every_field(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--help"])
+    assert info.value.code in (0, None)
+    out = capsys.readouterr().out
+    for spec in field_specs():
+        assert f"--{spec.name}" in out
+        # The first words of each field's documentation are shown.
+        first_words = squash(" ".join(spec.help.split()[:3]))
+        assert first_words in squash(out), f"help of --{spec.name} not shown"
+    assert "Default:" in out
+
+
+def test_help_shows_defaults_in_cli_spelling():
+    text = squash(build_parser().format_help())
+    assert "Default:FULL_SHARD." in text
+    assert "Default:BACKWARD_PRE." in text
+    assert "Default:true." in text and "Default:false." in text
+
+
+def test_script_help_in_subprocess():
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "T5_training.py", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert elapsed < 60, f"--help took {elapsed:.1f} s"
+    for spec in field_specs():
+        assert f"--{spec.name}" in result.stdout
+    assert "Traceback" not in result.stderr
+    # --help must not start a process group or load a model.
+    assert "process group" not in result.stdout

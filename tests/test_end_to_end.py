@@ -1,0 +1,360 @@
+"""The whole program through torchrun: 2 processes, gloo on CPU, the embedded tiny T5 and sample data.
+
+One shared training run (module scope) feeds the tests of the run record, the checkpoint and the log;
+each bad input is its own short torchrun run that must fail fast, once, with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import T5Config, T5ForConditionalGeneration
+
+from configs.cli import format_value, parse_args
+from configs.fsdp import FSDPConfig
+from configs.training import TrainConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_MODEL = REPO_ROOT / "data" / "tiny-t5"
+
+NPROC = 2
+EPOCHS = 2
+NUM_TRAIN = 96
+NUM_VAL = 24
+# Steps per epoch: each rank gets ceil(96 / 2) samples, in batches of the default batch_size_training.
+STEPS_PER_EPOCH = math.ceil(math.ceil(NUM_TRAIN / NPROC) / TrainConfig().batch_size_training)
+TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 24
+
+STEP_KEYS = {"type", "epoch", "step", "loss", "lr", "seconds"}
+EPOCH_KEYS = {
+    "type",
+    "epoch",
+    "train_loss",
+    "val_loss",
+    "epoch_seconds",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_memory_bytes",
+}
+CUDA_ONLY_EPOCH_KEYS = {"peak_memory_reserved_bytes"}
+
+FAIL_FAST_S = 60  # a user error must end every rank within this
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def describe(self) -> str:
+        return (
+            f"exit {self.returncode} after {self.seconds:.1f} s\n"
+            f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(*args: str, timeout: float = 300) -> Run:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(NPROC),
+        "--master_port",
+        str(free_port()),
+        "T5_training.py",
+        *args,
+    ]
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=REPO_ROOT, timeout=timeout, capture_output=True, text=True, env=env)
+    return Run(result.returncode, result.stdout, result.stderr, time.monotonic() - start)
+
+
+# ----------------------------------------------------------------------------------------- training run
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory) -> tuple[Run, Path]:
+    output_dir = tmp_path_factory.mktemp("e2e_run") / "out"  # does not exist yet: rank 0 creates it
+    run = torchrun(
+        "--epochs",
+        str(EPOCHS),
+        "--num_train_samples",
+        str(NUM_TRAIN),
+        "--num_val_samples",
+        str(NUM_VAL),
+        "--save_model",
+        "true",
+        "--log_every_n_steps",
+        "5",
+        "--output_dir",
+        str(output_dir),
+        timeout=300,
+    )
+    return run, output_dir
+
+
+@pytest.fixture(scope="module")
+def finished(training) -> tuple[Run, Path]:
+    """The training run, which must have succeeded for its outputs to be checked."""
+    run, output_dir = training
+    assert run.returncode == 0, run.describe()
+    return run, output_dir
+
+
+@pytest.fixture(scope="module")
+def records(finished) -> list[dict]:
+    _, output_dir = finished
+    lines = (output_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    assert lines, "metrics.jsonl is empty"
+    parsed = []
+    for number, line in enumerate(lines, 1):
+        try:
+            parsed.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            pytest.fail(f"metrics.jsonl line {number} is not JSON ({err}): {line!r}")
+    return parsed
+
+
+@pytest.fixture(scope="module")
+def run_config(finished) -> dict:
+    _, output_dir = finished
+    return json.loads((output_dir / "config.json").read_text(encoding="utf-8"))
+
+
+def steps_of(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["type"] == "step"]
+
+
+def epochs_of(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["type"] == "epoch"]
+
+
+def is_finite_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def test_training_exits_zero(training):
+    run, output_dir = training
+    assert run.returncode == 0, run.describe()
+    assert (output_dir / "metrics.jsonl").is_file()
+    assert (output_dir / "config.json").is_file()
+
+
+def test_metrics_records_have_exactly_the_documented_keys(records, run_config):
+    on_cuda = str(run_config.get("device", "")).startswith("cuda")
+    for record in records:
+        assert record.get("type") in ("step", "epoch"), record
+        if record["type"] == "step":
+            assert set(record) == STEP_KEYS, record
+        else:
+            extra = set(record) - EPOCH_KEYS
+            assert EPOCH_KEYS <= set(record), record
+            assert extra <= (CUDA_ONLY_EPOCH_KEYS if on_cuda else set()), record
+
+
+def test_step_numbers_are_global_and_consecutive(records):
+    steps = steps_of(records)
+    assert [r["step"] for r in steps] == list(range(1, TOTAL_STEPS + 1))
+    assert [r["epoch"] for r in steps] == [1] * STEPS_PER_EPOCH + [2] * STEPS_PER_EPOCH
+
+
+def test_records_are_in_order(records):
+    # Each epoch's steps come before its epoch record, which comes before the next epoch's steps.
+    order = [(r["epoch"], 0 if r["type"] == "step" else 1) for r in records]
+    assert order == sorted(order)
+    assert [r["epoch"] for r in epochs_of(records)] == list(range(1, EPOCHS + 1))
+
+
+def test_lr_steps_once_per_epoch(records):
+    lr, gamma = TrainConfig().lr, TrainConfig().gamma
+    for record in steps_of(records):
+        expected = lr * gamma ** (record["epoch"] - 1)
+        assert record["lr"] == pytest.approx(expected, rel=1e-9), record
+
+
+def test_step_losses_and_times_are_finite(records):
+    for record in steps_of(records):
+        assert is_finite_number(record["loss"]) and record["loss"] > 0, record
+        assert is_finite_number(record["seconds"]) and record["seconds"] > 0, record
+
+
+def test_epoch_records(records):
+    epochs = epochs_of(records)
+    assert len(epochs) == EPOCHS
+    for record in epochs:
+        for key in ("train_loss", "val_loss", "epoch_seconds", "samples_per_s", "tokens_per_s"):
+            assert is_finite_number(record[key]) and record[key] > 0, (key, record)
+        peaks = record["peak_memory_bytes"]
+        assert isinstance(peaks, list) and len(peaks) == NPROC, record
+        assert all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in peaks), record
+    # The tiny model learns on the sample: a second epoch of training lowers the validation loss.
+    assert epochs[1]["val_loss"] < epochs[0]["val_loss"], epochs
+
+
+def test_config_json(run_config, finished):
+    _, output_dir = finished
+    assert set(run_config["train_config"]) == {f.name for f in fields(TrainConfig)}
+    assert set(run_config["fsdp_config"]) == {f.name for f in fields(FSDPConfig)}
+    assert run_config["world_size"] == NPROC
+    assert run_config["backend"] == "gloo"
+    versions = run_config["versions"]
+    assert versions["python"] == platform.python_version()
+    assert versions["torch"] == torch.__version__
+    assert versions["transformers"] == transformers.__version__
+
+    train = run_config["train_config"]
+    assert train["epochs"] == EPOCHS
+    assert train["num_train_samples"] == NUM_TRAIN
+    assert train["num_val_samples"] == NUM_VAL
+    assert train["save_model"] is True
+    assert train["log_every_n_steps"] == 5
+    assert Path(train["output_dir"]) == output_dir
+
+
+def test_config_json_parses_back_to_the_run_configs(run_config):
+    # The record uses the CLI's spelling: feeding it back as flags reproduces the run's configs.
+    argv = []
+    for section in ("train_config", "fsdp_config"):
+        for name, value in run_config[section].items():
+            argv += [f"--{name}", format_value(value)]
+    train_config, fsdp_config = parse_args(argv)
+    assert train_config.epochs == EPOCHS and train_config.save_model is True
+    assert fsdp_config == FSDPConfig()
+
+
+def test_checkpoint_loads_into_a_fresh_unwrapped_model(finished):
+    _, output_dir = finished
+    checkpoints = sorted(output_dir.glob("*.pt"), key=lambda p: p.stat().st_mtime)
+    assert checkpoints, f"no .pt in {output_dir}: {sorted(p.name for p in output_dir.iterdir())}"
+    for path in checkpoints:
+        assert "epoch" in path.name, path.name
+    assert not list(output_dir.glob("*.tmp")), "a temporary file of an atomic save was left behind"
+    newest = checkpoints[-1]
+    # Validation improved in epoch 2 (test_epoch_records), so the newest best model is epoch 2's.
+    assert re.search(r"epoch[_-]?0*2(?!\d)", newest.name), newest.name
+
+    state = torch.load(newest, map_location="cpu", weights_only=True)
+    assert isinstance(state, dict)
+    model = T5ForConditionalGeneration(T5Config.from_pretrained(EMBEDDED_MODEL))
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state, strict=True)
+    for key, value in model.state_dict().items():
+        assert value.dtype == fresh[key].dtype, key
+        assert torch.equal(value, state[key]), key
+        assert torch.isfinite(value).all(), key
+
+    # The tied embedding stays tied: one tensor for the input embeddings and the LM head.
+    assert model.config.tie_word_embeddings
+    shared = model.shared.weight
+    assert model.lm_head.weight.data_ptr() == shared.data_ptr()
+    assert model.encoder.embed_tokens.weight.data_ptr() == shared.data_ptr()
+    assert model.decoder.embed_tokens.weight.data_ptr() == shared.data_ptr()
+    if "lm_head.weight" in state:
+        assert torch.equal(state["lm_head.weight"], state["shared.weight"])
+
+    # Trained weights, not the initial ones.
+    pretrained = T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL).state_dict()
+    assert not torch.equal(state["shared.weight"], pretrained["shared.weight"])
+
+
+def test_progress_is_logged_by_rank_zero_only_once(finished):
+    run, _ = finished
+    for epoch in range(1, EPOCHS + 1):
+        assert run.stdout.count(f"epoch {epoch}:") == 1, run.describe()
+    assert "[rank 1] INFO" not in run.output
+    assert "Traceback" not in run.output, run.describe()
+
+
+# ------------------------------------------------------------------------------------------ bad inputs
+
+
+def program_tracebacks(output: str) -> list[str]:
+    """Python tracebacks in the output, except torchrun's own report that a child exited non-zero.
+
+    torchrun (the launcher, not this program) always ends with a ChildFailedError traceback when a rank
+    exits non-zero; the program's ranks must print none for a user error.
+    """
+    found = []
+    for block in output.split("Traceback (most recent call last):")[1:]:
+        exception_line = next((line for line in block.splitlines() if line and not line[0].isspace()), "")
+        if not exception_line.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError"):
+            found.append("Traceback (most recent call last):" + block[:2000])
+    return found
+
+
+def check_user_error(run: Run, phrase: str) -> str:
+    """A fast non-zero exit, the message once (the line containing `phrase`), no program traceback."""
+    assert run.returncode != 0, run.describe()
+    assert run.seconds < FAIL_FAST_S, run.describe()
+    lines = [line for line in run.output.splitlines() if phrase in line]
+    assert len(lines) == 1, f"{phrase!r} printed {len(lines)} times, expected once\n{run.describe()}"
+    tracebacks = program_tracebacks(run.output)
+    assert not tracebacks, f"traceback for a user error:\n{tracebacks[0]}\n{run.describe()}"
+    # Nothing that looks like training ran.
+    assert "epoch 1:" not in run.output
+    return lines[0]
+
+
+def test_missing_data(tmp_path):
+    empty = tmp_path / "empty_data"
+    empty.mkdir()
+    run = torchrun("--data_dir", str(empty), "--output_dir", str(tmp_path / "out"), timeout=90)
+    line = check_user_error(run, "download_wikihow")
+    assert "wikihowAll.csv" in line, run.describe()
+
+
+def test_model_path_that_does_not_exist(tmp_path):
+    missing = tmp_path / "does-not-exist"
+    run = torchrun("--model_name", str(missing), "--output_dir", str(tmp_path / "out"), timeout=90)
+    line = check_user_error(run, "does not exist")
+    assert str(missing) in line, run.describe()
+
+
+def test_unknown_config_field(tmp_path):
+    run = torchrun("--no_such_field", "1", "--output_dir", str(tmp_path / "out"), timeout=90)
+    line = check_user_error(run, "unknown argument")
+    assert "--no_such_field" in line, run.describe()
+    # A config error is found before anything is written.
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_enum_value(tmp_path):
+    run = torchrun("--sharding_strategy", "ZERO3", "--output_dir", str(tmp_path / "out"), timeout=90)
+    line = check_user_error(run, "ZERO3")
+    assert "FULL_SHARD" in line and "--sharding_strategy" in line, run.describe()
+
+
+def test_output_dir_not_writable(tmp_path):
+    regular_file = tmp_path / "a_file"
+    regular_file.write_text("not a folder")
+    run = torchrun("--output_dir", str(regular_file / "out"), timeout=90)
+    line = check_user_error(run, "not writable")
+    assert "output_dir" in line, run.describe()
+    assert regular_file.read_text() == "not a folder"
