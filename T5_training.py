@@ -6,9 +6,11 @@ Every field of configs/training.py and configs/fsdp.py is a flag; `--help` lists
 it trains the embedded tiny T5 on the embedded WikiHow sample (offline, CPU or GPU).
 """
 
+import functools
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 import torch
@@ -22,43 +24,86 @@ from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
 from summarization_dataset import check_csv_header, require_csv
 from utils.data_loading import PaddedEvalSampler, build_dataset, build_loader, train_sampler_for
-from utils.environment import DistInfo, destroy_distributed, init_distributed, launcher_ranks
+from utils.environment import destroy_distributed, init_distributed, launcher_ranks
 from utils.errors import ConfigError, UserError
 from utils.fsdp_setup import choose_precision, log_fsdp_layout, wrap_model
+from utils.hf_export import export_hf_model
 from utils.logging_utils import get_logger, setup_logging
-from utils.metrics import MetricsWriter, run_record, write_json_atomic
+from utils.metrics import MetricsWriter, run_record, truncate_metrics_for_resume, write_json_atomic
 from utils.model_builder import load_model_and_tokenizer
+from utils.preemption import StopRequest
+from utils.train_checkpoint import (
+    TrainProgress,
+    complete_checkpoints,
+    load_full_model_weights,
+    load_training_state,
+    read_train_state,
+    resolve_resume_path,
+    save_training_checkpoint,
+)
 from utils.trainer import LoopSettings, fit
 
 RANK0_MESSAGE_GRACE_S = 2.0
 
 
-def check_output_dir(output_dir: str, info: DistInfo) -> None:
-    """Rank 0 creates output_dir and checks it is writable; every rank learns the outcome (collective)."""
-    problem = None
-    if info.is_main:
+def rank0_decides(decide: Callable[[], object]) -> object:
+    """Run `decide` on rank 0 only and give every rank its result, or its UserError. Collective.
+
+    For checks of the shared file system: one rank looks, and all ranks fail together with its message.
+    """
+    outcome: list = [None, None]
+    if dist.get_rank() == 0:
         try:
-            os.makedirs(output_dir, exist_ok=True)
-            probe = os.path.join(output_dir, f".write_test_{os.getpid()}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
-        except OSError as err:
-            problem = f"output_dir {output_dir!r} is not writable ({err.strerror}); choose another --output_dir"
-    shared = [problem]
-    dist.broadcast_object_list(shared, src=0)
-    if shared[0] is not None:
-        raise ConfigError(shared[0])
+            outcome = [decide(), None]
+        except UserError as err:
+            outcome = [None, err]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
+
+
+def prepare_output_dir(output_dir: str) -> None:
+    """Create output_dir and check it is writable."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, f".write_test_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise ConfigError(
+            f"output_dir {output_dir!r} is not writable ({err.strerror}); choose another --output_dir"
+        ) from None
+
+
+def choose_start(resume: str, output_dir: str) -> str | None:
+    """The checkpoint to resume from (None: a new run); refuses to start a new run over an old one."""
+    path = resolve_resume_path(resume, output_dir)
+    old_run = os.path.isfile(os.path.join(output_dir, "metrics.jsonl")) or complete_checkpoints(output_dir)
+    if resume.lower() == "false" and old_run:
+        raise ConfigError(
+            f"output_dir {output_dir!r} already holds a run (metrics.jsonl, checkpoints/): continue it with "
+            "--resume true, or choose a new --output_dir. Nothing was changed."
+        )
+    return path
 
 
 def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
     info = init_distributed(train_config.device, train_config.dist_timeout_s)
     torch.manual_seed(train_config.seed)
-    check_output_dir(train_config.output_dir, info)
+    output_dir = train_config.output_dir
+    rank0_decides(lambda: prepare_output_dir(output_dir))
+    resume_from = rank0_decides(lambda: choose_start(train_config.resume, output_dir))
     precision = choose_precision(fsdp_config, info.device)
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
 
     model, tokenizer = load_model_and_tokenizer(train_config.model_name)
+    model_config = model.config
+    resume_state = read_train_state(resume_from) if resume_from and os.path.isdir(resume_from) else None
+    if resume_from and (resume_state is None or resume_state["checkpoint_type"] == "FULL_STATE_DICT"):
+        # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
+        load_full_model_weights(model, resume_from)
     train_set = build_dataset(tokenizer, "train", train_config.num_train_samples, train_config, info.world_size)
     train_sampler = train_sampler_for(train_set, info.rank, info.world_size, train_config.seed)
     loader_args = dict(
@@ -83,43 +128,76 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
     scheduler = StepLR(optimizer, step_size=1, gamma=train_config.gamma)
     # fp16 gradients underflow without loss scaling; the sharded scaler agrees on inf/NaN across ranks.
     scaler = ShardedGradScaler(device=info.device.type) if precision == "fpSixteen" else None
+    progress = TrainProgress()
+    if resume_state is not None:
+        progress = load_training_state(
+            resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, info=info
+        )
+        get_logger().info("resumed from %s: epoch %d, step %d", resume_from, progress.epoch, progress.global_step)
+    elif resume_from:
+        get_logger().info("started from the weights of %s (new optimizer, epoch 1)", resume_from)
 
-    run_id = datetime.now().strftime("%Y%m%d-%H%M%S")
-    metrics = MetricsWriter(os.path.join(train_config.output_dir, "metrics.jsonl"), enabled=info.is_main)
+    metrics_path = os.path.join(output_dir, "metrics.jsonl")
+    if info.is_main and resume_state is not None:
+        truncate_metrics_for_resume(metrics_path, progress.global_step, progress.epoch)
+    metrics = MetricsWriter(metrics_path, enabled=info.is_main, append=resume_state is not None)
     try:
         if info.is_main:
-            write_json_atomic(
-                os.path.join(train_config.output_dir, "config.json"),
-                run_record(
-                    train_config,
-                    fsdp_config,
-                    world_size=info.world_size,
-                    backend=info.backend,
-                    device=str(info.device),
-                    precision=precision,
-                ),
+            record = run_record(
+                train_config,
+                fsdp_config,
+                world_size=info.world_size,
+                backend=info.backend,
+                device=str(info.device),
+                precision=precision,
             )
+            record["resumed_from"] = resume_from
+            write_json_atomic(os.path.join(output_dir, "config.json"), record)
         settings = LoopSettings(
             epochs=train_config.epochs,
+            batch_size=train_config.batch_size_training,
             log_every_n_steps=train_config.log_every_n_steps,
+            save_every_n_steps=train_config.save_every_n_steps,
             track_memory=train_config.track_memory,
             save_model=train_config.save_model,
-            output_dir=train_config.output_dir,
-            run_id=run_id,
+            output_dir=output_dir,
+            run_id=datetime.now().strftime("%Y%m%d-%H%M%S"),
         )
-        fit(
-            model,
-            optimizer,
-            scheduler,
-            scaler,
-            train_loader=train_loader,
-            train_sampler=train_sampler,
-            val_loader=val_loader,
-            val_num_real_samples=val_num_real,
-            info=info,
-            settings=settings,
-            metrics=metrics,
-        )
+        save_checkpoint = None
+        if train_config.keep_last_n > 0:
+            save_checkpoint = functools.partial(
+                save_training_checkpoint,
+                output_dir=output_dir,
+                checkpoint_type=fsdp_config.checkpoint_type,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                scaler=scaler,
+                model_config=model_config,
+                tokenizer=tokenizer,
+                save_optimizer=fsdp_config.save_optimizer,
+                keep_last_n=train_config.keep_last_n,
+                info=info,
+            )
+        with StopRequest() as stop:
+            finished = fit(
+                model,
+                optimizer,
+                scheduler,
+                scaler,
+                train_loader=train_loader,
+                train_sampler=train_sampler,
+                val_loader=val_loader,
+                val_num_real_samples=val_num_real,
+                info=info,
+                settings=settings,
+                metrics=metrics,
+                progress=progress,
+                save_checkpoint=save_checkpoint,
+                stop=stop,
+            )
+        if finished:
+            export_hf_model(model, model_config, tokenizer, output_dir, info)
     finally:
         metrics.close()
 

@@ -117,6 +117,30 @@ class TrainConfig:
             "or every epoch when run_validation is false."
         ),
     )
+    save_every_n_steps: int = option(
+        default=0,
+        help=(
+            "Also write a resumable checkpoint every N optimizer steps (0: only at the end of each epoch). "
+            "Format: --checkpoint_type."
+        ),
+        minimum=0,
+    )
+    keep_last_n: int = option(
+        default=2,
+        help=(
+            "Resumable checkpoints kept in output_dir/checkpoints; older ones are deleted once a newer one "
+            "is complete. 0 writes none."
+        ),
+        minimum=0,
+    )
+    resume: str = option(
+        default="false",
+        help=(
+            "true: continue from the newest complete checkpoint in output_dir (start afresh if there is "
+            "none); a checkpoint folder: continue from it; a full-model .pt: start from its weights; "
+            "false: a new run (refused if output_dir already holds one)."
+        ),
+    )
     track_memory: bool = option(
         default=True,
         help=("Record each rank's peak memory per epoch: CUDA allocated/reserved on GPU, peak RSS on CPU."),

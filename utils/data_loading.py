@@ -2,6 +2,7 @@
 
 import functools
 import math
+import signal
 from collections.abc import Iterator
 
 import torch
@@ -57,6 +58,45 @@ def build_dataset(tokenizer, split: str, num_samples: int, train_config, world_s
     return dataset
 
 
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way, after the samples a checkpoint already trained on.
+
+    The epoch's order is the padded, shuffled list DistributedSampler builds from (seed, epoch); ranks take
+    every world_size-th entry. After k full batches of b samples on W ranks, the first k*b*W entries of that
+    list were consumed, whatever W was, so `set_epoch(epoch, samples_consumed)` deals out the rest. With
+    the same world size the resumed order is exactly the uninterrupted one.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.samples_consumed = 0
+
+    def set_epoch(self, epoch: int, samples_consumed: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.samples_consumed = samples_consumed
+
+    def _remaining(self) -> list[int]:
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = order.tolist()
+        padding = self.total_size - len(order)
+        order += (order * math.ceil(padding / len(order)))[:padding]
+        remaining = order[self.samples_consumed :]
+        short = -len(remaining) % self.num_replicas  # pad again if the consumed count broke the alignment
+        return remaining + remaining[:short]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._remaining()[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return math.ceil(max(self.total_size - self.samples_consumed, 0) / self.num_replicas)
+
+
+def _ignore_sigterm_in_worker(_worker_id: int) -> None:
+    # SIGTERM (preemption) is for the training process, which saves a checkpoint before it exits; a
+    # DataLoader worker dying on it would crash the training process first.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def build_loader(
     dataset: Dataset, sampler: Sampler, batch_size: int, pad_token_id: int, num_workers: int, device: torch.device
 ) -> DataLoader:
@@ -69,9 +109,13 @@ def build_loader(
         # Pinned host memory makes the copy to the GPU asynchronous; pointless on CPU.
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
+        worker_init_fn=_ignore_sigterm_in_worker if num_workers > 0 else None,
+        # Its own generator: starting an iterator would otherwise draw from the global RNG, and a resumed
+        # run (which starts one iterator more or fewer) would see different dropout masks.
+        generator=torch.Generator().manual_seed(0),
     )
 
 
-def train_sampler_for(dataset: Dataset, rank: int, world_size: int, seed: int) -> DistributedSampler:
+def train_sampler_for(dataset: Dataset, rank: int, world_size: int, seed: int) -> ResumableDistributedSampler:
     """Shuffled, reshuffled each epoch by set_epoch; pads with repeats so every rank has the same steps."""
-    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)

@@ -18,9 +18,10 @@ class MetricsWriter:
     A disabled writer (every rank but 0) ignores records, so callers need no rank checks.
     """
 
-    def __init__(self, path: str, enabled: bool):
+    def __init__(self, path: str, enabled: bool, append: bool = False):
         self.path = path
-        self.file = open(path, "w", encoding="utf-8") if enabled else None  # noqa: SIM115 - closed in close()
+        mode = "a" if append else "w"
+        self.file = open(path, mode, encoding="utf-8") if enabled else None  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict) -> None:
         if self.file is None:
@@ -57,4 +58,29 @@ def write_json_atomic(path: str, obj: dict) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
+    os.replace(tmp, path)
+
+
+def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> None:
+    """Keep the records a checkpoint covers (steps <= last_step, epochs < next_epoch) and drop the rest.
+
+    The resumed run writes the later steps again, so the file ends as an uninterrupted run's would.
+    """
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the crash
+                continue
+            if record.get("type") == "step" and record["step"] > last_step:
+                continue
+            if record.get("type") == "epoch" and record["epoch"] >= next_epoch:
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
     os.replace(tmp, path)

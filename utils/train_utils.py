@@ -31,6 +31,7 @@ class TrainEpochResult:
     tokens: int  # non-padding source + target tokens, all ranks
     seconds: float
     last_step: int
+    stopped: bool = False  # ended early to checkpoint and stop
 
 
 def move_batch(batch: dict, device: torch.device) -> dict:
@@ -91,14 +92,24 @@ class StepLog:
     Reading a loss with .item() each step would stall the GPU pipeline once per step; here one
     all-reduce and one device-to-host copy serve `every` steps. Step seconds are the window's wall time
     divided by its steps: on a GPU the host runs ahead of the device, so a single step's host time would
-    not be its real time.
+    not be its real time. The same all-reduce carries each rank's stop flag (SIGTERM), so all ranks learn
+    together that one of them must stop.
     """
 
-    def __init__(self, every: int, on_flush: Callable[[list[dict]], None]):
+    def __init__(
+        self,
+        every: int,
+        on_flush: Callable[[list[dict]], None],
+        local_stop: Callable[[], bool] = lambda: False,
+        totals: list[float] | None = None,
+    ):
         self.every = every
         self.on_flush = on_flush
+        self.local_stop = local_stop
         self.pending: list[tuple[int, float, torch.Tensor]] = []
-        self.totals = torch.zeros(STAT_COLUMNS, dtype=STAT_DTYPE)  # all flushed steps, all ranks
+        # Sums over all flushed steps and all ranks (carried over from a checkpoint when resuming mid-epoch).
+        self.totals = torch.tensor(totals or [0.0] * STAT_COLUMNS, dtype=STAT_DTYPE)
+        self.stop_requested = False
         self.window_start = time.perf_counter()
 
     def add(self, step: int, lr: float, stats: torch.Tensor) -> None:
@@ -110,10 +121,14 @@ class StepLog:
         """Reduce the pending steps over ranks and hand their records to on_flush. Collective."""
         if not self.pending:
             return
-        reduced = torch.stack([stats for _, _, stats in self.pending])
+        stacked = torch.stack([stats for _, _, stats in self.pending])
+        stop = torch.zeros(len(self.pending), 1, dtype=STAT_DTYPE, device=stacked.device)
+        stop[-1] = float(self.local_stop())
+        reduced = torch.cat([stacked, stop], dim=1)
         dist.all_reduce(reduced)
         rows = reduced.tolist()  # host sync
-        self.totals += torch.tensor(rows, dtype=STAT_DTYPE).sum(dim=0)
+        self.stop_requested = self.stop_requested or any(row[STAT_COLUMNS] > 0 for row in rows)
+        self.totals += torch.tensor([row[:STAT_COLUMNS] for row in rows], dtype=STAT_DTYPE).sum(dim=0)
         now = time.perf_counter()
         seconds = (now - self.window_start) / len(rows)
         records = [
@@ -134,25 +149,27 @@ def train_epoch(
     device: torch.device,
     world_size: int,
     first_step: int,
-    log_every: int,
-    on_step_records: Callable[[list[dict]], None],
+    step_log: StepLog,
     progress: tqdm,
+    on_step_end: Callable[[int, int], bool] = lambda step, batches: False,
 ) -> TrainEpochResult:
-    """One pass over `loader`. Steps are numbered globally from first_step + 1."""
+    """One pass over `loader`. Steps are numbered globally from first_step + 1.
+
+    on_step_end(global step, batches done in this pass) runs after each step; returning True ends the
+    pass early (a checkpoint-and-stop). The epoch's loss, samples and tokens come from step_log.totals.
+    """
     model.train()
-
-    def record(records: list[dict]) -> None:
-        on_step_records(records)
-        progress.set_postfix(loss=f"{records[-1]['loss']:.4f}", refresh=False)
-
-    step_log = StepLog(log_every, record)
     start = time.perf_counter()
     step = first_step
-    for batch in loader:
+    stopped = False
+    for batches_done, batch in enumerate(loader, start=1):
         step += 1
         stats = train_step(model, move_batch(batch, device), optimizer, scaler, world_size)
         step_log.add(step, optimizer.param_groups[0]["lr"], stats)
         progress.update(1)
+        if on_step_end(step, batches_done):
+            stopped = True
+            break
     step_log.flush()
     seconds = time.perf_counter() - start
     totals = step_log.totals
@@ -162,6 +179,7 @@ def train_epoch(
         tokens=int(totals[INPUT_TOKENS]),
         seconds=seconds,
         last_step=step,
+        stopped=stopped,
     )
 
 
