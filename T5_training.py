@@ -202,6 +202,14 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
         metrics.close()
 
 
+# Phrases of the errors a rank gets when a peer died mid-collective: a consequence, not the cause.
+PEER_FAILURE_PHRASES = ("Connection closed by peer", "Connection reset by peer", "remote worker crash")
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    return isinstance(err, dist.DistError) or any(phrase in str(err) for phrase in PEER_FAILURE_PHRASES)
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     rank, _, _ = launcher_ranks()
@@ -218,6 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(RANK0_MESSAGE_GRACE_S)
         return 2 if isinstance(err, ConfigError) else 1
+    except Exception as err:
+        if is_peer_failure(err):
+            # Another rank failed first and printed why; N copies of "connection closed" would bury it.
+            get_logger().error("stopped: another rank failed (its error is above)")
+        else:
+            # Logged here once; re-raising would print it again, and again in torchrun's summary.
+            get_logger().exception("failed: %s", err)
+        return 1
     finally:
         destroy_distributed()
     return 0

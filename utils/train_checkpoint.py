@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -152,6 +153,7 @@ def save_training_checkpoint(
     info: DistInfo,
 ) -> str:
     """Write a checkpoint of the current state. Collective: every rank must call it."""
+    started = time.perf_counter()
     root = checkpoint_root(output_dir)
     name = f"step_{progress.global_step:08d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp_{name}")
@@ -198,9 +200,20 @@ def save_training_checkpoint(
         if os.path.exists(final):  # the same step saved again (e.g. SIGTERM right after a periodic save)
             shutil.rmtree(final)
         os.replace(tmp, final)
+        get_logger().info(
+            "checkpoint %s (%s): %.1f MB in %.2f s",
+            final,
+            checkpoint_type,
+            _folder_bytes(final) / 1e6,
+            time.perf_counter() - started,
+        )
         _prune(root, keep_last_n, output_dir)
     dist.barrier()
     return final
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def _prune(root: str, keep_last_n: int, output_dir: str) -> None:

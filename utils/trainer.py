@@ -82,7 +82,7 @@ class MidEpochCheckpoint:
         self.progress.samples_consumed = self.start_consumed + batches_done * self.samples_per_step
         self.progress.epoch_totals = self.step_log.totals.tolist()
         self.progress.epoch_train_seconds = self.seconds_before + time.perf_counter() - self.started
-        get_logger().info("checkpoint at step %d: %s", step, self.save_checkpoint(progress=self.progress))
+        self.save_checkpoint(progress=self.progress)
         return self.step_log.stop_requested
 
 
@@ -204,7 +204,7 @@ def fit(
         progress.epoch_totals, progress.epoch_train_seconds = None, 0.0
         progress.best_val_loss = None if math.isinf(best_val_loss) else best_val_loss
         if save_checkpoint is not None:
-            logger.info("checkpoint at the end of epoch %d: %s", epoch, save_checkpoint(progress=progress))
+            save_checkpoint(progress=progress)
         if _any_rank(stop.requested, info.device):
             logger.info("stopped after epoch %d on SIGTERM; continue with --resume true", epoch)
             return False

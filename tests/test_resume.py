@@ -1,0 +1,760 @@
+"""Resumable checkpoints, through torchrun on the embedded tiny T5 and sample (2 CPU processes, gloo).
+
+One uninterrupted SHARDED_STATE_DICT run (module scope) is the reference: runs killed with SIGKILL and
+resumed, for both checkpoint types, must reproduce its per-step losses; its checkpoints are the material
+of the world-size, interrupted-save and bad-input tests. A 2-rank gloo group (tests/dist_harness.py) checks
+the optimizer state's round trip through save_training_checkpoint / load_training_state directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.optim.lr_scheduler import StepLR
+from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration, T5Tokenizer
+
+from configs.fsdp import FSDPConfig
+from scripts.compare_step_losses import step_losses
+from tests.dist_harness import run_ranks
+from utils.environment import DistInfo
+from utils.fsdp_setup import wrap_model
+from utils.train_checkpoint import (
+    TrainProgress,
+    load_full_model_weights,
+    load_training_state,
+    save_training_checkpoint,
+)
+from utils.train_utils import train_step
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_MODEL = REPO_ROOT / "data" / "tiny-t5"
+SAMPLE_DATA = REPO_ROOT / "data" / "sample"
+
+SHARDED = "SHARDED_STATE_DICT"
+FULL = "FULL_STATE_DICT"
+
+NPROC = 2
+EPOCHS = 2
+NUM_TRAIN = 96
+NUM_VAL = 24
+BATCH = 4  # the default --batch_size_training
+SAVE_EVERY = 5
+STEPS_PER_EPOCH = math.ceil(math.ceil(NUM_TRAIN / NPROC) / BATCH)  # 12
+TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 24
+SMALL_RUN = [
+    "--epochs",
+    str(EPOCHS),
+    "--num_train_samples",
+    str(NUM_TRAIN),
+    "--num_val_samples",
+    str(NUM_VAL),
+    "--mixed_precision",
+    "false",
+    "--save_every_n_steps",
+    str(SAVE_EVERY),
+    "--log_every_n_steps",
+    "1",
+]
+RTOL = 1e-5
+RUN_TIMEOUT_S = 240
+FAIL_FAST_S = 90  # a user error must end every rank within this
+RESUMED_FROM = re.compile(r"resumed from (\S+): epoch (\d+), step (\d+)")
+
+
+# ------------------------------------------------------------------------------------------ launching
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str  # stdout and stderr
+    seconds: float
+
+    def describe(self) -> str:
+        tail = self.output[-15000:]
+        return f"exit {self.returncode} after {self.seconds:.1f} s\n--- output (tail)\n{tail}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(args: list[str], nproc: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "T5_training.py",
+        *args,
+    ]
+
+
+def run_env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(*args: str, nproc: int = NPROC, timeout: float = RUN_TIMEOUT_S) -> Run:
+    start = time.monotonic()
+    result = subprocess.run(
+        torchrun_command(list(args), nproc),
+        cwd=REPO_ROOT,
+        timeout=timeout,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=run_env(),
+    )
+    return Run(result.returncode, result.stdout, time.monotonic() - start)
+
+
+class Background:
+    """A torchrun run in the background, its output in a file."""
+
+    def __init__(self, args: list[str], log_path: Path, nproc: int = NPROC):
+        self.log_path = log_path
+        self.log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in finish()
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            torchrun_command(args, nproc), cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=run_env()
+        )
+
+    def wait_for(self, condition, what: str, timeout: float = 120) -> None:
+        """Poll `condition` until it holds; fail if the run ends first or it takes too long."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None:
+                pytest.fail(f"the run ended (exit {self.proc.returncode}) before {what}\n{self.finish().describe()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {timeout} s\n{self.log_path.read_text(errors='replace')[-5000:]}")
+            time.sleep(0.02)
+
+    def finish(self, timeout: float = RUN_TIMEOUT_S) -> Run:
+        try:
+            self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+        return Run(self.proc.returncode, self.log_path.read_text(errors="replace"), time.monotonic() - self.start)
+
+
+def processes_of(output_dir: Path) -> list[int]:
+    """Pids of processes whose command line names output_dir (torchrun and its workers)."""
+    found = subprocess.run(["pgrep", "-f", str(output_dir)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def kill_all(output_dir: Path) -> None:
+    """SIGKILL torchrun and its workers (they run in their own sessions: killing torchrun leaves them)."""
+    subprocess.run(["pkill", "-9", "-f", str(output_dir)], check=False)
+    deadline = time.monotonic() + 30
+    while processes_of(output_dir):
+        assert time.monotonic() < deadline, f"processes of {output_dir} survived SIGKILL"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------- reading outputs
+
+
+def read_records(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            pytest.fail(f"{path} line {number} is not JSON ({err}): {line!r}")
+    return records
+
+
+def logged_steps(output_dir: Path) -> list[int]:
+    """Step numbers of metrics.jsonl in file order (duplicates kept)."""
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    steps = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if record.get("type") == "step":
+            steps.append(record["step"])
+    return steps
+
+
+def epoch_records(output_dir: Path) -> list[dict]:
+    return [r for r in read_records(output_dir) if r["type"] == "epoch"]
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return output_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def complete_checkpoint_steps(output_dir: Path) -> list[int]:
+    root = output_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(
+        int(p.name[len("step_") :])
+        for p in root.iterdir()
+        if re.fullmatch(r"step_\d{8}", p.name) and (p / "train_state.json").is_file()
+    )
+
+
+def resumed_from(run: Run) -> tuple[Path, int, int]:
+    """(checkpoint, epoch, step) of the run's 'resumed from' line, which must appear exactly once."""
+    matches = RESUMED_FROM.findall(run.output)
+    assert len(matches) == 1, f"expected one 'resumed from' line, found {matches}\n{run.describe()}"
+    path, epoch, step = matches[0]
+    return Path(path), int(epoch), int(step)
+
+
+def assert_losses_match(output_dir: Path, reference_dir: Path, steps=None) -> None:
+    losses, reference = step_losses(str(output_dir)), step_losses(str(reference_dir))
+    if steps is None:
+        assert sorted(losses) == sorted(reference), (sorted(losses), sorted(reference))
+        steps = sorted(reference)
+    for step in steps:
+        assert losses[step] == pytest.approx(reference[step], rel=RTOL), (step, losses[step], reference[step])
+
+
+def assert_finite_run(output_dir: Path, first_step: int, n_steps: int) -> None:
+    records = read_records(output_dir)
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps] == list(range(first_step, first_step + n_steps)), [r["step"] for r in steps]
+    for record in steps:
+        assert math.isfinite(record["loss"]) and record["loss"] > 0, record
+    for record in (r for r in records if r["type"] == "epoch"):
+        assert math.isfinite(record["train_loss"]) and math.isfinite(record["val_loss"]), record
+
+
+def snapshot(output_dir: Path) -> dict:
+    """Every file under checkpoints/ (hidden ones too) with size and mtime, and metrics.jsonl's bytes."""
+    files = {}
+    root = output_dir / "checkpoints"
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            path = Path(dirpath) / name
+            stat = path.stat()
+            files[str(path.relative_to(output_dir))] = (stat.st_size, stat.st_mtime_ns)
+    metrics = output_dir / "metrics.jsonl"
+    files["metrics.jsonl bytes"] = metrics.read_bytes() if metrics.is_file() else None
+    return files
+
+
+def copy_run(source: Path, destination: Path) -> Path:
+    shutil.copytree(source, destination, symlinks=True)
+    return destination
+
+
+def remaining_steps(samples: int, consumed: int, world_size: int) -> int:
+    """Steps of the rest of an epoch: the unconsumed samples of the padded order, dealt to the ranks."""
+    total = math.ceil(samples / world_size) * world_size
+    per_rank = math.ceil((total - consumed) / world_size)
+    return math.ceil(per_rank / BATCH)
+
+
+# ------------------------------------------------------------------------------- shared training runs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank SHARDED run: 24 steps, checkpoints every 5 steps and at epoch ends."""
+    output_dir = tmp_path_factory.mktemp("reference") / "out"
+    run = torchrun(*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir))
+    assert run.returncode == 0, run.describe()
+    assert logged_steps(output_dir) == list(range(1, TOTAL_STEPS + 1))
+    # keep_last_n=2 (default): the periodic step 20 and the end of epoch 2.
+    assert complete_checkpoint_steps(output_dir) == [20, TOTAL_STEPS], run.describe()
+    return output_dir
+
+
+@dataclass
+class Resumed:
+    output_dir: Path
+    steps_at_kill: list[int]
+    checkpoints_at_kill: list[int]
+    killed: Run
+    resumed: Run
+
+
+def kill_and_resume(tmp_path_factory, checkpoint_type: str) -> Resumed:
+    base = tmp_path_factory.mktemp(f"killed_{checkpoint_type}")
+    output_dir = base / "out"
+    args = [*SMALL_RUN, "--checkpoint_type", checkpoint_type, "--output_dir", str(output_dir)]
+    background = Background(args, base / "killed.log")
+    first = checkpoint_dir(output_dir, SAVE_EVERY) / "train_state.json"
+    try:
+        background.wait_for(first.is_file, f"checkpoint {first.parent}")
+    finally:
+        kill_all(output_dir)
+        killed = background.finish(timeout=60)
+    steps_at_kill = logged_steps(output_dir)
+    checkpoints_at_kill = complete_checkpoint_steps(output_dir)
+    resumed = torchrun(*args, "--resume", "true")
+    return Resumed(output_dir, steps_at_kill, checkpoints_at_kill, killed, resumed)
+
+
+@pytest.fixture(scope="module")
+def resumed_sharded(tmp_path_factory) -> Resumed:
+    return kill_and_resume(tmp_path_factory, SHARDED)
+
+
+@pytest.fixture(scope="module")
+def resumed_full(tmp_path_factory) -> Resumed:
+    return kill_and_resume(tmp_path_factory, FULL)
+
+
+# ----------------------------------------------------------------------- 1. kill, resume, same losses
+
+
+@pytest.mark.parametrize("checkpoint_type", [SHARDED, FULL])
+def test_kill_and_resume_equals_uninterrupted(checkpoint_type, request, reference):
+    result: Resumed = request.getfixturevalue("resumed_sharded" if checkpoint_type == SHARDED else "resumed_full")
+    output_dir = result.output_dir
+
+    # The kill hit the run early: at most half of the steps were logged, and it left no final model.
+    assert result.killed.returncode != 0, result.killed.describe()
+    assert SAVE_EVERY <= len(result.steps_at_kill) <= TOTAL_STEPS // 2, result.steps_at_kill
+    assert result.checkpoints_at_kill and result.checkpoints_at_kill[-1] < TOTAL_STEPS // 2, result.checkpoints_at_kill
+    assert "epoch 2:" not in result.killed.output
+
+    run = result.resumed
+    assert run.returncode == 0, run.describe()
+    path, epoch, step = resumed_from(run)
+    assert path == checkpoint_dir(output_dir, result.checkpoints_at_kill[-1]), run.describe()
+    assert (epoch, step) == (1, result.checkpoints_at_kill[-1]), run.describe()
+    state = json.loads((checkpoint_dir(output_dir, TOTAL_STEPS) / "train_state.json").read_text())
+    assert state["checkpoint_type"] == checkpoint_type
+
+    # Each step exactly once, in order, and the losses of the uninterrupted run.
+    assert logged_steps(output_dir) == list(range(1, TOTAL_STEPS + 1))
+    assert_losses_match(output_dir, reference)
+    epochs, reference_epochs = epoch_records(output_dir), epoch_records(reference)
+    assert [r["epoch"] for r in epochs] == list(range(1, EPOCHS + 1)), epochs
+    for got, expected in zip(epochs, reference_epochs, strict=True):
+        for key in ("train_loss", "val_loss"):
+            assert got[key] == pytest.approx(expected[key], rel=RTOL), (key, got, expected)
+    assert (output_dir / "hf_model" / "model.safetensors").is_file()
+
+
+# --------------------------------------------------------------------------- 2. another world size
+
+
+def test_sharded_checkpoint_of_two_ranks_resumes_on_one(tmp_path, reference):
+    source = checkpoint_dir(reference, 20)
+    state = json.loads((source / "train_state.json").read_text())
+    assert state["world_size"] == 2 and state["progress"]["epoch"] == 2
+    consumed = state["progress"]["samples_consumed"]
+    output_dir = tmp_path / "out"
+    run = torchrun(*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir),
+                   "--resume", str(source), nproc=1)  # fmt: skip
+    assert run.returncode == 0, run.describe()
+    assert resumed_from(run) == (source, 2, 20)
+    assert "written by 2 ranks, this run has 1" in run.output, run.describe()
+    assert_finite_run(output_dir, 21, remaining_steps(NUM_TRAIN, consumed, 1))
+    assert [r["epoch"] for r in epoch_records(output_dir)] == [2]
+    assert (output_dir / "hf_model" / "model.safetensors").is_file()
+
+
+def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path):
+    samples = 48
+    args = [*SMALL_RUN, "--num_train_samples", str(samples), "--checkpoint_type", SHARDED, "--keep_last_n", "10"]
+    single = tmp_path / "single"
+    run = torchrun(*args, "--output_dir", str(single), nproc=1)
+    assert run.returncode == 0, run.describe()
+    per_epoch = math.ceil(samples / BATCH)
+    assert logged_steps(single) == list(range(1, EPOCHS * per_epoch + 1))
+    source = checkpoint_dir(single, SAVE_EVERY)
+    state = json.loads((source / "train_state.json").read_text())
+    assert state["world_size"] == 1 and state["progress"]["global_step"] == SAVE_EVERY
+
+    output_dir = tmp_path / "out"
+    run = torchrun(*args, "--output_dir", str(output_dir), "--resume", str(source), nproc=2)
+    assert run.returncode == 0, run.describe()
+    assert resumed_from(run) == (source, 1, SAVE_EVERY)
+    assert "written by 1 ranks, this run has 2" in run.output, run.describe()
+    rest = remaining_steps(samples, state["progress"]["samples_consumed"], 2)
+    assert_finite_run(output_dir, SAVE_EVERY + 1, rest + remaining_steps(samples, 0, 2))
+    assert [r["epoch"] for r in epoch_records(output_dir)] == [1, 2]
+
+
+# ---------------------------------------------------------------- 3. a save interrupted half-way
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint_usable(tmp_path, reference):
+    output_dir = copy_run(reference, tmp_path / "out")
+    root = output_dir / "checkpoints"
+    shutil.rmtree(root / f"step_{TOTAL_STEPS:08d}")  # the newest complete one is now step 20
+    # A save that died before the rename (some shards written) ...
+    tmp = shutil.copytree(root / "step_00000020", root / ".tmp_step_00000099")
+    for name in ("train_state.json", "__1_0.distcp", ".metadata"):
+        (tmp / name).unlink()
+    # ... and a folder with the final name but without train_state.json (written last).
+    half = shutil.copytree(root / "step_00000020", root / "step_00000099")
+    (half / "train_state.json").unlink()
+
+    run = torchrun(*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir), "--resume", "true")
+    assert run.returncode == 0, run.describe()
+    assert resumed_from(run) == (root / "step_00000020", 2, 20), run.describe()
+    assert logged_steps(output_dir) == list(range(1, TOTAL_STEPS + 1))
+    assert_losses_match(output_dir, reference)
+    assert complete_checkpoint_steps(output_dir) == [20, TOTAL_STEPS]
+
+
+# ------------------------------------------------------------------------- 4. SIGTERM: save, then stop
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+    epochs, samples = 3, 400
+    last_step = epochs * math.ceil(math.ceil(samples / NPROC) / BATCH)  # 150
+    output_dir = tmp_path / "out"
+    args = [
+        *SMALL_RUN,
+        "--epochs", str(epochs),
+        "--num_train_samples", str(samples),
+        "--save_every_n_steps", "1000",
+        "--log_every_n_steps", "2",
+        "--checkpoint_type", SHARDED,
+        "--output_dir", str(output_dir),
+    ]  # fmt: skip
+    background = Background(args, tmp_path / "sigterm.log")
+    try:
+        background.wait_for(lambda: len(logged_steps(output_dir)) >= 4, "4 logged steps")
+        workers = [pid for pid in processes_of(output_dir) if pid != background.proc.pid]
+        assert len(workers) == NPROC, workers
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        stopped = background.finish(timeout=120)
+    finally:
+        kill_all(output_dir)
+        if background.proc.poll() is None:
+            background.finish(timeout=30)
+    assert stopped.returncode == 0, stopped.describe()
+    match = re.findall(r"stopped at step (\d+)", stopped.output)
+    assert len(match) == 1, stopped.describe()
+    stop_step = int(match[0])
+    assert complete_checkpoint_steps(output_dir) == [stop_step], stopped.describe()
+    assert 4 <= stop_step < last_step
+    # Every step the checkpoint holds is in metrics.jsonl, and no later one.
+    assert logged_steps(output_dir) == list(range(1, stop_step + 1))
+    assert not (output_dir / "hf_model").exists()
+
+    run = torchrun(*args, "--resume", "true")
+    assert run.returncode == 0, run.describe()
+    assert resumed_from(run)[2] == stop_step
+    assert logged_steps(output_dir) == list(range(1, last_step + 1))
+    assert [r["epoch"] for r in epoch_records(output_dir)] == list(range(1, epochs + 1))
+    assert (output_dir / "hf_model" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ 5. optimizer state, round trip
+
+
+def _tiny_t5(seed: int) -> T5ForConditionalGeneration:
+    torch.manual_seed(seed)
+    config = T5Config.from_pretrained(EMBEDDED_MODEL, dropout_rate=0.0, use_cache=False)
+    return T5ForConditionalGeneration(config)
+
+
+def _random_batch(seed: int, rows: int = 3, src_len: int = 12, tgt_len: int = 7) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    source_mask = (torch.arange(src_len) < torch.randint(3, src_len + 1, (rows, 1), generator=gen)).long()
+    target_mask = (torch.arange(tgt_len) < torch.randint(2, tgt_len + 1, (rows, 1), generator=gen)).long()
+    return {
+        "source_ids": torch.randint(2, 1100, (rows, src_len), generator=gen) * source_mask,
+        "source_mask": source_mask,
+        "target_ids": torch.randint(2, 1100, (rows, tgt_len), generator=gen) * target_mask,
+        "target_mask": target_mask,
+    }
+
+
+def _full_states(model, optimizer) -> tuple[dict, dict]:
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def _max_diffs(a: dict, b: dict) -> dict:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return {key: (a[key].double() - b[key].double()).abs().max().item() for key in a}
+
+
+def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) -> dict:
+    """Train 2 steps, save, load into a fresh model and optimizer; compare states and one more step."""
+    cpu = torch.device("cpu")
+    info = DistInfo(rank, rank, world_size, cpu, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL))
+    fsdp_config = FSDPConfig(mixed_precision=False, fsdp_activation_checkpointing=False)
+
+    def build(plain):
+        model = wrap_model(plain, fsdp_config, cpu, "fp32_policy")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        return model, optimizer, StepLR(optimizer, step_size=1, gamma=0.5)
+
+    out = {}
+    for checkpoint_type in (SHARDED, FULL):
+        plain = _tiny_t5(seed=0)
+        model_config = plain.config
+        model, optimizer, scheduler = build(plain)
+        for step in range(2):
+            train_step(model, _random_batch(100 * step + rank), optimizer, None, world_size)
+        scheduler.step()  # the saved learning rate differs from a fresh optimizer's
+        progress = TrainProgress(epoch=2, samples_consumed=8, global_step=2, best_val_loss=3.25)
+        path = save_training_checkpoint(
+            output_dir=os.path.join(output_root, checkpoint_type),
+            checkpoint_type=checkpoint_type,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=None,
+            progress=progress,
+            model_config=model_config,
+            tokenizer=tokenizer,
+            save_optimizer=True,
+            keep_last_n=2,
+            info=info,
+        )
+        original_model, original_optim = _full_states(model, optimizer)
+
+        fresh = _tiny_t5(seed=1)  # other initial weights: everything must come from the checkpoint
+        if checkpoint_type == FULL:
+            load_full_model_weights(fresh, path)
+        model2, optimizer2, scheduler2 = build(fresh)
+        loaded_progress = load_training_state(
+            path, model=model2, optimizer=optimizer2, scheduler=scheduler2, scaler=None, info=info
+        )
+        reloaded_model, reloaded_optim = _full_states(model2, optimizer2)
+
+        result = {
+            "path": path,
+            "progress_equal": loaded_progress == progress,
+            "lr": (optimizer.param_groups[0]["lr"], optimizer2.param_groups[0]["lr"]),
+            "scheduler": (scheduler.state_dict(), scheduler2.state_dict()),
+            "model_diff": max(_max_diffs(original_model, reloaded_model).values()),
+            "optim_params": (sorted(original_optim["state"]), sorted(reloaded_optim["state"])),
+            "optim_diff": {
+                name: _max_diffs(original_optim["state"][name], reloaded_optim["state"][name])
+                for name in original_optim["state"]
+                if name in reloaded_optim["state"]
+            },
+        }
+        # One more step on the same batch: equal moments give equal updates.
+        batch = _random_batch(999 + rank)
+        train_step(model, batch, optimizer, None, world_size)
+        train_step(model2, batch, optimizer2, None, world_size)
+        after, after2 = _full_states(model, optimizer)[0], _full_states(model2, optimizer2)[0]
+        result["model_diff_after_next_step"] = max(_max_diffs(after, after2).values())
+        result["next_step_changed_weights"] = max(_max_diffs(original_model, after).values()) > 0
+        out[checkpoint_type] = result
+    return out
+
+
+@pytest.fixture(scope="module")
+def round_trip(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("optimizer_round_trip")
+    return run_ranks(optimizer_round_trip_worker, str(root), world_size=2, timeout_s=180)
+
+
+@pytest.mark.parametrize("checkpoint_type", [SHARDED, FULL])
+def test_optimizer_state_survives_the_round_trip(round_trip, checkpoint_type):
+    for rank, per_type in enumerate(round_trip):
+        result = per_type[checkpoint_type]
+        where = f"rank {rank}, {checkpoint_type}"
+        assert result["progress_equal"], where
+        assert result["lr"][0] == result["lr"][1] == pytest.approx(5e-4), (where, result["lr"])
+        assert result["scheduler"][0] == result["scheduler"][1], where
+        assert result["model_diff"] == 0, (where, result["model_diff"])
+        original, reloaded = result["optim_params"]
+        assert original and original == reloaded, (where, original, reloaded)
+        for name, diffs in result["optim_diff"].items():
+            assert set(diffs) == {"exp_avg", "exp_avg_sq", "step"}, (where, name, diffs)
+            assert all(value == 0 for value in diffs.values()), (where, name, diffs)
+        assert result["next_step_changed_weights"], where
+        assert result["model_diff_after_next_step"] == 0, (where, result["model_diff_after_next_step"])
+
+
+# --------------------------------------------------------------------------------- 6. hf_model export
+
+
+def test_hf_model_loads_and_equals_the_last_full_checkpoint(resumed_full):
+    assert resumed_full.resumed.returncode == 0, resumed_full.resumed.describe()
+    folder = resumed_full.output_dir / "hf_model"
+    assert (folder / "model.safetensors").is_file()
+    assert not list(folder.glob("*.bin")) and not list(folder.glob("*.pt")), sorted(os.listdir(folder))
+    exported, loading = T5ForConditionalGeneration.from_pretrained(folder, output_loading_info=True)
+    assert not any(loading.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    last = checkpoint_dir(resumed_full.output_dir, TOTAL_STEPS)
+    assert json.loads((last / "train_state.json").read_text())["checkpoint_type"] == FULL
+    plain = T5ForConditionalGeneration(T5Config.from_pretrained(EMBEDDED_MODEL))
+    plain.load_state_dict(torch.load(last / "model.pt", map_location="cpu", weights_only=True), strict=True)
+    pretrained = T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL)
+
+    text = "Loosen the chords in a quiet space. Write the sturdy pegs at a slow tempo."
+    training_tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL))
+    source = tokenizer(text, return_tensors="pt")
+    assert source.input_ids.tolist() == training_tokenizer(text, return_tensors="pt").input_ids.tolist()
+    labels = tokenizer("Loosen the chords.", return_tensors="pt").input_ids
+    logits = {}
+    for name, model in (("exported", exported), ("checkpoint", plain), ("pretrained", pretrained)):
+        model.eval()
+        with torch.no_grad():
+            logits[name] = model(**source, labels=labels).logits
+    assert torch.allclose(logits["exported"], logits["checkpoint"], rtol=1e-5, atol=1e-5), (
+        (logits["exported"] - logits["checkpoint"]).abs().max()
+    )
+    assert not torch.allclose(logits["exported"], logits["pretrained"], atol=1e-3), "not the trained weights"
+
+    with torch.no_grad():
+        generated = exported.generate(**source, max_new_tokens=8)
+    assert generated.dtype == torch.long and generated.shape[0] == 1 and 1 < generated.shape[1] <= 9, generated
+    assert isinstance(tokenizer.decode(generated[0], skip_special_tokens=True), str)
+
+
+# ------------------------------------------------------------------------------------ 7. bad inputs
+
+
+def program_tracebacks(output: str) -> list[str]:
+    """Tracebacks in the output except torchrun's own ChildFailedError report of a non-zero exit."""
+    found = []
+    for block in output.split("Traceback (most recent call last):")[1:]:
+        exception_line = next((line for line in block.splitlines() if line and not line[0].isspace()), "")
+        if not exception_line.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError"):
+            found.append("Traceback (most recent call last):" + block[:2000])
+    return found
+
+
+def _data_dir(tmp_path: Path, csv_text: str) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "wikihowAll.csv").write_text(csv_text, encoding="utf-8")
+    for name in ("all_train.txt", "all_val.txt", "all_test.txt"):
+        shutil.copy(SAMPLE_DATA / name, data / name)
+    return data
+
+
+def _wrong_header(tmp_path, out):
+    good = (SAMPLE_DATA / "wikihowAll.csv").read_text(encoding="utf-8")
+    data = _data_dir(tmp_path, "title,headline,text" + good[len("headline,title,text") :])
+    return ["--data_dir", str(data)], "has the header", ["title,headline,text"]
+
+
+def _no_usable_rows(tmp_path, out):
+    # Header right, but every summary is longer than its article: the builder's filter drops every row.
+    rows = "".join(
+        f'"A summary much longer than its article, number {i}.",How to Sand a Favorite Desk,"Short {i}."\n'
+        for i in range(5)
+    )
+    data = _data_dir(tmp_path, "headline,title,text\n" + rows)
+    return ["--data_dir", str(data)], "no usable rows", ["wikihowAll.csv"]
+
+
+def _fewer_val_samples_than_ranks(tmp_path, out):
+    return ["--num_val_samples", "1"], "fewer than the 2 ranks", ["validation"]
+
+
+def _batch_size_zero(tmp_path, out):
+    return ["--batch_size_training", "0"], "--batch_size_training", [">= 1"]
+
+
+def _fp16_on_cpu(tmp_path, out):
+    return ["--use_fp16", "true", "--mixed_precision", "true"], "--use_fp16", ["CUDA"]
+
+
+def _resume_path_missing(tmp_path, out):
+    missing = tmp_path / "nonexistent" / "step_00000005"
+    return ["--resume", str(missing)], "no such checkpoint", [str(missing)]
+
+
+def _truncated_distcp(tmp_path, out):
+    shard = checkpoint_dir(out, TOTAL_STEPS) / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    return ["--resume", "true"], "cannot resume from", [str(checkpoint_dir(out, TOTAL_STEPS))]
+
+
+def _corrupt_train_state(tmp_path, out):
+    state = checkpoint_dir(out, TOTAL_STEPS) / "train_state.json"
+    state.write_text(state.read_text()[:40], encoding="utf-8")
+    return ["--resume", "true"], "unreadable", [str(checkpoint_dir(out, TOTAL_STEPS))]
+
+
+def _incompatible_model_shape(tmp_path, out):
+    folder = tmp_path / "wider-t5"
+    T5ForConditionalGeneration(T5Config.from_pretrained(EMBEDDED_MODEL, d_ff=128)).save_pretrained(folder)
+    for name in ("spiece.model", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_MODEL / name, folder / name)
+    return ["--model_name", str(folder), "--resume", "true"], "cannot resume from", [
+        str(checkpoint_dir(out, TOTAL_STEPS))
+    ]
+
+
+def _fresh_run_over_a_run(tmp_path, out):
+    return ["--resume", "false"], "already holds a run", ["--resume true"]
+
+
+BAD_INPUTS = {
+    "wrong_csv_header": _wrong_header,
+    "csv_without_usable_rows": _no_usable_rows,
+    "fewer_val_samples_than_ranks": _fewer_val_samples_than_ranks,
+    "batch_size_zero": _batch_size_zero,
+    "fp16_on_cpu": _fp16_on_cpu,
+    "resume_path_missing": _resume_path_missing,
+    "truncated_distcp": _truncated_distcp,
+    "corrupt_train_state": _corrupt_train_state,
+    "incompatible_model_shape": _incompatible_model_shape,
+    "fresh_run_over_a_run": _fresh_run_over_a_run,
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_stops_every_rank_with_one_message(case, tmp_path, reference):
+    # An output_dir that holds a finished run with checkpoints: --resume true would continue it.
+    out = copy_run(reference, tmp_path / "out")
+    extra, phrase, also = BAD_INPUTS[case](tmp_path, out)
+    before = snapshot(out)
+    args = [*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(out), "--resume", "true", *extra]
+    run = torchrun(*args, timeout=FAIL_FAST_S + 30)
+
+    assert run.returncode != 0, run.describe()
+    assert run.seconds < FAIL_FAST_S, run.describe()
+    lines = [line for line in run.output.splitlines() if phrase in line]
+    assert len(lines) == 1, f"{phrase!r} printed {len(lines)} times, expected once\n{run.describe()}"
+    for word in also:
+        assert word in lines[0], f"{word!r} not in the message {lines[0]!r}"
+    tracebacks = program_tracebacks(run.output)
+    assert not tracebacks, f"traceback for a user error:\n{tracebacks[0]}\n{run.describe()}"
+    assert "epoch 1:" not in run.output and "epoch 2:" not in run.output
+    assert not processes_of(out), "a rank outlived torchrun"
+    # Nothing of the existing run was deleted or modified.
+    after = snapshot(out)
+    assert after.keys() == before.keys(), (sorted(before.keys() - after.keys()), sorted(after.keys() - before.keys()))
+    changed = [key for key in before if before[key] != after[key]]
+    assert not changed, changed
