@@ -98,10 +98,15 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
     precision = choose_precision(fsdp_config, info.device)
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
 
-    model, tokenizer = load_model_and_tokenizer(train_config.model_name)
+    on_meta = fsdp_config.cpu_ram_efficient_loading and fsdp_config.fsdp_version == 2 and not info.is_main
+    model, tokenizer = load_model_and_tokenizer(train_config.model_name, on_meta=on_meta)
     model_config = model.config
     resume_state = read_train_state(resume_from) if resume_from and os.path.isdir(resume_from) else None
-    if resume_from and (resume_state is None or resume_state["checkpoint_type"] == "FULL_STATE_DICT"):
+    if (
+        resume_from
+        and not on_meta
+        and (resume_state is None or resume_state["checkpoint_type"] == "FULL_STATE_DICT")
+    ):
         # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
         load_full_model_weights(model, resume_from)
     train_set = build_dataset(tokenizer, "train", train_config.num_train_samples, train_config, info.world_size)
@@ -198,6 +203,9 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
             )
         if finished:
             export_hf_model(model, model_config, tokenizer, output_dir, info)
+        # No rank tears its process group down while another still communicates (seen once as an abort,
+        # "terminate called without an active exception", on a loaded 2-core machine).
+        dist.barrier()
     finally:
         metrics.close()
 

@@ -43,6 +43,7 @@ class FieldSpec:
     help: str
     minimum: float | None
     above: float | None
+    maximum: float | None
 
 
 def field_specs() -> list[FieldSpec]:
@@ -52,7 +53,13 @@ def field_specs() -> list[FieldSpec]:
         for f in fields(cls):
             specs.append(
                 FieldSpec(
-                    section, f.name, hints[f.name], f.metadata["help"], f.metadata["minimum"], f.metadata["above"]
+                    section,
+                    f.name,
+                    hints[f.name],
+                    f.metadata["help"],
+                    f.metadata["minimum"],
+                    f.metadata["above"],
+                    f.metadata["maximum"],
                 )
             )
     return specs
@@ -115,6 +122,8 @@ def parse_value(spec: FieldSpec, text: str):
 def _check_bounds(spec: FieldSpec, value) -> None:
     if spec.minimum is not None and value < spec.minimum:
         raise ConfigError(f"--{spec.name} must be >= {spec.minimum:g}; got {value}")
+    if spec.maximum is not None and value > spec.maximum:
+        raise ConfigError(f"--{spec.name} must be <= {spec.maximum:g}; got {value}")
     if spec.above is not None and value <= spec.above:
         raise ConfigError(f"--{spec.name} must be > {spec.above:g}; got {value}")
 

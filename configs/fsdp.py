@@ -10,6 +10,15 @@ from configs.options import option
 
 @dataclass
 class FSDPConfig:
+    fsdp_version: int = option(
+        default=1,
+        help=(
+            "1: FullyShardedDataParallel, the tutorial's API (deprecated upstream). 2: fully_shard (FSDP2) on "
+            "a DeviceMesh, the same settings mapped (README); what has no FSDP2 meaning is refused."
+        ),
+        minimum=1,
+        maximum=2,
+    )
     mixed_precision: bool = option(
         default=True,
         help=(
@@ -83,4 +92,13 @@ class FSDPConfig:
     save_optimizer: bool = option(
         default=True,
         help="Put the optimizer state in the checkpoints (needed to resume exactly; doubles their size or more).",
+    )
+
+    cpu_ram_efficient_loading: bool = option(
+        default=False,
+        help=(
+            "Only rank 0 reads the pretrained weights; the other ranks build the model on the meta device "
+            "and receive the weights by broadcast after sharding (host memory: one model, not one per rank). "
+            "FSDP2 only for now."
+        ),
     )

@@ -29,8 +29,11 @@ LR = 1e-3
 FP32 = "fp32_policy"
 
 
-def tiny_t5(seed: int = 0) -> T5ForConditionalGeneration:
+def tiny_t5(seed: int = 0, on_meta: bool = False) -> T5ForConditionalGeneration:
     config = T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0, use_cache=False)
+    if on_meta:
+        with torch.device("meta"):
+            return T5ForConditionalGeneration(config)
     torch.manual_seed(seed)
     return T5ForConditionalGeneration(config)
 
@@ -76,8 +79,12 @@ def reference_run(steps: int, world_size: int) -> tuple[list[float], dict]:
 
 
 def fsdp_run(config: FSDPConfig, rank: int, world_size: int, steps: int, precision: str = FP32):
-    """Per-step reported losses of train_step under FSDP, and the final full state dict (rank 0)."""
-    model = wrap_model(tiny_t5(), config, CPU, precision)
+    """Per-step reported losses of train_step under FSDP, and the final full state dict (rank 0).
+
+    With rank-0-only loading, the other ranks start from a meta-device skeleton and get rank 0's weights.
+    """
+    skeleton = config.cpu_ram_efficient_loading and rank != 0
+    model = wrap_model(tiny_t5(on_meta=skeleton), config, CPU, precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     records: list[dict] = []
     step_log = StepLog(every=steps, on_flush=records.extend)
@@ -104,16 +111,36 @@ PARITY_VARIANTS = {
 }
 
 
+FSDP2_VARIANTS = {
+    f"FSDP2 {name}": {**overrides, "fsdp_version": 2}
+    for name, overrides in {
+        "FULL_SHARD": {},
+        "SHARD_GRAD_OP": {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP},
+        "NO_SHARD": {"sharding_strategy": ShardingStrategy.NO_SHARD},
+        "HYBRID_SHARD": {"sharding_strategy": ShardingStrategy.HYBRID_SHARD},
+        "_HYBRID_SHARD_ZERO2": {"sharding_strategy": ShardingStrategy._HYBRID_SHARD_ZERO2},
+        "FULL_SHARD+checkpointing": {"fsdp_activation_checkpointing": True},
+        "SHARD_GRAD_OP+checkpointing": {
+            "sharding_strategy": ShardingStrategy.SHARD_GRAD_OP,
+            "fsdp_activation_checkpointing": True,
+        },
+        "no backward prefetch": {"backward_prefetch": None},
+        "rank-0-only loading": {"cpu_ram_efficient_loading": True},
+    }.items()
+}
+VARIANT_SETS = {"fsdp1": PARITY_VARIANTS, "fsdp2": FSDP2_VARIANTS}
+
+
 def _fsdp_config(overrides: dict) -> FSDPConfig:
     base = FSDPConfig(mixed_precision=False, fsdp_activation_checkpointing=False)
     return dataclasses.replace(base, **overrides)
 
 
-def parity_worker(rank: int, world_size: int, steps: int) -> dict:
+def parity_worker(rank: int, world_size: int, steps: int, variant_set: str = "fsdp1") -> dict:
     """Losses and final weights of every variant; the unsharded reference on rank 0."""
     out = {"losses": {}, "max_param_diff": {}}
     reference_losses, reference_state = reference_run(steps, world_size) if rank == 0 else (None, None)
-    for name, overrides in PARITY_VARIANTS.items():
+    for name, overrides in VARIANT_SETS[variant_set].items():
         losses, state = fsdp_run(_fsdp_config(overrides), rank, world_size, steps)
         out["losses"][name] = losses
         if rank == 0:
@@ -175,9 +202,9 @@ def precision_worker(rank: int, world_size: int) -> dict:
     return out
 
 
-def checkpoint_worker(rank: int, world_size: int, path: str) -> dict:
+def checkpoint_worker(rank: int, world_size: int, path: str, fsdp_version: int = 1) -> dict:
     """Train 2 steps, save the rank-0 full state dict, reload it into a plain model, compare logits."""
-    config = _fsdp_config({"fsdp_activation_checkpointing": True})
+    config = _fsdp_config({"fsdp_activation_checkpointing": True, "fsdp_version": fsdp_version})
     model = wrap_model(tiny_t5(), config, CPU, FP32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(2):
@@ -263,3 +290,27 @@ def validation_worker(rank: int, world_size: int, n_samples: int, batch_size: in
         out["with_duplicates"] = sum(sums[i] for i in repeated) / sum(counts[i] for i in repeated)
     dist.barrier()
     return out
+
+
+def bf16_worker(rank: int, world_size: int, steps: int) -> dict:
+    """bf16 (bfSixteen) per-step losses of both backends."""
+    return {
+        version: fsdp_run(_fsdp_config({"fsdp_version": version}), rank, world_size, steps, "bfSixteen")[0]
+        for version in (1, 2)
+    }
+
+
+def rank0_loading_worker(rank: int, world_size: int) -> dict:
+    """Rank 0 holds a trained-looking model, the others a meta skeleton; after wrapping, compare weights."""
+    config = _fsdp_config({"fsdp_version": 2, "cpu_ram_efficient_loading": True})
+    reference = tiny_t5(seed=123)  # what rank 0 "loaded"
+    model = wrap_model(tiny_t5(seed=123) if rank == 0 else tiny_t5(on_meta=True), config, CPU, FP32)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {
+        "max_diff": max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
+        "keys_equal": sorted(full) == sorted(reference.state_dict()),
+        "tied": model.lm_head.weight is model.shared.weight,
+        "any_meta": any(p.is_meta for p in model.parameters()),
+    }

@@ -1,47 +1,24 @@
 """An exception on one rank ends every rank quickly, with its traceback printed once."""
 
-import os
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.launch import torchrun
+
 LIMIT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("fail_rank", ["0", "1"])
 def test_exception_on_one_rank_ends_all_ranks_with_one_traceback(tmp_path, fail_rank):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", FAIL_RANK=fail_rank, FAIL_STEP="3")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "tests/fault_entry.py",
-        "--output_dir",
-        str(tmp_path / "run"),
-        "--num_train_samples",
-        "96",
-        "--num_val_samples",
-        "24",
-        "--dist_timeout_s",
-        "30",
-    ]
+    args = ["--output_dir", str(tmp_path / "run"), "--num_train_samples", "96", "--num_val_samples", "24"]
     started = time.monotonic()
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=LIMIT_S + 60)
+    done = torchrun(
+        [*args, "--dist_timeout_s", "30"],
+        script="tests/fault_entry.py",
+        timeout=LIMIT_S + 60,
+        env={"FAIL_RANK": fail_rank, "FAIL_STEP": "3"},
+    )
     elapsed = time.monotonic() - started
     output = done.stdout + done.stderr
     assert done.returncode != 0

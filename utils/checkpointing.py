@@ -4,6 +4,7 @@ import os
 import warnings
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -12,7 +13,15 @@ from utils.logging_utils import get_logger
 MODEL_FILE_PREFIX = "T5-model"
 
 
-def gather_full_state_dict(model: FSDP, device: torch.device) -> dict:
+def gather_full_state_dict(model, device: torch.device) -> dict:
+    """The unsharded model state dict on rank 0, for either backend. Collective."""
+    if isinstance(model, FSDP):
+        return gather_full_state_dict_fsdp1(model, device)
+    # FSDP2: streamed to rank 0's host memory unit by unit (no CPU-group bug here, PITFALLS item 1).
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def gather_full_state_dict_fsdp1(model: FSDP, device: torch.device) -> dict:
     """The unsharded model state dict on rank 0 (an empty dict on every other rank: never index it there).
 
     Collective: every rank must call it. Each unit's full parameters are gathered in turn and, on GPU,

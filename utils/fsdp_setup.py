@@ -4,8 +4,9 @@ One function per concern, each taking plain values, so a second backend can sit 
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import BackwardPrefetch, FSDPModule, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers.models.t5.modeling_t5 import T5Block
 
@@ -15,6 +16,14 @@ from policies.mixed_precision import POLICIES, select_policy_name
 from policies.wrapping import get_wrap_policy
 from utils.environment import bf16_supported
 from utils.errors import ConfigError
+from utils.fsdp2_setup import (
+    RESHARD_AFTER_FORWARD,
+    apply_fsdp2,
+    broadcast_rank0_weights,
+    build_mesh,
+    check_fsdp2_settings,
+    to_fsdp2_policy,
+)
 from utils.logging_utils import get_logger
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -78,6 +87,18 @@ def choose_precision(fsdp_config: FSDPConfig, device: torch.device) -> str:
 
 
 def wrap_model(model, fsdp_config: FSDPConfig, device: torch.device, precision: str):
+    """Shard `model` with the configured backend. Collective: every rank calls it."""
+    if fsdp_config.cpu_ram_efficient_loading and fsdp_config.fsdp_version == 1:
+        raise ConfigError(
+            "--cpu_ram_efficient_loading true is implemented for --fsdp_version 2 only so far "
+            "(FSDP1 refuses sync_module_states on CPU); use --fsdp_version 2"
+        )
+    if fsdp_config.fsdp_version == 2:
+        return wrap_model_fsdp2(model, fsdp_config, device, precision)
+    return wrap_model_fsdp1(model, fsdp_config, device, precision)
+
+
+def wrap_model_fsdp1(model, fsdp_config: FSDPConfig, device: torch.device, precision: str):
     """FSDP units per the wrap policy, then activation checkpointing of the T5Blocks inside them."""
     model = apply_fsdp(
         model,
@@ -93,12 +114,50 @@ def wrap_model(model, fsdp_config: FSDPConfig, device: torch.device, precision: 
     return model
 
 
+def wrap_model_fsdp2(model, fsdp_config: FSDPConfig, device: torch.device, precision: str):
+    """Activation checkpointing first (FSDP2 shards the wrappers), then fully_shard on a DeviceMesh.
+
+    With cpu_ram_efficient_loading, ranks other than 0 hold the model on the meta device; rank 0's weights
+    are broadcast into every rank's shards after sharding.
+    """
+    check_fsdp2_settings(
+        wrap_policy=fsdp_config.wrap_policy,
+        backward_prefetch=fsdp_config.backward_prefetch,
+        limit_all_gathers=fsdp_config.limit_all_gathers,
+    )
+    rank0_state = None
+    if fsdp_config.cpu_ram_efficient_loading:
+        # References to rank 0's loaded tensors: they stay alive (one full copy) until the broadcast.
+        rank0_state = model.state_dict() if dist.get_rank() == 0 else {}
+    if fsdp_config.fsdp_activation_checkpointing:
+        apply_fsdp_checkpointing(model)
+    model = apply_fsdp2(
+        model,
+        device=device,
+        mesh=build_mesh(fsdp_config.sharding_strategy, dist.get_world_size(), device),
+        reshard_after_forward=RESHARD_AFTER_FORWARD[fsdp_config.sharding_strategy],
+        mixed_precision=to_fsdp2_policy(POLICIES[precision]),
+        backward_prefetch=fsdp_config.backward_prefetch,
+    )
+    if rank0_state is not None:
+        broadcast_rank0_weights(model, rank0_state, device)
+    return model
+
+
+def fsdp_units(model) -> list:
+    """The FSDP units of a wrapped model, root first, for either backend."""
+    if isinstance(model, FSDP):
+        return [unit.module for unit in FSDP.fsdp_modules(model)]
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 def log_fsdp_layout(model, precision: str) -> None:
     """One line at INFO (units, precision); the whole wrapped module tree at DEBUG (long for t5-3b)."""
-    units = FSDP.fsdp_modules(model)
-    blocks = sum(isinstance(unit.module, T5Block) for unit in units)
+    units = fsdp_units(model)
+    blocks = sum(isinstance(getattr(u, "_checkpoint_wrapped_module", u), T5Block) for u in units)
     get_logger().info(
-        "FSDP: %d units (root + %d T5Blocks + %d other), mixed precision %s",
+        "FSDP%d: %d units (root + %d T5Blocks + %d other), mixed precision %s",
+        2 if isinstance(model, FSDPModule) else 1,
         len(units),
         blocks,
         len(units) - 1 - blocks,

@@ -2,7 +2,8 @@
 
 import os
 
-from transformers import T5ForConditionalGeneration, T5Tokenizer
+import torch
+from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 
 from utils.errors import ConfigError
 from utils.logging_utils import get_logger
@@ -29,8 +30,11 @@ def check_local_model_dir(path: str) -> None:
         )
 
 
-def load_model_and_tokenizer(model_name: str) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
-    """Every rank loads the full pretrained model into host memory (rank-0-only loading is issue 5)."""
+def load_model_and_tokenizer(
+    model_name: str, on_meta: bool = False
+) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
+    """The pretrained model in host memory, or (on_meta) only its skeleton on the meta device, which
+    allocates nothing: with rank-0-only loading the weights arrive later by broadcast."""
     if looks_like_local_path(model_name):
         check_local_model_dir(model_name)
         model_name = os.path.expanduser(model_name)
@@ -38,7 +42,11 @@ def load_model_and_tokenizer(model_name: str) -> tuple[T5ForConditionalGeneratio
         # The KV cache only serves generation; with activation checkpointing it breaks recomputation
         # ("a different number of tensors was saved", PITFALLS item 4). It must be off at load time:
         # the encoder and decoder stacks keep their own copies of the config.
-        model = T5ForConditionalGeneration.from_pretrained(model_name, use_cache=False)
+        if on_meta:
+            with torch.device("meta"):
+                model = T5ForConditionalGeneration(T5Config.from_pretrained(model_name, use_cache=False))
+        else:
+            model = T5ForConditionalGeneration.from_pretrained(model_name, use_cache=False)
         tokenizer = T5Tokenizer.from_pretrained(model_name)
     except OSError as err:
         raise ConfigError(f"could not load T5 model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
