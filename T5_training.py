@@ -33,6 +33,7 @@ from utils.metrics import MetricsWriter, run_record, truncate_metrics_for_resume
 from utils.model_builder import load_model_and_tokenizer
 from utils.preemption import StopRequest
 from utils.train_checkpoint import (
+    LOAD_ERRORS,
     TrainProgress,
     complete_checkpoints,
     load_full_model_weights,
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(RANK0_MESSAGE_GRACE_S)
         return 2 if isinstance(err, ConfigError) else 1
-    except Exception as err:
+    except LOAD_ERRORS as err:  # Exception, and DCP's CheckpointException (a BaseException)
         if is_peer_failure(err):
             # Another rank failed first and printed why; N copies of "connection closed" would bury it.
             get_logger().error("stopped: another rank failed (its error is above)")

@@ -24,8 +24,10 @@ from utils.hf_export import write_hf_folder  # noqa: E402
 from utils.logging_utils import get_logger, setup_logging  # noqa: E402
 from utils.train_checkpoint import (  # noqa: E402
     FULL,
+    LOAD_ERRORS,
     CheckpointError,
     SafeFileSystemReader,
+    error_summary,
     read_train_state,
 )
 
@@ -50,8 +52,8 @@ def convert(checkpoint: str, output: str) -> str:
         weights = load_checkpoint_weights(checkpoint, config)
     except UserError:
         raise
-    except Exception as err:  # noqa: BLE001 - one message naming the checkpoint
-        raise CheckpointError(f"cannot read the weights of {checkpoint}: {str(err).splitlines()[0]}") from None
+    except LOAD_ERRORS as err:  # one message naming the checkpoint
+        raise CheckpointError(f"cannot read the weights of {checkpoint}: {error_summary(err)}") from None
     write_hf_folder(weights, config, tokenizer, output)
     return output
 

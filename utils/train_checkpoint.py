@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -53,6 +54,20 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete, corrupt or made for another model."""
+
+
+# What reading a checkpoint can raise. DCP's CheckpointException derives from BaseException, not Exception.
+LOAD_ERRORS = (Exception, CheckpointException)
+
+
+def error_summary(err: BaseException, limit: int = 400) -> str:
+    """The telling part of a load error: DCP wraps the per-rank causes, state_dict loading lists them."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    for cause in getattr(err, "failures", {}).values():  # CheckpointException: {rank: exception}
+        text = f"{type(cause).__name__}: {cause}"
+        break
+    text = text or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -286,10 +301,10 @@ def load_full_model_weights(model: nn.Module, path: str) -> None:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
         model.load_state_dict(state, strict=True)
-    except Exception as err:  # noqa: BLE001 - any failure means this file cannot seed this model
+    except LOAD_ERRORS as err:  # any failure means this file cannot seed this model
         raise CheckpointError(
-            f"cannot load model weights from {file}: {str(err).splitlines()[0]}. It is corrupt or was saved "
-            "from another model shape; pick another checkpoint or --model_name."
+            f"cannot load model weights from {file}: {error_summary(err)}. It is corrupt or was saved from "
+            "another model shape; pick another checkpoint or --model_name."
         ) from None
 
 
@@ -310,11 +325,11 @@ def load_training_state(
     state = read_train_state(path)
     try:
         _load_model_and_optimizer(path, state, model, optimizer, info)
-    except Exception as err:  # noqa: BLE001 - report every failure as one message naming the checkpoint
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except LOAD_ERRORS as err:  # every failure becomes one message naming the checkpoint
         raise CheckpointError(
-            f"cannot resume from {path}: {first_line}. The checkpoint is corrupt or was written for another "
-            "model or optimizer; resume from another checkpoint (--resume PATH) or start a new output_dir."
+            f"cannot resume from {path}: {error_summary(err)}. The checkpoint is corrupt or was written for "
+            "another model or optimizer; resume from another checkpoint (--resume PATH) or start a new "
+            "output_dir."
         ) from None
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state["scaler"] is not None:
