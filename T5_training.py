@@ -29,6 +29,8 @@ from utils.errors import ConfigError, UserError
 from utils.fsdp_setup import choose_precision, log_fsdp_layout, wrap_model
 from utils.hf_export import export_hf_model
 from utils.logging_utils import get_logger, setup_logging
+from utils.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from utils.memory_account import memory_records
 from utils.metrics import MetricsWriter, run_record, truncate_metrics_for_resume, write_json_atomic
 from utils.model_builder import load_model_and_tokenizer
 from utils.preemption import StopRequest
@@ -100,7 +102,11 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
 
     on_meta = fsdp_config.cpu_ram_efficient_loading and fsdp_config.fsdp_version == 2 and not info.is_main
+    reset_peak_rss()
+    rss_before = current_rss_bytes()
     model, tokenizer = load_model_and_tokenizer(train_config.model_name, on_meta=on_meta)
+    load_rss_delta = peak_rss_bytes() - rss_before  # what building/loading the model cost this rank
+    param_numel_total = sum(p.numel() for p in model.parameters())  # tied weights counted once
     model_config = model.config
     resume_state = read_train_state(resume_from) if resume_from and os.path.isdir(resume_from) else None
     if (
@@ -185,6 +191,17 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
                 keep_last_n=train_config.keep_last_n,
                 info=info,
             )
+
+        def write_memory_account() -> None:
+            for record in memory_records(
+                model,
+                optimizer,
+                device=info.device,
+                load_rss_delta_bytes=load_rss_delta,
+                param_numel_total=param_numel_total,
+            ):
+                metrics.write(record)
+
         with StopRequest() as stop:
             finished = fit(
                 model,
@@ -201,6 +218,7 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
                 progress=progress,
                 save_checkpoint=save_checkpoint,
                 stop=stop,
+                after_first_step=write_memory_account,
             )
         if finished:
             export_hf_model(model, model_config, tokenizer, output_dir, info)

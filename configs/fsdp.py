@@ -102,3 +102,42 @@ class FSDPConfig:
             "FSDP2 only for now."
         ),
     )
+    hybrid_shard_group_size: int = option(
+        default=0,
+        help=(
+            "HYBRID_SHARD/_HYBRID_SHARD_ZERO2: ranks per shard group (a replicate x shard device mesh); "
+            "0 = the ranks of one node (LOCAL_WORLD_SIZE). Must divide the world size; 1 is refused (use "
+            "NO_SHARD)."
+        ),
+        minimum=0,
+    )
+    fsdp_cpu_offload: bool = option(
+        default=False,
+        help=(
+            "Keep parameters (and the optimizer step) in host memory, copying each unit to the GPU when it "
+            "runs: fits bigger models on few GPUs at a large speed cost. GPU only (FSDP1 CPUOffload, FSDP2 "
+            "CPUOffloadPolicy)."
+        ),
+    )
+    forward_prefetch: bool = option(
+        default=False,
+        help=(
+            "Issue the next unit's all-gather before the current unit's forward: overlaps communication in "
+            "forward, for CPU-bound (small-batch) steps; costs one more unit's memory."
+        ),
+    )
+    use_orig_params: bool = option(
+        default=False,
+        help=(
+            "FSDP1: expose the original parameters instead of flat ones (needed for per-parameter optimizer "
+            "groups, torch.compile, frozen parameters); FSDP2 always does."
+        ),
+    )
+    sync_module_states: bool = option(
+        default=False,
+        help=(
+            "FSDP1 on GPU: broadcast rank 0's parameters and buffers at wrap time, so ranks that built "
+            "the model differently start equal. Refused on CPU (FSDP1 requires GPU tensors) and with FSDP2 "
+            "(use --cpu_ram_efficient_loading)."
+        ),
+    )

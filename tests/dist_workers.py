@@ -108,6 +108,10 @@ PARITY_VARIANTS = {
     "BACKWARD_POST": {"backward_prefetch": BackwardPrefetch.BACKWARD_POST},
     "no prefetch, no all-gather limit": {"backward_prefetch": None, "limit_all_gathers": False},
     "size_based wrap": {"wrap_policy": "size_based", "min_num_params": 20_000},
+    "HYBRID_SHARD (1x2 mesh)": {"sharding_strategy": ShardingStrategy.HYBRID_SHARD},
+    "_HYBRID_SHARD_ZERO2 (1x2 mesh)": {"sharding_strategy": ShardingStrategy._HYBRID_SHARD_ZERO2},
+    "forward_prefetch": {"forward_prefetch": True},
+    "use_orig_params": {"use_orig_params": True},
 }
 
 
@@ -125,10 +129,29 @@ FSDP2_VARIANTS = {
             "fsdp_activation_checkpointing": True,
         },
         "no backward prefetch": {"backward_prefetch": None},
+        "forward_prefetch": {"forward_prefetch": True},
         "rank-0-only loading": {"cpu_ram_efficient_loading": True},
     }.items()
 }
-VARIANT_SETS = {"fsdp1": PARITY_VARIANTS, "fsdp2": FSDP2_VARIANTS}
+FOUR_RANK_HYBRID_VARIANTS = {
+    "FSDP1 HYBRID_SHARD 2x2": {"sharding_strategy": ShardingStrategy.HYBRID_SHARD, "hybrid_shard_group_size": 2},
+    "FSDP2 HYBRID_SHARD 2x2": {
+        "sharding_strategy": ShardingStrategy.HYBRID_SHARD,
+        "hybrid_shard_group_size": 2,
+        "fsdp_version": 2,
+    },
+    "FSDP2 _HYBRID_SHARD_ZERO2 2x2": {
+        "sharding_strategy": ShardingStrategy._HYBRID_SHARD_ZERO2,
+        "hybrid_shard_group_size": 2,
+        "fsdp_version": 2,
+    },
+    "FSDP2 HYBRID_SHARD 4x1": {
+        "sharding_strategy": ShardingStrategy.HYBRID_SHARD,
+        "hybrid_shard_group_size": 1,
+        "fsdp_version": 2,
+    },
+}
+VARIANT_SETS = {"fsdp1": PARITY_VARIANTS, "fsdp2": FSDP2_VARIANTS, "hybrid4": FOUR_RANK_HYBRID_VARIANTS}
 
 
 def _fsdp_config(overrides: dict) -> FSDPConfig:

@@ -71,6 +71,7 @@ def test_rank0_only_loading_gives_every_rank_rank0s_weights():
         ({"wrap_policy": "size_based"}, "size_based"),
         ({"backward_prefetch": BackwardPrefetch.BACKWARD_POST}, "BACKWARD_POST"),
         ({"limit_all_gathers": False}, "limit_all_gathers"),
+        ({"sync_module_states": True}, "cpu_ram_efficient_loading"),
     ],
 )
 def test_settings_without_fsdp2_meaning_are_refused(settings, phrase):

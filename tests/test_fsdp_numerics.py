@@ -94,17 +94,44 @@ def test_each_policy_computes_in_its_dtype():
 
 
 @pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
-def test_hybrid_sharding_is_refused_on_cpu(strategy):
-    """FSDP1 would accept it and silently train a different model on each rank (no gradient sync)."""
-    import torch
+def test_fsdp1_hybrid_with_one_rank_shard_groups_is_refused(strategy):
+    """FSDP1 would accept it and silently train a different model per group (no cross-group all-reduce)."""
     from torch.distributed.fsdp import ShardingStrategy
 
     from utils.errors import ConfigError
-    from utils.fsdp_setup import check_strategy_for_device
+    from utils.fsdp_setup import check_hybrid_group
 
-    with pytest.raises(ConfigError, match="silently stops synchronising gradients"):
-        check_strategy_for_device(ShardingStrategy[strategy], torch.device("cpu"))
-    check_strategy_for_device(ShardingStrategy[strategy], torch.device("cuda", 0))  # allowed on GPU
+    with pytest.raises(ConfigError, match="silently stop synchronising gradients"):
+        check_hybrid_group(ShardingStrategy[strategy], 1)
+    check_hybrid_group(ShardingStrategy[strategy], 2)  # a real shard group is fine
+
+
+def test_hybrid_sharding_on_four_ranks_matches_the_reference():
+    """2x2 (and, for FSDP2, 4x1) replicate x shard meshes on 4 gloo ranks train like an unsharded model."""
+    rank0 = run_ranks(parity_worker, 3, "hybrid4", world_size=4)[0]
+    for name, losses in rank0["losses"].items():
+        for step, (got, want) in enumerate(zip(losses, rank0["reference_losses"], strict=True)):
+            assert relative_diff(got, want) < RTOL, f"{name} step {step + 1}: {got} vs {want}"
+        assert rank0["max_param_diff"][name] < 1e-5, name
+
+
+@pytest.mark.parametrize(
+    "overrides, phrase",
+    [
+        ({"fsdp_cpu_offload": True}, "needs GPUs"),
+        ({"sync_module_states": True}, "FSDP1 refuses it for CPU tensors"),
+    ],
+)
+def test_gpu_only_settings_are_refused_on_cpu(overrides, phrase):
+    import torch
+
+    from configs.fsdp import FSDPConfig
+    from utils.errors import ConfigError
+    from utils.fsdp_setup import check_device_settings
+
+    with pytest.raises(ConfigError, match=phrase):
+        check_device_settings(FSDPConfig(**overrides), torch.device("cpu"))
+    check_device_settings(FSDPConfig(**overrides), torch.device("cuda", 0))  # accepted on GPU
 
 
 def test_bf16_check_on_cpu():

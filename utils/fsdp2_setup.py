@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
+    CPUOffloadPolicy,
     FSDPModule,
     MixedPrecision,
     MixedPrecisionPolicy,
@@ -48,9 +49,18 @@ RESHARD_AFTER_FORWARD = {
 
 
 def check_fsdp2_settings(
-    *, wrap_policy: str, backward_prefetch: BackwardPrefetch | None, limit_all_gathers: bool
+    *,
+    wrap_policy: str,
+    backward_prefetch: BackwardPrefetch | None,
+    limit_all_gathers: bool,
+    sync_module_states: bool = False,
 ) -> None:
     """Refuse the FSDP1 settings that mean nothing under FSDP2, instead of silently dropping them."""
+    if sync_module_states:
+        raise ConfigError(
+            "--sync_module_states is FSDP1's; with --fsdp_version 2 use --cpu_ram_efficient_loading true "
+            "(rank 0's weights broadcast after sharding)"
+        )
     if wrap_policy != "transformer":
         raise ConfigError(
             "--wrap_policy size_based has no FSDP2 equivalent (FSDP2 has no auto-wrap policies; each T5Block "
@@ -68,20 +78,34 @@ def check_fsdp2_settings(
         )
 
 
-def hybrid_group_size(world_size: int) -> int:
-    """Ranks per shard group for the hybrid strategies: the ranks of one node (torchrun's LOCAL_WORLD_SIZE)."""
-    size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def hybrid_group_size(world_size: int, requested: int = 0) -> int:
+    """Ranks per shard group for the hybrid strategies: `requested`, or (0) the ranks of one node."""
+    size = requested or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % size:
-        raise ConfigError(f"world size {world_size} is not a multiple of the shard group size {size}")
+        raise ConfigError(
+            f"--hybrid_shard_group_size {size} does not divide the world size {world_size}; choose a divisor"
+        )
     return size
 
 
-def build_mesh(strategy: ShardingStrategy, world_size: int, device: torch.device) -> DeviceMesh:
-    """The device mesh of a sharding strategy: 1-D for (ZeRO-2/3) sharding, replicate x shard otherwise."""
+def hybrid_mesh(world_size: int, shard_group_size: int, device: torch.device) -> DeviceMesh:
+    """replicate x shard: shard within groups of shard_group_size ranks, replicate across the groups."""
+    return init_device_mesh(
+        device.type, (world_size // shard_group_size, shard_group_size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def build_mesh(
+    strategy: ShardingStrategy, world_size: int, device: torch.device, group_size: int = 0
+) -> DeviceMesh:
+    """The FSDP2 device mesh of a sharding strategy: 1-D for (ZeRO-2/3) sharding, replicate x shard else."""
     if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    shard = 1 if strategy == ShardingStrategy.NO_SHARD else hybrid_group_size(world_size)
-    return init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    shard = 1 if strategy == ShardingStrategy.NO_SHARD else hybrid_group_size(world_size, group_size)
+    return hybrid_mesh(world_size, shard, device)
 
 
 def to_fsdp2_policy(policy: MixedPrecision) -> MixedPrecisionPolicy:
@@ -109,18 +133,26 @@ def apply_fsdp2(
     reshard_after_forward: bool,
     mixed_precision: MixedPrecisionPolicy,
     backward_prefetch: BackwardPrefetch | None,
+    forward_prefetch: bool = False,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """fully_shard every T5Block unit, then the root (which keeps the tied embedding). Collective.
 
     Activation checkpointing, if wanted, must already be applied: FSDP2 shards the checkpoint wrappers.
     """
     units = t5_units(model)
-    for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision)
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mixed_precision}
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for unit in [*units, model]:
+        fully_shard(unit, **options)
     if backward_prefetch is None:
         for unit in [*units, model]:
             unit.set_modules_to_backward_prefetch([])
+    if forward_prefetch:
+        # Explicit lists: each block's forward all-gathers the next block too (FSDP2's default is none).
+        for unit, following in zip(units, units[1:], strict=False):
+            unit.set_modules_to_forward_prefetch([following])
     return model
 
 

@@ -6,7 +6,7 @@ One function per concern, each taking plain values, so a second backend can sit 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import BackwardPrefetch, FSDPModule, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, FSDPModule, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers.models.t5.modeling_t5 import T5Block
 
@@ -17,31 +17,47 @@ from policies.wrapping import get_wrap_policy
 from utils.environment import bf16_supported
 from utils.errors import ConfigError
 from utils.fsdp2_setup import (
+    HYBRID,
     RESHARD_AFTER_FORWARD,
     apply_fsdp2,
     broadcast_rank0_weights,
     build_mesh,
     check_fsdp2_settings,
+    hybrid_group_size,
+    hybrid_mesh,
     to_fsdp2_policy,
 )
 from utils.logging_utils import get_logger
 
-HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
-
-def check_strategy_for_device(sharding_strategy: ShardingStrategy, device: torch.device) -> None:
+def check_hybrid_group(sharding_strategy: ShardingStrategy, shard_group_size: int) -> None:
     """Refuse what FSDP1 would accept but get silently wrong.
 
-    Without an explicit process-group pair, FSDP1's hybrid strategies shard within a node of
-    torch.cuda.device_count() ranks. On a CPU group that count is 0, so every rank becomes its own
-    one-rank "node", FSDP falls back to NO_SHARD on it, and gradients are never synchronised: the ranks
-    train different models without any error (measured in tests/test_fsdp_numerics.py).
+    With a shard group of one rank, FSDP1 falls back to NO_SHARD inside the group and never all-reduces
+    across the groups: the ranks train different models without any error (measured: losses 0.4-1% off
+    after 4 steps on 2 and 4 ranks). Without an explicit mesh it derives the groups from
+    torch.cuda.device_count(), which is 0 on a CPU group, with the same result, so a mesh is always passed.
     """
-    if sharding_strategy in HYBRID_STRATEGIES and device.type != "cuda":
+    if sharding_strategy in HYBRID and shard_group_size == 1:
         raise ConfigError(
-            f"--sharding_strategy {sharding_strategy.name} needs GPUs: on a CPU group FSDP1 builds its shard "
-            "groups from the GPU count (0) and silently stops synchronising gradients. Use FULL_SHARD or "
-            "SHARD_GRAD_OP on CPU."
+            f"--sharding_strategy {sharding_strategy.name} with a shard group of 1 rank: FSDP1 would silently "
+            "stop synchronising gradients across groups. Use --sharding_strategy NO_SHARD (pure replication) "
+            "or a --hybrid_shard_group_size above 1."
+        )
+
+
+def check_device_settings(fsdp_config: FSDPConfig, device: torch.device) -> None:
+    """Settings that need GPUs, refused on a CPU group rather than silently ignored."""
+    if device.type == "cuda":
+        return
+    if fsdp_config.fsdp_cpu_offload:
+        raise ConfigError(
+            "--fsdp_cpu_offload true needs GPUs: on a CPU group the parameters already live in host memory"
+        )
+    if fsdp_config.sync_module_states and fsdp_config.fsdp_version == 1:
+        raise ConfigError(
+            "--sync_module_states true needs GPUs: FSDP1 refuses it for CPU tensors. Use --fsdp_version 2 "
+            "--cpu_ram_efficient_loading true for rank-0-only loading on CPU."
         )
 
 
@@ -54,13 +70,22 @@ def apply_fsdp(
     mixed_precision: MixedPrecision | None,
     backward_prefetch: BackwardPrefetch | None,
     limit_all_gathers: bool,
+    shard_group_size: int = 0,
+    forward_prefetch: bool = False,
+    use_orig_params: bool = False,
+    sync_module_states: bool = False,
+    cpu_offload: bool = False,
 ) -> FSDP:
     """Shard `model` (on CPU, unwrapped) over the default process group. Collective: every rank calls it.
 
     `device_id` makes FSDP move each unit to the device as it wraps it, so a model that fits in host memory
     but not on one GPU never needs to be on the GPU whole (tutorial: "FSDP model init on device").
     """
-    check_strategy_for_device(sharding_strategy, device)
+    mesh = None
+    if sharding_strategy in HYBRID:
+        group = hybrid_group_size(dist.get_world_size(), shard_group_size)
+        check_hybrid_group(sharding_strategy, group)
+        mesh = hybrid_mesh(dist.get_world_size(), group, device)
     return FSDP(
         model,
         auto_wrap_policy=auto_wrap_policy,
@@ -69,6 +94,11 @@ def apply_fsdp(
         backward_prefetch=backward_prefetch,
         limit_all_gathers=limit_all_gathers,
         device_id=device,
+        device_mesh=mesh,
+        forward_prefetch=forward_prefetch,
+        use_orig_params=use_orig_params,
+        sync_module_states=sync_module_states,
+        cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
     )
 
 
@@ -93,6 +123,7 @@ def wrap_model(model, fsdp_config: FSDPConfig, device: torch.device, precision: 
             "--cpu_ram_efficient_loading true is implemented for --fsdp_version 2 only so far "
             "(FSDP1 refuses sync_module_states on CPU); use --fsdp_version 2"
         )
+    check_device_settings(fsdp_config, device)
     if fsdp_config.fsdp_version == 2:
         return wrap_model_fsdp2(model, fsdp_config, device, precision)
     return wrap_model_fsdp1(model, fsdp_config, device, precision)
@@ -108,6 +139,11 @@ def wrap_model_fsdp1(model, fsdp_config: FSDPConfig, device: torch.device, preci
         mixed_precision=POLICIES[precision],
         backward_prefetch=fsdp_config.backward_prefetch,
         limit_all_gathers=fsdp_config.limit_all_gathers,
+        shard_group_size=fsdp_config.hybrid_shard_group_size,
+        forward_prefetch=fsdp_config.forward_prefetch,
+        use_orig_params=fsdp_config.use_orig_params,
+        sync_module_states=fsdp_config.sync_module_states,
+        cpu_offload=fsdp_config.fsdp_cpu_offload,
     )
     if fsdp_config.fsdp_activation_checkpointing:
         apply_fsdp_checkpointing(model)
@@ -124,6 +160,7 @@ def wrap_model_fsdp2(model, fsdp_config: FSDPConfig, device: torch.device, preci
         wrap_policy=fsdp_config.wrap_policy,
         backward_prefetch=fsdp_config.backward_prefetch,
         limit_all_gathers=fsdp_config.limit_all_gathers,
+        sync_module_states=fsdp_config.sync_module_states,
     )
     rank0_state = None
     if fsdp_config.cpu_ram_efficient_loading:
@@ -134,10 +171,14 @@ def wrap_model_fsdp2(model, fsdp_config: FSDPConfig, device: torch.device, preci
     model = apply_fsdp2(
         model,
         device=device,
-        mesh=build_mesh(fsdp_config.sharding_strategy, dist.get_world_size(), device),
+        mesh=build_mesh(
+            fsdp_config.sharding_strategy, dist.get_world_size(), device, fsdp_config.hybrid_shard_group_size
+        ),
         reshard_after_forward=RESHARD_AFTER_FORWARD[fsdp_config.sharding_strategy],
         mixed_precision=to_fsdp2_policy(POLICIES[precision]),
         backward_prefetch=fsdp_config.backward_prefetch,
+        forward_prefetch=fsdp_config.forward_prefetch,
+        cpu_offload=fsdp_config.fsdp_cpu_offload,
     )
     if rank0_state is not None:
         broadcast_rank0_weights(model, rank0_state, device)

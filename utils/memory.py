@@ -9,31 +9,46 @@ PROC_STATUS = "/proc/self/status"
 PROC_CLEAR_REFS = "/proc/self/clear_refs"
 
 
-def _linux_peak_rss_bytes() -> int | None:
+def _proc_status_bytes(field: str) -> int | None:
     try:
         with open(PROC_STATUS) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak measurement (e.g. per epoch).
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since the last reset_peak_rss (or its start)."""
+    peak = _proc_status_bytes("VmHWM")
+    if peak is None:  # not Linux: ru_maxrss is in kilobytes on Linux, bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak
 
-    On CPU, writing 5 to /proc/self/clear_refs resets the kernel's RSS high-water mark (Linux >= 4.0);
-    where that is not allowed the peak stays the process lifetime's.
-    """
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
+
+def current_rss_bytes() -> int:
+    current = _proc_status_bytes("VmRSS")
+    return peak_rss_bytes() if current is None else current
+
+
+def reset_peak_rss() -> None:
+    """Writing 5 to /proc/self/clear_refs resets the kernel's RSS high-water mark (Linux >= 4.0); where that
+    is not allowed the peak stays the process lifetime's."""
     try:
         with open(PROC_CLEAR_REFS, "w") as f:
             f.write("5")
     except OSError:
         pass
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak measurement (e.g. per epoch): CUDA allocator stats on GPU, the RSS peak on CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
 
 
 def peak_memory(device: torch.device) -> tuple[int, int | None]:
@@ -43,10 +58,7 @@ def peak_memory(device: torch.device) -> tuple[int, int | None]:
     """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-    peak = _linux_peak_rss_bytes()
-    if peak is None:  # not Linux: ru_maxrss is in kilobytes on Linux, bytes on macOS
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak, None
+    return peak_rss_bytes(), None
 
 
 def gather_ints(values: list[int], device: torch.device) -> list[list[int]]:

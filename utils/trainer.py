@@ -86,6 +86,19 @@ class MidEpochCheckpoint:
         return self.step_log.stop_requested
 
 
+@dataclass
+class StepEndHooks:
+    """Callbacks run once after the first step of this run, then the pass's mid-epoch checkpoint hook."""
+
+    once: list[Callable[[], None]]
+    checkpoint: MidEpochCheckpoint
+
+    def __call__(self, step: int, batches_done: int) -> bool:
+        while self.once:
+            self.once.pop(0)()
+        return self.checkpoint(step, batches_done)
+
+
 def fit(
     model,
     optimizer: torch.optim.Optimizer,
@@ -102,11 +115,13 @@ def fit(
     progress: TrainProgress,
     save_checkpoint: Callable[..., str] | None,
     stop: StopRequest,
+    after_first_step: Callable[[], None] | None = None,
 ) -> bool:
     """Train from `progress` to the last epoch. Returns False if it stopped early on SIGTERM (after saving)."""
     logger = get_logger()
     best_val_loss = math.inf if progress.best_val_loss is None else progress.best_val_loss
     samples_per_step = settings.batch_size * info.world_size
+    once = [after_first_step] if after_first_step is not None else []
 
     while progress.epoch <= settings.epochs:
         epoch = progress.epoch
@@ -153,7 +168,7 @@ def fit(
                 first_step=progress.global_step,
                 step_log=step_log,
                 progress=bar,
-                on_step_end=mid_epoch,
+                on_step_end=StepEndHooks(once, mid_epoch),
             )
         if result.stopped:
             logger.info("stopped at step %d on SIGTERM; continue with --resume true", result.last_step)
