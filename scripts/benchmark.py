@@ -74,10 +74,15 @@ def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, commo
     records = [json.loads(line) for line in open(out / "metrics.jsonl", encoding="utf-8")]
     windows = [r["seconds"] for r in records if r["type"] == "step"][2:]  # first window: warm-up
     epoch = next(r for r in records if r["type"] == "epoch")
+    memory = [r for r in records if r["type"] == "memory"]
+    total = memory[0]["param_numel_total"]
     return {
         "step_seconds": statistics.median(windows),
         "samples_per_s": epoch["samples_per_s"],
         "peak_memory_bytes": epoch["peak_memory_bytes"],
+        "param_share": max(r["param_numel_local"] for r in memory) / total,
+        "optim_share": max(r["optim_state_numel_local"] for r in memory) / (2 * total),  # AdamW: 2 moments
+        "param_numel_total": total,
     }
 
 
@@ -92,13 +97,14 @@ def model_folder(name: str, work: Path) -> str:
 
 def markdown(results: list[dict]) -> str:
     lines = [
-        "| model | case | step time (s) | samples/s | peak memory per rank (MiB) |",
-        "| --- | --- | --- | --- | --- |",
+        "| model | case | step time (s) | samples/s | peak RSS per rank (MiB) | params held | AdamW state held |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
         lines.append(
-            f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {r['samples_per_s']:.1f} | {peaks} |"
+            f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {r['samples_per_s']:.1f} | {peaks} "
+            f"| {r['param_share']:.3f} | {r['optim_share']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 

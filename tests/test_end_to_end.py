@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import re
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -26,6 +23,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 from configs.cli import format_value, parse_args
 from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
+from tests.launch import offline_env, program_tracebacks, torchrun_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_MODEL = REPO_ROOT / "data" / "tiny-t5"
@@ -50,6 +48,16 @@ EPOCH_KEYS = {
     "peak_memory_bytes",
 }
 CUDA_ONLY_EPOCH_KEYS = {"peak_memory_reserved_bytes"}
+MEMORY_KEYS = {
+    "type",
+    "rank",
+    "load_rss_delta_bytes",
+    "param_numel_local",
+    "param_numel_total",
+    "optim_state_numel_local",
+    "peak_rss_bytes",
+    "cuda_peak_allocated_bytes",
+}
 
 FAIL_FAST_S = 60  # a user error must end every rank within this
 
@@ -72,27 +80,16 @@ class Run:
         )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(*args: str, timeout: float = 300) -> Run:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(NPROC),
-        "--master_port",
-        str(free_port()),
-        "T5_training.py",
-        *args,
-    ]
     start = time.monotonic()
-    result = subprocess.run(command, cwd=REPO_ROOT, timeout=timeout, capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        torchrun_command(list(args), NPROC),
+        cwd=REPO_ROOT,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=offline_env(),
+    )
     return Run(result.returncode, result.stdout, result.stderr, time.monotonic() - start)
 
 
@@ -170,13 +167,46 @@ def test_training_exits_zero(training):
 def test_metrics_records_have_exactly_the_documented_keys(records, run_config):
     on_cuda = str(run_config.get("device", "")).startswith("cuda")
     for record in records:
-        assert record.get("type") in ("step", "epoch"), record
+        assert record.get("type") in ("step", "epoch", "memory"), record
         if record["type"] == "step":
             assert set(record) == STEP_KEYS, record
+        elif record["type"] == "memory":
+            assert set(record) == MEMORY_KEYS, record
         else:
             extra = set(record) - EPOCH_KEYS
             assert EPOCH_KEYS <= set(record), record
             assert extra <= (CUDA_ONLY_EPOCH_KEYS if on_cuda else set()), record
+
+
+def test_memory_account_has_one_record_per_rank_and_full_shard_halves_the_state(records):
+    memory = [r for r in records if r["type"] == "memory"]
+    assert [r["rank"] for r in memory] == list(range(NPROC))
+    for record in memory:
+        total = record["param_numel_total"]
+        # FULL_SHARD on 2 ranks: half the parameters and half of AdamW's two moments (plus padding).
+        assert 0.49 <= record["param_numel_local"] / total <= 0.51, record
+        assert 0.49 <= record["optim_state_numel_local"] / (2 * total) <= 0.51, record
+        assert record["load_rss_delta_bytes"] >= 0 and record["peak_rss_bytes"] > 0
+        assert record["cuda_peak_allocated_bytes"] is None
+
+
+def test_memory_planner_predicts_the_measured_state(records):
+    from scripts.estimate_memory import estimate, load_shape
+
+    predicted = estimate(
+        load_shape(str(EMBEDDED_MODEL)),
+        nproc=NPROC,
+        sharding_strategy="FULL_SHARD",
+        mixed_precision="bf16",
+        activation_checkpointing=True,
+        batch_size=4,
+        max_source_length=512,
+        max_target_length=150,
+    )
+    for record in (r for r in records if r["type"] == "memory"):
+        assert record["param_numel_total"] == predicted.param_numel_total
+        assert abs(record["param_numel_local"] / predicted.param_numel_local - 1) < 0.15
+        assert abs(record["optim_state_numel_local"] / (2 * predicted.param_numel_local) - 1) < 0.15
 
 
 def test_step_numbers_are_global_and_consecutive(records):
@@ -187,7 +217,7 @@ def test_step_numbers_are_global_and_consecutive(records):
 
 def test_records_are_in_order(records):
     # Each epoch's steps come before its epoch record, which comes before the next epoch's steps.
-    order = [(r["epoch"], 0 if r["type"] == "step" else 1) for r in records]
+    order = [(r["epoch"], 0 if r["type"] == "step" else 1) for r in records if r["type"] != "memory"]
     assert order == sorted(order)
     assert [r["epoch"] for r in epochs_of(records)] == list(range(1, EPOCHS + 1))
 
@@ -293,20 +323,6 @@ def test_progress_is_logged_by_rank_zero_only_once(finished):
 
 
 # ------------------------------------------------------------------------------------------ bad inputs
-
-
-def program_tracebacks(output: str) -> list[str]:
-    """Python tracebacks in the output, except torchrun's own report that a child exited non-zero.
-
-    torchrun (the launcher, not this program) always ends with a ChildFailedError traceback when a rank
-    exits non-zero; the program's ranks must print none for a user error.
-    """
-    found = []
-    for block in output.split("Traceback (most recent call last):")[1:]:
-        exception_line = next((line for line in block.splitlines() if line and not line[0].isspace()), "")
-        if not exception_line.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError"):
-            found.append("Traceback (most recent call last):" + block[:2000])
-    return found
 
 
 def check_user_error(run: Run, phrase: str) -> str:

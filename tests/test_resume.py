@@ -14,9 +14,7 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +32,7 @@ from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration, T5
 from configs.fsdp import FSDPConfig
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
+from tests.launch import offline_env, program_tracebacks, torchrun_command
 from utils.environment import DistInfo
 from utils.fsdp_setup import wrap_model
 from utils.train_checkpoint import (
@@ -93,30 +92,6 @@ class Run:
         return f"exit {self.returncode} after {self.seconds:.1f} s\n--- output (tail)\n{tail}"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun_command(args: list[str], nproc: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        "T5_training.py",
-        *args,
-    ]
-
-
-def run_env() -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-
-
 def torchrun(*args: str, nproc: int = NPROC, timeout: float = RUN_TIMEOUT_S) -> Run:
     start = time.monotonic()
     result = subprocess.run(
@@ -126,7 +101,7 @@ def torchrun(*args: str, nproc: int = NPROC, timeout: float = RUN_TIMEOUT_S) -> 
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=run_env(),
+        env=offline_env(),
     )
     return Run(result.returncode, result.stdout, time.monotonic() - start)
 
@@ -139,7 +114,11 @@ class Background:
         self.log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in finish()
         self.start = time.monotonic()
         self.proc = subprocess.Popen(
-            torchrun_command(args, nproc), cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=run_env()
+            torchrun_command(args, nproc),
+            cwd=REPO_ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=offline_env(),
         )
 
     def wait_for(self, condition, what: str, timeout: float = 120) -> None:
@@ -664,16 +643,6 @@ def test_hf_model_loads_and_equals_the_last_full_checkpoint(resumed_full):
 
 
 # ------------------------------------------------------------------------------------ 7. bad inputs
-
-
-def program_tracebacks(output: str) -> list[str]:
-    """Tracebacks in the output except torchrun's own ChildFailedError report of a non-zero exit."""
-    found = []
-    for block in output.split("Traceback (most recent call last):")[1:]:
-        exception_line = next((line for line in block.splitlines() if line and not line[0].isspace()), "")
-        if not exception_line.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError"):
-            found.append("Traceback (most recent call last):" + block[:2000])
-    return found
 
 
 def _data_dir(tmp_path: Path, csv_text: str) -> Path:
