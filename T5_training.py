@@ -101,7 +101,9 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
     precision = choose_precision(fsdp_config, info.device)
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
 
-    on_meta = fsdp_config.cpu_ram_efficient_loading and fsdp_config.fsdp_version == 2 and not info.is_main
+    # Rank-0-only loading: FSDP2 broadcasts rank 0's loaded model after sharding (the others build on meta);
+    # FSDP1 materialises every rank's meta model unit by unit from rank 0's reads of the weight files.
+    on_meta = fsdp_config.cpu_ram_efficient_loading and (fsdp_config.fsdp_version == 1 or not info.is_main)
     reset_peak_rss()
     rss_before = current_rss_bytes()
     model, tokenizer = load_model_and_tokenizer(train_config.model_name, on_meta=on_meta)
@@ -109,13 +111,12 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
     param_numel_total = sum(p.numel() for p in model.parameters())  # tied weights counted once
     model_config = model.config
     resume_state = read_train_state(resume_from) if resume_from and os.path.isdir(resume_from) else None
-    if (
-        resume_from
-        and not on_meta
-        and (resume_state is None or resume_state["checkpoint_type"] == "FULL_STATE_DICT")
-    ):
+    weights_source = train_config.model_name
+    if resume_from and (resume_state is None or resume_state["checkpoint_type"] == "FULL_STATE_DICT"):
         # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
-        load_full_model_weights(model, resume_from)
+        weights_source = resume_from
+        if not on_meta:
+            load_full_model_weights(model, resume_from)
     train_set = build_dataset(tokenizer, "train", train_config.num_train_samples, train_config, info.world_size)
     train_sampler = train_sampler_for(train_set, info.rank, info.world_size, train_config.seed)
     loader_args = dict(
@@ -134,7 +135,7 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
         "samples: train %d, validation %s", len(train_set), len(val_loader.dataset) if val_loader else "-"
     )
 
-    model = wrap_model(model, fsdp_config, info.device, precision)
+    model = wrap_model(model, fsdp_config, info.device, precision, weights_source)
     log_fsdp_layout(model, precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_config.lr, weight_decay=train_config.weight_decay)
     scheduler = StepLR(optimizer, step_size=1, gamma=train_config.gamma)

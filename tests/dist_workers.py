@@ -78,13 +78,17 @@ def reference_run(steps: int, world_size: int) -> tuple[list[float], dict]:
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def fsdp_run(config: FSDPConfig, rank: int, world_size: int, steps: int, precision: str = FP32):
+def fsdp_run(
+    config: FSDPConfig, rank: int, world_size: int, steps: int, precision: str = FP32, weights_file: str = ""
+):
     """Per-step reported losses of train_step under FSDP, and the final full state dict (rank 0).
 
-    With rank-0-only loading, the other ranks start from a meta-device skeleton and get rank 0's weights.
+    With rank-0-only loading the ranks start from a meta-device skeleton: FSDP2's ranks but 0 (rank 0's
+    weights are broadcast), FSDP1's every rank (rank 0 reads `weights_file`, a .pt of tiny_t5()'s weights).
     """
-    skeleton = config.cpu_ram_efficient_loading and rank != 0
-    model = wrap_model(tiny_t5(on_meta=skeleton), config, CPU, precision)
+    efficient = config.cpu_ram_efficient_loading
+    skeleton = efficient and (config.fsdp_version == 1 or rank != 0)
+    model = wrap_model(tiny_t5(on_meta=skeleton), config, CPU, precision, weights_source=weights_file)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     records: list[dict] = []
     step_log = StepLog(every=steps, on_flush=records.extend)
@@ -112,6 +116,7 @@ PARITY_VARIANTS = {
     "_HYBRID_SHARD_ZERO2 (1x2 mesh)": {"sharding_strategy": ShardingStrategy._HYBRID_SHARD_ZERO2},
     "forward_prefetch": {"forward_prefetch": True},
     "use_orig_params": {"use_orig_params": True},
+    "rank-0-only loading": {"cpu_ram_efficient_loading": True},
 }
 
 
@@ -159,12 +164,14 @@ def _fsdp_config(overrides: dict) -> FSDPConfig:
     return dataclasses.replace(base, **overrides)
 
 
-def parity_worker(rank: int, world_size: int, steps: int, variant_set: str = "fsdp1") -> dict:
+def parity_worker(
+    rank: int, world_size: int, steps: int, variant_set: str = "fsdp1", weights_file: str = ""
+) -> dict:
     """Losses and final weights of every variant; the unsharded reference on rank 0."""
     out = {"losses": {}, "max_param_diff": {}}
     reference_losses, reference_state = reference_run(steps, world_size) if rank == 0 else (None, None)
     for name, overrides in VARIANT_SETS[variant_set].items():
-        losses, state = fsdp_run(_fsdp_config(overrides), rank, world_size, steps)
+        losses, state = fsdp_run(_fsdp_config(overrides), rank, world_size, steps, weights_file=weights_file)
         out["losses"][name] = losses
         if rank == 0:
             out["max_param_diff"][name] = max(
@@ -323,17 +330,32 @@ def bf16_worker(rank: int, world_size: int, steps: int) -> dict:
     }
 
 
-def rank0_loading_worker(rank: int, world_size: int) -> dict:
-    """Rank 0 holds a trained-looking model, the others a meta skeleton; after wrapping, compare weights."""
-    config = _fsdp_config({"fsdp_version": 2, "cpu_ram_efficient_loading": True})
-    reference = tiny_t5(seed=123)  # what rank 0 "loaded"
-    model = wrap_model(tiny_t5(seed=123) if rank == 0 else tiny_t5(on_meta=True), config, CPU, FP32)
+def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> dict:
+    """Only rank 0 has the weights (FSDP2: in its model; FSDP1: in the embedded model's safetensors file,
+    every rank on meta); after wrapping, every rank's full state dict must equal them."""
+    config = _fsdp_config({"fsdp_version": fsdp_version, "cpu_ram_efficient_loading": True})
+    if fsdp_version == 2:
+        reference = tiny_t5(seed=123)  # what rank 0 "loaded"
+        model = wrap_model(tiny_t5(seed=123) if rank == 0 else tiny_t5(on_meta=True), config, CPU, FP32)
+    else:
+        reference = T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR)
+        model = wrap_model(tiny_t5(on_meta=True), config, CPU, FP32, weights_source=EMBEDDED_MODEL_DIR)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {
         "max_diff": max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
         "keys_equal": sorted(full) == sorted(reference.state_dict()),
-        "tied": model.lm_head.weight is model.shared.weight,
+        "tied": _lm_head_is_shared(model),
         "any_meta": any(p.is_meta for p in model.parameters()),
     }
+
+
+def _lm_head_is_shared(model) -> bool:
+    """One parameter behind lm_head and shared: FSDP2 keeps the modules, FSDP1 flattens them (one view
+    each, of the same flat-parameter slice when the tie survived)."""
+    inner = getattr(model, "module", model)
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model):
+            return inner.lm_head.weight.data_ptr() == inner.shared.weight.data_ptr()
+    return inner.lm_head.weight is inner.shared.weight

@@ -1,7 +1,6 @@
 """FSDP2 (fully_shard) against the unsharded reference and against FSDP1, on a 2-process gloo CPU group."""
 
 import pytest
-import torch
 from torch.distributed.fsdp import BackwardPrefetch
 
 from tests.dist_harness import run_ranks
@@ -58,8 +57,9 @@ def test_fsdp2_full_state_checkpoint_loads_strict_into_a_plain_model(tmp_path):
     assert rank0["max_logit_diff"] <= 1e-5 * max(1.0, rank0["logit_scale"])
 
 
-def test_rank0_only_loading_gives_every_rank_rank0s_weights():
-    for result in run_ranks(rank0_loading_worker):
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_rank0_only_loading_gives_every_rank_rank0s_weights(fsdp_version):
+    for result in run_ranks(rank0_loading_worker, fsdp_version):
         assert result["keys_equal"] and result["max_diff"] == 0.0
         assert result["tied"], "lm_head and shared must stay one parameter"
         assert not result["any_meta"]
@@ -80,14 +80,6 @@ def test_settings_without_fsdp2_meaning_are_refused(settings, phrase):
     with pytest.raises(ConfigError, match=phrase):
         check_fsdp2_settings(**{**arguments, **settings})
     check_fsdp2_settings(**arguments)  # the defaults are accepted
-
-
-def test_rank0_only_loading_with_fsdp1_is_refused_with_a_pointer_to_fsdp2():
-    from configs.fsdp import FSDPConfig
-    from utils.fsdp_setup import wrap_model
-
-    with pytest.raises(ConfigError, match="--fsdp_version 2"):
-        wrap_model(None, FSDPConfig(cpu_ram_efficient_loading=True), torch.device("cpu"), "fp32_policy")
 
 
 CROSS_ARGS = [

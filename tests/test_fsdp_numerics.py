@@ -4,6 +4,7 @@ checkpoint round trip, and the reported losses. fp32, dropout off, so difference
 import math
 
 import pytest
+import torch
 
 from policies.mixed_precision import select_policy_name
 from tests.dist_harness import run_ranks
@@ -13,6 +14,7 @@ from tests.dist_workers import (
     parity_worker,
     precision_worker,
     structure_worker,
+    tiny_t5,
     validation_worker,
 )
 from utils.environment import bf16_supported
@@ -26,8 +28,11 @@ def relative_diff(a: float, b: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def parity():
-    return run_ranks(parity_worker, STEPS)
+def parity(tmp_path_factory):
+    # The reference's initial weights as a file, for FSDP1's rank-0-only loading (rank 0 reads it).
+    weights = tmp_path_factory.mktemp("weights") / "init.pt"
+    torch.save(tiny_t5().state_dict(), weights)
+    return run_ranks(parity_worker, STEPS, "fsdp1", str(weights))
 
 
 def test_every_strategy_matches_the_unsharded_reference_step_by_step(parity):

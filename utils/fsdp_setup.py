@@ -28,6 +28,7 @@ from utils.fsdp2_setup import (
     to_fsdp2_policy,
 )
 from utils.logging_utils import get_logger
+from utils.rank0_loading import Rank0Materializer, weight_reader
 
 
 def check_hybrid_group(sharding_strategy: ShardingStrategy, shard_group_size: int) -> None:
@@ -75,6 +76,7 @@ def apply_fsdp(
     use_orig_params: bool = False,
     sync_module_states: bool = False,
     cpu_offload: bool = False,
+    param_init_fn=None,
 ) -> FSDP:
     """Shard `model` (on CPU, unwrapped) over the default process group. Collective: every rank calls it.
 
@@ -99,6 +101,7 @@ def apply_fsdp(
         use_orig_params=use_orig_params,
         sync_module_states=sync_module_states,
         cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
+        param_init_fn=param_init_fn,
     )
 
 
@@ -116,21 +119,26 @@ def choose_precision(fsdp_config: FSDPConfig, device: torch.device) -> str:
     return name
 
 
-def wrap_model(model, fsdp_config: FSDPConfig, device: torch.device, precision: str):
-    """Shard `model` with the configured backend. Collective: every rank calls it."""
-    if fsdp_config.cpu_ram_efficient_loading and fsdp_config.fsdp_version == 1:
-        raise ConfigError(
-            "--cpu_ram_efficient_loading true is implemented for --fsdp_version 2 only so far "
-            "(FSDP1 refuses sync_module_states on CPU); use --fsdp_version 2"
-        )
+def wrap_model(model, fsdp_config: FSDPConfig, device: torch.device, precision: str, weights_source: str = ""):
+    """Shard `model` with the configured backend. Collective: every rank calls it.
+
+    With cpu_ram_efficient_loading and FSDP1, every rank's model is on the meta device and rank 0 reads the
+    weights unit by unit from `weights_source` (a pretrained model or a full .pt / checkpoint).
+    """
     check_device_settings(fsdp_config, device)
     if fsdp_config.fsdp_version == 2:
         return wrap_model_fsdp2(model, fsdp_config, device, precision)
-    return wrap_model_fsdp1(model, fsdp_config, device, precision)
+    return wrap_model_fsdp1(model, fsdp_config, device, precision, weights_source)
 
 
-def wrap_model_fsdp1(model, fsdp_config: FSDPConfig, device: torch.device, precision: str):
+def wrap_model_fsdp1(
+    model, fsdp_config: FSDPConfig, device: torch.device, precision: str, weights_source: str = ""
+):
     """FSDP units per the wrap policy, then activation checkpointing of the T5Blocks inside them."""
+    param_init_fn = None
+    if fsdp_config.cpu_ram_efficient_loading:
+        read, available = weight_reader(weights_source) if dist.get_rank() == 0 else (None, set())
+        param_init_fn = Rank0Materializer(model, device, read, available)
     model = apply_fsdp(
         model,
         device=device,
@@ -144,6 +152,7 @@ def wrap_model_fsdp1(model, fsdp_config: FSDPConfig, device: torch.device, preci
         use_orig_params=fsdp_config.use_orig_params,
         sync_module_states=fsdp_config.sync_module_states,
         cpu_offload=fsdp_config.fsdp_cpu_offload,
+        param_init_fn=param_init_fn,
     )
     if fsdp_config.fsdp_activation_checkpointing:
         apply_fsdp_checkpointing(model)

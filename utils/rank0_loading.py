@@ -1,0 +1,117 @@
+"""Rank-0-only loading for FSDP1 on any device: every rank builds the model on the meta device, and FSDP1
+materialises it unit by unit with rank 0's weights.
+
+FSDP1 calls `param_init_fn(module)` for each module of a unit that still has meta parameters, just before
+it flattens and shards that unit, in the same order on every rank. Here that function allocates the
+module's own parameters, lets rank 0 read just those tensors from the pretrained safetensors file, and
+broadcasts them. No rank ever holds more than one unit it does not keep (rank 0 included: it reads tensors
+by name, not the whole file), and FSDP1's `sync_module_states`, which it refuses for CPU tensors (PITFALLS
+item 16), is not needed. A memo keeps tied weights (T5's `shared`, `embed_tokens`, `lm_head`) one
+parameter.
+"""
+
+import json
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+from transformers.utils import cached_file
+
+from utils.errors import ConfigError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class SafetensorsReader:
+    """Reads single tensors by name from a model's safetensors file(s), without loading the rest."""
+
+    def __init__(self, model_name: str):
+        self.files = _weight_files(model_name)
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        with safe_open(self.files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def _weight_files(model_name: str) -> dict[str, str]:
+    """{tensor name: file} of a local folder or hub model stored as safetensors (single file or shards)."""
+    index = cached_file(model_name, INDEX_FILE, _raise_exceptions_for_missing_entries=False)
+    if index is not None:
+        folder = os.path.dirname(index)
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+    single = cached_file(model_name, SINGLE_FILE, _raise_exceptions_for_missing_entries=False)
+    if single is None:
+        raise ConfigError(
+            f"{model_name!r} has no {SINGLE_FILE} (only PyTorch .bin weights?): rank-0-only loading with FSDP1 "
+            "reads safetensors. Re-save the model with save_pretrained, or use --fsdp_version 2."
+        )
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def weight_reader(source: str) -> tuple[Callable[[str], torch.Tensor], set[str]]:
+    """(read tensor by name, available names) for a pretrained model, a full .pt, or a full checkpoint."""
+    file = os.path.join(source, "model.pt") if os.path.isfile(os.path.join(source, "model.pt")) else source
+    if file.endswith(".pt"):
+        # mmap: tensors are paged in as they are read, so rank 0 does not hold the whole file at once.
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        return state.__getitem__, set(state)
+    reader = SafetensorsReader(source)
+    return reader, reader.names()
+
+
+class Rank0Materializer:
+    """FSDP1 `param_init_fn`: allocate a meta module's own tensors on `device`, filled with rank 0's values.
+
+    Collective: every rank must be called for the same modules in the same order (FSDP1 guarantees it: its
+    traversal depends only on the module structure). `read` (rank 0 only) returns a tensor by name.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        read: Callable[[str], torch.Tensor] | None,
+        available: set[str],
+    ):
+        # Every name of every parameter: a tied weight has several and the file may hold any one of them.
+        self.aliases: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            self.aliases.setdefault(id(param), []).append(name)
+        self.buffer_names = {id(b): name for name, b in model.named_buffers(remove_duplicate=False)}
+        self.device, self.read, self.available = device, read, available
+        self.materialized: dict[int, torch.Tensor] = {}
+        self.is_rank0 = dist.get_rank() == 0
+
+    def _filled(self, meta: torch.Tensor, names: list[str]) -> torch.Tensor:
+        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        if self.is_rank0:
+            stored = next((name for name in names if name in self.available), None)
+            if stored is None:
+                raise ConfigError(f"the pretrained weights have none of {names}: another model?")
+            tensor.copy_(self.read(stored))
+        dist.broadcast(tensor, src=0)
+        return tensor
+
+    def __call__(self, module: nn.Module) -> None:
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in self.materialized:
+                if not param.is_meta:
+                    continue
+                filled = self._filled(param, self.aliases[id(param)])
+                self.materialized[id(param)] = nn.Parameter(filled, requires_grad=param.requires_grad)
+            module._parameters[name] = self.materialized[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = self._filled(buffer, [self.buffer_names.get(id(buffer), name)])
