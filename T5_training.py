@@ -6,7 +6,6 @@ Every field of configs/training.py and configs/fsdp.py is a flag; `--help` lists
 it trains the embedded tiny T5 on the embedded WikiHow sample (offline, CPU or GPU).
 """
 
-import functools
 import os
 import sys
 import time
@@ -23,26 +22,20 @@ from configs.cli import parse_args
 from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
 from summarization_dataset import check_csv_header, require_csv
-from utils.data_loading import PaddedEvalSampler, build_dataset, build_loader, train_sampler_for
 from utils.environment import destroy_distributed, init_distributed, launcher_ranks
 from utils.errors import ConfigError, UserError
 from utils.fsdp_setup import choose_precision, log_fsdp_layout, wrap_model
 from utils.hf_export import export_hf_model
 from utils.logging_utils import get_logger, setup_logging
-from utils.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from utils.memory_account import memory_records
-from utils.metrics import MetricsWriter, run_record, truncate_metrics_for_resume, write_json_atomic
-from utils.model_builder import load_model_and_tokenizer
 from utils.preemption import StopRequest
+from utils.run_setup import build_loaders, checkpoint_writer, load_model_for_run, open_metrics, write_run_config
 from utils.train_checkpoint import (
     LOAD_ERRORS,
     TrainProgress,
     complete_checkpoints,
-    load_full_model_weights,
     load_training_state,
-    read_train_state,
     resolve_resume_path,
-    save_training_checkpoint,
 )
 from utils.trainer import LoopSettings, fit
 
@@ -93,6 +86,7 @@ def choose_start(resume: str, output_dir: str) -> str | None:
 
 
 def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
+    """config -> model + tokenizer -> loaders -> FSDP model -> train/validate -> checkpoints, metrics, export."""
     info = init_distributed(train_config.device, train_config.dist_timeout_s)
     torch.manual_seed(train_config.seed)
     output_dir = train_config.output_dir
@@ -101,48 +95,17 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
     precision = choose_precision(fsdp_config, info.device)
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
 
-    # Rank-0-only loading: FSDP2 broadcasts rank 0's loaded model after sharding (the others build on meta);
-    # FSDP1 materialises every rank's meta model unit by unit from rank 0's reads of the weight files.
-    on_meta = fsdp_config.cpu_ram_efficient_loading and (fsdp_config.fsdp_version == 1 or not info.is_main)
-    reset_peak_rss()
-    rss_before = current_rss_bytes()
-    model, tokenizer = load_model_and_tokenizer(train_config.model_name, on_meta=on_meta)
-    load_rss_delta = peak_rss_bytes() - rss_before  # what building/loading the model cost this rank
-    param_numel_total = sum(p.numel() for p in model.parameters())  # tied weights counted once
-    model_config = model.config
-    resume_state = read_train_state(resume_from) if resume_from and os.path.isdir(resume_from) else None
-    weights_source = train_config.model_name
-    if resume_from and (resume_state is None or resume_state["checkpoint_type"] == "FULL_STATE_DICT"):
-        # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
-        weights_source = resume_from
-        if not on_meta:
-            load_full_model_weights(model, resume_from)
-    train_set = build_dataset(tokenizer, "train", train_config.num_train_samples, train_config, info.world_size)
-    train_sampler = train_sampler_for(train_set, info.rank, info.world_size, train_config.seed)
-    loader_args = dict(
-        pad_token_id=tokenizer.pad_token_id, num_workers=train_config.num_workers_dataloader, device=info.device
-    )
-    train_loader = build_loader(train_set, train_sampler, train_config.batch_size_training, **loader_args)
-    val_loader, val_num_real = None, 0
-    if train_config.run_validation:
-        val_set = build_dataset(
-            tokenizer, "validation", train_config.num_val_samples, train_config, info.world_size
-        )
-        val_sampler = PaddedEvalSampler(len(val_set), info.rank, info.world_size)
-        val_loader = build_loader(val_set, val_sampler, train_config.val_batch_size, **loader_args)
-        val_num_real = val_sampler.num_real_samples
-    get_logger().info(
-        "samples: train %d, validation %s", len(train_set), len(val_loader.dataset) if val_loader else "-"
-    )
-
-    model = wrap_model(model, fsdp_config, info.device, precision, weights_source)
+    loaded = load_model_for_run(train_config.model_name, fsdp_config, info.is_main, resume_from)
+    model_config, tokenizer = loaded.model.config, loaded.tokenizer
+    loaders = build_loaders(tokenizer, train_config, info)
+    model = wrap_model(loaded.model, fsdp_config, info.device, precision, loaded.weights_source)
     log_fsdp_layout(model, precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_config.lr, weight_decay=train_config.weight_decay)
     scheduler = StepLR(optimizer, step_size=1, gamma=train_config.gamma)
     # fp16 gradients underflow without loss scaling; the sharded scaler agrees on inf/NaN across ranks.
     scaler = ShardedGradScaler(device=info.device.type) if precision == "fpSixteen" else None
     progress = TrainProgress()
-    if resume_state is not None:
+    if loaded.resume_state is not None:
         progress = load_training_state(
             resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, info=info
         )
@@ -150,22 +113,9 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
     elif resume_from:
         get_logger().info("started from the weights of %s (new optimizer, epoch 1)", resume_from)
 
-    metrics_path = os.path.join(output_dir, "metrics.jsonl")
-    if info.is_main and resume_state is not None:
-        truncate_metrics_for_resume(metrics_path, progress.global_step, progress.epoch)
-    metrics = MetricsWriter(metrics_path, enabled=info.is_main, append=resume_state is not None)
+    metrics = open_metrics(output_dir, info.is_main, progress if loaded.resume_state is not None else None)
     try:
-        if info.is_main:
-            record = run_record(
-                train_config,
-                fsdp_config,
-                world_size=info.world_size,
-                backend=info.backend,
-                device=str(info.device),
-                precision=precision,
-            )
-            record["resumed_from"] = resume_from
-            write_json_atomic(os.path.join(output_dir, "config.json"), record)
+        write_run_config(train_config, fsdp_config, info, precision, resume_from)
         settings = LoopSettings(
             epochs=train_config.epochs,
             batch_size=train_config.batch_size_training,
@@ -176,30 +126,25 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
             output_dir=output_dir,
             run_id=datetime.now().strftime("%Y%m%d-%H%M%S"),
         )
-        save_checkpoint = None
-        if train_config.keep_last_n > 0:
-            save_checkpoint = functools.partial(
-                save_training_checkpoint,
-                output_dir=output_dir,
-                checkpoint_type=fsdp_config.checkpoint_type,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                scaler=scaler,
-                model_config=model_config,
-                tokenizer=tokenizer,
-                save_optimizer=fsdp_config.save_optimizer,
-                keep_last_n=train_config.keep_last_n,
-                info=info,
-            )
+        save_checkpoint = checkpoint_writer(
+            train_config,
+            fsdp_config,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            model_config=model_config,
+            tokenizer=tokenizer,
+            info=info,
+        )
 
         def write_memory_account() -> None:
             for record in memory_records(
                 model,
                 optimizer,
                 device=info.device,
-                load_rss_delta_bytes=load_rss_delta,
-                param_numel_total=param_numel_total,
+                load_rss_delta_bytes=loaded.load_rss_delta_bytes,
+                param_numel_total=loaded.param_numel_total,
             ):
                 metrics.write(record)
 
@@ -209,10 +154,10 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
                 optimizer,
                 scheduler,
                 scaler,
-                train_loader=train_loader,
-                train_sampler=train_sampler,
-                val_loader=val_loader,
-                val_num_real_samples=val_num_real,
+                train_loader=loaders.train,
+                train_sampler=loaders.train_sampler,
+                val_loader=loaders.val,
+                val_num_real_samples=loaders.val_num_real_samples,
                 info=info,
                 settings=settings,
                 metrics=metrics,
