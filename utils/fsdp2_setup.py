@@ -29,7 +29,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffloadPolicy,
-    FSDPModule,
     MixedPrecision,
     MixedPrecisionPolicy,
     ShardingStrategy,
@@ -166,7 +165,3 @@ def broadcast_rank0_weights(model: nn.Module, rank0_state: dict, device: torch.d
     set_model_state_dict(
         model, rank0_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )
-
-
-def is_fsdp2(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)

@@ -9,9 +9,9 @@ import shutil
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import T5ForConditionalGeneration
 
+from utils.checkpointing import gather_full_state_dict
 from utils.environment import DistInfo
 from utils.logging_utils import get_logger
 
@@ -40,10 +40,7 @@ def write_hf_folder(state_dict: dict, model_config, tokenizer, folder: str) -> N
 
 def export_hf_model(model: nn.Module, model_config, tokenizer, output_dir: str, info: DistInfo) -> str | None:
     """Gather the full model (collective) and write output_dir/hf_model on rank 0. Returns its path there."""
-    # cpu_offload streams each unit to host memory (rank 0 only); on a CPU group it would crash FSDP1
-    # (PITFALLS item 1) and the tensors already are in host memory.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=info.device.type == "cuda")
-    state = get_model_state_dict(model, options=options)
+    state = gather_full_state_dict(model, info.device)
     if not info.is_main:
         return None
     folder = os.path.join(output_dir, HF_DIR)
