@@ -3,7 +3,7 @@
 The Advanced FSDP tutorial loads WikiHow with ``nlp.load_dataset('wikihow', 'all', data_dir='data/')``.
 That package (2020, superseded by ``datasets``) downloads the builder script and the split lists at run
 time, and ``datasets`` >= 4 refuses dataset scripts altogether, so neither works offline or today
-(PITFALLS 11). This module re-implements what that builder (TFDS ``wikihow``, version 1.2.0, config
+(docs/pitfalls.md #11). This module re-implements what that builder (TFDS ``wikihow``, version 1.2.0, config
 'all') does, on the same two inputs, so the splits and texts are the published ones:
 
 * ``data_dir/wikihowAll.csv``, the authors' file. Its header must be exactly ``headline,title,text``.
@@ -32,6 +32,7 @@ import hashlib
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -40,15 +41,14 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
 from utils.errors import ConfigError, DataError, DataFileNotFoundError
-from utils.logging_utils import get_logger
+from utils.observe.log import get_logger
+from utils.paths import EMBEDDED_DATA_DIR
 
 CSV_NAME = "wikihowAll.csv"
 EXPECTED_HEADER = ["headline", "title", "text"]
 # Split name -> the authors' list of titles for it (names as the builder and the tutorial use them).
 SPLIT_FILES = {"train": "all_train.txt", "validation": "all_val.txt", "test": "all_test.txt"}
 CSV_SOURCE_URL = "https://ucsb.app.box.com/s/ap23l8gafpezf4tq3wapr6u8241zz358"
-# The small embedded sample shipped with the project, so that a run works without the 600 MB download.
-DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data" / "sample"
 
 # Some articles are longer than csv's default field limit of 131,072 characters. 2**31 - 1 fits the C
 # long of every platform (sys.maxsize overflows it on Windows).
@@ -228,11 +228,22 @@ def clean_text(text: str) -> str:
     return _SPACES.sub(" ", text).strip()
 
 
+@dataclass(frozen=True)
+class WikihowOptions:
+    """What the tutorial's Dataset did not have: where the data is, the source prefix, dynamic padding."""
+
+    data_dir: str | os.PathLike = EMBEDDED_DATA_DIR
+    source_prefix: str = ""  # put before every article ("summarize: " for pretrained T5 checkpoints)
+    pad_to_max_length: bool = True  # the tutorial's fixed shapes; False pads each batch in pad_collate
+    print_text: bool = False  # log every source text as it is tokenized (debug)
+
+
 class wikihow(Dataset):  # noqa: N801 - the tutorial's name, kept so that its code reads the same
     """WikiHow split as the tutorial's items: 1-D int64 source_ids/source_mask/target_ids/target_mask.
 
     Source is ``source_prefix + clean_text(text)``, target ``clean_text(headline)``. Items are tokenised
-    lazily in ``__getitem__`` (cheap, and start-up does not tokenise 157k articles).
+    lazily in ``__getitem__`` (cheap, and start-up does not tokenise 157k articles). The first five
+    arguments are the tutorial's; its ``print_text`` moved into ``options``.
     """
 
     def __init__(
@@ -242,27 +253,24 @@ class wikihow(Dataset):  # noqa: N801 - the tutorial's name, kept so that its co
         num_samples: int | None,
         input_length: int,
         output_length: int,
-        print_text: bool = False,
-        *,
-        data_dir: str | os.PathLike = DEFAULT_DATA_DIR,
-        source_prefix: str = "",
-        pad_to_max_length: bool = True,
+        options: WikihowOptions | None = None,
     ) -> None:
+        options = options or WikihowOptions()
         if num_samples is not None and num_samples < 1:
             raise ConfigError(f"num_samples must be None (all) or at least 1, got {num_samples}.")
         for name, length in (("input_length", input_length), ("output_length", output_length)):
             if length < 1:
                 raise ConfigError(f"{name} must be at least 1, got {length}.")
-        self.dataset = self._select(load_wikihow(data_dir, type_path), num_samples, type_path)
+        self.dataset = self._select(load_wikihow(options.data_dir, type_path), num_samples, type_path)
         # Plain lists: indexing them is much cheaper than DataFrame.iloc in every __getitem__.
         self._texts: list[str] = self.dataset["text"].tolist()
         self._headlines: list[str] = self.dataset["headline"].tolist()
         self.tokenizer = tokenizer
         self.input_length = input_length
         self.output_length = output_length
-        self.print_text = print_text
-        self.source_prefix = source_prefix
-        self.pad_to_max_length = pad_to_max_length
+        self.print_text = options.print_text
+        self.source_prefix = options.source_prefix
+        self.pad_to_max_length = options.pad_to_max_length
 
     @staticmethod
     def _select(frame: pd.DataFrame, num_samples: int | None, split: str) -> pd.DataFrame:
@@ -286,7 +294,7 @@ class wikihow(Dataset):  # noqa: N801 - the tutorial's name, kept so that its co
         return clean_text(text)
 
     def _encode(self, text: str, max_length: int) -> dict[str, torch.Tensor]:
-        # Called directly: transformers 5 removed batch_encode_plus (PITFALLS 9). T5's tokenizer appends
+        # Called directly: transformers 5 removed batch_encode_plus (docs/pitfalls.md #9). T5's tokenizer appends
         # </s> itself, also after truncation.
         encoded = self.tokenizer(
             text,
@@ -338,6 +346,6 @@ def labels_for_loss(target_ids: torch.Tensor, target_mask: torch.Tensor) -> torc
     """A copy of target_ids with -100 (ignored by the loss) wherever target_mask is 0.
 
     Padding must never count in the loss, or the model learns to predict padding and the loss reads too
-    low (PITFALLS 8). T5 shifts the labels right itself to make the decoder inputs.
+    low (docs/pitfalls.md #8). T5 shifts the labels right itself to make the decoder inputs.
     """
     return target_ids.long().masked_fill(target_mask == 0, -100)

@@ -218,14 +218,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, FSDPConfig]:
         overrides[section][name] = parse_value(specs[dest], text)
     train_config = replace(TrainConfig(), **overrides["train"])
     fsdp_config = replace(FSDPConfig(), **overrides["fsdp"])
-    check_combinations(train_config, fsdp_config)
     return train_config, fsdp_config
-
-
-def check_combinations(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
-    """Settings that are valid alone but not together."""
-    if fsdp_config.use_fp16 and not fsdp_config.mixed_precision:
-        raise ConfigError("--use_fp16 true needs --mixed_precision true (fp16 is a mixed-precision mode)")
 
 
 def config_to_dict(config) -> dict:

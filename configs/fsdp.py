@@ -44,14 +44,16 @@ class FSDPConfig:
         default=ShardingStrategy.FULL_SHARD,
         help=(
             "FULL_SHARD (ZeRO-3: params, grads, optimizer state sharded), SHARD_GRAD_OP (ZeRO-2: params "
-            "kept whole between forward and backward), NO_SHARD (DDP-like)."
+            "kept whole between forward and backward), NO_SHARD (DDP-like), HYBRID_SHARD / "
+            "_HYBRID_SHARD_ZERO2 (FULL_SHARD / SHARD_GRAD_OP within groups of hybrid_shard_group_size "
+            "ranks, replicated across the groups)."
         ),
     )
     backward_prefetch: BackwardPrefetch | None = option(
         default=BackwardPrefetch.BACKWARD_PRE,
         help=(
             "When the next unit's parameters are all-gathered in backward: BACKWARD_PRE (before the current "
-            "unit's gradient computation: fastest, more memory), BACKWARD_POST (after it), NONE."
+            "unit's gradient computation: fastest, more memory), BACKWARD_POST (after it; FSDP1 only), NONE."
         ),
     )
     fsdp_activation_checkpointing: bool = option(
@@ -65,14 +67,16 @@ class FSDPConfig:
         default=True,
         help=(
             "Rate-limit all-gathers so at most two units' full parameters are in flight: bounds memory "
-            "(GPU); turning it off can be faster when memory is plentiful."
+            "(GPU); turning it off can be faster when memory is plentiful. FSDP1 only: FSDP2 manages this "
+            "itself and refuses false."
         ),
     )
     wrap_policy: Literal["transformer", "size_based"] = option(
         default="transformer",
         help=(
             "transformer: each T5Block is one FSDP unit, the shared embedding in the root unit (the "
-            "tutorial's policy). size_based: a unit whenever min_num_params parameters accumulate."
+            "tutorial's policy). size_based: a unit whenever min_num_params parameters accumulate (FSDP1 only; "
+            "modules holding tied weights are never units of their own)."
         ),
     )
     min_num_params: int = option(
@@ -97,9 +101,10 @@ class FSDPConfig:
     cpu_ram_efficient_loading: bool = option(
         default=False,
         help=(
-            "Only rank 0 reads the pretrained weights; the other ranks build the model on the meta device "
-            "and receive the weights by broadcast after sharding (host memory: one model, not one per rank). "
-            "FSDP2 only for now."
+            "Only rank 0 reads the pretrained weights (host memory: one model, not one per rank). FSDP2: "
+            "the other ranks build the model on the meta device and receive rank 0's weights by broadcast "
+            "after sharding. FSDP1: every rank builds on meta and each unit is filled from rank 0's reads "
+            "as it is wrapped (safetensors or a full .pt). CPU and GPU."
         ),
     )
     hybrid_shard_group_size: int = option(

@@ -5,27 +5,23 @@ a laptop CPU. For the tutorial's real setting use `--model_name t5-base --data_d
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from configs.options import option
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-EMBEDDED_MODEL_DIR = str(REPO_ROOT / "data" / "tiny-t5")
-EMBEDDED_DATA_DIR = str(REPO_ROOT / "data" / "sample")
+from utils.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR
 
 
 @dataclass
 class TrainConfig:
     model_name: str = option(
-        default=EMBEDDED_MODEL_DIR,
+        default=str(EMBEDDED_MODEL_DIR),
         help=(
             "Hub name (t5-small, t5-base, t5-large, t5-3b, t5-11b) or local folder for "
             "T5ForConditionalGeneration/T5Tokenizer.from_pretrained. Default: the embedded tiny T5."
         ),
     )
     data_dir: str = option(
-        default=EMBEDDED_DATA_DIR,
+        default=str(EMBEDDED_DATA_DIR),
         help=(
             "Folder with wikihowAll.csv and all_train.txt/all_val.txt/all_test.txt. "
             "Default: the embedded sample; the real data goes in data/ (scripts/download_wikihow.py)."
@@ -33,7 +29,10 @@ class TrainConfig:
     )
     output_dir: str = option(
         default="outputs",
-        help="Where config.json, metrics.jsonl and checkpoints are written.",
+        help=(
+            "Where config.json, metrics.jsonl, checkpoints/, hf_model/ and the --save_model .pt files are "
+            "written (README: What a run leaves)."
+        ),
     )
     device: Literal["auto", "cuda", "cpu"] = option(
         default="auto",
@@ -121,7 +120,7 @@ class TrainConfig:
         default=0,
         help=(
             "Also write a resumable checkpoint every N optimizer steps (0: only at the end of each epoch). "
-            "Format: --checkpoint_type."
+            "Format: --checkpoint_type. Needs --keep_last_n >= 1."
         ),
         minimum=0,
     )

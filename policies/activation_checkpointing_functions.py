@@ -2,7 +2,7 @@
 
 Non-reentrant checkpointing (torch.utils.checkpoint with use_reentrant=False) works with FSDP's hooks and
 with inputs that do not require grad. The old `offload_to_cpu` keyword of checkpoint_wrapper is not accepted
-any more and would be forwarded to T5Block.forward (PITFALLS item 4), so it is not passed. T5 must run with
+any more and would be forwarded to T5Block.forward (docs/pitfalls.md #4), so it is not passed. T5 must run with
 `use_cache=False`, or the recomputed forward saves a different number of tensors and backward fails.
 """
 

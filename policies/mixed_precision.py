@@ -1,12 +1,16 @@
-"""The tutorial's FSDP MixedPrecision policies, and the choice between them.
+"""The tutorial's FSDP MixedPrecision policies, and the one place that chooses between them.
 
 param_dtype is the compute dtype of the gathered parameters, reduce_dtype the dtype of the gradient
 reduce-scatter/all-reduce, buffer_dtype the dtype of buffers (T5 has none that matter). The sharded fp32
-master copy that the optimizer updates is unaffected by all of them.
+master copy that the optimizer updates is unaffected by all of them. A policy is named by its key in
+POLICIES everywhere (config.json, the log); this module alone maps a name to what it implies.
 """
 
 import torch
-from torch.distributed.fsdp import MixedPrecision
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
+from utils.observe.log import get_logger
 
 fpSixteen = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16, buffer_dtype=torch.float16)
 
@@ -27,10 +31,29 @@ POLICIES = {
 }
 
 
-def select_policy_name(mixed_precision: bool, use_fp16: bool, bf16_policy: str, bf16_supported: bool) -> str:
-    """Name of the policy (a key of POLICIES) the config asks for on this hardware.
+def bf16_supported(device: torch.device) -> bool:
+    """Can this device compute in bf16 and its backend reduce bf16 tensors?
 
-    bf16 that the hardware cannot do falls back to fp32 (the tutorial's behaviour); the caller warns.
+    Replaces the tutorial's check, which imported pkg_resources (gone from recent setuptools) and read
+    torch.version.cuda (None on CPU builds; docs/pitfalls.md #6). On CUDA: the GPU supports bf16 (Ampere or
+    newer) and NCCL is 2.10+, the first with bf16 reductions. On CPU: torch computes bf16 on any x86/ARM CPU
+    (natively with AVX512-BF16/AMX, emulated and slower otherwise) and gloo reduces bf16, so a tiny bf16
+    matmul is the test.
+    """
+    if device.type == "cuda":
+        nccl_ok = dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+        return bool(torch.cuda.is_bf16_supported() and nccl_ok)
+    try:
+        probe = torch.ones(2, 2, dtype=torch.bfloat16)
+        return bool((probe @ probe).eq(2).all())
+    except RuntimeError:
+        return False
+
+
+def select_policy_name(mixed_precision: bool, use_fp16: bool, bf16_policy: str, bf16_ok: bool) -> str:
+    """Name of the policy (a key of POLICIES) the config asks for on hardware where bf16 is `bf16_ok`.
+
+    bf16 that the hardware cannot do falls back to fp32 (the tutorial's behaviour).
     """
     if bf16_policy not in ("bfSixteen", "bfSixteen_working"):
         raise ValueError(f"bf16_policy must be bfSixteen or bfSixteen_working, not {bf16_policy!r}")
@@ -38,4 +61,24 @@ def select_policy_name(mixed_precision: bool, use_fp16: bool, bf16_policy: str, 
         return "fp32_policy"
     if use_fp16:
         return "fpSixteen"
-    return bf16_policy if bf16_supported else "fp32_policy"
+    return bf16_policy if bf16_ok else "fp32_policy"
+
+
+def choose_precision(mixed_precision: bool, use_fp16: bool, bf16_policy: str, device: torch.device) -> str:
+    """The policy name for these settings on `device`, with a warning when bf16 falls back to fp32."""
+    bf16_ok = bf16_supported(device)
+    name = select_policy_name(mixed_precision, use_fp16, bf16_policy, bf16_ok)
+    if mixed_precision and not use_fp16 and not bf16_ok:
+        get_logger().warning("bf16 is not supported on %s: training in fp32 instead", device)
+    return name
+
+
+def needs_grad_scaler(policy_name: str) -> bool:
+    """fp16 gradients underflow without loss scaling (docs/pitfalls.md #5); bf16 and fp32 need none."""
+    return POLICIES[policy_name].param_dtype == torch.float16
+
+
+def fsdp2_policy(policy_name: str) -> MixedPrecisionPolicy:
+    """The FSDP2 form of a policy (buffer_dtype has no FSDP2 equivalent: FSDP2 leaves buffers alone)."""
+    policy = POLICIES[policy_name]
+    return MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)

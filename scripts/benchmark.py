@@ -16,11 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs.training import EMBEDDED_MODEL_DIR  # noqa: E402
 from scripts.make_random_t5 import SHAPES, make  # noqa: E402
+from utils.paths import EMBEDDED_MODEL_DIR, REPO_ROOT  # noqa: E402
 
 SUITES = {
     "backends": {
@@ -88,7 +87,7 @@ def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, commo
 
 def model_folder(name: str, work: Path) -> str:
     if name == "embedded":
-        return EMBEDDED_MODEL_DIR
+        return str(EMBEDDED_MODEL_DIR)
     folder = work / f"{name}-random"
     if not folder.exists():
         make(name, str(folder))

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.cli import ALIASES, field_specs, format_value, type_label  # noqa: E402
 from configs.fsdp import FSDPConfig  # noqa: E402
-from configs.training import REPO_ROOT, TrainConfig  # noqa: E402
+from configs.training import TrainConfig  # noqa: E402
+from utils.paths import REPO_ROOT  # noqa: E402
 
 TABLE_HEADER = "| flag | values | default | meaning |"
 TITLES = {"train": "Training (`configs/training.py`)", "fsdp": "FSDP (`configs/fsdp.py`)"}
@@ -32,7 +33,7 @@ def reference_markdown() -> str:
         lines += [
             f"#### {TITLES[section]}",
             "",
-            "| flag | values | default | meaning |",
+            TABLE_HEADER,
             "| --- | --- | --- | --- |",
         ]
         for spec in field_specs():

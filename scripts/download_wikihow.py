@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from summarization_dataset import CSV_NAME, CSV_SOURCE_URL, SPLIT_FILES, check_csv_header  # noqa: E402
 from utils.errors import UserError  # noqa: E402
-from utils.logging_utils import get_logger, setup_logging  # noqa: E402
+from utils.files import atomic_path  # noqa: E402
+from utils.observe.log import get_logger, setup_logging  # noqa: E402
 
 SPLIT_LIST_BASE_URL = "https://raw.githubusercontent.com/mahnazkoupaee/WikiHow-Dataset/master/"
 _CHUNK_BYTES = 1 << 20
@@ -89,39 +89,41 @@ def download(
     ``refuse_html``: stop with the manual steps if the server sends a web page. ``check(path)`` runs on
     the complete temporary file before the rename; if it raises, nothing is left under ``dest``.
     """
-    # Same folder as dest, so that the rename is atomic (same file system).
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    tmp_path = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as out:
-            response = open_url(url)
-            with (
-                response.stream as stream,
-                tqdm(total=response.length, unit="B", unit_scale=True, unit_divisor=1024, desc=dest.name) as bar,
-            ):
-                first = True
-                while chunk := stream.read(_CHUNK_BYTES):
-                    if first and refuse_html and looks_like_html(response.content_type, chunk):
-                        raise DownloadError(_manual_csv_steps(url, dest.parent))
-                    first = False
-                    out.write(chunk)
-                    bar.update(len(chunk))
-            out.flush()
-            os.fsync(out.fileno())
-        if response.length is not None and tmp_path.stat().st_size != response.length:
-            raise DownloadError(
-                f"Download of {url} ended early: {tmp_path.stat().st_size} of {response.length} bytes."
-            )
-        if check is not None:
-            check(tmp_path)
-        os.replace(tmp_path, dest)
-    except BaseException as exc:
-        # Also on Ctrl-C: never leave the partial file behind.
-        tmp_path.unlink(missing_ok=True)
+        # utils.files.atomic_path: a temporary sibling (same file system, so the rename is atomic), removed
+        # on any failure, Ctrl-C included.
+        with atomic_path(dest) as tmp:
+            with open(tmp, "wb") as out:
+                response = open_url(url)
+                refusal = (lambda: _manual_csv_steps(url, dest.parent)) if refuse_html else None
+                _stream(response, out, dest.name, refusal)
+                out.flush()
+                os.fsync(out.fileno())
+            size = os.path.getsize(tmp)
+            if response.length is not None and size != response.length:
+                raise DownloadError(f"Download of {url} ended early: {size} of {response.length} bytes.")
+            if check is not None:
+                check(Path(tmp))
+    except OSError as exc:
         # A dropped connection, a full disk: say which file, without a traceback.
-        if isinstance(exc, OSError) and not isinstance(exc, UserError):
-            raise DownloadError(f"Download of {url} to {dest} failed: {exc}") from exc
-        raise
+        if isinstance(exc, UserError):
+            raise
+        raise DownloadError(f"Download of {url} to {dest} failed: {exc}") from exc
+
+
+def _stream(response: Response, out: BinaryIO, name: str, html_refusal: Callable[[], str] | None) -> None:
+    """Copy the response body to `out` with a progress bar; a web page instead of data is refused."""
+    with (
+        response.stream as stream,
+        tqdm(total=response.length, unit="B", unit_scale=True, unit_divisor=1024, desc=name) as bar,
+    ):
+        first = True
+        while chunk := stream.read(_CHUNK_BYTES):
+            if first and html_refusal and looks_like_html(response.content_type, chunk):
+                raise DownloadError(html_refusal())
+            first = False
+            out.write(chunk)
+            bar.update(len(chunk))
 
 
 def fetch(

@@ -28,11 +28,15 @@ import csv
 import io
 import random
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from utils.paths import REPO_ROOT  # noqa: E402
+
 DEFAULT_OUT_DIR = REPO_ROOT / "data"
 
 SEED = 20240607
@@ -362,7 +366,7 @@ def _unique_titles(rng: random.Random, count: int) -> list[tuple[str, Topic, str
     return out
 
 
-# Rows with the real file's quirks, each of which the loader must drop (PITFALLS.md item 12): the split list
+# Rows with the real file's quirks, each of which the loader must drop (docs/pitfalls.md #12): the split list
 # that names the row's title (None: no list), and the row made from a normal (headline, title, text).
 QUIRKS = (
     ("train", lambda h, t, x: [h, t, ""]),  # blank text
@@ -468,7 +472,7 @@ def make_tiny_t5(folder: Path, spiece_model: bytes) -> tuple[int, int]:
     folder.mkdir(parents=True)
     (folder / "spiece.model").write_bytes(spiece_model)
     # transformers 5: T5Tokenizer(vocab_file=...) ignores the sentencepiece vocabulary; from a folder it
-    # converts spiece.model (via protobuf) to a `tokenizers` tokenizer (PITFALLS.md item 10).
+    # converts spiece.model (via protobuf) to a `tokenizers` tokenizer (docs/pitfalls.md #10).
     tokenizer = T5Tokenizer.from_pretrained(
         str(folder), extra_ids=NUM_EXTRA_IDS, model_max_length=MODEL_MAX_LENGTH
     )

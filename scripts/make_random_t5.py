@@ -12,13 +12,12 @@ import shutil
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer  # noqa: E402
 
-from configs.training import EMBEDDED_MODEL_DIR  # noqa: E402
+from utils.paths import EMBEDDED_MODEL_DIR  # noqa: E402
 
 # The published T5 v1.0 shapes (tied embeddings, ReLU feed-forward, vocabulary 32,128).
 SHAPES = {
@@ -44,7 +43,7 @@ def make(shape: str, out: str, seed: int = 0) -> int:
     model = T5ForConditionalGeneration(config)
     model.save_pretrained(out, safe_serialization=True)
     T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR).save_pretrained(out)
-    shutil.copy(Path(EMBEDDED_MODEL_DIR) / "spiece.model", Path(out) / "spiece.model")
+    shutil.copy(EMBEDDED_MODEL_DIR / "spiece.model", Path(out) / "spiece.model")
     return sum(p.numel() for p in model.parameters())
 
 

@@ -7,7 +7,6 @@ rank's exception fails the test with that rank's traceback.
 import datetime
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -15,14 +14,10 @@ import traceback
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from utils.distributed.process_group import free_port
+
 # Collectives give up after this long when a peer is gone (torch's default is 30 minutes).
 PROCESS_GROUP_TIMEOUT_S = 30
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
@@ -58,7 +53,7 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 180) -> list:
     `fn` must be a module-level function (it is pickled into spawned processes).
     """
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
             ctx.Process(target=_rank_entry, args=(fn, rank, world_size, port, out_dir, args))

@@ -16,12 +16,14 @@ from transformers import T5Config, T5ForConditionalGeneration
 from transformers.models.t5.modeling_t5 import T5Attention, T5Block
 
 from configs.fsdp import FSDPConfig
-from configs.training import EMBEDDED_MODEL_DIR
 from policies.mixed_precision import POLICIES
-from utils.checkpointing import gather_full_state_dict, load_full_model_state, save_full_model
-from utils.data_loading import PaddedEvalSampler, build_loader
-from utils.fsdp_setup import wrap_model
-from utils.train_utils import StepLog, forward_token_losses, train_step, validate
+from utils.checkpoint.state_dicts import gather_full_state_dict, load_full_model_state, save_full_model
+from utils.data.loaders import build_loader
+from utils.data.samplers import PaddedEvalSampler
+from utils.fsdp.wrap import wrap_model
+from utils.paths import EMBEDDED_MODEL_DIR
+from utils.train.step import forward_token_losses, train_step, validate
+from utils.train.step_log import StepLog
 
 CPU = torch.device("cpu")
 VOCAB = 1100
@@ -339,7 +341,7 @@ def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> d
         model = wrap_model(tiny_t5(seed=123) if rank == 0 else tiny_t5(on_meta=True), config, CPU, FP32)
     else:
         reference = T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR)
-        model = wrap_model(tiny_t5(on_meta=True), config, CPU, FP32, weights_source=EMBEDDED_MODEL_DIR)
+        model = wrap_model(tiny_t5(on_meta=True), config, CPU, FP32, weights_source=str(EMBEDDED_MODEL_DIR))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

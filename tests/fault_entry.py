@@ -9,9 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import utils.train_utils as train_utils  # noqa: E402
+import utils.train.trainer as trainer  # noqa: E402
 
-_real_train_step = train_utils.train_step
+_real_train_step = trainer.train_step
 _calls = {"n": 0}
 
 
@@ -22,7 +22,7 @@ def _failing_train_step(*args, **kwargs):
     return _real_train_step(*args, **kwargs)
 
 
-train_utils.train_step = _failing_train_step
+trainer.train_step = _failing_train_step
 
 import T5_training  # noqa: E402
 

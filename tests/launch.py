@@ -1,38 +1,69 @@
-"""Launching T5_training.py (or a wrapper of it) through torchrun from tests."""
+"""The one way tests launch T5_training.py (or a wrapper of it) through torchrun: in the foreground
+(`torchrun`), or in the background to be signalled or killed mid-run (`Background`)."""
 
 import os
-import socket
+import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
+from utils.distributed.process_group import free_port
+from utils.paths import REPO_ROOT
+
+DEFAULT_TIMEOUT_S = 300
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def describe(self) -> str:
+        return (
+            f"exit {self.returncode} after {self.seconds:.1f} s\n"
+            f"--- stdout (tail)\n{self.stdout[-12000:]}\n--- stderr (tail)\n{self.stderr[-6000:]}"
+        )
 
 
 def torchrun_command(args: list[str], nproc: int = 2, script: str = "T5_training.py") -> list[str]:
     port = str(free_port())
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        port,
-        script,
-        *args,
-    ]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
+            script, *args]  # fmt: skip
 
 
 def offline_env(extra: dict | None = None) -> dict:
     """The test environment of a run: no hub access, one thread per rank (2 ranks share 2 cores)."""
     return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(extra or {}))
+
+
+def torchrun(
+    args: list[str],
+    nproc: int = 2,
+    script: str = "T5_training.py",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    env: dict | None = None,
+) -> Run:
+    """Run `script` on nproc CPU ranks, offline, one thread per rank, and wait for it to end."""
+    start = time.monotonic()
+    done = subprocess.run(
+        torchrun_command(args, nproc, script),
+        cwd=REPO_ROOT,
+        env=offline_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Run(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
 
 
 def program_tracebacks(output: str) -> list[str]:
@@ -49,10 +80,83 @@ def program_tracebacks(output: str) -> list[str]:
     return found
 
 
-def torchrun(
-    args: list[str], nproc: int = 2, script: str = "T5_training.py", timeout: float = 300, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    """Run `script` on nproc CPU ranks; offline, one thread per rank. Returns the finished process."""
-    command = torchrun_command(args, nproc, script)
-    full_env = offline_env(env)
-    return subprocess.run(command, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+def child_pids(pid: int) -> list[int]:
+    """The direct children of a process (Linux /proc)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:  # the task ended meanwhile
+            pass
+    return children
+
+
+def is_running(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+class Background:
+    """A torchrun run in the background, its output (stdout and stderr) in a file.
+
+    torchrun starts in its own process group, and starts every rank in a process group of its own; each
+    group is ended by its id, so nothing else on the machine is touched.
+    """
+
+    def __init__(self, args: list[str], log_path: Path, nproc: int = 2):
+        self.log_path = log_path
+        self.log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in finish()
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            torchrun_command(args, nproc),
+            cwd=REPO_ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=offline_env(),
+            start_new_session=True,
+        )
+
+    def workers(self) -> list[int]:
+        """The ranks' pids (each leads its own process group)."""
+        return child_pids(self.proc.pid)
+
+    def wait_for(self, condition, what: str, timeout: float = 120) -> None:
+        """Poll `condition` until it holds; fail if the run ends first or it takes too long."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None:
+                pytest.fail(
+                    f"the run ended (exit {self.proc.returncode}) before {what}\n{self.finish().describe()}"
+                )
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {timeout} s\n{self.log_path.read_text(errors='replace')[-5000:]}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL every rank's process group, then torchrun's, and wait until all are gone."""
+        groups = [*self.workers(), self.proc.pid]
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while any(is_running(pid) for pid in groups):
+            assert time.monotonic() < deadline, f"processes {groups} survived SIGKILL"
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = DEFAULT_TIMEOUT_S) -> Run:
+        """Wait for the run to end (killing it if it does not within `timeout`); its result."""
+        try:
+            self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.kill()
+            self.log.close()
+        output = self.log_path.read_text(errors="replace")
+        return Run(self.proc.returncode, output, "", time.monotonic() - self.start)

@@ -15,7 +15,6 @@ import sys
 import time
 import typing
 from dataclasses import fields, replace
-from pathlib import Path
 
 import pytest
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
@@ -33,8 +32,7 @@ from configs.cli import (
 from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
 from utils.errors import ConfigError, UserError
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from utils.paths import REPO_ROOT
 
 # The names the issue fixes (the README, the tutorial's flags and the run record use them).
 REQUIRED_FIELDS = [
@@ -461,23 +459,6 @@ def test_non_finite_numbers_are_rejected(argv):
     # A NaN passes `value > 0` and `value >= 0` checks unnoticed; it would turn every weight into NaN.
     message = expect_config_error(argv)
     assert argv[0] in message
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--use_fp16", "true", "--mixed_precision", "false"],
-        ["--mixed_precision", "false", "--use_fp16"],
-    ],
-)
-def test_fp16_needs_mixed_precision(argv):
-    message = expect_config_error(argv)
-    assert "--use_fp16" in message and "--mixed_precision" in message
-
-
-def test_fp16_with_mixed_precision_is_valid():
-    _, fsdp_config = parse_args(["--use_fp16", "true", "--mixed_precision", "true"])
-    assert fsdp_config.use_fp16 is True and fsdp_config.mixed_precision is True
 
 
 # ------------------------------------------------------------------------------- formatting, round trip

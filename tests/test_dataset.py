@@ -22,6 +22,7 @@ import torch
 
 from summarization_dataset import (
     ITEM_KEYS,
+    WikihowOptions,
     clean_text,
     hash_split,
     labels_for_loss,
@@ -30,9 +31,8 @@ from summarization_dataset import (
     wikihow,
 )
 from utils.errors import ConfigError, DataError, DataFileNotFoundError
-from utils.logging_utils import get_logger
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from utils.observe.log import get_logger
+from utils.paths import REPO_ROOT
 
 # The real file's quirks: a quoted multi-line headline whose bold lines are joined by ".,\n"; a text
 # whose paragraphs are joined by ".\n,", by ";\n," and by "..\n\n,"; a title with surrounding spaces;
@@ -351,7 +351,7 @@ def test_clean_text_keeps_words_apart():
 
 
 def test_items_padded_to_max_length(tokenizer, data_dir):
-    dataset = wikihow(tokenizer, "train", None, 16, 8, data_dir=data_dir)
+    dataset = wikihow(tokenizer, "train", None, 16, 8, WikihowOptions(data_dir=data_dir))
     assert len(dataset) == 4
     for index in range(len(dataset)):
         item = dataset[index]
@@ -371,7 +371,9 @@ def test_items_padded_to_max_length(tokenizer, data_dir):
 
 
 def test_items_without_padding(tokenizer, data_dir):
-    dataset = wikihow(tokenizer, "train", None, 512, 512, data_dir=data_dir, pad_to_max_length=False)
+    dataset = wikihow(
+        tokenizer, "train", None, 512, 512, WikihowOptions(data_dir=data_dir, pad_to_max_length=False)
+    )
     item = dataset[0]
     assert item["source_ids"].tolist() == tokenizer(BREAD_SOURCE)["input_ids"]
     assert item["target_ids"].tolist() == tokenizer(BREAD_TARGET)["input_ids"]
@@ -384,7 +386,12 @@ def test_items_without_padding(tokenizer, data_dir):
 
 def test_source_prefix(tokenizer, data_dir):
     dataset = wikihow(
-        tokenizer, "train", None, 512, 512, data_dir=data_dir, source_prefix="summarize: ", pad_to_max_length=False
+        tokenizer,
+        "train",
+        None,
+        512,
+        512,
+        WikihowOptions(data_dir=data_dir, source_prefix="summarize: ", pad_to_max_length=False),
     )
     assert dataset[0]["source_ids"].tolist() == tokenizer("summarize: " + BREAD_SOURCE)["input_ids"]
     assert dataset[0]["target_ids"].tolist() == tokenizer(BREAD_TARGET)["input_ids"]
@@ -392,7 +399,7 @@ def test_source_prefix(tokenizer, data_dir):
 
 def test_truncation_keeps_eos(tokenizer, data_dir):
     for pad in (True, False):
-        dataset = wikihow(tokenizer, "train", None, 6, 4, data_dir=data_dir, pad_to_max_length=pad)
+        dataset = wikihow(tokenizer, "train", None, 6, 4, WikihowOptions(data_dir=data_dir, pad_to_max_length=pad))
         item = dataset[0]
         assert item["source_ids"].shape == (6,) and item["target_ids"].shape == (4,)
         assert item["source_ids"][-1] == tokenizer.eos_token_id
@@ -401,8 +408,8 @@ def test_truncation_keeps_eos(tokenizer, data_dir):
 
 
 def test_num_samples_takes_the_first_rows(tokenizer, data_dir, log_records):
-    every = wikihow(tokenizer, "train", None, 16, 8, data_dir=data_dir)
-    first_two = wikihow(tokenizer, "train", 2, 16, 8, data_dir=data_dir)
+    every = wikihow(tokenizer, "train", None, 16, 8, WikihowOptions(data_dir=data_dir))
+    first_two = wikihow(tokenizer, "train", 2, 16, 8, WikihowOptions(data_dir=data_dir))
     assert len(first_two) == 2
     assert first_two.dataset["title"].tolist() == ["How to Bake Bread", "Zebra Care"]
     for index in range(2):
@@ -412,7 +419,7 @@ def test_num_samples_takes_the_first_rows(tokenizer, data_dir, log_records):
 
 
 def test_num_samples_more_than_available_warns(tokenizer, data_dir, log_records):
-    dataset = wikihow(tokenizer, "train", 100, 16, 8, data_dir=data_dir)
+    dataset = wikihow(tokenizer, "train", 100, 16, 8, WikihowOptions(data_dir=data_dir))
     assert len(dataset) == 4
     warnings = _warnings(log_records)
     assert len(warnings) == 1
@@ -422,19 +429,19 @@ def test_num_samples_more_than_available_warns(tokenizer, data_dir, log_records)
 @pytest.mark.parametrize("num_samples", [0, -3])
 def test_num_samples_below_one_is_a_config_error(tokenizer, data_dir, num_samples):
     with pytest.raises(ConfigError, match="num_samples"):
-        wikihow(tokenizer, "train", num_samples, 16, 8, data_dir=data_dir)
+        wikihow(tokenizer, "train", num_samples, 16, 8, WikihowOptions(data_dir=data_dir))
 
 
 def test_print_text_logs_the_input(tokenizer, data_dir, log_records):
-    wikihow(tokenizer, "train", None, 16, 8, print_text=True, data_dir=data_dir)[0]
+    wikihow(tokenizer, "train", None, 16, 8, WikihowOptions(print_text=True, data_dir=data_dir))[0]
     infos = [r.getMessage() for r in log_records if r.levelno == logging.INFO]
     assert any(BREAD_SOURCE in message for message in infos)
 
 
 def test_dataset_split_and_errors_pass_through(tokenizer, data_dir):
-    assert len(wikihow(tokenizer, "validation", None, 16, 8, data_dir=data_dir)) == 1
+    assert len(wikihow(tokenizer, "validation", None, 16, 8, WikihowOptions(data_dir=data_dir))) == 1
     with pytest.raises(ConfigError):
-        wikihow(tokenizer, "dev", None, 16, 8, data_dir=data_dir)
+        wikihow(tokenizer, "dev", None, 16, 8, WikihowOptions(data_dir=data_dir))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -462,7 +469,7 @@ def test_pad_collate_right_pads_to_the_longest():
 
 
 def test_pad_collate_in_a_dataloader(tokenizer, data_dir):
-    dataset = wikihow(tokenizer, "train", None, 64, 16, data_dir=data_dir, pad_to_max_length=False)
+    dataset = wikihow(tokenizer, "train", None, 64, 16, WikihowOptions(data_dir=data_dir, pad_to_max_length=False))
     collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)
     pickle.dumps(collate)  # DataLoader workers receive it pickled
     loader = torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=collate)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from utils.errors import DataError
-from utils.logging_utils import get_logger
+from utils.observe.log import get_logger
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "download_wikihow.py"
 GOOD_CSV = b'headline,title,text\nMix.,How to Mix,"Put everything in a bowl and stir."\n'

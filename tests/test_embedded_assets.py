@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from utils.paths import REPO_ROOT
+
 SCRIPT = REPO_ROOT / "scripts" / "make_embedded_assets.py"
 COMMITTED = REPO_ROOT / "data"
 SAMPLE_FILES = ("wikihowAll.csv", "all_train.txt", "all_val.txt", "all_test.txt")
@@ -94,7 +95,7 @@ def _titles(name: str) -> list[str]:
 
 
 def test_sample_format_and_split_sizes() -> None:
-    """The real file's format, and split sizes under the builder's rules (PITFALLS.md item 12)."""
+    """The real file's format, and split sizes under the builder's rules (docs/pitfalls.md #12)."""
     header, rows = _rows()
     assert header == ["headline", "title", "text"]
     titles = [row[1].strip().replace(" ", "") for row in rows]

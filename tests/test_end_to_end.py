@@ -10,9 +10,7 @@ import json
 import math
 import platform
 import re
-import subprocess
-import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -23,10 +21,8 @@ from transformers import T5Config, T5ForConditionalGeneration
 from configs.cli import format_value, parse_args
 from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
-from tests.launch import offline_env, program_tracebacks, torchrun_command
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-EMBEDDED_MODEL = REPO_ROOT / "data" / "tiny-t5"
+from tests.launch import Run, program_tracebacks, torchrun
+from utils.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
 
 NPROC = 2
 EPOCHS = 2
@@ -62,37 +58,6 @@ MEMORY_KEYS = {
 FAIL_FAST_S = 60  # a user error must end every rank within this
 
 
-@dataclass
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-    def describe(self) -> str:
-        return (
-            f"exit {self.returncode} after {self.seconds:.1f} s\n"
-            f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
-        )
-
-
-def torchrun(*args: str, timeout: float = 300) -> Run:
-    start = time.monotonic()
-    result = subprocess.run(
-        torchrun_command(list(args), NPROC),
-        cwd=REPO_ROOT,
-        timeout=timeout,
-        capture_output=True,
-        text=True,
-        env=offline_env(),
-    )
-    return Run(result.returncode, result.stdout, result.stderr, time.monotonic() - start)
-
-
 # ----------------------------------------------------------------------------------------- training run
 
 
@@ -100,20 +65,10 @@ def torchrun(*args: str, timeout: float = 300) -> Run:
 def training(tmp_path_factory) -> tuple[Run, Path]:
     output_dir = tmp_path_factory.mktemp("e2e_run") / "out"  # does not exist yet: rank 0 creates it
     run = torchrun(
-        "--epochs",
-        str(EPOCHS),
-        "--num_train_samples",
-        str(NUM_TRAIN),
-        "--num_val_samples",
-        str(NUM_VAL),
-        "--save_model",
-        "true",
-        "--log_every_n_steps",
-        "5",
-        "--output_dir",
-        str(output_dir),
+        ["--epochs", str(EPOCHS), "--num_train_samples", str(NUM_TRAIN), "--num_val_samples", str(NUM_VAL),
+         "--save_model", "true", "--log_every_n_steps", "5", "--output_dir", str(output_dir)],
         timeout=300,
-    )
+    )  # fmt: skip
     return run, output_dir
 
 
@@ -322,6 +277,15 @@ def test_progress_is_logged_by_rank_zero_only_once(finished):
     assert "Traceback" not in run.output, run.describe()
 
 
+def test_console_has_no_library_noise_and_the_bar_shows_loss_and_throughput(finished):
+    run, _ = finished
+    warnings = [line for line in run.output.splitlines() if "Warning" in line]
+    assert not warnings, warnings
+    # transformers' weight-loading bar: rank 0's only (it used to come once per rank).
+    assert run.output.count("Loading weights: 100%") <= 1, run.describe()
+    assert re.search(r"Training epoch 2: 100%.*loss=\d+\.\d{3}, tokens_per_s=\d+", run.stderr), run.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------------ bad inputs
 
 
@@ -341,20 +305,20 @@ def check_user_error(run: Run, phrase: str) -> str:
 def test_missing_data(tmp_path):
     empty = tmp_path / "empty_data"
     empty.mkdir()
-    run = torchrun("--data_dir", str(empty), "--output_dir", str(tmp_path / "out"), timeout=90)
+    run = torchrun(["--data_dir", str(empty), "--output_dir", str(tmp_path / "out")], timeout=90)
     line = check_user_error(run, "download_wikihow")
     assert "wikihowAll.csv" in line, run.describe()
 
 
 def test_model_path_that_does_not_exist(tmp_path):
     missing = tmp_path / "does-not-exist"
-    run = torchrun("--model_name", str(missing), "--output_dir", str(tmp_path / "out"), timeout=90)
+    run = torchrun(["--model_name", str(missing), "--output_dir", str(tmp_path / "out")], timeout=90)
     line = check_user_error(run, "does not exist")
     assert str(missing) in line, run.describe()
 
 
 def test_unknown_config_field(tmp_path):
-    run = torchrun("--no_such_field", "1", "--output_dir", str(tmp_path / "out"), timeout=90)
+    run = torchrun(["--no_such_field", "1", "--output_dir", str(tmp_path / "out")], timeout=90)
     line = check_user_error(run, "unknown argument")
     assert "--no_such_field" in line, run.describe()
     # A config error is found before anything is written.
@@ -362,7 +326,7 @@ def test_unknown_config_field(tmp_path):
 
 
 def test_bad_enum_value(tmp_path):
-    run = torchrun("--sharding_strategy", "ZERO3", "--output_dir", str(tmp_path / "out"), timeout=90)
+    run = torchrun(["--sharding_strategy", "ZERO3", "--output_dir", str(tmp_path / "out")], timeout=90)
     line = check_user_error(run, "ZERO3")
     assert "FULL_SHARD" in line and "--sharding_strategy" in line, run.describe()
 
@@ -370,7 +334,22 @@ def test_bad_enum_value(tmp_path):
 def test_output_dir_not_writable(tmp_path):
     regular_file = tmp_path / "a_file"
     regular_file.write_text("not a folder")
-    run = torchrun("--output_dir", str(regular_file / "out"), timeout=90)
+    run = torchrun(["--output_dir", str(regular_file / "out")], timeout=90)
     line = check_user_error(run, "not writable")
     assert "output_dir" in line, run.describe()
     assert regular_file.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize(
+    "flags, phrase",
+    [
+        (["--fsdp_version", "2", "--wrap_policy", "size_based"], "--wrap_policy size_based has no FSDP2"),
+        (["--sharding_strategy", "HYBRID_SHARD", "--hybrid_shard_group_size", "1"], "shard group of 1 rank"),
+    ],
+)
+def test_refused_combination_stops_before_anything_is_set_up(tmp_path, flags, phrase):
+    run = torchrun([*flags, "--output_dir", str(tmp_path / "out")], timeout=90)
+    check_user_error(run, phrase)
+    # Refused right after parsing: no process group, no model read, nothing written.
+    assert "process group:" not in run.output and "parameters, vocab" not in run.output, run.describe()
+    assert not (tmp_path / "out").exists()

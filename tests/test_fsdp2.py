@@ -1,8 +1,8 @@
 """FSDP2 (fully_shard) against the unsharded reference and against FSDP1, on a 2-process gloo CPU group."""
 
 import pytest
-from torch.distributed.fsdp import BackwardPrefetch
 
+from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
 from tests.dist_workers import (
     FSDP2_VARIANTS,
@@ -11,8 +11,7 @@ from tests.dist_workers import (
     parity_worker,
     rank0_loading_worker,
 )
-from utils.errors import ConfigError
-from utils.fsdp2_setup import check_fsdp2_settings
+from tests.launch import torchrun
 
 STEPS = 4
 
@@ -35,8 +34,8 @@ def test_fsdp2_matches_the_unsharded_reference_for_every_strategy(parity):
 
 
 def test_fsdp2_loses_no_gradient(parity):
-    """FSDP2 warns that a unit returning a view, modified in place, skips its pre-backward hook (PITFALLS
-    item 15; it warns on T5's checkpointed blocks). Had any gradient been lost, the weights after 4 AdamW
+    """FSDP2 warns that a unit returning a view, modified in place, skips its pre-backward hook (docs/pitfalls.md
+    #15; it warns on T5's checkpointed blocks). Had any gradient been lost, the weights after 4 AdamW
     steps would differ from the unsharded model's; they agree to float rounding for every variant."""
     for name, diff in parity[0]["max_param_diff"].items():
         assert diff < 1e-5, f"{name}: weights differ from the reference by {diff}"
@@ -65,23 +64,6 @@ def test_rank0_only_loading_gives_every_rank_rank0s_weights(fsdp_version):
         assert not result["any_meta"]
 
 
-@pytest.mark.parametrize(
-    "settings, phrase",
-    [
-        ({"wrap_policy": "size_based"}, "size_based"),
-        ({"backward_prefetch": BackwardPrefetch.BACKWARD_POST}, "BACKWARD_POST"),
-        ({"limit_all_gathers": False}, "limit_all_gathers"),
-        ({"sync_module_states": True}, "cpu_ram_efficient_loading"),
-    ],
-)
-def test_settings_without_fsdp2_meaning_are_refused(settings, phrase):
-    arguments = {"wrap_policy": "transformer", "backward_prefetch": BackwardPrefetch.BACKWARD_PRE}
-    arguments["limit_all_gathers"] = True
-    with pytest.raises(ConfigError, match=phrase):
-        check_fsdp2_settings(**{**arguments, **settings})
-    check_fsdp2_settings(**arguments)  # the defaults are accepted
-
-
 CROSS_ARGS = [
     "--num_train_samples",
     "96",
@@ -96,9 +78,6 @@ CROSS_ARGS = [
 
 @pytest.mark.parametrize("first, then", [(1, 2), (2, 1)])
 def test_sharded_checkpoint_crosses_backends_with_identical_continued_losses(tmp_path, first, then):
-    from scripts.compare_step_losses import step_losses
-    from tests.launch import torchrun
-
     def train(output_dir, epochs, version, *extra):
         args = ["--output_dir", str(output_dir), "--epochs", str(epochs), "--fsdp_version", str(version)]
         done = torchrun([*CROSS_ARGS, *args, *extra])

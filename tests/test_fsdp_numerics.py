@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from policies.mixed_precision import select_policy_name
+from policies.mixed_precision import bf16_supported, select_policy_name
 from tests.dist_harness import run_ranks
 from tests.dist_workers import (
     PARITY_VARIANTS,
@@ -17,7 +17,6 @@ from tests.dist_workers import (
     tiny_t5,
     validation_worker,
 )
-from utils.environment import bf16_supported
 
 STEPS = 4
 RTOL = 1e-5  # the acceptance bound is 1e-4 relative; fp32 on CPU does much better
@@ -98,19 +97,6 @@ def test_each_policy_computes_in_its_dtype():
     assert got["bfSixteen_working"]["reduce"] == "torch.bfloat16"
 
 
-@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
-def test_fsdp1_hybrid_with_one_rank_shard_groups_is_refused(strategy):
-    """FSDP1 would accept it and silently train a different model per group (no cross-group all-reduce)."""
-    from torch.distributed.fsdp import ShardingStrategy
-
-    from utils.errors import ConfigError
-    from utils.fsdp_setup import check_hybrid_group
-
-    with pytest.raises(ConfigError, match="silently stop synchronising gradients"):
-        check_hybrid_group(ShardingStrategy[strategy], 1)
-    check_hybrid_group(ShardingStrategy[strategy], 2)  # a real shard group is fine
-
-
 def test_hybrid_sharding_on_four_ranks_matches_the_reference():
     """2x2 (and, for FSDP2, 4x1) replicate x shard meshes on 4 gloo ranks train like an unsharded model."""
     rank0 = run_ranks(parity_worker, 3, "hybrid4", world_size=4)[0]
@@ -118,25 +104,6 @@ def test_hybrid_sharding_on_four_ranks_matches_the_reference():
         for step, (got, want) in enumerate(zip(losses, rank0["reference_losses"], strict=True)):
             assert relative_diff(got, want) < RTOL, f"{name} step {step + 1}: {got} vs {want}"
         assert rank0["max_param_diff"][name] < 1e-5, name
-
-
-@pytest.mark.parametrize(
-    "overrides, phrase",
-    [
-        ({"fsdp_cpu_offload": True}, "needs GPUs"),
-        ({"sync_module_states": True}, "FSDP1 refuses it for CPU tensors"),
-    ],
-)
-def test_gpu_only_settings_are_refused_on_cpu(overrides, phrase):
-    import torch
-
-    from configs.fsdp import FSDPConfig
-    from utils.errors import ConfigError
-    from utils.fsdp_setup import check_device_settings
-
-    with pytest.raises(ConfigError, match=phrase):
-        check_device_settings(FSDPConfig(**overrides), torch.device("cpu"))
-    check_device_settings(FSDPConfig(**overrides), torch.device("cuda", 0))  # accepted on GPU
 
 
 def test_bf16_check_on_cpu():

@@ -3,7 +3,7 @@
 One uninterrupted SHARDED_STATE_DICT run (module scope) is the reference: runs killed with SIGKILL and
 resumed, for both checkpoint types, must reproduce its per-step losses; its checkpoints are the material
 of the world-size, interrupted-save and bad-input tests. A 2-rank gloo group (tests/dist_harness.py) checks
-the optimizer state's round trip through save_training_checkpoint / load_training_state directly.
+the optimizer state's round trip through Checkpointer.save / Checkpointer.restore directly.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,26 +25,23 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
-from torch.optim.lr_scheduler import StepLR
 from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration, T5Tokenizer
 
 from configs.fsdp import FSDPConfig
+from configs.training import TrainConfig
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
-from tests.launch import offline_env, program_tracebacks, torchrun_command
-from utils.environment import DistInfo
-from utils.fsdp_setup import wrap_model
-from utils.train_checkpoint import (
-    TrainProgress,
-    load_full_model_weights,
-    load_training_state,
-    save_training_checkpoint,
-)
-from utils.train_utils import train_step
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-EMBEDDED_MODEL = REPO_ROOT / "data" / "tiny-t5"
-SAMPLE_DATA = REPO_ROOT / "data" / "sample"
+from tests.launch import Background, Run, program_tracebacks, torchrun
+from utils.checkpoint.checkpointer import Checkpointer, CheckpointSettings
+from utils.checkpoint.layout import MODEL_FILE
+from utils.checkpoint.state_dicts import load_full_model_weights
+from utils.distributed.process_group import DistInfo
+from utils.fsdp.wrap import wrap_model
+from utils.paths import EMBEDDED_DATA_DIR as SAMPLE_DATA
+from utils.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
+from utils.train.progress import TrainProgress
+from utils.train.step import train_step
+from utils.train.trainables import build_trainables
 
 SHARDED = "SHARDED_STATE_DICT"
 FULL = "FULL_STATE_DICT"
@@ -81,82 +77,10 @@ RESUMED_FROM = re.compile(r"resumed from (\S+): epoch (\d+), step (\d+)")
 # ------------------------------------------------------------------------------------------ launching
 
 
-@dataclass
-class Run:
-    returncode: int
-    output: str  # stdout and stderr
-    seconds: float
-
-    def describe(self) -> str:
-        tail = self.output[-15000:]
-        return f"exit {self.returncode} after {self.seconds:.1f} s\n--- output (tail)\n{tail}"
-
-
-def torchrun(*args: str, nproc: int = NPROC, timeout: float = RUN_TIMEOUT_S) -> Run:
-    start = time.monotonic()
-    result = subprocess.run(
-        torchrun_command(list(args), nproc),
-        cwd=REPO_ROOT,
-        timeout=timeout,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=offline_env(),
-    )
-    return Run(result.returncode, result.stdout, time.monotonic() - start)
-
-
-class Background:
-    """A torchrun run in the background, its output in a file."""
-
-    def __init__(self, args: list[str], log_path: Path, nproc: int = NPROC):
-        self.log_path = log_path
-        self.log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in finish()
-        self.start = time.monotonic()
-        self.proc = subprocess.Popen(
-            torchrun_command(args, nproc),
-            cwd=REPO_ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=offline_env(),
-        )
-
-    def wait_for(self, condition, what: str, timeout: float = 120) -> None:
-        """Poll `condition` until it holds; fail if the run ends first or it takes too long."""
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if self.proc.poll() is not None:
-                pytest.fail(
-                    f"the run ended (exit {self.proc.returncode}) before {what}\n{self.finish().describe()}"
-                )
-            if time.monotonic() > deadline:
-                pytest.fail(f"no {what} within {timeout} s\n{self.log_path.read_text(errors='replace')[-5000:]}")
-            time.sleep(0.02)
-
-    def finish(self, timeout: float = RUN_TIMEOUT_S) -> Run:
-        try:
-            self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.log.close()
-        return Run(self.proc.returncode, self.log_path.read_text(errors="replace"), time.monotonic() - self.start)
-
-
 def processes_of(output_dir: Path) -> list[int]:
-    """Pids of processes whose command line names output_dir (torchrun and its workers)."""
+    """Pids of processes whose command line names output_dir (a check that no rank outlived torchrun)."""
     found = subprocess.run(["pgrep", "-f", str(output_dir)], capture_output=True, text=True).stdout.split()
     return [int(pid) for pid in found]
-
-
-def kill_all(output_dir: Path) -> None:
-    """SIGKILL torchrun and its workers (they run in their own sessions: killing torchrun leaves them)."""
-    subprocess.run(["pkill", "-9", "-f", str(output_dir)], check=False)
-    deadline = time.monotonic() + 30
-    while processes_of(output_dir):
-        assert time.monotonic() < deadline, f"processes of {output_dir} survived SIGKILL"
-        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------------- reading outputs
@@ -286,7 +210,7 @@ def remaining_steps(samples: int, consumed: int, world_size: int) -> int:
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted 2-rank SHARDED run: 24 steps, checkpoints every 5 steps and at epoch ends."""
     output_dir = tmp_path_factory.mktemp("reference") / "out"
-    run = torchrun(*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir))
+    run = torchrun([*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir)])
     assert run.returncode == 0, run.describe()
     assert logged_steps(output_dir) == list(range(1, TOTAL_STEPS + 1))
     # keep_last_n=2 (default): the periodic step 20 and the end of epoch 2.
@@ -312,11 +236,11 @@ def kill_and_resume(tmp_path_factory, checkpoint_type: str) -> Resumed:
     try:
         background.wait_for(first.is_file, f"checkpoint {first.parent}")
     finally:
-        kill_all(output_dir)
+        background.kill()
         killed = background.finish(timeout=60)
     steps_at_kill = logged_steps(output_dir)
     checkpoints_at_kill = complete_checkpoint_steps(output_dir)
-    resumed = torchrun(*args, "--resume", "true")
+    resumed = torchrun([*args, "--resume", "true"])
     return Resumed(output_dir, steps_at_kill, checkpoints_at_kill, killed, resumed)
 
 
@@ -374,8 +298,8 @@ def test_sharded_checkpoint_of_two_ranks_resumes_on_one(tmp_path, reference):
     assert state["world_size"] == 2 and state["progress"]["epoch"] == 2
     consumed = state["progress"]["samples_consumed"]
     output_dir = tmp_path / "out"
-    run = torchrun(*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir),
-                   "--resume", str(source), nproc=1)  # fmt: skip
+    run = torchrun([*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir),
+                    "--resume", str(source)], nproc=1)  # fmt: skip
     assert run.returncode == 0, run.describe()
     assert resumed_from(run) == (source, 2, 20)
     assert world_size_warnings(run, saved=2, now=1), run.describe()
@@ -389,7 +313,7 @@ def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path):
     overrides = ["--num_train_samples", str(samples), "--checkpoint_type", SHARDED, "--keep_last_n", "10"]
     args = with_overrides(SMALL_RUN, overrides)
     single = tmp_path / "single"
-    run = torchrun(*args, "--output_dir", str(single), nproc=1)
+    run = torchrun([*args, "--output_dir", str(single)], nproc=1)
     assert run.returncode == 0, run.describe()
     per_epoch = math.ceil(samples / BATCH)
     assert logged_steps(single) == list(range(1, EPOCHS * per_epoch + 1))
@@ -398,7 +322,7 @@ def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path):
     assert state["world_size"] == 1 and state["progress"]["global_step"] == SAVE_EVERY
 
     output_dir = tmp_path / "out"
-    run = torchrun(*args, "--output_dir", str(output_dir), "--resume", str(source), nproc=2)
+    run = torchrun([*args, "--output_dir", str(output_dir), "--resume", str(source)], nproc=2)
     assert run.returncode == 0, run.describe()
     assert resumed_from(run) == (source, 1, SAVE_EVERY)
     assert world_size_warnings(run, saved=1, now=2), run.describe()
@@ -422,7 +346,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_usable(tmp_path, refere
     half = shutil.copytree(root / "step_00000020", root / "step_00000099")
     (half / "train_state.json").unlink()
 
-    run = torchrun(*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir), "--resume", "true")
+    run = torchrun([*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir), "--resume", "true"])
     assert run.returncode == 0, run.describe()
     assert resumed_from(run) == (root / "step_00000020", 2, 20), run.describe()
     assert logged_steps(output_dir) == list(range(1, TOTAL_STEPS + 1))
@@ -449,15 +373,14 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     background = Background(args, tmp_path / "sigterm.log")
     try:
         background.wait_for(lambda: len(logged_steps(output_dir)) >= 4, "4 logged steps")
-        workers = [pid for pid in processes_of(output_dir) if pid != background.proc.pid]
+        workers = background.workers()
         assert len(workers) == NPROC, workers
         for pid in workers:
             os.kill(pid, signal.SIGTERM)
         stopped = background.finish(timeout=120)
     finally:
-        kill_all(output_dir)
         if background.proc.poll() is None:
-            background.finish(timeout=30)
+            background.kill()
     assert stopped.returncode == 0, stopped.describe()
     match = re.findall(r"stopped at step (\d+)", stopped.output)
     assert len(match) == 1, stopped.describe()
@@ -468,7 +391,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     assert logged_steps(output_dir) == list(range(1, stop_step + 1))
     assert not (output_dir / "hf_model").exists()
 
-    run = torchrun(*args, "--resume", "true")
+    run = torchrun([*args, "--resume", "true"])
     assert run.returncode == 0, run.describe()
     assert resumed_from(run)[2] == stop_step
     assert logged_steps(output_dir) == list(range(1, last_step + 1))
@@ -515,44 +438,33 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
     info = DistInfo(rank, rank, world_size, cpu, "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL))
     fsdp_config = FSDPConfig(mixed_precision=False, fsdp_activation_checkpointing=False)
+    train_config = TrainConfig(lr=1e-3, weight_decay=0.01, gamma=0.5)
 
-    def build(plain):
+    def checkpointer(plain, checkpoint_type: str) -> Checkpointer:
         model = wrap_model(plain, fsdp_config, cpu, "fp32_policy")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        return model, optimizer, StepLR(optimizer, step_size=1, gamma=0.5)
+        trainables = build_trainables(model, train_config, "fp32_policy", cpu)
+        settings = CheckpointSettings(os.path.join(output_root, checkpoint_type), checkpoint_type, True, 2, 0)
+        return Checkpointer(settings, trainables, plain.config, tokenizer, info)
 
     out = {}
     for checkpoint_type in (SHARDED, FULL):
-        plain = _tiny_t5(seed=0)
-        model_config = plain.config
-        model, optimizer, scheduler = build(plain)
+        saver = checkpointer(_tiny_t5(seed=0), checkpoint_type)
+        model, optimizer, scheduler = (saver.trainables.model, saver.trainables.optimizer,
+                                       saver.trainables.scheduler)  # fmt: skip
         for step in range(2):
             train_step(model, _random_batch(100 * step + rank), optimizer, None, world_size)
         scheduler.step()  # the saved learning rate differs from a fresh optimizer's
         progress = TrainProgress(epoch=2, samples_consumed=8, global_step=2, best_val_loss=3.25)
-        path = save_training_checkpoint(
-            output_dir=os.path.join(output_root, checkpoint_type),
-            checkpoint_type=checkpoint_type,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=None,
-            progress=progress,
-            model_config=model_config,
-            tokenizer=tokenizer,
-            save_optimizer=True,
-            keep_last_n=2,
-            info=info,
-        )
+        path = saver.save(progress)
         original_model, original_optim = _full_states(model, optimizer)
 
         fresh = _tiny_t5(seed=1)  # other initial weights: everything must come from the checkpoint
         if checkpoint_type == FULL:
-            load_full_model_weights(fresh, path)
-        model2, optimizer2, scheduler2 = build(fresh)
-        loaded_progress = load_training_state(
-            path, model=model2, optimizer=optimizer2, scheduler=scheduler2, scaler=None, info=info
-        )
+            load_full_model_weights(fresh, os.path.join(path, MODEL_FILE))
+        loader = checkpointer(fresh, checkpoint_type)
+        loaded_progress = loader.restore(path)
+        model2, optimizer2, scheduler2 = (loader.trainables.model, loader.trainables.optimizer,
+                                          loader.trainables.scheduler)  # fmt: skip
         reloaded_model, reloaded_optim = _full_states(model2, optimizer2)
 
         result = {
@@ -618,7 +530,7 @@ def test_hf_model_loads_and_equals_the_last_full_checkpoint(resumed_full):
     last = checkpoint_dir(resumed_full.output_dir, TOTAL_STEPS)
     assert json.loads((last / "train_state.json").read_text())["checkpoint_type"] == FULL
     plain = T5ForConditionalGeneration(T5Config.from_pretrained(EMBEDDED_MODEL))
-    plain.load_state_dict(torch.load(last / "model.pt", map_location="cpu", weights_only=True), strict=True)
+    plain.load_state_dict(torch.load(last / MODEL_FILE, map_location="cpu", weights_only=True), strict=True)
     pretrained = T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL)
 
     text = "Loosen the chords in a quiet space. Write the sturdy pegs at a slow tempo."
@@ -737,7 +649,7 @@ def test_bad_input_stops_every_rank_with_one_message(case, tmp_path, reference):
     extra, phrase, also = BAD_INPUTS[case](tmp_path, out)
     before = snapshot(out)
     base = [*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(out), "--resume", "true"]
-    run = torchrun(*with_overrides(base, extra), timeout=FAIL_FAST_S + 30)
+    run = torchrun(with_overrides(base, extra), timeout=FAIL_FAST_S + 30)
 
     assert run.returncode != 0, run.describe()
     assert run.seconds < FAIL_FAST_S, run.describe()

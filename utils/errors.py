@@ -4,6 +4,8 @@ Every message says what is wrong and how to fix it. Anything else that escapes i
 traceback.
 """
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 
 class UserError(Exception):
     """A problem with the user's input: configuration, data, model path or checkpoint."""
@@ -19,3 +21,23 @@ class DataError(UserError, ValueError):
 
 class DataFileNotFoundError(UserError, FileNotFoundError):
     """A data file that should exist does not."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete, corrupt or made for another model."""
+
+
+# What a failed run can raise: torch.distributed.checkpoint's CheckpointException derives from
+# BaseException, not Exception, so `except Exception` would let a corrupt shard escape with a traceback
+# on every rank (docs/pitfalls.md #25).
+FAILURES = (Exception, CheckpointException)
+
+
+def error_summary(err: BaseException, limit: int = 400) -> str:
+    """The telling part of a failure: DCP wraps the per-rank causes, state_dict loading lists them."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    for cause in getattr(err, "failures", {}).values():  # CheckpointException: {rank: exception}
+        text = f"{type(cause).__name__}: {cause}"
+        break
+    text = text or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

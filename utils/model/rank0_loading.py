@@ -1,13 +1,16 @@
-"""Rank-0-only loading for FSDP1 on any device: every rank builds the model on the meta device, and FSDP1
-materialises it unit by unit with rank 0's weights.
+"""Rank-0-only loading (--cpu_ram_efficient_loading): only rank 0 reads the weights, for either backend.
 
-FSDP1 calls `param_init_fn(module)` for each module of a unit that still has meta parameters, just before
-it flattens and shards that unit, in the same order on every rank. Here that function allocates the
-module's own parameters, lets rank 0 read just those tensors from the pretrained safetensors file, and
+FSDP1: every rank builds the model on the meta device, and FSDP1 materialises it unit by unit. FSDP1 calls
+`param_init_fn(module)` for each module of a unit that still has meta parameters, just before it flattens
+and shards that unit, in the same order on every rank. Rank0Materializer allocates the module's own
+parameters, lets rank 0 read just those tensors from the pretrained safetensors file (or a full .pt), and
 broadcasts them. No rank ever holds more than one unit it does not keep (rank 0 included: it reads tensors
-by name, not the whole file), and FSDP1's `sync_module_states`, which it refuses for CPU tensors (PITFALLS
-item 16), is not needed. A memo keeps tied weights (T5's `shared`, `embed_tokens`, `lm_head`) one
-parameter.
+by name, not the whole file), and FSDP1's `sync_module_states`, which it refuses for CPU tensors
+(docs/pitfalls.md #16), is not needed. A memo keeps tied weights (T5's `shared`, `embed_tokens`, `lm_head`)
+one parameter.
+
+FSDP2: ranks but 0 build on meta; after fully_shard, broadcast_rank0_weights allocates every rank's shards
+and scatters rank 0's loaded state dict into them.
 """
 
 import json
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers.utils import cached_file
 
 from utils.errors import ConfigError
@@ -52,18 +56,18 @@ def _weight_files(model_name: str) -> dict[str, str]:
     if single is None:
         raise ConfigError(
             f"{model_name!r} has no {SINGLE_FILE} (only PyTorch .bin weights?): rank-0-only loading with FSDP1 "
-            "reads safetensors. Re-save the model with save_pretrained, or use --fsdp_version 2."
+            "reads safetensors. Re-save the model with save_pretrained, or use --fsdp_version 2 (which "
+            "broadcasts rank 0's loaded model)."
         )
     with safe_open(single, framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
 
 
 def weight_reader(source: str) -> tuple[Callable[[str], torch.Tensor], set[str]]:
-    """(read tensor by name, available names) for a pretrained model, a full .pt, or a full checkpoint."""
-    file = os.path.join(source, "model.pt") if os.path.isfile(os.path.join(source, "model.pt")) else source
-    if file.endswith(".pt"):
+    """(read tensor by name, available names) for a pretrained model (hub name or folder) or a full .pt."""
+    if source.endswith(".pt"):
         # mmap: tensors are paged in as they are read, so rank 0 does not hold the whole file at once.
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
         return state.__getitem__, set(state)
     reader = SafetensorsReader(source)
     return reader, reader.names()
@@ -115,3 +119,15 @@ class Rank0Materializer:
         for name, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = self._filled(buffer, [self.buffer_names.get(id(buffer), name)])
+
+
+def broadcast_rank0_weights(model: nn.Module, rank0_state: dict, device: torch.device) -> None:
+    """Fill an FSDP2 model whose non-zero ranks were built on the meta device with rank 0's weights.
+
+    Collective. to_empty allocates each rank's shards (uninitialised), then rank 0's full state dict is
+    broadcast shard by shard. The tied embedding stays one parameter: to_empty keeps parameter identity.
+    """
+    model.to_empty(device=device)
+    set_model_state_dict(
+        model, rank0_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )

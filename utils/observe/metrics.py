@@ -1,21 +1,16 @@
-"""The run record: output_dir/config.json and output_dir/metrics.jsonl, written by rank 0 only."""
+"""metrics.jsonl: one JSON record per line (step, memory, epoch), written by rank 0 as the run goes."""
 
 import json
 import os
-import platform
-import sys
-from datetime import datetime, timezone
 
-import torch
-import transformers
-
-from configs.cli import config_to_dict
+from utils.files import atomic_path
 
 
 class MetricsWriter:
     """Appends one JSON object per line and flushes it, so a crash loses at most the line being written.
 
-    A disabled writer (every rank but 0) ignores records, so callers need no rank checks.
+    A disabled writer (every rank but 0) ignores records, so callers need no rank checks. Unlike the other
+    files of a run, metrics.jsonl is appended in place (a resumed run first cuts it back atomically).
     """
 
     def __init__(self, path: str, enabled: bool, append: bool = False):
@@ -33,32 +28,6 @@ class MetricsWriter:
         if self.file is not None:
             self.file.close()
             self.file = None
-
-
-def run_record(train_config, fsdp_config, *, world_size: int, backend: str, device: str, precision: str) -> dict:
-    return {
-        "train_config": config_to_dict(train_config),
-        "fsdp_config": config_to_dict(fsdp_config),
-        "world_size": world_size,
-        "backend": backend,
-        "device": device,
-        "mixed_precision_policy": precision,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-        "command": sys.argv,
-    }
-
-
-def write_json_atomic(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> None:
@@ -80,7 +49,13 @@ def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> N
             if record.get("type") == "epoch" and record["epoch"] >= next_epoch:
                 continue
             kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
-    os.replace(tmp, path)
+
+
+def open_metrics(path: str, is_main: bool, resumed_at: tuple[int, int] | None) -> MetricsWriter:
+    """The run's metrics writer (rank 0 writes; others ignore). `resumed_at`: (global step, epoch) of the
+    checkpoint a resumed run continues from; the file is cut back to it and appended to."""
+    if is_main and resumed_at is not None:
+        truncate_metrics_for_resume(path, *resumed_at)
+    return MetricsWriter(path, enabled=is_main, append=resumed_at is not None)

@@ -1,15 +1,11 @@
-"""Datasets, samplers and loaders for each rank. Needs the process group (samplers read rank/world)."""
+"""Which samples each rank sees, and in which order; both samplers give every rank the same number of
+batches, because FSDP's all-gathers are collectives that every rank must join."""
 
-import functools
 import math
-import signal
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-
-from summarization_dataset import pad_collate, wikihow
-from utils.errors import DataError
+from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 
 class PaddedEvalSampler(Sampler[int]):
@@ -18,7 +14,7 @@ class PaddedEvalSampler(Sampler[int]):
     Every rank must run the same number of forward passes (FSDP all-gathers are collectives), so short
     shares are padded by repeating their first indices, as DistributedSampler does. Unlike it, this one
     says how many of its indices are real (`num_real_samples`), so validation can leave the repeats out of
-    the loss (PITFALLS item 14).
+    the loss (docs/pitfalls.md #14).
     """
 
     def __init__(self, dataset_len: int, rank: int, world_size: int):
@@ -36,26 +32,6 @@ class PaddedEvalSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
-
-
-def build_dataset(tokenizer, split: str, num_samples: int, train_config, world_size: int) -> Dataset:
-    dataset = wikihow(
-        tokenizer,
-        split,
-        num_samples or None,  # 0 means all
-        train_config.max_source_length,
-        train_config.max_target_length,
-        train_config.print_text,
-        data_dir=train_config.data_dir,
-        source_prefix=train_config.source_prefix,
-        pad_to_max_length=train_config.pad_to_max_length,
-    )
-    if len(dataset) < world_size:
-        raise DataError(
-            f"the {split} split of {train_config.data_dir} has {len(dataset)} usable samples, fewer than the "
-            f"{world_size} ranks: every rank needs at least one. Use more data or fewer processes."
-        )
-    return dataset
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -89,31 +65,6 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return math.ceil(max(self.total_size - self.samples_consumed, 0) / self.num_replicas)
-
-
-def _ignore_sigterm_in_worker(_worker_id: int) -> None:
-    # SIGTERM (preemption) is for the training process, which saves a checkpoint before it exits; a
-    # DataLoader worker dying on it would crash the training process first.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def build_loader(
-    dataset: Dataset, sampler: Sampler, batch_size: int, pad_token_id: int, num_workers: int, device: torch.device
-) -> DataLoader:
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        collate_fn=functools.partial(pad_collate, pad_token_id=pad_token_id),
-        num_workers=num_workers,
-        # Pinned host memory makes the copy to the GPU asynchronous; pointless on CPU.
-        pin_memory=device.type == "cuda",
-        persistent_workers=num_workers > 0,
-        worker_init_fn=_ignore_sigterm_in_worker if num_workers > 0 else None,
-        # Its own generator: starting an iterator would otherwise draw from the global RNG, and a resumed
-        # run (which starts one iterator more or fewer) would see different dropout masks.
-        generator=torch.Generator().manual_seed(0),
-    )
 
 
 def train_sampler_for(dataset: Dataset, rank: int, world_size: int, seed: int) -> ResumableDistributedSampler:

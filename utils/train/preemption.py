@@ -1,14 +1,14 @@
 """SIGTERM (what SLURM and Kubernetes send before killing a job) turns into "save, then stop".
 
 The handler only sets a flag; the ranks agree on it at the next step-log flush, which already is a
-collective (utils.train_utils.StepLog), so noticing costs no extra synchronisation. The reaction time is at
+collective (utils/train/step_log.py), so noticing costs no extra synchronisation. The reaction time is at
 most log_every_n_steps steps plus the time of one checkpoint: keep it within the scheduler's grace period
 (SLURM's KillWait, 30 s by default; torchrun waits 30 s before SIGKILL when it forwards the signal).
 """
 
 import signal
 
-from utils.logging_utils import get_logger
+from utils.observe.log import get_logger
 
 
 class StopRequest:

@@ -1,0 +1,37 @@
+"""utils/files.py: a file or folder appears complete under its final name, or not at all."""
+
+import json
+
+import pytest
+
+from utils.files import atomic_path, disk_bytes, write_json
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "state.json"
+    write_json(path, {"version": 1})
+    with pytest.raises(RuntimeError), atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write('{"version": 2, "trunc')
+        raise RuntimeError("crash mid-write")
+    assert json.loads(path.read_text()) == {"version": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_a_folder_is_replaced_whole(tmp_path):
+    folder = tmp_path / "hf_model"
+    for version in (1, 2):
+        with atomic_path(folder) as tmp:
+            (tmp_path / "hf_model.tmp").mkdir()
+            (tmp_path / "hf_model.tmp" / f"weights_v{version}").write_text("x" * version)
+            assert tmp == str(tmp_path / "hf_model.tmp")
+    assert sorted(p.name for p in folder.iterdir()) == ["weights_v2"]  # nothing of version 1 survives
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]
+    assert disk_bytes(str(folder)) == 2
+
+
+def test_a_leftover_temporary_of_a_crashed_write_is_replaced(tmp_path):
+    path = tmp_path / "config.json"
+    (tmp_path / "config.json.tmp").write_text("half of an old write")
+    write_json(path, {"ok": True})
+    assert json.loads(path.read_text()) == {"ok": True}
+    assert not (tmp_path / "config.json.tmp").exists()

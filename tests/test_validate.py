@@ -1,0 +1,128 @@
+"""configs/validate.py: every cross-field rule, each refused with a message that names the flags and the fix,
+and the defaults (and the nearest valid neighbours) accepted."""
+
+import dataclasses
+
+import pytest
+from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+
+from configs.fsdp import FSDPConfig
+from configs.training import TrainConfig
+from configs.validate import check_settings
+from utils.errors import ConfigError
+
+HYBRID = ShardingStrategy.HYBRID_SHARD
+ZERO2_HYBRID = ShardingStrategy._HYBRID_SHARD_ZERO2
+
+# (train overrides, fsdp overrides, world size, device type, phrase of the message)
+REFUSED = {
+    "fp16 without mixed precision": (
+        {},
+        {"use_fp16": True, "mixed_precision": False},
+        2,
+        "cuda",
+        "--mixed_precision true",
+    ),
+    "fp16 on CPU": ({}, {"use_fp16": True}, 2, "cpu", "needs a CUDA GPU"),
+    "CPU offload on CPU": ({}, {"fsdp_cpu_offload": True}, 2, "cpu", "needs GPUs"),
+    "FSDP1 sync_module_states on CPU": ({}, {"sync_module_states": True}, 2, "cpu", "--cpu_ram_efficient_loading"),
+    "FSDP2 size_based wrap": ({}, {"fsdp_version": 2, "wrap_policy": "size_based"}, 2, "cuda", "size_based"),
+    "FSDP2 BACKWARD_POST": (
+        {},
+        {"fsdp_version": 2, "backward_prefetch": BackwardPrefetch.BACKWARD_POST},
+        2,
+        "cuda",
+        "BACKWARD_POST",
+    ),
+    "FSDP2 limit_all_gathers false": (
+        {},
+        {"fsdp_version": 2, "limit_all_gathers": False},
+        2,
+        "cuda",
+        "--limit_all_gathers",
+    ),
+    "FSDP2 sync_module_states": (
+        {},
+        {"fsdp_version": 2, "sync_module_states": True},
+        2,
+        "cuda",
+        "--cpu_ram_efficient_loading",
+    ),
+    "hybrid group not dividing the world": (
+        {},
+        {"sharding_strategy": HYBRID, "hybrid_shard_group_size": 3},
+        4,
+        "cpu",
+        "does not divide the world size 4",
+    ),
+    "FSDP1 hybrid with one-rank groups": (
+        {},
+        {"sharding_strategy": HYBRID, "hybrid_shard_group_size": 1},
+        2,
+        "cpu",
+        "silently stop synchronising gradients",
+    ),
+    "FSDP1 ZeRO-2 hybrid with one-rank groups": (
+        {},
+        {"sharding_strategy": ZERO2_HYBRID, "hybrid_shard_group_size": 1},
+        2,
+        "cpu",
+        "--hybrid_shard_group_size",
+    ),
+    "periodic checkpoints but none kept": (
+        {"save_every_n_steps": 5, "keep_last_n": 0},
+        {},
+        2,
+        "cpu",
+        "--keep_last_n 1",
+    ),
+}
+
+ACCEPTED = {
+    "defaults on CPU": ({}, {}, 2, "cpu"),
+    "defaults on GPU": ({}, {}, 8, "cuda"),
+    "fp16 with mixed precision on GPU": ({}, {"use_fp16": True}, 2, "cuda"),
+    "CPU offload on GPU": ({}, {"fsdp_cpu_offload": True}, 2, "cuda"),
+    "FSDP1 sync_module_states on GPU": ({}, {"sync_module_states": True}, 2, "cuda"),
+    "rank-0-only loading, FSDP1 on CPU": ({}, {"cpu_ram_efficient_loading": True}, 2, "cpu"),
+    "FSDP2 defaults": ({}, {"fsdp_version": 2}, 2, "cpu"),
+    "FSDP2 without prefetch": ({}, {"fsdp_version": 2, "backward_prefetch": None}, 2, "cpu"),
+    "FSDP1 hybrid 2x2": ({}, {"sharding_strategy": HYBRID, "hybrid_shard_group_size": 2}, 4, "cpu"),
+    "FSDP2 hybrid 4x1": (
+        {},
+        {"fsdp_version": 2, "sharding_strategy": HYBRID, "hybrid_shard_group_size": 1},
+        4,
+        "cpu",
+    ),
+    "size_based with FSDP1": ({}, {"wrap_policy": "size_based"}, 2, "cpu"),
+    "no checkpoints at all": ({"keep_last_n": 0}, {}, 2, "cpu"),
+}
+
+
+def configs(train_overrides: dict, fsdp_overrides: dict) -> tuple[TrainConfig, FSDPConfig]:
+    return dataclasses.replace(TrainConfig(), **train_overrides), dataclasses.replace(
+        FSDPConfig(), **fsdp_overrides
+    )
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_combinations(case):
+    train_overrides, fsdp_overrides, world_size, device_type, phrase = REFUSED[case]
+    train_config, fsdp_config = configs(train_overrides, fsdp_overrides)
+    with pytest.raises(ConfigError, match=phrase):
+        check_settings(train_config, fsdp_config, world_size, device_type)
+
+
+@pytest.mark.parametrize("case", list(ACCEPTED))
+def test_accepted_combinations(case):
+    train_overrides, fsdp_overrides, world_size, device_type = ACCEPTED[case]
+    check_settings(*configs(train_overrides, fsdp_overrides), world_size, device_type)
+
+
+def test_hybrid_group_defaults_to_the_ranks_of_one_node(monkeypatch):
+    _, fsdp_config = configs({}, {"sharding_strategy": HYBRID})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per node: one-rank shard groups
+    with pytest.raises(ConfigError, match="shard group of 1 rank"):
+        check_settings(TrainConfig(), fsdp_config, 2, "cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_settings(TrainConfig(), fsdp_config, 4, "cpu")

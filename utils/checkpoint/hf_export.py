@@ -1,0 +1,59 @@
+"""The model as a Hugging Face folder: save_pretrained (safetensors) plus the tokenizer.
+
+`T5ForConditionalGeneration.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)` load it;
+no pickles, no remote code. Written at the end of a finished run from the live model, or afterwards from any
+checkpoint by scripts/convert_checkpoint_to_hf.py (one process, no GPU, no process group).
+"""
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
+
+from utils.checkpoint.layout import FULL, MODEL_FILE, STATE_FILE, TOKENIZER_DIR, read_train_state
+from utils.checkpoint.safe_dcp import SafeFileSystemReader
+from utils.checkpoint.state_dicts import load_full_model_state
+from utils.errors import FAILURES, CheckpointError, UserError, error_summary
+from utils.files import atomic_path
+
+
+def write_hf_folder(state_dict: dict, model_config, tokenizer, folder: str) -> None:
+    """Save a plain state dict as a transformers folder, atomically (an existing folder is replaced whole).
+
+    The model skeleton lives on the meta device: no second copy of the weights is allocated.
+    """
+    with torch.device("meta"):
+        skeleton = T5ForConditionalGeneration(model_config)
+    with atomic_path(folder) as tmp:
+        skeleton.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+
+def checkpoint_weights(checkpoint: str, model_config: T5Config) -> dict:
+    """A checkpoint's model state dict as plain CPU tensors named like the unwrapped model's parameters.
+
+    A SHARDED_STATE_DICT checkpoint written by any number of ranks is read whole (no process group).
+    """
+    if read_train_state(checkpoint)["checkpoint_type"] == FULL:
+        return load_full_model_state(os.path.join(checkpoint, MODEL_FILE))
+    # A template with the full shapes: DCP reads every rank's shards into it.
+    template = {"model": T5ForConditionalGeneration(model_config).state_dict()}
+    dcp.load(template, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)
+    return template["model"]
+
+
+def convert_checkpoint(checkpoint: str, output: str) -> str:
+    """Write the HF folder `output` from a checkpoint folder (its weights, model config and tokenizer)."""
+    if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
+        raise CheckpointError(f"{checkpoint} is not a complete checkpoint folder (no {STATE_FILE})")
+    config = T5Config.from_pretrained(checkpoint)
+    tokenizer = T5Tokenizer.from_pretrained(os.path.join(checkpoint, TOKENIZER_DIR))
+    try:
+        weights = checkpoint_weights(checkpoint, config)
+    except UserError:
+        raise
+    except FAILURES as err:  # one message naming the checkpoint
+        raise CheckpointError(f"cannot read the weights of {checkpoint}: {error_summary(err)}") from None
+    write_hf_folder(weights, config, tokenizer, output)
+    return output

@@ -1,0 +1,142 @@
+"""Where the job runs and how its processes talk: launcher environment, device and backend, the process
+group's life, and the few collectives the package calls itself.
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a plain `python T5_training.py`
+runs as a world of one.
+"""
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from utils.errors import ConfigError, UserError
+from utils.observe.log import get_logger
+
+# Phrases of the errors a rank gets when a peer died mid-collective: a consequence, not the cause.
+PEER_FAILURE_PHRASES = ("Connection closed by peer", "Connection reset by peer", "remote worker crash")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launcher_ranks() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) without it."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+    )
+
+
+def resolve_device(choice: str, local_rank: int) -> torch.device:
+    """`auto`: this rank's GPU (cuda:LOCAL_RANK) when CUDA is available, else the CPU."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but CUDA is not available here; use --device cpu (or auto)")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"LOCAL_RANK {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+            "launch with --nproc_per_node at most the number of GPUs"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def describe_launch(device_choice: str) -> DistInfo:
+    """This process's place in the job, from the launcher's environment; no process group yet. The
+    settings are checked against it before anything is created or read."""
+    rank, local_rank, world_size = launcher_ranks()
+    device = resolve_device(device_choice, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL between GPUs, gloo between CPU processes
+    return DistInfo(rank, local_rank, world_size, device, backend)
+
+
+def init_distributed(info: DistInfo, timeout_s: int) -> None:
+    """Create the default process group (before any DistributedSampler is built) and pin the GPU.
+
+    Collective: every rank must call it. The timeout bounds how long a rank waits in a collective for a
+    peer that died or diverged.
+    """
+    if info.device.type == "cuda":
+        torch.cuda.set_device(info.device)
+    if info.world_size == 1:
+        # A plain `python T5_training.py`: a one-process group, so the code path is the same as torchrun's.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group(
+        backend=info.backend,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=info.device if info.device.type == "cuda" else None,
+    )
+    get_logger().info(
+        "process group: backend=%s world_size=%d device=%s", info.backend, info.world_size, info.device
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear the process group down if one exists; safe on every exit path."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether `err` is this rank noticing that another rank died (its own error is printed there)."""
+    return isinstance(err, dist.DistError) or any(phrase in str(err) for phrase in PEER_FAILURE_PHRASES)
+
+
+def rank0_decides(decide: Callable[[], object]) -> object:
+    """Run `decide` on rank 0 only and give every rank its result, or its UserError. Collective.
+
+    For checks of the shared file system: one rank looks, and all ranks fail together with its message.
+    """
+    outcome: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [decide(), None]
+        except UserError as err:
+            outcome = [None, err]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is True on any. Collective."""
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value)
+    return bool(value.item() > 0)
+
+
+def gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
+    """values of every rank, in rank order. Collective: every rank must call it with as many values."""
+    local = torch.tensor(values, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [t.tolist() for t in gathered]

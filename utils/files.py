@@ -1,0 +1,60 @@
+"""Atomic writes: a file or folder appears under its final name complete, or not at all.
+
+Everything the package saves goes through `atomic_path`: a crash mid-write leaves at most a temporary
+sibling (`<name>.tmp`), never a truncated file under the final name, and an existing file or folder of that
+name stays intact until the new one is complete.
+"""
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def replace_path(source: str, destination: str) -> None:
+    """Rename `source` over `destination`, file or folder. A folder being replaced is first moved aside,
+    so that until the rename `destination` still holds the old complete version."""
+    if not os.path.isdir(destination):
+        os.replace(source, destination)
+        return
+    old = f"{destination}.old"
+    _remove(old)
+    os.replace(destination, old)
+    os.replace(source, destination)
+    shutil.rmtree(old)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """Yield a temporary path to write `path`'s content to (a file, or a folder the caller creates); it
+    replaces `path` when the block ends without an error and is removed when it raises."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp"
+    _remove(tmp)  # left by a write that crashed
+    try:
+        yield tmp
+        replace_path(tmp, path)
+    finally:
+        _remove(tmp)
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """`obj` as indented JSON, atomically."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def disk_bytes(path: str) -> int:
+    """Size of a file, or of every file under a folder."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)

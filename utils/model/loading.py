@@ -1,0 +1,91 @@
+"""The model and tokenizer of a run, from a hub name (t5-small ... t5-11b) or a local folder.
+
+With rank-0-only loading (--cpu_ram_efficient_loading) some or all ranks build only a skeleton on the
+meta device, which allocates nothing; utils/model/rank0_loading.py fills it with rank 0's weights while or
+after it is sharded. A run started from a full-model .pt (a FULL_STATE_DICT checkpoint or --resume file.pt)
+takes its weights from that file instead of the pretrained ones.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
+
+from utils.checkpoint.state_dicts import load_full_model_weights
+from utils.errors import ConfigError
+from utils.observe.log import get_logger
+from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
+
+HUB_HINT = (
+    "Pass a local folder made by save_pretrained (e.g. the embedded data/tiny-t5), or a hub name such as "
+    "t5-base on a machine that can reach huggingface.co (or has it in its HF cache)."
+)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # unwrapped; on the meta device where rank-0-only loading leaves it empty
+    tokenizer: T5Tokenizer
+    memory_baseline: MemoryBaseline  # what loading cost this rank, and the model's size
+    weights_source: str  # where rank-0-only loading reads the weights: the model, or a full .pt
+
+
+def builds_on_meta(cpu_ram_efficient_loading: bool, fsdp_version: int, is_main: bool) -> bool:
+    """Whether this rank builds only a skeleton: with rank-0-only loading, FSDP2's ranks but 0 (rank 0's
+    model is broadcast after sharding) and every FSDP1 rank (each unit is filled as it is wrapped)."""
+    return cpu_ram_efficient_loading and (fsdp_version == 1 or not is_main)
+
+
+def load_model_for_run(model_name: str, on_meta: bool, weights_file: str | None) -> LoadedModel:
+    """The unwrapped model and tokenizer, with the weights of `weights_file` (a full .pt) if given."""
+    reset_peak_rss()
+    rss_before = current_rss_bytes()
+    model, tokenizer = load_model_and_tokenizer(model_name, on_meta=on_meta)
+    load_rss_delta = peak_rss_bytes() - rss_before
+    if weights_file is not None and not on_meta:
+        # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
+        load_full_model_weights(model, weights_file)
+    baseline = MemoryBaseline(load_rss_delta, sum(p.numel() for p in model.parameters()))
+    return LoadedModel(model, tokenizer, baseline, weights_file or model_name)
+
+
+def looks_like_local_path(model_name: str) -> bool:
+    """A path a user typed (not a hub id such as 't5-base' or 'google/flan-t5-base')."""
+    return os.path.isabs(model_name) or model_name.startswith(("./", "../", "~")) or os.path.exists(model_name)
+
+
+def check_local_model_dir(path: str) -> None:
+    """Fail early, on every rank, with the fix, instead of a hub lookup of a mistyped path."""
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"model path {path!r} does not exist or is not a folder. {HUB_HINT}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"model folder {path!r} has no config.json: it is not a saved transformers model. {HUB_HINT}"
+        )
+
+
+def load_model_and_tokenizer(
+    model_name: str, on_meta: bool = False
+) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
+    """The pretrained model in host memory, or (on_meta) only its skeleton on the meta device."""
+    if looks_like_local_path(model_name):
+        check_local_model_dir(model_name)
+        model_name = os.path.expanduser(model_name)
+    try:
+        # The KV cache only serves generation; with activation checkpointing it breaks recomputation
+        # ("a different number of tensors was saved", docs/pitfalls.md #4). It must be off at load time:
+        # the encoder and decoder stacks keep their own copies of the config.
+        if on_meta:
+            with torch.device("meta"):
+                model = T5ForConditionalGeneration(T5Config.from_pretrained(model_name, use_cache=False))
+        else:
+            model = T5ForConditionalGeneration.from_pretrained(model_name, use_cache=False)
+        tokenizer = T5Tokenizer.from_pretrained(model_name)
+    except OSError as err:
+        raise ConfigError(f"could not load T5 model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
+    n_params = sum(p.numel() for p in model.parameters())
+    get_logger().info("model %s: %.2fM parameters, vocab %d", model_name, n_params / 1e6, len(tokenizer))
+    return model, tokenizer

@@ -1,0 +1,128 @@
+"""Memory per rank: peaks (CUDA allocated/reserved on GPU, resident set size on CPU) and the memory
+account, which says how much of the model and optimizer state each rank holds and what loading cost.
+
+The account is written once, after the first optimizer step of a run (AdamW creates its state lazily at
+that step), as one `{"type": "memory", ...}` record per rank in metrics.jsonl.
+"""
+
+import resource
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from utils.distributed.process_group import gather_ints
+
+PROC_STATUS = "/proc/self/status"
+PROC_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+@dataclass(frozen=True)
+class MemoryBaseline:
+    """Measured while loading, reported in the memory account."""
+
+    load_rss_delta_bytes: int  # what building/loading the model made resident on this rank
+    param_numel_total: int  # the model's parameters, tied weights counted once
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    try:
+        with open(PROC_STATUS) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since the last reset_peak_rss (or its start)."""
+    peak = _proc_status_bytes("VmHWM")
+    if peak is None:  # not Linux: ru_maxrss is in kilobytes on Linux, bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak
+
+
+def current_rss_bytes() -> int:
+    current = _proc_status_bytes("VmRSS")
+    return peak_rss_bytes() if current is None else current
+
+
+def reset_peak_rss() -> None:
+    """Writing 5 to /proc/self/clear_refs resets the kernel's RSS high-water mark (Linux >= 4.0); where that
+    is not allowed the peak stays the process lifetime's."""
+    try:
+        with open(PROC_CLEAR_REFS, "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak measurement (e.g. per epoch): CUDA allocator stats on GPU, the RSS peak on CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+
+
+def gather_peaks(device: torch.device) -> tuple[list[int], list[int] | None]:
+    """Every rank's peak memory since the last reset, and (CUDA only) peak reserved bytes. Collective.
+
+    GPU: the caching allocator's peak allocated and reserved bytes. CPU: the peak RSS of each process.
+    """
+    if device.type == "cuda":
+        local = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
+    else:
+        local = [peak_rss_bytes(), -1]
+    rows = gather_ints(local, device)
+    reserved = [row[1] for row in rows] if device.type == "cuda" else None
+    return [row[0] for row in rows], reserved
+
+
+def _local_numel(tensor: torch.Tensor) -> int:
+    """Elements this rank stores: a DTensor's local shard (FSDP2), else the tensor itself (FSDP1's flat
+    parameter already is this rank's shard, padding included)."""
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel()
+
+
+def param_numel_local(model: nn.Module) -> int:
+    return sum(_local_numel(p) for p in model.parameters())
+
+
+def optim_state_numel_local(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        _local_numel(value)
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0  # AdamW's scalar step counter excluded
+    )
+
+
+def memory_records(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, baseline: MemoryBaseline
+) -> list[dict]:
+    """One memory-account record per rank, in rank order (on every rank). Collective."""
+    cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
+    local = [
+        baseline.load_rss_delta_bytes,
+        param_numel_local(model),
+        optim_state_numel_local(optimizer),
+        peak_rss_bytes(),
+        cuda_peak,
+    ]
+    return [
+        {
+            "type": "memory",
+            "rank": rank,
+            "load_rss_delta_bytes": load_delta,
+            "param_numel_local": params,
+            "param_numel_total": baseline.param_numel_total,
+            "optim_state_numel_local": optim,
+            "peak_rss_bytes": rss,
+            "cuda_peak_allocated_bytes": None if cuda < 0 else cuda,
+        }
+        for rank, (load_delta, params, optim, rss, cuda) in enumerate(gather_ints(local, device))
+    ]

@@ -1,0 +1,38 @@
+"""output_dir/config.json: what ran, on what, with which versions; enough to reproduce the run."""
+
+import platform
+import sys
+from datetime import datetime, timezone
+
+import torch
+import transformers
+
+from configs.cli import config_to_dict
+from configs.fsdp import FSDPConfig
+from configs.training import TrainConfig
+from utils.distributed.process_group import DistInfo
+from utils.files import write_json
+
+
+def run_record(train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo, precision: str) -> dict:
+    """The resolved configs (CLI spelling: feeding them back as flags reproduces the run) and the setting."""
+    return {
+        "train_config": config_to_dict(train_config),
+        "fsdp_config": config_to_dict(fsdp_config),
+        "world_size": info.world_size,
+        "backend": info.backend,
+        "device": str(info.device),
+        "mixed_precision_policy": precision,
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "command": sys.argv,
+    }
+
+
+def write_run_record(path: str, record: dict, resumed_from: str | None) -> None:
+    """Write config.json atomically, noting the checkpoint or .pt the run started from."""
+    write_json(path, {**record, "resumed_from": resumed_from})

@@ -1,0 +1,17 @@
+"""Where training stands: what a checkpoint records so that a resumed run continues exactly."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainProgress:
+    """The next sample to train on is `samples_consumed` into epoch `epoch`."""
+
+    epoch: int = 1
+    samples_consumed: int = 0  # of this epoch's (padded, shuffled) sample order, summed over ranks
+    global_step: int = 0
+    best_val_loss: float | None = None
+    # The epoch's statistics so far (utils.train.step_log.StepLog totals) and training seconds, so that a
+    # resumed epoch reports the same train_loss and throughput as an uninterrupted one.
+    epoch_totals: list[float] | None = None
+    epoch_train_seconds: float = 0.0

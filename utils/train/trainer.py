@@ -1,0 +1,278 @@
+"""The training loop as one object: epochs of steps, validation, the LR schedule, metrics and checkpoints.
+
+    trainer = Trainer(trainables, loaders, checkpointer, train_config, info, memory_baseline)
+    trainer.resume(checkpoint)        # optional
+    finished = trainer.train()        # False: stopped early on SIGTERM, after a checkpoint
+
+Each concern is one method: `_train_pass` (one pass over the loader), `_train_step`, `_end_pass_early`
+(periodic and SIGTERM checkpoints inside an epoch), `_validate`, `_finish_epoch` (record, best model,
+checkpoint); `_advance_progress` is the one place where the progress a checkpoint records changes.
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from configs.training import TrainConfig
+from utils.checkpoint.checkpointer import Checkpointer
+from utils.checkpoint.layout import METRICS_FILE
+from utils.data.loaders import Loaders
+from utils.distributed.process_group import DistInfo, any_rank
+from utils.observe.log import get_logger
+from utils.observe.memory import MemoryBaseline, gather_peaks, memory_records, reset_peak_memory
+from utils.observe.metrics import MetricsWriter, open_metrics
+from utils.train.preemption import StopRequest
+from utils.train.progress import TrainProgress
+from utils.train.step import INPUT_TOKENS, LOSS_SUM, SAMPLES, TARGET_TOKENS, move_batch, train_step, validate
+from utils.train.step_log import StepLog
+from utils.train.trainables import Trainables
+
+
+@dataclass
+class EpochPass:
+    """One pass over the training loader: a whole epoch, or the rest of one after a resume."""
+
+    epoch: int
+    batches: int  # in this pass
+    samples_per_step: int  # all ranks
+    start_consumed: int  # samples of the epoch's order trained before this pass
+    seconds_before: float  # training seconds of the epoch before this pass
+    step: int  # global step of the last finished batch
+    step_log: StepLog
+    batches_done: int = 0
+    stopped: bool = False  # ended early on SIGTERM, after a checkpoint
+    seconds: float = 0.0  # the epoch's training seconds, once the pass has ended
+    started: float = field(default_factory=time.perf_counter)
+
+    def samples_consumed(self) -> int:
+        return self.start_consumed + self.batches_done * self.samples_per_step
+
+    def train_seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.started
+
+
+class Trainer:
+    """Owns one run's training: the trainables, loaders, checkpointer, metrics writer and progress."""
+
+    def __init__(
+        self,
+        trainables: Trainables,
+        loaders: Loaders,
+        checkpointer: Checkpointer,
+        config: TrainConfig,
+        info: DistInfo,
+        memory_baseline: MemoryBaseline,
+    ):
+        self.trainables = trainables
+        self.loaders = loaders
+        self.checkpointer = checkpointer
+        self.config = config
+        self.info = info
+        self.memory_baseline = memory_baseline
+        self.progress = TrainProgress()
+        self.resumed = False
+        self.best_val_loss = math.inf
+        self.memory_account_due = True  # written once, after the run's first optimizer step
+        self.metrics: MetricsWriter | None = None  # open while train() runs
+        self.stop: StopRequest | None = None  # installed while train() runs
+
+    def resume(self, checkpoint: str) -> None:
+        """Continue from a checkpoint folder: weights (sharded ones; full ones were loaded before
+        wrapping), optimizer, scheduler, scaler, RNG and progress. Collective."""
+        self.progress = self.checkpointer.restore(checkpoint)
+        self.resumed = True
+        get_logger().info(
+            "resumed from %s: epoch %d, step %d", checkpoint, self.progress.epoch, self.progress.global_step
+        )
+
+    def train(self) -> bool:
+        """Train from the current progress to the last epoch. Returns False if SIGTERM stopped it early
+        (after saving a checkpoint). Collective."""
+        if self.progress.best_val_loss is not None:
+            self.best_val_loss = self.progress.best_val_loss
+        resumed_at = (self.progress.global_step, self.progress.epoch) if self.resumed else None
+        path = os.path.join(self.config.output_dir, METRICS_FILE)
+        self.metrics = open_metrics(path, self.info.is_main, resumed_at)
+        try:
+            with StopRequest() as self.stop:
+                while self.progress.epoch <= self.config.epochs:
+                    if not self._run_epoch():
+                        return False
+            return True
+        finally:
+            self.metrics.close()
+
+    def _run_epoch(self) -> bool:
+        """Train, validate, step the LR, record and save one epoch. False when a stop ended the run."""
+        epoch = self.progress.epoch
+        if self.config.track_memory:
+            reset_peak_memory(self.info.device)
+        epoch_start = time.perf_counter()
+        pass_ = self._train_pass()
+        if pass_.stopped:
+            get_logger().info("stopped at step %d on SIGTERM; continue with --resume true", pass_.step)
+            return False
+        val_loss = self._validate(epoch)
+        self.trainables.scheduler.step()
+        self._finish_epoch(pass_, val_loss, epoch_start)
+        if any_rank(self.stop.requested, self.info.device):
+            get_logger().info("stopped after epoch %d on SIGTERM; continue with --resume true", epoch)
+            return False
+        return True
+
+    def _new_pass(self) -> EpochPass:
+        """The pass from the current progress. Without set_epoch every epoch would see the same order; a
+        resumed epoch skips what the checkpoint already trained on."""
+        progress = self.progress
+        self.loaders.train_sampler.set_epoch(progress.epoch, progress.samples_consumed)
+        step_log = StepLog(
+            self.config.log_every_n_steps,
+            lambda records, epoch=progress.epoch: self._write_steps(epoch, records),
+            lambda: self.stop.requested,
+            totals=progress.epoch_totals,
+        )
+        return EpochPass(
+            epoch=progress.epoch,
+            batches=len(self.loaders.train),
+            samples_per_step=self.config.batch_size_training * self.info.world_size,
+            start_consumed=progress.samples_consumed,
+            seconds_before=progress.epoch_train_seconds if progress.samples_consumed else 0.0,
+            step=progress.global_step,
+            step_log=step_log,
+        )
+
+    def _train_pass(self) -> EpochPass:
+        """One pass over the training loader, ended early only to checkpoint and stop."""
+        pass_ = self._new_pass()
+        done_before = pass_.start_consumed // pass_.samples_per_step
+        self.trainables.model.train()
+        with self._bar(pass_.batches + done_before, f"Training epoch {pass_.epoch}", "blue", done_before) as bar:
+            for batch in self.loaders.train:
+                self._train_step(batch, pass_)
+                bar.update(1)
+                _show_latest(bar, pass_.step_log)
+                if self._end_pass_early(pass_):
+                    pass_.stopped = True
+                    break
+        pass_.step_log.flush()
+        pass_.seconds = pass_.train_seconds()
+        return pass_
+
+    def _train_step(self, batch: dict, pass_: EpochPass) -> None:
+        """One optimizer step on one batch; the run's first step also writes the memory account."""
+        model, optimizer, scaler = self.trainables.model, self.trainables.optimizer, self.trainables.scaler
+        pass_.step += 1
+        stats = train_step(model, move_batch(batch, self.info.device), optimizer, scaler, self.info.world_size)
+        pass_.step_log.add(pass_.step, optimizer.param_groups[0]["lr"], stats)
+        pass_.batches_done += 1
+        if self.memory_account_due:  # AdamW's state exists from the first step on
+            for record in memory_records(model, optimizer, self.info.device, self.memory_baseline):
+                self.metrics.write(record)
+            self.memory_account_due = False
+
+    def _end_pass_early(self, pass_: EpochPass) -> bool:
+        """Periodic and SIGTERM checkpoints inside an epoch. True when the pass must end now (a stop was
+        requested and, if checkpoints are on, saved). The epoch's last batch is left to _finish_epoch."""
+        if pass_.batches_done == pass_.batches:
+            return False
+        stop = pass_.step_log.stop_requested
+        if not self.checkpointer.due(pass_.step, stop):
+            return stop
+        pass_.step_log.flush()  # collective; afterwards metrics.jsonl holds every step the checkpoint holds
+        self._advance_progress(pass_)
+        self.checkpointer.save(self.progress)
+        return pass_.step_log.stop_requested
+
+    def _validate(self, epoch: int) -> float | None:
+        if self.loaders.val is None:
+            return None
+        with self._bar(len(self.loaders.val), f"Validation epoch {epoch}", "green") as bar:
+            return validate(
+                self.trainables.model,
+                self.loaders.val,
+                device=self.info.device,
+                num_real_samples=self.loaders.val_num_real_samples,
+                progress=bar,
+            )
+
+    def _finish_epoch(self, pass_: EpochPass, val_loss: float | None, epoch_start: float) -> None:
+        """The epoch record and log line, the best model (--save_model), then the epoch-end checkpoint."""
+        peaks, reserved = gather_peaks(self.info.device) if self.config.track_memory else (None, None)
+        record = self._epoch_record(pass_, val_loss, time.perf_counter() - epoch_start, peaks)
+        if reserved is not None:
+            record["peak_memory_reserved_bytes"] = reserved
+        self.metrics.write(record)
+        improved = val_loss is not None and val_loss < self.best_val_loss
+        if improved:
+            self.best_val_loss = val_loss
+        get_logger().info(
+            "epoch %d: train_loss %.4f | val_loss %s | %.1f s | %.1f samples/s | peak memory per rank %s",
+            pass_.epoch,
+            record["train_loss"],
+            "-" if val_loss is None else f"{val_loss:.4f}" + (" (new best)" if improved else ""),
+            record["epoch_seconds"],
+            record["samples_per_s"],
+            "-" if peaks is None else ", ".join(f"{p / 2**20:.0f} MiB" for p in peaks),
+        )
+        # Without validation there is no "best": every epoch is saved, under its own name.
+        if self.config.save_model and (improved or val_loss is None):
+            self.checkpointer.save_full_model(pass_.epoch, val_loss)
+        self._advance_progress(pass_)
+        self.checkpointer.save(self.progress)
+
+    def _epoch_record(
+        self, pass_: EpochPass, val_loss: float | None, epoch_seconds: float, peaks: list[int] | None
+    ) -> dict:
+        """metrics.jsonl's epoch record: losses are token means over all ranks, rates over training time."""
+        totals = pass_.step_log.totals
+        return {
+            "type": "epoch",
+            "epoch": pass_.epoch,
+            "train_loss": float(totals[LOSS_SUM] / totals[TARGET_TOKENS].clamp(min=1)),
+            "val_loss": val_loss,
+            "epoch_seconds": epoch_seconds,
+            "samples_per_s": int(totals[SAMPLES]) / pass_.seconds,
+            "tokens_per_s": int(totals[INPUT_TOKENS]) / pass_.seconds,
+            "peak_memory_bytes": peaks,
+        }
+
+    def _advance_progress(self, pass_: EpochPass) -> None:
+        """The one place progress changes. Inside a pass it records the position a checkpoint resumes
+        from (the step log must be flushed); after the pass's last batch it points at the next epoch."""
+        best = None if math.isinf(self.best_val_loss) else self.best_val_loss
+        if pass_.batches_done == pass_.batches:
+            self.progress = TrainProgress(epoch=pass_.epoch + 1, global_step=pass_.step, best_val_loss=best)
+            return
+        self.progress = TrainProgress(
+            epoch=pass_.epoch,
+            samples_consumed=pass_.samples_consumed(),
+            global_step=pass_.step,
+            best_val_loss=best,
+            epoch_totals=pass_.step_log.totals.tolist(),
+            epoch_train_seconds=pass_.train_seconds(),
+        )
+
+    def _write_steps(self, epoch: int, records: list[dict]) -> None:
+        for record in records:
+            self.metrics.write({"type": "step", "epoch": epoch, **record})
+
+    def _bar(self, total: int, desc: str, colour: str, initial: int = 0) -> tqdm:
+        # Rank 0 only: N ranks drawing N bars on one terminal is unreadable.
+        return tqdm(
+            total=total,
+            initial=initial,
+            desc=desc,
+            colour=colour,
+            disable=not self.info.is_main,
+            dynamic_ncols=True,
+        )
+
+
+def _show_latest(bar: tqdm, step_log: StepLog) -> None:
+    """The newest flushed window's loss and all ranks' tokens per second, beside the bar (rank 0)."""
+    if step_log.latest_loss is not None:
+        loss, tokens_per_s = step_log.latest_loss, step_log.latest_tokens_per_s
+        bar.set_postfix(loss=f"{loss:.3f}", tokens_per_s=f"{tokens_per_s:.0f}", refresh=False)
