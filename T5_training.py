@@ -53,12 +53,9 @@ RANK0_MESSAGE_GRACE_S = 2.0
 
 
 def build_trainer(
-    train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo, start: str | None
+    train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo, precision: str, start: str | None
 ) -> Trainer:
     """config -> model + tokenizer -> loaders -> FSDP model -> optimizer -> checkpointer -> trainer."""
-    precision = choose_precision(
-        fsdp_config.mixed_precision, fsdp_config.use_fp16, fsdp_config.bf16_policy, info.device
-    )
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
     on_meta = builds_on_meta(fsdp_config.cpu_ram_efficient_loading, fsdp_config.fsdp_version, info.is_main)
     loaded = load_model_for_run(train_config.model_name, on_meta, full_weights_file(start))
@@ -69,11 +66,7 @@ def build_trainer(
     trainables = build_trainables(model, train_config, precision, info.device)
     settings = CheckpointSettings.from_configs(train_config, fsdp_config)
     checkpointer = Checkpointer(settings, trainables, model_config, loaded.tokenizer, info)
-    trainer = Trainer(trainables, loaders, checkpointer, train_config, info, loaded.memory_baseline)
-    if info.is_main:
-        record_path = os.path.join(train_config.output_dir, CONFIG_FILE)
-        write_run_record(record_path, run_record(train_config, fsdp_config, info, precision), start)
-    return trainer
+    return Trainer(trainables, loaders, checkpointer, train_config, info, loaded.memory_baseline)
 
 
 def run(train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo) -> None:
@@ -82,11 +75,17 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo) -> N
     output_dir = train_config.output_dir
     rank0_decides(lambda: prepare_output_dir(output_dir))
     start = rank0_decides(lambda: choose_start(train_config.resume, output_dir))
-    trainer = build_trainer(train_config, fsdp_config, info, start)
+    precision = choose_precision(
+        fsdp_config.mixed_precision, fsdp_config.use_fp16, fsdp_config.bf16_policy, info.device
+    )
+    trainer = build_trainer(train_config, fsdp_config, info, precision, start)
     if is_checkpoint_folder(start):
         trainer.resume(start)
     elif start:
         get_logger().info("started from the weights of %s (new optimizer, epoch 1)", start)
+    if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
+        record = run_record(train_config, fsdp_config, info, precision)
+        write_run_record(os.path.join(output_dir, CONFIG_FILE), record, start)
     if trainer.train():
         trainer.checkpointer.export_hf()
     # No rank tears its process group down while another still communicates (seen once as an abort,

@@ -111,8 +111,8 @@ class FSDPConfig:
         default=0,
         help=(
             "HYBRID_SHARD/_HYBRID_SHARD_ZERO2: ranks per shard group (a replicate x shard device mesh); "
-            "0 = the ranks of one node (LOCAL_WORLD_SIZE). Must divide the world size; 1 is refused (use "
-            "NO_SHARD)."
+            "0 = the ranks of one node (LOCAL_WORLD_SIZE). Must divide the world size; 1 is refused with FSDP1 "
+            "(use NO_SHARD, or FSDP2)."
         ),
         minimum=0,
     )

@@ -3,8 +3,8 @@
 import pytest
 from transformers import T5ForConditionalGeneration
 
-from configs.training import EMBEDDED_MODEL_DIR
 from scripts.estimate_memory import estimate, load_shape, main
+from utils.paths import EMBEDDED_MODEL_DIR
 
 SETTINGS = dict(
     mixed_precision="bf16", activation_checkpointing=True, batch_size=4, max_source_length=64, max_target_length=16
@@ -15,7 +15,7 @@ def test_parameter_count_from_the_config_equals_the_model():
     real = sum(p.numel() for p in T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR).parameters())
     assert (
         estimate(
-            load_shape(EMBEDDED_MODEL_DIR), nproc=2, sharding_strategy="FULL_SHARD", **SETTINGS
+            load_shape(str(EMBEDDED_MODEL_DIR)), nproc=2, sharding_strategy="FULL_SHARD", **SETTINGS
         ).param_numel_total
         == real
     )

@@ -171,7 +171,8 @@ def assert_finite_run(output_dir: Path, first_step: int, n_steps: int) -> None:
 
 
 def snapshot(output_dir: Path) -> dict:
-    """Every file under checkpoints/ (hidden ones too) with size and mtime, and metrics.jsonl's bytes."""
+    """Every file under checkpoints/ (hidden ones too) with size and mtime; metrics.jsonl's and config.json's
+    bytes."""
     files = {}
     root = output_dir / "checkpoints"
     for dirpath, _, filenames in os.walk(root):
@@ -179,8 +180,9 @@ def snapshot(output_dir: Path) -> dict:
             path = Path(dirpath) / name
             stat = path.stat()
             files[str(path.relative_to(output_dir))] = (stat.st_size, stat.st_mtime_ns)
-    metrics = output_dir / "metrics.jsonl"
-    files["metrics.jsonl bytes"] = metrics.read_bytes() if metrics.is_file() else None
+    for name in ("metrics.jsonl", "config.json"):
+        path = output_dir / name
+        files[f"{name} bytes"] = path.read_bytes() if path.is_file() else None
     return files
 
 
@@ -440,10 +442,11 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
     fsdp_config = FSDPConfig(mixed_precision=False, fsdp_activation_checkpointing=False)
     train_config = TrainConfig(lr=1e-3, weight_decay=0.01, gamma=0.5)
 
-    def checkpointer(plain, checkpoint_type: str) -> Checkpointer:
+    def checkpointer(plain, checkpoint_type: str, save_optimizer: bool = True) -> Checkpointer:
         model = wrap_model(plain, fsdp_config, cpu, "fp32_policy")
         trainables = build_trainables(model, train_config, "fp32_policy", cpu)
-        settings = CheckpointSettings(os.path.join(output_root, checkpoint_type), checkpoint_type, True, 2, 0)
+        folder = os.path.join(output_root, f"{checkpoint_type}-{save_optimizer}")
+        settings = CheckpointSettings(folder, checkpoint_type, save_optimizer, 2, 0)
         return Checkpointer(settings, trainables, plain.config, tokenizer, info)
 
     out = {}
@@ -487,6 +490,23 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
         after, after2 = _full_states(model, optimizer)[0], _full_states(model2, optimizer2)[0]
         result["model_diff_after_next_step"] = max(_max_diffs(after, after2).values())
         result["next_step_changed_weights"] = max(_max_diffs(original_model, after).values()) > 0
+
+        # Without optimizer state the weights come back and AdamW starts afresh: no state, not even a step.
+        without = checkpointer(_tiny_t5(seed=0), checkpoint_type, save_optimizer=False)
+        train_step(without.trainables.model, _random_batch(rank), without.trainables.optimizer, None, world_size)
+        path = without.save(progress)
+        fresh = _tiny_t5(seed=1)
+        if checkpoint_type == FULL:
+            load_full_model_weights(fresh, os.path.join(path, MODEL_FILE))
+        restored = checkpointer(fresh, checkpoint_type, save_optimizer=False)
+        restored.restore(path)
+        entries = len(restored.trainables.optimizer.state)  # before _full_states, which initialises the state
+        result["no_optimizer"] = {
+            "model_diff": max(_max_diffs(_full_states(without.trainables.model, without.trainables.optimizer)[0],
+                                         _full_states(restored.trainables.model, restored.trainables.optimizer)[0]
+                                         ).values()),
+            "optimizer_state_entries": entries,
+        }  # fmt: skip
         out[checkpoint_type] = result
     return out
 
@@ -513,6 +533,7 @@ def test_optimizer_state_survives_the_round_trip(round_trip, checkpoint_type):
             assert all(value == 0 for value in diffs.values()), (where, name, diffs)
         assert result["next_step_changed_weights"], where
         assert result["model_diff_after_next_step"] == 0, (where, result["model_diff_after_next_step"])
+        assert result["no_optimizer"] == {"model_diff": 0, "optimizer_state_entries": 0}, (where, result)
 
 
 # --------------------------------------------------------------------------------- 6. hf_model export

@@ -1,8 +1,11 @@
 """Atomic writes: a file or folder appears under its final name complete, or not at all.
 
-Everything the package saves goes through `atomic_path`: a crash mid-write leaves at most a temporary
-sibling (`<name>.tmp`), never a truncated file under the final name, and an existing file or folder of that
-name stays intact until the new one is complete.
+Every file and folder the package writes outside a checkpoint (config.json, the --save_model .pt files,
+hf_model/, a cut-back metrics.jsonl, a download) goes through `atomic_path`: a crash mid-write leaves at
+most a temporary sibling (`<name>.tmp`, or `<name>.old` while a folder is being swapped), never a truncated
+file under the final name, and an existing file or folder of that name stays intact until the new one is
+complete. A checkpoint is assembled by every rank in one temporary folder and renamed whole by
+utils/checkpoint/checkpointer.py.
 """
 
 import json
@@ -19,7 +22,7 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def replace_path(source: str, destination: str) -> None:
+def _replace(source: str, destination: str) -> None:
     """Rename `source` over `destination`, file or folder. A folder being replaced is first moved aside,
     so that until the rename `destination` still holds the old complete version."""
     if not os.path.isdir(destination):
@@ -41,7 +44,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     _remove(tmp)  # left by a write that crashed
     try:
         yield tmp
-        replace_path(tmp, path)
+        _replace(tmp, path)
     finally:
         _remove(tmp)
 

@@ -33,11 +33,12 @@ from utils.checkpoint.state_dicts import (
     param_groups_from_json,
     save_full_model,
     set_optimizer_state,
+    sharded_model_state,
     tensor_only_optimizer_state,
 )
 from utils.distributed.process_group import DistInfo
 from utils.errors import FAILURES, CheckpointError, error_summary
-from utils.files import disk_bytes, replace_path, write_json
+from utils.files import disk_bytes, write_json
 from utils.observe.log import get_logger
 from utils.train.progress import TrainProgress
 from utils.train.trainables import Trainables
@@ -102,7 +103,9 @@ class Checkpointer:
         dist.barrier()  # every rank's files are on disk
         if self.info.is_main:
             self._write_train_state(tmp, progress)
-            replace_path(tmp, final)  # the same step saved again (SIGTERM right after a periodic save)
+            if os.path.exists(final):  # the same step saved again (SIGTERM right after a periodic save)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
             get_logger().info(
                 "checkpoint %s (%s): %.1f MB in %.2f s",
                 final,
@@ -120,15 +123,18 @@ class Checkpointer:
         model_state, optim_state = model_and_optimizer_state(
             self.trainables.model, self.trainables.optimizer, full, self.info.device
         )
-        optimizer_tensors = tensor_only_optimizer_state(optim_state) if self.settings.save_optimizer else None
-        if full and self.info.is_main:
-            torch.save(model_state, os.path.join(folder, layout.MODEL_FILE))
-            if optimizer_tensors is not None:
-                torch.save(optimizer_tensors, os.path.join(folder, layout.OPTIMIZER_FILE))
-        elif not full:
+        save_optimizer = self.settings.save_optimizer
+        if full:
+            # With CPU offload (GPU runs) only rank 0 receives the gathered state; the others get {}.
+            if self.info.is_main:
+                torch.save(model_state, os.path.join(folder, layout.MODEL_FILE))
+                if save_optimizer:
+                    optimizer_file = os.path.join(folder, layout.OPTIMIZER_FILE)
+                    torch.save(tensor_only_optimizer_state(optim_state), optimizer_file)
+        else:
             payload = {"model": model_state}
-            if optimizer_tensors is not None:
-                payload["optim"] = optimizer_tensors
+            if save_optimizer:
+                payload["optim"] = tensor_only_optimizer_state(optim_state)
             dcp.save(payload, checkpoint_id=folder)  # collective; each rank writes its own shards
         torch.save(_rng_state(self.info.device), layout.rng_file(folder, self.info.rank))
         if self.info.is_main:
@@ -188,11 +194,14 @@ class Checkpointer:
                 file = os.path.join(checkpoint, layout.OPTIMIZER_FILE)
                 optim_state["state"] = torch.load(file, map_location="cpu", weights_only=True)
         else:
-            # Templates with this run's sharding: DCP loads into them in place, resharding as needed.
-            model_state, optim_state = model_and_optimizer_state(model, optimizer, False, self.info.device)
-            payload = {"model": model_state}
+            # Templates with this run's sharding: DCP loads into them in place, resharding as needed. The
+            # optimizer's template only when there is a state to load: asking for it makes torch initialise
+            # AdamW's state with a zero step, and an optimizer that "starts afresh" must not have taken one.
             if has_optimizer:
-                payload["optim"] = tensor_only_optimizer_state(optim_state)
+                model_state, optim_state = model_and_optimizer_state(model, optimizer, False, self.info.device)
+                payload = {"model": model_state, "optim": tensor_only_optimizer_state(optim_state)}
+            else:
+                payload = {"model": sharded_model_state(model)}
             dcp.load(payload, storage_reader=SafeFileSystemReader(checkpoint))  # collective
             set_model_state_dict(model, payload["model"])
             optim_state = {"state": payload.get("optim")}

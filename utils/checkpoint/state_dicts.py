@@ -52,6 +52,11 @@ def model_and_optimizer_state(model: nn.Module, optimizer, full: bool, device: t
     return get_state_dict(model, optimizer, options=options)
 
 
+def sharded_model_state(model: nn.Module) -> dict:
+    """This rank's shards of the model state dict (no gather, no optimizer). Collective."""
+    return get_model_state_dict(model)
+
+
 def set_optimizer_state(model: nn.Module, optimizer, optim_state: dict, full: bool) -> None:
     """Load an optimizer state dict (full or sharded) into the optimizer of the wrapped model. Collective."""
     set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=full))

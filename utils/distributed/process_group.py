@@ -49,6 +49,8 @@ def resolve_device(choice: str, local_rank: int) -> torch.device:
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cpu":
         return torch.device("cpu")
+    if choice != "cuda":
+        raise ConfigError(f"--device must be auto, cuda or cpu, not {choice!r}")
     if not torch.cuda.is_available():
         raise ConfigError("--device cuda, but CUDA is not available here; use --device cpu (or auto)")
     if local_rank >= torch.cuda.device_count():

@@ -6,7 +6,8 @@
 
 Each concern is one method: `_train_pass` (one pass over the loader), `_train_step`, `_end_pass_early`
 (periodic and SIGTERM checkpoints inside an epoch), `_validate`, `_finish_epoch` (record, best model,
-checkpoint); `_advance_progress` is the one place where the progress a checkpoint records changes.
+checkpoint); while training, `_advance_progress` is the one place where the progress a checkpoint records
+changes (`resume` sets it from a checkpoint before training starts).
 """
 
 import math
