@@ -26,12 +26,13 @@ from summarization_dataset import check_csv_header, require_csv
 from utils.checkpoint.checkpointer import Checkpointer, CheckpointSettings
 from utils.checkpoint.layout import (
     CONFIG_FILE,
+    METRICS_FILE,
     choose_start,
     full_weights_file,
     is_checkpoint_folder,
     prepare_output_dir,
 )
-from utils.data.loaders import build_loaders
+from utils.data.loaders import build_eval_set, build_loaders
 from utils.distributed.process_group import (
     DistInfo,
     describe_launch,
@@ -42,9 +43,12 @@ from utils.distributed.process_group import (
     rank0_decides,
 )
 from utils.errors import FAILURES, ConfigError, UserError
+from utils.eval.evaluator import Evaluator
+from utils.eval.generation import GenerationSettings, summarization_params
 from utils.fsdp.wrap import log_fsdp_layout, wrap_model
 from utils.model.loading import builds_on_meta, load_model_for_run
 from utils.observe.log import get_logger, setup_logging
+from utils.observe.metrics import MetricsWriter
 from utils.observe.run_record import run_record, write_run_record
 from utils.train.trainables import build_trainables
 from utils.train.trainer import Trainer
@@ -61,12 +65,33 @@ def build_trainer(
     loaded = load_model_for_run(train_config.model_name, on_meta, full_weights_file(start))
     loaders = build_loaders(loaded.tokenizer, train_config, info)
     model_config = loaded.model.config
+    # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
+    model_config.task_specific_params = {
+        **(getattr(model_config, "task_specific_params", None) or {}),
+        "summarization": summarization_params(train_config),
+    }
     model = wrap_model(loaded.model, fsdp_config, info.device, precision, loaded.weights_source)
     log_fsdp_layout(model, precision)
     trainables = build_trainables(model, train_config, precision, info.device)
     settings = CheckpointSettings.from_configs(train_config, fsdp_config)
     checkpointer = Checkpointer(settings, trainables, model_config, loaded.tokenizer, info)
     return Trainer(trainables, loaders, checkpointer, train_config, info, loaded.memory_baseline)
+
+
+def evaluate_saved_model(trainer: Trainer, train_config: TrainConfig, info: DistInfo) -> None:
+    """--evaluate_only: ROUGE of the loaded (or resumed) model on --eval_split, no training. Collective.
+
+    The eval record is appended to output_dir/metrics.jsonl; nothing else of the folder is touched."""
+    eval_set = build_eval_set(trainer.checkpointer.tokenizer, train_config, info, train_config.eval_split)
+    settings = GenerationSettings.from_config(train_config)
+    evaluator = Evaluator(eval_set, settings, train_config.output_dir, info)
+    progress = trainer.progress
+    record = evaluator.evaluate(trainer.trainables.model, progress.epoch - 1, progress.global_step)
+    metrics = MetricsWriter(os.path.join(train_config.output_dir, METRICS_FILE), info.is_main, append=True)
+    try:
+        metrics.write(record)
+    finally:
+        metrics.close()
 
 
 def run(train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo) -> None:
@@ -83,11 +108,13 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo) -> N
         trainer.resume(start)
     elif start:
         get_logger().info("started from the weights of %s (new optimizer, epoch 1)", start)
-    if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
-        record = run_record(train_config, fsdp_config, info, precision)
-        write_run_record(os.path.join(output_dir, CONFIG_FILE), record, start)
-    if trainer.train():
-        trainer.checkpointer.export_hf()
+    if train_config.evaluate_only:
+        evaluate_saved_model(trainer, train_config, info)
+    else:
+        if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
+            record = run_record(train_config, fsdp_config, info, precision)
+            write_run_record(os.path.join(output_dir, CONFIG_FILE), record, start)
+        trainer.train()
     # No rank tears its process group down while another still communicates (seen once as an abort,
     # "terminate called without an active exception", on a loaded 2-core machine).
     dist.barrier()

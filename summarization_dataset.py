@@ -31,7 +31,7 @@ import csv
 import hashlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +168,57 @@ def require_csv(data_dir: str | os.PathLike) -> Path:
     return csv_path
 
 
+def _csv_rows(csv_path: Path) -> Iterator[list[str]]:
+    """The data rows of wikihowAll.csv that have the header's number of fields, as the builder read them.
+
+    The builder opened the file in text mode (universal newlines), so the published file's "\r\n" line ends,
+    inside quoted fields too, reached its clean-up and its length filter as "\n" (docs/pitfalls.md #17); so
+    here. Blank lines and broken rows are skipped, as the builder did.
+    """
+    csv.field_size_limit(_CSV_FIELD_SIZE_LIMIT)
+    warn_if_truncated(csv_path)
+    with open(csv_path, encoding="utf-8") as f:
+        reader = csv.reader(f)
+        try:
+            check_header(next(reader, None), csv_path)
+            for fields in reader:
+                if len(fields) == len(EXPECTED_HEADER):
+                    yield fields
+        except UnicodeDecodeError:
+            raise DataError(
+                f"{csv_path} is not UTF-8 text (line {_first_undecodable_line(csv_path)}): the file is damaged "
+                f"or not the original {CSV_NAME}. {_how_to_get_data(csv_path.parent)}"
+            ) from None
+
+
+def _first_undecodable_line(path: Path) -> int:
+    """The number of the first line of `path` that is not UTF-8 (the decoder reads ahead in blocks, so
+    the csv reader's position does not say where the bad byte is)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return 0
+
+
+def warn_if_truncated(csv_path: Path) -> None:
+    """Warn when the file ends inside a quoted field (an odd number of quote characters), as an interrupted
+    download does: the csv module would silently keep the cut-off last row."""
+    quotes = 0
+    with open(csv_path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            quotes += chunk.count(b'"')
+    if quotes % 2:
+        get_logger().warning(
+            "%s ends inside a quoted field: it looks truncated (an interrupted download?). Its last row is "
+            "incomplete; download it again. %s",
+            csv_path,
+            _how_to_get_data(csv_path.parent),
+        )
+
+
 def load_wikihow(data_dir: str | os.PathLike, split: str) -> pd.DataFrame:
     """One split of WikiHow 'all' as the original builder makes it: columns title, headline, text.
 
@@ -181,27 +232,18 @@ def load_wikihow(data_dir: str | os.PathLike, split: str) -> pd.DataFrame:
 
     rows: dict[str, list[str]] = {"title": [], "headline": [], "text": []}
     n_read = n_clean = 0
-    csv.field_size_limit(_CSV_FIELD_SIZE_LIMIT)
-    # newline="" as the csv module requires: newlines inside quoted fields stay as they are in the file.
-    with open(csv_path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f)
-        check_header(next(reader, None), csv_path)
-        for fields in reader:
-            # Blank lines ([]) and broken rows are skipped, as the builder did.
-            if len(fields) != len(EXPECTED_HEADER):
-                continue
-            n_read += 1
-            headline, title, text = (field.strip() for field in fields)
-            headline, text = filter_and_clean(headline, text)
-            if not (headline and text):
-                continue
-            n_clean += 1
-            in_split = hash_split(title) == split if titles is None else normalise_title(title) in titles
-            if in_split:
-                rows["title"].append(title)
-                rows["headline"].append(headline)
-                rows["text"].append(text)
-
+    for fields in _csv_rows(csv_path):
+        n_read += 1
+        headline, title, text = (field.strip() for field in fields)
+        headline, text = filter_and_clean(headline, text)
+        if not (headline and text):
+            continue
+        n_clean += 1
+        in_split = hash_split(title) == split if titles is None else normalise_title(title) in titles
+        if in_split:
+            rows["title"].append(title)
+            rows["headline"].append(headline)
+            rows["text"].append(text)
     if not rows["title"]:
         source = "the hash split" if titles is None else str(data_dir / SPLIT_FILES[split])
         raise DataError(
@@ -292,6 +334,17 @@ class wikihow(Dataset):  # noqa: N801 - the tutorial's name, kept so that its co
 
     def clean_text(self, text: str) -> str:
         return clean_text(text)
+
+    def title(self, index: int) -> str:
+        return self.dataset["title"].iat[index]
+
+    def article(self, index: int) -> str:
+        """The article as the builder left it: one paragraph (step) per line, not yet cleaned."""
+        return self._texts[index]
+
+    def reference(self, index: int) -> str:
+        """The summary as the model is trained to write it (cleaned, untruncated): what ROUGE scores against."""
+        return self.clean_text(self._headlines[index])
 
     def _encode(self, text: str, max_length: int) -> dict[str, torch.Tensor]:
         # Called directly: transformers 5 removed batch_encode_plus (docs/pitfalls.md #9). T5's tokenizer appends

@@ -24,6 +24,7 @@ def check_settings(train_config: TrainConfig, fsdp_config: FSDPConfig, world_siz
         check_fsdp2_settings(fsdp_config)
     check_hybrid_sharding(fsdp_config, world_size)
     check_checkpointing(train_config)
+    check_evaluation(train_config)
 
 
 def check_precision(fsdp_config: FSDPConfig, device_type: str) -> None:
@@ -102,3 +103,18 @@ def check_checkpointing(train_config: TrainConfig) -> None:
             f"--save_every_n_steps {train_config.save_every_n_steps} with --keep_last_n 0: no checkpoint "
             "would be written. Keep at least one (--keep_last_n 1) or drop --save_every_n_steps."
         )
+
+
+def check_evaluation(train_config: TrainConfig) -> None:
+    """ROUGE-based choices need ROUGE."""
+    if train_config.eval_rouge:
+        return
+    if train_config.metric_for_best != "val_loss":
+        raise ConfigError(
+            f"--metric_for_best {train_config.metric_for_best} needs --eval_rouge true (or choose "
+            "--metric_for_best val_loss)"
+        )
+    if train_config.evaluate_only:
+        raise ConfigError("--evaluate_only true scores ROUGE: it needs --eval_rouge true")
+    if train_config.eval_every_n_steps:
+        raise ConfigError("--eval_every_n_steps needs --eval_rouge true (or drop --eval_every_n_steps)")

@@ -361,3 +361,48 @@ def _lm_head_is_shared(model) -> bool:
         with FSDP.summon_full_params(model):
             return inner.lm_head.weight.data_ptr() == inner.shared.weight.data_ptr()
     return inner.lm_head.weight is inner.shared.weight
+
+
+def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: int, batch_size: int) -> dict:
+    """ROUGE evaluation of one fp32 model under FSDP1 and FSDP2 (greedy and 2 beams), plus direct generate
+    calls whose lengths differ by rank. Rank 0 also returns plain single-process generate on the same model."""
+    from transformers import T5Tokenizer
+
+    from configs.training import TrainConfig
+    from utils.data.loaders import build_eval_set
+    from utils.distributed.process_group import DistInfo
+    from utils.eval.evaluator import Evaluator
+    from utils.eval.generation import GenerationSettings, generate
+
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    config = TrainConfig(eval_num_samples=n_samples, val_batch_size=batch_size, max_new_tokens=12)
+    eval_set = build_eval_set(tokenizer, config, info, "validation")
+    out = {"records": {}, "uneven": {}}
+    for beams in (1, 2):
+        settings = dataclasses.replace(GenerationSettings.from_config(config), num_beams=beams)
+        for version in (1, 2):
+            model = wrap_model(tiny_t5(seed=7), _fsdp_config({"fsdp_version": version}), CPU, FP32)
+            folder = f"{output_dir}/fsdp{version}-beams{beams}"
+            out["records"][(version, beams)] = Evaluator(eval_set, settings, folder, info).evaluate(model, 1, 5)
+            # Lengths that differ by rank: rank r stops after 3 + 6 r new tokens, the others keep stepping.
+            uneven = dataclasses.replace(settings, max_new_tokens=3 + 6 * rank)
+            ids = generate(model, make_batch(rank, rows=2), uneven)
+            out["uneven"][(version, beams)] = ids.shape[1]
+    if rank == 0:
+        plain = tiny_t5(seed=7).eval()
+        dataset = eval_set.dataset
+        out["plain"] = {}
+        for beams in (1, 2):
+            settings = dataclasses.replace(GenerationSettings.from_config(config), num_beams=beams)
+            texts = []
+            for index in range(len(dataset)):
+                item = dataset[index]
+                source, mask = item["source_ids"][None], item["source_mask"][None]
+                with torch.no_grad():
+                    ids = plain.generate(input_ids=source, attention_mask=mask, use_cache=True,
+                                         **settings.generate_kwargs())  # fmt: skip
+                texts.append(tokenizer.decode(ids[0], skip_special_tokens=True).strip())
+            out["plain"][beams] = texts
+        out["references"] = [dataset.reference(i) for i in range(len(dataset))]
+    return out

@@ -490,3 +490,46 @@ def test_labels_for_loss_ignores_exactly_the_padding():
     assert labels.tolist() == [[7, 8, 1, -100, -100], [9, 1, -100, -100, -100]]
     # A copy: the batch itself is untouched.
     assert target_ids.tolist() == [[7, 8, 1, 0, 0], [9, 1, 0, 0, 0]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The published file's line endings and damage
+# ---------------------------------------------------------------------------------------------------
+
+# A row whose article has a line end inside its quotes: read as the builder did ("\r\n" -> "\n"), the text
+# "ab\ncd" has 5 characters and the 4-character headline fails the 0.75 filter; a reader that kept "\r"
+# would count 6 and keep the row.
+CRLF_BOUNDARY_ROW = 'wxyz,Boundary CRLF,"ab\ncd"\n'
+
+
+def test_crlf_file_gives_the_builders_rows_and_no_carriage_return(tmp_path):
+    lists = {**FIXTURE_LISTS, "all_train.txt": FIXTURE_LISTS["all_train.txt"] + "BoundaryCRLF\n"}
+    crlf = (FIXTURE_CSV + CRLF_BOUNDARY_ROW).replace("\n", "\r\n")
+    assert crlf.count("\r\n") > 20  # line ends inside quoted fields too
+    data_dir = write_data(tmp_path / "crlf", crlf, lists)
+    for split, expected in EXPECTED.items():
+        frame = load_wikihow(data_dir, split)
+        assert frame.to_dict("records") == expected, split
+        assert not any("\r" in value for column in frame for value in frame[column]), split
+
+
+def test_non_utf8_csv_names_the_file_the_line_and_the_fix(tmp_path):
+    data_dir = write_data(tmp_path / "latin1")
+    path = data_dir / "wikihowAll.csv"
+    path.write_bytes(
+        FIXTURE_CSV.encode() + "Caf\u00e9 it.,How to Cafe,Brew the coffee slowly.\n".encode("latin-1")
+    )
+    with pytest.raises(DataError) as caught:
+        load_wikihow(data_dir, "train")
+    message = str(caught.value)
+    bad_line = FIXTURE_CSV.count("\n") + 1  # the appended row
+    assert str(path) in message and "not UTF-8" in message and f"line {bad_line})" in message, message
+    assert "download_wikihow.py" in message
+
+
+def test_a_csv_cut_inside_a_quoted_field_is_reported_as_truncated(tmp_path, log_records):
+    load_wikihow(write_data(tmp_path / "whole"), "train")
+    assert not [w for w in _warnings(log_records) if "truncated" in w]
+    cut = FIXTURE_CSV + 'Cut.,How to Cut,"This article was cut off in the mid'
+    load_wikihow(write_data(tmp_path / "cut", cut), "train")
+    assert [w for w in _warnings(log_records) if "looks truncated" in w and "wikihowAll.csv" in w]

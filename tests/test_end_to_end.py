@@ -28,6 +28,7 @@ NPROC = 2
 EPOCHS = 2
 NUM_TRAIN = 96
 NUM_VAL = 24
+NUM_EVAL = 12  # articles ROUGE scores after each epoch
 # Steps per epoch: each rank gets ceil(96 / 2) samples, in batches of the default batch_size_training.
 STEPS_PER_EPOCH = math.ceil(math.ceil(NUM_TRAIN / NPROC) / TrainConfig().batch_size_training)
 TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 24
@@ -44,6 +45,8 @@ EPOCH_KEYS = {
     "peak_memory_bytes",
 }
 CUDA_ONLY_EPOCH_KEYS = {"peak_memory_reserved_bytes"}
+EVAL_KEYS = {"type", "epoch", "step", "split", "rouge1", "rouge2", "rougeL", "rougeLsum", "gen_len", "num_samples",
+             "seconds", "baselines"}  # fmt: skip
 MEMORY_KEYS = {
     "type",
     "rank",
@@ -66,6 +69,7 @@ def training(tmp_path_factory) -> tuple[Run, Path]:
     output_dir = tmp_path_factory.mktemp("e2e_run") / "out"  # does not exist yet: rank 0 creates it
     run = torchrun(
         ["--epochs", str(EPOCHS), "--num_train_samples", str(NUM_TRAIN), "--num_val_samples", str(NUM_VAL),
+         "--eval_num_samples", str(NUM_EVAL),
          "--save_model", "true", "--log_every_n_steps", "5", "--output_dir", str(output_dir)],
         timeout=300,
     )  # fmt: skip
@@ -122,9 +126,12 @@ def test_training_exits_zero(training):
 def test_metrics_records_have_exactly_the_documented_keys(records, run_config):
     on_cuda = str(run_config.get("device", "")).startswith("cuda")
     for record in records:
-        assert record.get("type") in ("step", "epoch", "memory"), record
+        assert record.get("type") in ("step", "epoch", "memory", "eval"), record
         if record["type"] == "step":
             assert set(record) == STEP_KEYS, record
+        elif record["type"] == "eval":
+            assert set(record) == EVAL_KEYS and record["num_samples"] == NUM_EVAL, record
+            assert set(record["baselines"]) == {"lead_steps", "lead3"}, record
         elif record["type"] == "memory":
             assert set(record) == MEMORY_KEYS, record
         else:
@@ -172,7 +179,7 @@ def test_step_numbers_are_global_and_consecutive(records):
 
 def test_records_are_in_order(records):
     # Each epoch's steps come before its epoch record, which comes before the next epoch's steps.
-    order = [(r["epoch"], 0 if r["type"] == "step" else 1) for r in records if r["type"] != "memory"]
+    order = [(r["epoch"], 0 if r["type"] == "step" else 1) for r in records if r["type"] in ("step", "epoch")]
     assert order == sorted(order)
     assert [r["epoch"] for r in epochs_of(records)] == list(range(1, EPOCHS + 1))
 
@@ -201,6 +208,19 @@ def test_epoch_records(records):
         assert all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in peaks), record
     # The tiny model learns on the sample: a second epoch of training lowers the validation loss.
     assert epochs[1]["val_loss"] < epochs[0]["val_loss"], epochs
+
+
+def test_each_epoch_is_evaluated_with_rouge_and_its_predictions_kept(records, finished):
+    _, output_dir = finished
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["epoch"] for r in evals] == list(range(1, EPOCHS + 1))
+    assert [r["step"] for r in evals] == [STEPS_PER_EPOCH * e for e in range(1, EPOCHS + 1)]
+    for record in evals:
+        path = output_dir / "predictions" / f"validation_step_{record['step']:08d}.jsonl"
+        assert len(path.read_text(encoding="utf-8").splitlines()) == NUM_EVAL
+        assert 0 <= record["rougeL"] <= 100 and record["gen_len"] > 0
+    # The extractive baselines depend only on the articles: the same at every evaluation.
+    assert evals[0]["baselines"] == evals[-1]["baselines"]
 
 
 def test_config_json(run_config, finished):

@@ -69,6 +69,8 @@ CROSS_ARGS = [
     "96",
     "--num_val_samples",
     "24",
+    "--eval_num_samples",
+    "8",
     "--mixed_precision",
     "false",
     "--checkpoint_type",

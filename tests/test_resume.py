@@ -61,6 +61,8 @@ SMALL_RUN = [
     str(NUM_TRAIN),
     "--num_val_samples",
     str(NUM_VAL),
+    "--eval_num_samples",  # ROUGE on: evaluation must not disturb the training's random streams
+    "8",
     "--mixed_precision",
     "false",
     "--save_every_n_steps",

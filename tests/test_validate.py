@@ -69,6 +69,21 @@ REFUSED = {
         "cpu",
         "--hybrid_shard_group_size",
     ),
+    "best by ROUGE without ROUGE": (
+        {"eval_rouge": False, "metric_for_best": "rougeL"},
+        {},
+        2,
+        "cpu",
+        "--eval_rouge true",
+    ),
+    "evaluate-only without ROUGE": ({"eval_rouge": False, "evaluate_only": True}, {}, 2, "cpu", "--evaluate_only"),
+    "periodic ROUGE without ROUGE": (
+        {"eval_rouge": False, "eval_every_n_steps": 5},
+        {},
+        2,
+        "cpu",
+        "--eval_every_n_steps",
+    ),
     "periodic checkpoints but none kept": (
         {"save_every_n_steps": 5, "keep_last_n": 0},
         {},
@@ -126,3 +141,13 @@ def test_hybrid_group_defaults_to_the_ranks_of_one_node(monkeypatch):
         check_settings(TrainConfig(), fsdp_config, 2, "cpu")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     check_settings(TrainConfig(), fsdp_config, 4, "cpu")
+
+
+@pytest.mark.parametrize(
+    "argv", [["--num_beams", "0"], ["--max_new_tokens", "-1"], ["--no_repeat_ngram_size", "-2"]]
+)
+def test_bad_generation_settings_are_refused(argv):
+    from configs.cli import parse_args
+
+    with pytest.raises(ConfigError, match=argv[0]):
+        parse_args(argv)

@@ -239,14 +239,15 @@ class Checkpointer:
             os.path.join(self.settings.output_dir, name),
         )
 
-    def export_hf(self) -> str | None:
-        """Gather the full model (collective) and write output_dir/hf_model on rank 0. Returns its path there."""
+    def export_hf(self, last: bool = False) -> str | None:
+        """Gather the full model (collective) and write output_dir/hf_model (or, `last`, hf_model_last) on
+        rank 0. Returns its path there."""
         state = gather_full_state_dict(self.trainables.model, self.info.device)
         if not self.info.is_main:
             return None
-        folder = os.path.join(self.settings.output_dir, layout.HF_DIR)
+        folder = os.path.join(self.settings.output_dir, layout.HF_LAST_DIR if last else layout.HF_DIR)
         write_hf_folder(state, self.model_config, self.tokenizer, folder)
-        get_logger().info("final model: %s (from_pretrained-loadable, safetensors)", folder)
+        get_logger().info("model written: %s (from_pretrained-loadable, safetensors)", folder)
         return folder
 
 

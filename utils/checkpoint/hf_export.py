@@ -5,6 +5,7 @@ no pickles, no remote code. Written at the end of a finished run from the live m
 checkpoint by scripts/convert_checkpoint_to_hf.py (one process, no GPU, no process group).
 """
 
+import copy
 import os
 
 import torch
@@ -15,6 +16,7 @@ from utils.checkpoint.layout import FULL, MODEL_FILE, STATE_FILE, TOKENIZER_DIR,
 from utils.checkpoint.safe_dcp import SafeFileSystemReader
 from utils.checkpoint.state_dicts import load_full_model_state
 from utils.errors import FAILURES, CheckpointError, UserError, error_summary
+from utils.eval.generation import GENERATION_KEYS
 from utils.files import atomic_path
 
 
@@ -23,8 +25,18 @@ def write_hf_folder(state_dict: dict, model_config, tokenizer, folder: str) -> N
 
     The model skeleton lives on the meta device: no second copy of the weights is allocated.
     """
+    # Training runs without the KV cache (activation checkpointing needs that); whoever loads the folder
+    # generates, which wants it.
+    model_config = copy.deepcopy(model_config)
+    model_config.use_cache = True
     with torch.device("meta"):
         skeleton = T5ForConditionalGeneration(model_config)
+    # generation_config.json gets the run's generation settings, so `generate()` summarises as evaluated.
+    summarization = (getattr(model_config, "task_specific_params", None) or {}).get("summarization", {})
+    generation = {key: summarization[key] for key in GENERATION_KEYS if key in summarization}
+    if generation.get("num_beams", 1) == 1:
+        generation.pop("length_penalty", None)  # a beam-search setting; transformers refuses it otherwise
+    skeleton.generation_config.update(use_cache=True, **generation)
     with atomic_path(folder) as tmp:
         skeleton.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

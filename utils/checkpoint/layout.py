@@ -11,7 +11,9 @@
         model.pt, optimizer.pt              FULL_STATE_DICT: full state dicts gathered on rank 0
         .metadata, __<r>_0.distcp           SHARDED_STATE_DICT: torch.distributed.checkpoint shards
       checkpoints/.tmp_step_.../          a save in progress (ignored; replaced by the next save)
-      hf_model/                           the final model, save_pretrained + tokenizer
+      hf_model/                           the best epoch's model (--metric_for_best), save_pretrained + tokenizer
+      hf_model_last/                      the final model, when it is not the best
+      predictions/<split>_step_<N>.jsonl  the summaries of each ROUGE evaluation (utils/eval/evaluator.py)
       T5-model-<run>-epoch<E>-val<L>.pt   --save_model: the tutorial's full state dict per best epoch
 
 Also here: finding complete checkpoints, resolving --resume, and refusing a new run over an old one.
@@ -29,6 +31,7 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 HF_DIR = "hf_model"
+HF_LAST_DIR = "hf_model_last"  # the final model, when an earlier epoch was the best
 STATE_FILE = "train_state.json"
 PARAM_GROUPS_FILE = "optimizer_param_groups.json"
 MODEL_FILE = "model.pt"
@@ -82,7 +85,10 @@ def read_train_state(checkpoint: str) -> dict:
             state = json.load(f)
         if state.get("format_version") != FORMAT_VERSION or state.get("checkpoint_type") not in (FULL, SHARDED):
             raise ValueError(f"unknown format {state.get('format_version')!r}/{state.get('checkpoint_type')!r}")
-        TrainProgress(**state["progress"])
+        progress = state["progress"]
+        if "best_val_loss" in progress:  # written before --metric_for_best existed: the metric was val_loss
+            progress["best_metric"] = progress.pop("best_val_loss")
+        TrainProgress(**progress)
         return state
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(

@@ -1,5 +1,6 @@
 """Datasets and loaders of each rank. Needs the process group (samplers read rank and world size)."""
 
+import dataclasses
 import functools
 import signal
 from dataclasses import dataclass
@@ -16,11 +17,23 @@ from utils.observe.log import get_logger
 
 
 @dataclass
+class EvalSet:
+    """The articles ROUGE evaluates: the first N of a split, this rank's share in order, padded with repeats
+    so that every rank generates the same number of batches."""
+
+    split: str
+    dataset: wikihow
+    loader: DataLoader
+    sampler: PaddedEvalSampler  # says which of this rank's samples are real
+
+
+@dataclass
 class Loaders:
     train: DataLoader
     train_sampler: ResumableDistributedSampler
     val: DataLoader | None
     val_num_real_samples: int  # this rank's validation samples that are not padding repeats
+    evaluation: EvalSet | None  # the ROUGE set (--eval_rouge)
 
 
 def build_dataset(tokenizer, split: str, num_samples: int, config: TrainConfig, world_size: int) -> Dataset:
@@ -75,5 +88,17 @@ def build_loaders(tokenizer, config: TrainConfig, info: DistInfo) -> Loaders:
         val_sampler = PaddedEvalSampler(len(val_set), info.rank, info.world_size)
         val = build_loader(val_set, val_sampler, config.val_batch_size, **loader_args)
         val_num_real = val_sampler.num_real_samples
+    evaluation = build_eval_set(tokenizer, config, info, "validation") if config.eval_rouge else None
     get_logger().info("samples: train %d, validation %s", len(train_set), len(val.dataset) if val else "-")
-    return Loaders(train, train_sampler, val, val_num_real)
+    return Loaders(train, train_sampler, val, val_num_real, evaluation)
+
+
+def build_eval_set(tokenizer, config: TrainConfig, info: DistInfo, split: str) -> EvalSet:
+    """The first --eval_num_samples articles of `split`, each batch padded to its longest source only
+    (generation needs no fixed shapes)."""
+    dynamic = dataclasses.replace(config, pad_to_max_length=False)
+    dataset = build_dataset(tokenizer, split, config.eval_num_samples, dynamic, info.world_size)
+    sampler = PaddedEvalSampler(len(dataset), info.rank, info.world_size)
+    loader = build_loader(dataset, sampler, config.val_batch_size, tokenizer.pad_token_id,
+                          config.num_workers_dataloader, info.device)  # fmt: skip
+    return EvalSet(split, dataset, loader, sampler)

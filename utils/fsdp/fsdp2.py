@@ -27,7 +27,13 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffloadPolicy, ShardingStrategy, fully_shard
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffloadPolicy,
+    ShardingStrategy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from transformers.models.t5.modeling_t5 import T5Block
 
 from configs.fsdp import FSDPConfig
@@ -113,6 +119,8 @@ def wrap_model_fsdp2(model: nn.Module, fsdp_config: FSDPConfig, device: torch.de
     for unit in [*units, model]:
         fully_shard(unit, **options)
     set_prefetching(model, units, fsdp_config.backward_prefetch, fsdp_config.forward_prefetch)
+    # generate() calls the encoder directly: registered, it gathers the root's parameters like forward does.
+    register_fsdp_forward_method(model, "generate")
     if rank0_state is not None:
         broadcast_rank0_weights(model, rank0_state, device)
     return model

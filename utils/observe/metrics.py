@@ -31,7 +31,7 @@ class MetricsWriter:
 
 
 def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> None:
-    """Keep the records a checkpoint covers (steps <= last_step, epochs < next_epoch) and drop the rest.
+    """Keep the records a checkpoint covers (steps and evals <= last_step, epochs < next_epoch), drop the rest.
 
     The resumed run writes the later steps again, so the file ends as an uninterrupted run's would.
     """
@@ -44,7 +44,7 @@ def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> N
                 record = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by the crash
                 continue
-            if record.get("type") == "step" and record["step"] > last_step:
+            if record.get("type") in ("step", "eval") and record["step"] > last_step:
                 continue
             if record.get("type") == "epoch" and record["epoch"] >= next_epoch:
                 continue

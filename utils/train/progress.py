@@ -10,7 +10,8 @@ class TrainProgress:
     epoch: int = 1
     samples_consumed: int = 0  # of this epoch's (padded, shuffled) sample order, summed over ranks
     global_step: int = 0
-    best_val_loss: float | None = None
+    best_metric: float | None = None  # the best value of --metric_for_best so far
+    best_epoch: int | None = None  # the epoch that reached it (its model is hf_model/)
     # The epoch's statistics so far (utils.train.step_log.StepLog totals) and training seconds, so that a
     # resumed epoch reports the same train_loss and throughput as an uninterrupted one.
     epoch_totals: list[float] | None = None

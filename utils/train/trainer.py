@@ -10,7 +10,7 @@ checkpoint); while training, `_advance_progress` is the one place where the prog
 changes (`resume` sets it from a checkpoint before training starts).
 """
 
-import math
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,6 +22,8 @@ from utils.checkpoint.checkpointer import Checkpointer
 from utils.checkpoint.layout import METRICS_FILE
 from utils.data.loaders import Loaders
 from utils.distributed.process_group import DistInfo, any_rank
+from utils.eval.evaluator import Evaluator
+from utils.eval.generation import GenerationSettings
 from utils.observe.log import get_logger
 from utils.observe.memory import MemoryBaseline, gather_peaks, memory_records, reset_peak_memory
 from utils.observe.metrics import MetricsWriter, open_metrics
@@ -75,7 +77,10 @@ class Trainer:
         self.memory_baseline = memory_baseline
         self.progress = TrainProgress()
         self.resumed = False
-        self.best_val_loss = math.inf
+        self.evaluator = None
+        if loaders.evaluation is not None:
+            settings = GenerationSettings.from_config(config)
+            self.evaluator = Evaluator(loaders.evaluation, settings, config.output_dir, info)
         self.memory_account_due = True  # written once, after the run's first optimizer step
         self.metrics: MetricsWriter | None = None  # open while train() runs
         self.stop: StopRequest | None = None  # installed while train() runs
@@ -92,8 +97,6 @@ class Trainer:
     def train(self) -> bool:
         """Train from the current progress to the last epoch. Returns False if SIGTERM stopped it early
         (after saving a checkpoint). Collective."""
-        if self.progress.best_val_loss is not None:
-            self.best_val_loss = self.progress.best_val_loss
         resumed_at = (self.progress.global_step, self.progress.epoch) if self.resumed else None
         path = os.path.join(self.config.output_dir, METRICS_FILE)
         self.metrics = open_metrics(path, self.info.is_main, resumed_at)
@@ -102,6 +105,7 @@ class Trainer:
                 while self.progress.epoch <= self.config.epochs:
                     if not self._run_epoch():
                         return False
+            self._export_final_model()
             return True
         finally:
             self.metrics.close()
@@ -117,8 +121,9 @@ class Trainer:
             get_logger().info("stopped at step %d on SIGTERM; continue with --resume true", pass_.step)
             return False
         val_loss = self._validate(epoch)
+        scores = self._evaluate(epoch, pass_.step)
         self.trainables.scheduler.step()
-        self._finish_epoch(pass_, val_loss, epoch_start)
+        self._finish_epoch(pass_, val_loss, scores, epoch_start)
         if any_rank(self.stop.requested, self.info.device):
             get_logger().info("stopped after epoch %d on SIGTERM; continue with --resume true", epoch)
             return False
@@ -175,10 +180,15 @@ class Trainer:
             self.memory_account_due = False
 
     def _end_pass_early(self, pass_: EpochPass) -> bool:
-        """Periodic and SIGTERM checkpoints inside an epoch. True when the pass must end now (a stop was
-        requested and, if checkpoints are on, saved). The epoch's last batch is left to _finish_epoch."""
+        """Periodic evaluation, periodic and SIGTERM checkpoints inside an epoch. True when the pass must end
+        now (a stop was requested and, if checkpoints are on, saved). The epoch's last batch is left to
+        _finish_epoch."""
         if pass_.batches_done == pass_.batches:
             return False
+        every = self.config.eval_every_n_steps
+        if every and pass_.step % every == 0:
+            self._evaluate(pass_.epoch, pass_.step)
+            self.trainables.model.train()
         stop = pass_.step_log.stop_requested
         if not self.checkpointer.due(pass_.step, stop):
             return stop
@@ -186,6 +196,14 @@ class Trainer:
         self._advance_progress(pass_)
         self.checkpointer.save(self.progress)
         return pass_.step_log.stop_requested
+
+    def _evaluate(self, epoch: int, step: int) -> dict | None:
+        """ROUGE of the evaluation set (collective): the eval record, also written to metrics.jsonl."""
+        if self.evaluator is None:
+            return None
+        record = self.evaluator.evaluate(self.trainables.model, epoch, step)
+        self.metrics.write(record)
+        return record
 
     def _validate(self, epoch: int) -> float | None:
         if self.loaders.val is None:
@@ -199,30 +217,34 @@ class Trainer:
                 progress=bar,
             )
 
-    def _finish_epoch(self, pass_: EpochPass, val_loss: float | None, epoch_start: float) -> None:
-        """The epoch record and log line, the best model (--save_model), then the epoch-end checkpoint."""
+    def _finish_epoch(self, pass_: EpochPass, val_loss: float | None, scores: dict | None, epoch_start: float):
+        """The epoch record and log line, the best model (.pt, hf_model/), then the epoch-end checkpoint."""
         peaks, reserved = gather_peaks(self.info.device) if self.config.track_memory else (None, None)
         record = self._epoch_record(pass_, val_loss, time.perf_counter() - epoch_start, peaks)
         if reserved is not None:
             record["peak_memory_reserved_bytes"] = reserved
         self.metrics.write(record)
-        improved = val_loss is not None and val_loss < self.best_val_loss
-        if improved:
-            self.best_val_loss = val_loss
-        get_logger().info(
-            "epoch %d: train_loss %.4f | val_loss %s | %.1f s | %.1f samples/s | peak memory per rank %s",
-            pass_.epoch,
-            record["train_loss"],
-            "-" if val_loss is None else f"{val_loss:.4f}" + (" (new best)" if improved else ""),
-            record["epoch_seconds"],
-            record["samples_per_s"],
-            "-" if peaks is None else ", ".join(f"{p / 2**20:.0f} MiB" for p in peaks),
-        )
-        # Without validation there is no "best": every epoch is saved, under its own name.
-        if self.config.save_model and (improved or val_loss is None):
+        _log_epoch(record, peaks)
+        name = self.config.metric_for_best
+        metric = val_loss if name == "val_loss" else (scores or {}).get(name)
+        improved = metric is not None and is_better(name, metric, self.progress.best_metric)
+        # Without a metric there is no "best": every epoch's .pt is saved, under its own name.
+        if self.config.save_model and (improved or metric is None):
             self.checkpointer.save_full_model(pass_.epoch, val_loss)
-        self._advance_progress(pass_)
+        best = (metric, pass_.epoch) if improved else (self.progress.best_metric, self.progress.best_epoch)
+        if improved:
+            get_logger().info("new best %s %.4f (epoch %d)", name, metric, pass_.epoch)
+            self.checkpointer.export_hf()
+        self._advance_progress(pass_, best)
         self.checkpointer.save(self.progress)
+
+    def _export_final_model(self) -> None:
+        """hf_model/ holds the best epoch's model; the final one goes there when there is no metric, or
+        beside it (hf_model_last/) when the last epoch was not the best. Collective."""
+        if self.progress.best_epoch is None:
+            self.checkpointer.export_hf()
+        elif self.progress.best_epoch != self.config.epochs:
+            self.checkpointer.export_hf(last=True)
 
     def _epoch_record(
         self, pass_: EpochPass, val_loss: float | None, epoch_seconds: float, peaks: list[int] | None
@@ -240,18 +262,20 @@ class Trainer:
             "peak_memory_bytes": peaks,
         }
 
-    def _advance_progress(self, pass_: EpochPass) -> None:
+    def _advance_progress(self, pass_: EpochPass, best: tuple[float | None, int | None] | None = None) -> None:
         """The one place progress changes. Inside a pass it records the position a checkpoint resumes
-        from (the step log must be flushed); after the pass's last batch it points at the next epoch."""
-        best = None if math.isinf(self.best_val_loss) else self.best_val_loss
+        from (the step log must be flushed); after the pass's last batch it points at the next epoch, with
+        `best` = (best metric, its epoch) after this epoch."""
         if pass_.batches_done == pass_.batches:
-            self.progress = TrainProgress(epoch=pass_.epoch + 1, global_step=pass_.step, best_val_loss=best)
+            metric, epoch = best
+            self.progress = TrainProgress(
+                epoch=pass_.epoch + 1, global_step=pass_.step, best_metric=metric, best_epoch=epoch
+            )
             return
-        self.progress = TrainProgress(
-            epoch=pass_.epoch,
+        self.progress = dataclasses.replace(
+            self.progress,
             samples_consumed=pass_.samples_consumed(),
             global_step=pass_.step,
-            best_val_loss=best,
             epoch_totals=pass_.step_log.totals.tolist(),
             epoch_train_seconds=pass_.train_seconds(),
         )
@@ -277,3 +301,23 @@ def _show_latest(bar: tqdm, step_log: StepLog) -> None:
     if step_log.latest_loss is not None:
         loss, tokens_per_s = step_log.latest_loss, step_log.latest_tokens_per_s
         bar.set_postfix(loss=f"{loss:.3f}", tokens_per_s=f"{tokens_per_s:.0f}", refresh=False)
+
+
+def is_better(metric_name: str, value: float, best: float | None) -> bool:
+    """Lower is better for val_loss, higher for the ROUGE scores."""
+    if best is None:
+        return True
+    return value < best if metric_name == "val_loss" else value > best
+
+
+def _log_epoch(record: dict, peaks: list[int] | None) -> None:
+    val_loss = record["val_loss"]
+    get_logger().info(
+        "epoch %d: train_loss %.4f | val_loss %s | %.1f s | %.1f samples/s | peak memory per rank %s",
+        record["epoch"],
+        record["train_loss"],
+        "-" if val_loss is None else f"{val_loss:.4f}",
+        record["epoch_seconds"],
+        record["samples_per_s"],
+        "-" if peaks is None else ", ".join(f"{p / 2**20:.0f} MiB" for p in peaks),
+    )

@@ -1,0 +1,88 @@
+"""Summarize articles with a trained model, on CPU or GPU, one process.
+
+    python scripts/summarize.py --model OUTPUT_DIR/hf_model --input articles.txt     # one article per line
+    python scripts/summarize.py --model OUTPUT_DIR/hf_model --input articles.csv     # a `text` column
+    cat article.txt | python scripts/summarize.py --model OUTPUT_DIR/hf_model         # stdin, one per line
+
+Prints one summary per line, in input order. Articles get the training run's cleaning (newlines become
+spaces, the WikiHow noise markers go), source prefix and truncation, and summaries its generation settings
+(beams, length, ...): the run saved both with the model (config.json `task_specific_params.summarization`,
+generation_config.json), so nothing is typed again.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoTokenizer, T5ForConditionalGeneration  # noqa: E402
+
+from summarization_dataset import clean_text  # noqa: E402
+from utils.errors import UserError  # noqa: E402
+from utils.model.loading import check_local_model_dir, looks_like_local_path  # noqa: E402
+from utils.observe.log import get_logger, setup_logging  # noqa: E402
+
+DEFAULT_MAX_SOURCE_LENGTH = 512
+
+
+def read_articles(source: str | None) -> list[str]:
+    """Articles from a .csv (its `text` column), a text file (one per line) or stdin (None or '-')."""
+    if source in (None, "-"):
+        return [line for line in sys.stdin.read().splitlines() if line.strip()]
+    path = Path(source)
+    if not path.is_file():
+        raise UserError(f"--input {source!r}: no such file")
+    if path.suffix.lower() == ".csv":
+        frame = pd.read_csv(path)
+        if "text" not in frame.columns:
+            raise UserError(f"{source} has no `text` column (columns: {', '.join(map(str, frame.columns))})")
+        return [str(text) for text in frame["text"].fillna("")]
+    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[str]:
+    """Summaries of `articles`, prepared and generated as the model's training run did."""
+    params = (getattr(model.config, "task_specific_params", None) or {}).get("summarization", {})
+    prefix = params.get("prefix", "")
+    max_length = params.get("max_source_length", DEFAULT_MAX_SOURCE_LENGTH)
+    summaries = []
+    for start in range(0, len(articles), batch_size):
+        texts = [prefix + clean_text(article) for article in articles[start : start + batch_size]]
+        inputs = tokenizer(texts, max_length=max_length, truncation=True, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            ids = model.generate(**inputs.to(model.device))  # generation_config.json: the run's settings
+        summaries += [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a folder such as OUTPUT_DIR/hf_model, or a hub name")
+    parser.add_argument("--input", help="a .csv with a `text` column, or a text file with one article per line; "
+                        "default: stdin")  # fmt: skip
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--batch_size", type=int, default=8)
+    args = parser.parse_args(argv)
+    setup_logging(rank=0)
+    try:
+        if looks_like_local_path(args.model):
+            check_local_model_dir(args.model)
+        device = (
+            "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
+        )
+        articles = read_articles(args.input)
+        model = T5ForConditionalGeneration.from_pretrained(args.model).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        for summary in summarize(model, tokenizer, articles, args.batch_size):
+            print(summary)
+    except (UserError, OSError) as err:
+        get_logger().error("%s", err)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""ROUGE under FSDP: generation on every rank equals plain single-process `generate`, scores equal
+rouge-score's, every article is scored once; and, through torchrun, the eval records, predictions files,
+best-by-ROUGE model, --evaluate_only and scripts/summarize.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+from summarization_dataset import load_wikihow
+from tests.dist_harness import run_ranks
+from tests.dist_workers import generation_worker
+from tests.launch import torchrun
+from utils.eval.rouge import ROUGE_KEYS, mean_scores, rouge_scores
+from utils.paths import EMBEDDED_DATA_DIR, REPO_ROOT
+
+N_SAMPLES = 7  # uneven over 2 ranks: 4 and 3 real samples, one padding repeat
+EVAL_KEYS = {"type", "epoch", "step", "split", *ROUGE_KEYS, "gen_len", "num_samples", "seconds", "baselines"}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+# ------------------------------------------------------------------------- 2-rank gloo group, direct
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generation")
+    return root, run_ranks(generation_worker, str(root), N_SAMPLES, 3, timeout_s=240)
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_fsdp_generation_equals_plain_generate_and_rouge_equals_rouge_score(generated, beams):
+    root, (rank0, rank1) = generated
+    plain, references = rank0["plain"][beams], rank0["references"]
+    expected = mean_scores([rouge_scores(ref, pred) for ref, pred in zip(references, plain, strict=True)])
+    for version in (1, 2):
+        record = rank0["records"][(version, beams)]
+        assert record == rank1["records"][(version, beams)], "every rank returns rank 0's record"
+        assert set(record) == EVAL_KEYS and record["num_samples"] == N_SAMPLES
+        lines = read_jsonl(root / f"fsdp{version}-beams{beams}" / "predictions" / "validation_step_00000005.jsonl")
+        # Every article once, in split order, with exactly the text scored as reference.
+        assert [line["reference"] for line in lines] == references
+        assert [line["prediction"] for line in lines] == plain, f"FSDP{version} differs from plain generate"
+        for key in ROUGE_KEYS:
+            assert record[key] == pytest.approx(expected[key], abs=1e-6), (version, key)
+
+
+def test_ranks_with_different_generated_lengths_finish(generated):
+    _, (rank0, rank1) = generated
+    for key, length in rank0["uneven"].items():
+        # 1 decoder start token + max_new_tokens (3 on rank 0, 9 on rank 1): nobody waited for the other.
+        assert (length, rank1["uneven"][key]) == (4, 10), key
+
+
+# ------------------------------------------------------------------------------- through torchrun
+
+EVAL_NUM = 12
+RUN_ARGS = ["--mixed_precision", "false", "--num_train_samples", "96", "--num_val_samples", "24", "--epochs", "2",
+            "--eval_num_samples", str(EVAL_NUM), "--eval_every_n_steps", "5", "--metric_for_best", "rougeL",
+            "--no_repeat_ngram_size", "3"]  # fmt: skip
+STEPS = [5, 10, 12, 15, 20, 24]  # every 5 steps, and each epoch's end (12 steps per epoch)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    output_dir = tmp_path_factory.mktemp("rouge_run") / "out"
+    run = torchrun([*RUN_ARGS, "--output_dir", str(output_dir)])
+    assert run.returncode == 0, run.describe()
+    return output_dir
+
+
+def eval_records(output_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(output_dir / "metrics.jsonl") if r["type"] == "eval"]
+
+
+def final_model(output_dir: Path) -> Path:
+    last = output_dir / "hf_model_last"
+    return last if last.is_dir() else output_dir / "hf_model"
+
+
+def test_eval_records_and_predictions_files_agree(trained):
+    records = eval_records(trained)
+    assert [r["step"] for r in records] == STEPS
+    titles = load_wikihow(EMBEDDED_DATA_DIR, "validation")["title"].tolist()[:EVAL_NUM]
+    for record in records:
+        assert set(record) == EVAL_KEYS and record["split"] == "validation" and record["num_samples"] == EVAL_NUM
+        lines = read_jsonl(trained / "predictions" / f"validation_step_{record['step']:08d}.jsonl")
+        assert [line["title"] for line in lines] == titles  # each article once, in split order
+        recomputed = mean_scores([rouge_scores(line["reference"], line["prediction"]) for line in lines])
+        for key in ROUGE_KEYS:
+            assert record[key] == pytest.approx(recomputed[key], abs=1e-6), (record["step"], key)
+
+
+def test_best_epoch_by_rouge_is_hf_model_and_survives_in_the_checkpoint(trained):
+    at_epoch_end = {r["epoch"]: r["rougeL"] for r in eval_records(trained) if r["step"] in (12, 24)}
+    best_epoch = max(at_epoch_end, key=lambda epoch: (at_epoch_end[epoch], -epoch))  # the first of equals
+    state = json.loads((trained / "checkpoints" / "step_00000024" / "train_state.json").read_text())
+    assert state["progress"]["best_epoch"] == best_epoch
+    assert state["progress"]["best_metric"] == pytest.approx(at_epoch_end[best_epoch])
+    assert (trained / "hf_model" / "model.safetensors").is_file()
+    assert (trained / "hf_model_last").is_dir() == (best_epoch != 2)
+    generation = json.loads((trained / "hf_model" / "generation_config.json").read_text())
+    assert generation["no_repeat_ngram_size"] == 3 and generation["num_beams"] == 1 and generation["use_cache"]
+
+
+def summarize(model: Path, args: list[str], stdin: str | None = None) -> list[str]:
+    done = subprocess.run([sys.executable, "scripts/summarize.py", "--model", str(model), *args], cwd=REPO_ROOT,
+                          input=stdin, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def test_summarize_reproduces_the_last_evaluation_from_a_file_and_from_stdin(trained, tmp_path):
+    """fp32: a single process with plain generate on hf_model gives the predictions of the FSDP run."""
+    lines = read_jsonl(trained / "predictions" / "validation_step_00000024.jsonl")
+    articles = load_wikihow(EMBEDDED_DATA_DIR, "validation")["text"].tolist()[:EVAL_NUM]
+    csv = tmp_path / "articles.csv"
+    pd.DataFrame({"text": articles}).to_csv(csv, index=False)
+    assert summarize(final_model(trained), ["--input", str(csv)]) == [line["prediction"] for line in lines]
+    one_line_each = "\n".join(article.replace("\n", " ") for article in articles[:2]) + "\n"
+    assert summarize(final_model(trained), [], stdin=one_line_each) == [line["prediction"] for line in lines[:2]]
+
+
+def test_evaluate_only_scores_a_saved_model_on_the_test_split(trained, tmp_path):
+    output_dir = tmp_path / "eval_only"
+    args = ["--evaluate_only", "true", "--model_name", str(final_model(trained)), "--eval_split", "test",
+            "--eval_num_samples", "8", "--mixed_precision", "false", "--output_dir", str(output_dir)]  # fmt: skip
+    run = torchrun(args)
+    assert run.returncode == 0, run.describe()
+    assert "Training epoch" not in run.output
+    [record] = eval_records(output_dir)
+    assert record["split"] == "test" and record["num_samples"] == 8 and record["step"] == 0
+    lines = read_jsonl(output_dir / "predictions" / "test_step_00000000.jsonl")
+    assert [line["title"] for line in lines] == load_wikihow(EMBEDDED_DATA_DIR, "test")["title"].tolist()[:8]
+    recomputed = mean_scores([rouge_scores(line["reference"], line["prediction"]) for line in lines])
+    assert all(record[key] == pytest.approx(recomputed[key], abs=1e-6) for key in ROUGE_KEYS)
+    assert sorted(p.name for p in output_dir.iterdir()) == ["metrics.jsonl", "predictions"]  # nothing else
+
+
+def test_hf_model_generates_like_the_evaluation(trained):
+    model = T5ForConditionalGeneration.from_pretrained(final_model(trained)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final_model(trained))
+    assert (
+        model.config.use_cache and model.config.task_specific_params["summarization"]["no_repeat_ngram_size"] == 3
+    )
+    with torch.no_grad():
+        ids = model.generate(**tokenizer("Knead the dough. Bake it.", return_tensors="pt"))
+    assert ids.shape[1] <= 1 + 150

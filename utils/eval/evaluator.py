@@ -1,0 +1,132 @@
+"""ROUGE evaluation under FSDP: every rank generates summaries for its share of the evaluation articles,
+scores them, and rank 0 gathers the scores in article order, writes the eval record and the predictions.
+
+    evaluator = Evaluator(eval_set, GenerationSettings.from_config(config), output_dir, info)
+    record = evaluator.evaluate(model, epoch, step)   # collective; the record on every rank
+
+Each article is scored exactly once: the evaluation sampler's padding repeats are generated (every rank
+must join every collective) but never scored.
+"""
+
+import json
+import os
+import time
+
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from utils.data.loaders import EvalSet
+from utils.distributed.process_group import DistInfo
+from utils.eval.generation import GenerationSettings, generate
+from utils.eval.rouge import lead_sentences, lead_steps, mean_scores, rouge_scores
+from utils.files import atomic_path
+from utils.observe.log import get_logger
+from utils.train.step import move_batch
+
+PREDICTIONS_DIR = "predictions"
+EXAMPLES_LOGGED = 3
+
+
+class Evaluator:
+    """Generates, scores and records one evaluation set (the first N articles of a split)."""
+
+    def __init__(self, eval_set: EvalSet, settings: GenerationSettings, output_dir: str, info: DistInfo):
+        self.eval_set = eval_set
+        self.settings = settings
+        self.output_dir = output_dir
+        self.info = info
+        self._baselines: dict | None = None  # computed once, on rank 0
+
+    def evaluate(self, model: nn.Module, epoch: int, step: int) -> dict:
+        """Generate and score every article of the set; the eval record, on every rank. Collective."""
+        started = time.perf_counter()
+        model.eval()
+        rows = self._generate_share(model)
+        gathered = [None] * self.info.world_size if self.info.is_main else None
+        dist.gather_object(rows, gathered, dst=0)
+        outcome = [None]
+        if self.info.is_main:
+            ordered = sorted((row for share in gathered for row in share), key=lambda row: row["index"])
+            record = self._record(ordered, epoch, step, time.perf_counter() - started)
+            self._write_predictions(ordered, step)
+            self._log(record, ordered)
+            outcome = [record]
+        dist.broadcast_object_list(outcome, src=0)
+        return outcome[0]
+
+    def _generate_share(self, model: nn.Module) -> list[dict]:
+        """This rank's real samples: index, prediction, generated length and ROUGE scores."""
+        dataset, sampler = self.eval_set.dataset, self.eval_set.sampler
+        pad_id = dataset.tokenizer.pad_token_id
+        rows, position = [], 0
+        bar = tqdm(total=len(self.eval_set.loader), desc="ROUGE evaluation", colour="magenta",
+                   disable=not self.info.is_main, dynamic_ncols=True)  # fmt: skip
+        with bar:
+            for batch in self.eval_set.loader:
+                ids = generate(model, move_batch(batch, self.info.device), self.settings).cpu()
+                texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
+                for text, length in zip(texts, (ids != pad_id).sum(dim=1).tolist(), strict=True):
+                    if position < sampler.num_real_samples:
+                        index = sampler.indices[position]
+                        prediction = text.strip()
+                        scores = rouge_scores(dataset.reference(index), prediction)
+                        rows.append({"index": index, "prediction": prediction, "gen_len": length, **scores})
+                    position += 1
+                bar.update(1)
+        return rows
+
+    def _record(self, ordered: list[dict], epoch: int, step: int, seconds: float) -> dict:
+        return {
+            "type": "eval",
+            "epoch": epoch,
+            "step": step,
+            "split": self.eval_set.split,
+            **mean_scores(ordered),
+            "gen_len": sum(row["gen_len"] for row in ordered) / len(ordered),
+            "num_samples": len(ordered),
+            "seconds": seconds,
+            "baselines": self.baselines(),
+        }
+
+    def baselines(self) -> dict:
+        """ROUGE of two extractive baselines on the same articles: the first sentence of every step
+        (`lead_steps`) and the article's first three sentences (`lead3`). Computed once."""
+        if self._baselines is None:
+            dataset = self.eval_set.dataset
+            indices = range(len(dataset))
+            self._baselines = {
+                name: mean_scores([rouge_scores(dataset.reference(i), make(dataset.article(i), dataset.clean_text))
+                                   for i in indices])
+                for name, make in (("lead_steps", lead_steps), ("lead3", lead_sentences))
+            }  # fmt: skip
+        return self._baselines
+
+    def predictions_path(self, step: int) -> str:
+        name = f"{self.eval_set.split}_step_{step:08d}.jsonl"
+        return os.path.join(self.output_dir, PREDICTIONS_DIR, name)
+
+    def _write_predictions(self, ordered: list[dict], step: int) -> None:
+        """One line per scored article, in split order; `reference` is exactly the text scored."""
+        dataset = self.eval_set.dataset
+        path = self.predictions_path(step)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            for row in ordered:
+                index = row["index"]
+                line = {"title": dataset.title(index), "reference": dataset.reference(index),
+                        "prediction": row["prediction"]}  # fmt: skip
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+    def _log(self, record: dict, ordered: list[dict]) -> None:
+        lead3 = record["baselines"]["lead3"]["rougeL"]
+        get_logger().info(
+            "ROUGE (%s, %d articles, step %d): R1 %.2f | R2 %.2f | RL %.2f | RLsum %.2f | gen_len %.1f | "
+            "%.1f s (baselines RL: lead-3 %.2f, first sentence of each step %.2f)",
+            record["split"], record["num_samples"], record["step"], record["rouge1"], record["rouge2"],
+            record["rougeL"], record["rougeLsum"], record["gen_len"], record["seconds"], lead3,
+            record["baselines"]["lead_steps"]["rougeL"],
+        )  # fmt: skip
+        for row in ordered[:EXAMPLES_LOGGED]:
+            reference = self.eval_set.dataset.reference(row["index"])
+            get_logger().info("  reference:  %s\n  prediction: %s", reference[:200], row["prediction"][:200])

@@ -1,0 +1,90 @@
+"""Summaries from the sharded model, on every rank at once, for either FSDP backend.
+
+T5's `generate` calls the encoder directly, not the model's forward, so FSDP never gathers the root unit's
+parameters (the shared embedding, the final norms, the tied lm_head) and generation fails on shards
+(docs/pitfalls.md #18). The root unit is therefore gathered around the whole call: FSDP1 with
+`summon_full_params(recurse=False)`, FSDP2 by registering `generate` as a forward method at wrap time.
+Each T5Block unit is still gathered only while it runs and freed after, so a rank holds at most the root
+unit and about one block unit unsharded at any time, never the whole model.
+
+Ranks that finish decoding early must keep joining the all-gathers of the others: `synced_gpus=True`
+makes every rank step until all are done. The evaluation sampler gives every rank the same number of
+batches (repeats padded in and ignored when scoring).
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from configs.training import TrainConfig
+
+GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    num_beams: int
+    max_new_tokens: int
+    length_penalty: float
+    no_repeat_ngram_size: int
+
+    @classmethod
+    def from_config(cls, config: TrainConfig) -> "GenerationSettings":
+        return cls(
+            num_beams=config.num_beams,
+            max_new_tokens=config.max_new_tokens or config.max_target_length,
+            length_penalty=config.length_penalty,
+            no_repeat_ngram_size=config.no_repeat_ngram_size,
+        )
+
+    def generate_kwargs(self) -> dict:
+        """The keyword arguments of `generate` (also saved as hf_model/generation_config.json)."""
+        return {
+            "num_beams": self.num_beams,
+            "max_new_tokens": self.max_new_tokens,
+            "length_penalty": self.length_penalty,
+            "no_repeat_ngram_size": self.no_repeat_ngram_size,
+            "do_sample": False,
+        }
+
+
+def summarization_params(config: TrainConfig) -> dict:
+    """How this run prepares an article and generates its summary. Saved in the model config's
+    `task_specific_params["summarization"]` (where T5's published checkpoints keep theirs), so checkpoints and
+    hf_model/ carry it and scripts/summarize.py needs no flags."""
+    return {
+        "prefix": config.source_prefix,
+        "max_source_length": config.max_source_length,
+        **GenerationSettings.from_config(config).generate_kwargs(),
+    }
+
+
+def generate(model: nn.Module, batch: dict, settings: GenerationSettings) -> torch.Tensor:
+    """Token ids of the summaries of one batch (on the model's device). Collective: every rank calls it
+    the same number of times."""
+    kwargs = {
+        "input_ids": batch["source_ids"],
+        "attention_mask": batch["source_mask"],
+        "synced_gpus": dist.get_world_size() > 1,
+        "use_cache": True,  # the model is loaded with use_cache=False for training; decoding wants the cache
+        **settings.generate_kwargs(),
+    }
+    with torch.no_grad():
+        if isinstance(model, FSDP):
+            with FSDP.summon_full_params(model, recurse=False, writeback=False), _fsdp1_compute_dtype(model):
+                return model.module.generate(**kwargs)
+        return model.generate(**kwargs)  # FSDP2: a registered forward method (utils/fsdp/fsdp2.py)
+
+
+def _fsdp1_compute_dtype(model: FSDP):
+    """FSDP1 casts a unit's inputs to its compute dtype only at the root's forward, which generate skips,
+    and the summoned root parameters come back in full precision: autocast to the policy's compute dtype
+    keeps the fp32 root and the bf16/fp16 blocks compatible. Nothing to do in fp32."""
+    dtype = model.mixed_precision.param_dtype
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=model.compute_device.type, dtype=dtype)

@@ -1,0 +1,47 @@
+"""ROUGE as rouge-score computes it, and the extractive baselines beside it.
+
+Each score is the mean over samples of the per-sample F-measure, times 100: deterministic and recomputable
+from the predictions file (no bootstrap resampling). rouge-score lowercases, keeps letters and digits, and
+stems (Porter) both texts. `rougeLsum` is the summary-level LCS over sentences, which rouge-score takes to
+be the lines of a text; a WikiHow summary is one step per sentence, so both texts are split into sentences
+at `.`, `!` or `?` followed by white space before scoring it. rouge1, rouge2 and rougeL see the texts as
+they are.
+"""
+
+import re
+
+from rouge_score import rouge_scorer
+
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+_SCORER = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+
+
+def sentence_lines(text: str) -> str:
+    """One sentence per line, the form rougeLsum reads."""
+    return "\n".join(part for part in _SENTENCE_END.split(text.strip()) if part)
+
+
+def rouge_scores(reference: str, prediction: str) -> dict[str, float]:
+    """{rouge1, rouge2, rougeL, rougeLsum}: F-measure x 100 of one prediction against its reference."""
+    plain = _SCORER.score(reference, prediction)
+    by_sentence = _SCORER.score(sentence_lines(reference), sentence_lines(prediction))
+    scores = {key: plain[key].fmeasure * 100 for key in ("rouge1", "rouge2", "rougeL")}
+    scores["rougeLsum"] = by_sentence["rougeLsum"].fmeasure * 100
+    return scores
+
+
+def mean_scores(per_sample: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of each ROUGE key over samples, summed in the given order (deterministic)."""
+    return {key: sum(s[key] for s in per_sample) / len(per_sample) for key in ROUGE_KEYS}
+
+
+def lead_steps(article: str, clean) -> str:
+    """The first sentence of each step (paragraph) of an article, cleaned like a summary."""
+    firsts = [_SENTENCE_END.split(line.strip())[0] for line in article.splitlines() if line.strip()]
+    return clean(" ".join(firsts))
+
+
+def lead_sentences(article: str, clean, n: int = 3) -> str:
+    """The article's first n sentences, cleaned (lead-3)."""
+    return " ".join(_SENTENCE_END.split(clean(article))[:n])
