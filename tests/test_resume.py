@@ -459,7 +459,7 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
         for step in range(2):
             train_step(model, _random_batch(100 * step + rank), optimizer, None, world_size)
         scheduler.step()  # the saved learning rate differs from a fresh optimizer's
-        progress = TrainProgress(epoch=2, samples_consumed=8, global_step=2, best_val_loss=3.25)
+        progress = TrainProgress(epoch=2, samples_consumed=8, global_step=2, best_metric=3.25, best_epoch=1)
         path = saver.save(progress)
         original_model, original_optim = _full_states(model, optimizer)
 
