@@ -50,7 +50,7 @@ from utils.model.loading import builds_on_meta, load_model_for_run
 from utils.observe.log import get_logger, setup_logging
 from utils.observe.metrics import MetricsWriter
 from utils.observe.run_record import run_record, write_run_record
-from utils.train.trainables import build_trainables
+from utils.train.trainables import build_trainables, total_optimizer_steps
 from utils.train.trainer import Trainer
 
 RANK0_MESSAGE_GRACE_S = 2.0
@@ -62,7 +62,8 @@ def build_trainer(
     """config -> model + tokenizer -> loaders -> FSDP model -> optimizer -> checkpointer -> trainer."""
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
     on_meta = builds_on_meta(fsdp_config.cpu_ram_efficient_loading, fsdp_config.fsdp_version, info.is_main)
-    loaded = load_model_for_run(train_config.model_name, on_meta, full_weights_file(start))
+    weights_file = full_weights_file(start)
+    loaded = load_model_for_run(train_config.model_name, on_meta, weights_file, train_config.dropout_rate)
     loaders = build_loaders(loaded.tokenizer, train_config, info)
     model_config = loaded.model.config
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
@@ -72,7 +73,8 @@ def build_trainer(
     }
     model = wrap_model(loaded.model, fsdp_config, info.device, precision, loaded.weights_source)
     log_fsdp_layout(model, precision)
-    trainables = build_trainables(model, train_config, precision, info.device)
+    total_steps = total_optimizer_steps(train_config, len(loaders.train))
+    trainables = build_trainables(model, train_config, precision, info.device, total_steps)
     settings = CheckpointSettings.from_configs(train_config, fsdp_config)
     checkpointer = Checkpointer(settings, trainables, model_config, loaded.tokenizer, info)
     return Trainer(trainables, loaders, checkpointer, train_config, info, loaded.memory_baseline)

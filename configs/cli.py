@@ -75,10 +75,12 @@ def _optional_inner(type_hint):
 
 
 def choices_of(type_hint) -> list[str] | None:
-    """The valid spellings of an enum, Literal or optional-enum field, or None for free values."""
+    """The valid spellings of an enum, Literal or optional-enum field, or None for free values (an optional
+    number takes NONE or a number)."""
     inner = _optional_inner(type_hint)
     if inner is not None:
-        return choices_of(inner) + [NONE_WORD]
+        inner_choices = choices_of(inner)
+        return None if inner_choices is None else inner_choices + [NONE_WORD]
     if isinstance(type_hint, type) and issubclass(type_hint, enum.Enum):
         return list(type_hint.__members__)
     if typing.get_origin(type_hint) is typing.Literal:
@@ -91,6 +93,9 @@ def parse_value(spec: FieldSpec, text: str):
     type_hint = spec.type_hint
     flag = f"--{spec.name}"
     choices = choices_of(type_hint)
+    inner = _optional_inner(type_hint)
+    if inner is not None and choices is None:  # an optional number: NONE, or the number with its bounds
+        return None if text == NONE_WORD else parse_value(replace(spec, type_hint=inner), text)
     if type_hint is bool:
         value = BOOL_WORDS.get(text.strip().lower())
         if value is None:
@@ -106,17 +111,22 @@ def parse_value(spec: FieldSpec, text: str):
             return type_hint[text]
         return text
     if type_hint in (int, float):
-        try:
-            value = type_hint(text)
-        except ValueError:
-            raise ConfigError(
-                f"{flag} takes {'an integer' if type_hint is int else 'a number'}, not {text!r}"
-            ) from None
-        if not math.isfinite(value):  # nan compares False with every bound
-            raise ConfigError(f"{flag} takes a finite number, not {text!r}")
-        _check_bounds(spec, value)
-        return value
+        return _parse_number(spec, text)
     return text
+
+
+def _parse_number(spec: FieldSpec, text: str) -> int | float:
+    type_hint, flag = spec.type_hint, f"--{spec.name}"
+    try:
+        value = type_hint(text)
+    except ValueError:
+        raise ConfigError(
+            f"{flag} takes {'an integer' if type_hint is int else 'a number'}, not {text!r}"
+        ) from None
+    if not math.isfinite(value):  # nan compares False with every bound
+        raise ConfigError(f"{flag} takes a finite number, not {text!r}")
+    _check_bounds(spec, value)
+    return value
 
 
 def _check_bounds(spec: FieldSpec, value) -> None:
@@ -152,6 +162,9 @@ def type_label(spec: FieldSpec) -> str:
         return "true|false"
     if choices is not None:
         return "{" + ",".join(choices) + "}"
+    inner = _optional_inner(spec.type_hint)
+    if inner is not None:
+        return f"{inner.__name__.upper()}|{NONE_WORD}"
     return getattr(spec.type_hint, "__name__", str(spec.type_hint)).upper()
 
 

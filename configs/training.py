@@ -52,6 +52,66 @@ class TrainConfig:
     epochs: int = option(default=2, help="Number of passes over the training samples.", minimum=1)
     batch_size_training: int = option(default=4, help="Training batch size per rank.", minimum=1)
     val_batch_size: int = option(default=4, help="Validation batch size per rank.", minimum=1)
+    gradient_accumulation_steps: int = option(
+        default=1,
+        help=(
+            "Micro-batches per optimizer step. The loss optimised and reported is the token mean over all of "
+            "them on all ranks; the effective batch is batch_size_training x K x ranks."
+        ),
+        minimum=1,
+    )
+    accumulate_grad_sync: bool = option(
+        default=True,
+        help=(
+            "With gradient_accumulation_steps > 1: reduce gradients after every micro-batch (true: "
+            "memory stays one gradient shard) or only after the last (false: FSDP1 no_sync / FSDP2 "
+            "set_requires_gradient_sync(False); less communication, but every rank keeps unsharded "
+            "gradients of the whole model between micro-batches)."
+        ),
+    )
+    max_grad_norm: float = option(
+        default=0.0,
+        help=(
+            "Clip the global gradient norm (over all shards) to this value before each optimizer step; 0 = "
+            "no clipping. The pre-clip norm is recorded in every step record either way."
+        ),
+        minimum=0,
+    )
+    lr_scheduler: Literal["step", "constant", "linear", "cosine"] = option(
+        default="step",
+        help=(
+            "step: the tutorial's StepLR, lr x gamma after each epoch. constant, linear (to 0) and cosine "
+            "(to 0): stepped after every optimizer step over the run's optimizer steps, after warmup."
+        ),
+    )
+    warmup_steps: int = option(
+        default=0,
+        help="Optimizer steps of linear warmup from 0 to lr (constant/linear/cosine schedules).",
+        minimum=0,
+    )
+    warmup_ratio: float = option(
+        default=0.0,
+        help="Warmup as a fraction of the run's optimizer steps, when warmup_steps is 0.",
+        minimum=0,
+        maximum=1,
+    )
+    max_steps: int = option(
+        default=0,
+        help=(
+            "Stop after this many optimizer steps, whatever epochs says, validating, evaluating, saving and "
+            "exporting as at a normal end; 0 = run all epochs."
+        ),
+        minimum=0,
+    )
+    dropout_rate: float | None = option(
+        default=None,
+        help=(
+            "Override the model config's dropout rate (0 turns dropout off, for exact comparisons); NONE keeps "
+            "the model's (0.1 for T5)."
+        ),
+        minimum=0,
+        maximum=1,
+    )
     lr: float = option(
         default=0.002,
         help="Initial AdamW learning rate (tutorial: 0.002); StepLR multiplies it by gamma after each epoch.",

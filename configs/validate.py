@@ -25,6 +25,7 @@ def check_settings(train_config: TrainConfig, fsdp_config: FSDPConfig, world_siz
     check_hybrid_sharding(fsdp_config, world_size)
     check_checkpointing(train_config)
     check_evaluation(train_config)
+    check_schedule(train_config)
 
 
 def check_precision(fsdp_config: FSDPConfig, device_type: str) -> None:
@@ -118,3 +119,15 @@ def check_evaluation(train_config: TrainConfig) -> None:
         raise ConfigError("--evaluate_only true scores ROUGE: it needs --eval_rouge true")
     if train_config.eval_every_n_steps:
         raise ConfigError("--eval_every_n_steps needs --eval_rouge true (or drop --eval_every_n_steps)")
+
+
+def check_schedule(train_config: TrainConfig) -> None:
+    """Warmup belongs to the per-step schedules, and is given one way."""
+    warmup = train_config.warmup_steps or train_config.warmup_ratio
+    if warmup and train_config.lr_scheduler == "step":
+        raise ConfigError(
+            "--warmup_steps/--warmup_ratio need a per-step schedule: --lr_scheduler constant, linear or cosine "
+            "(the tutorial's step schedule changes the LR once per epoch)"
+        )
+    if train_config.warmup_steps and train_config.warmup_ratio:
+        raise ConfigError("give --warmup_steps or --warmup_ratio, not both")

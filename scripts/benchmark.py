@@ -26,6 +26,17 @@ SUITES = {
         "FSDP1 FULL_SHARD": ["--fsdp_version", "1"],
         "FSDP2 FULL_SHARD": ["--fsdp_version", "2"],
     },
+    # Gradient accumulation (4 micro-batches a step): peak memory with and without the reduction after
+    # every micro-batch.
+    "accumulation": {
+        "sync each micro-batch": ["--gradient_accumulation_steps", "4", "--accumulate_grad_sync", "true"],
+        "sync last micro-batch only": ["--gradient_accumulation_steps", "4", "--accumulate_grad_sync", "false"],
+    },
+    # What clipping adds to a step (the global norm itself is measured in both: it is in every step record).
+    "clipping": {
+        "no clipping": ["--max_grad_norm", "0"],
+        "max_grad_norm 1.0": ["--max_grad_norm", "1.0"],
+    },
     "strategies": {
         "FULL_SHARD": ["--sharding_strategy", "FULL_SHARD"],
         "SHARD_GRAD_OP": ["--sharding_strategy", "SHARD_GRAD_OP"],
@@ -37,6 +48,8 @@ SUITES = {
 def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, common: list[str], work: Path) -> dict:
     out = work / f"run{len(list(work.iterdir()))}"
     batch = 4
+    accumulation = int(case_args[case_args.index("--gradient_accumulation_steps") + 1]) if (
+        "--gradient_accumulation_steps" in case_args) else 1  # fmt: skip
     args = [
         "--model_name",
         model_dir,
@@ -48,8 +61,10 @@ def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, commo
         "false",
         "--keep_last_n",
         "0",
+        "--eval_rouge",
+        "false",
         "--num_train_samples",
-        str(steps * batch * nproc),
+        str(steps * batch * nproc * accumulation),
         "--batch_size_training",
         str(batch),
         "--log_every_n_steps",

@@ -406,3 +406,56 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
             out["plain"][beams] = texts
         out["references"] = [dataset.reference(i) for i in range(len(dataset))]
     return out
+
+
+def _split_rows(batch: dict, parts: int) -> list[dict]:
+    rows = next(iter(batch.values())).shape[0] // parts
+    return [{key: value[i * rows : (i + 1) * rows] for key, value in batch.items()} for i in range(parts)]
+
+
+def accumulation_reference(steps: int, world_size: int, max_norm: float) -> tuple[list, list, dict]:
+    """Unsharded: token-mean loss over every rank's 4 rows, plain clip_grad_norm_, AdamW."""
+    model = tiny_t5()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(steps):
+        parts = [make_batch(batch_seed(step, rank), rows=4) for rank in range(world_size)]
+        batch = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+        token_losses, labels = forward_token_losses(model, batch)
+        loss = token_losses.sum() / (labels != -100).sum()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def accumulation_worker(rank: int, world_size: int, steps: int) -> dict:
+    """Per-step losses, gradient norms and final weights of 2 micro-batches of 2 rows accumulated, for each
+    backend, gradient-sync mode and clipping setting; the unsharded references on rank 0."""
+    from utils.train.step import GRAD_NORM, StepSettings
+
+    out = {"runs": {}, "references": {}}
+    for max_norm in (0.0, 0.05):
+        if rank == 0:
+            out["references"][max_norm] = accumulation_reference(steps, world_size, max_norm)
+        for version in (1, 2):
+            for sync in (True, False):
+                model = wrap_model(tiny_t5(), _fsdp_config({"fsdp_version": version}), CPU, FP32)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+                settings = StepSettings(max_norm, sync_each_micro_batch=sync)
+                records: list[dict] = []
+                step_log = StepLog(every=steps, on_flush=records.extend)
+                for step in range(steps):
+                    micro = _split_rows(make_batch(batch_seed(step, rank), rows=4), 2)
+                    step_log.add(step + 1, LR, train_step(model, micro, optimizer, None, world_size, settings))
+                step_log.flush()
+                state = gather_full_state_dict(model, CPU)
+                out["runs"][(max_norm, version, sync)] = {
+                    "losses": [r["loss"] for r in records],
+                    "norms": [r["grad_norm"] for r in records],
+                    "state": state if rank == 0 else None,
+                }
+                assert GRAD_NORM == 4
+    return out

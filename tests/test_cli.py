@@ -125,6 +125,8 @@ def non_default_value(spec, default):
         return default * 2 + 1
     if hint is str:
         return default + "_other"
+    if hint == float | None:
+        return 0.5 if default is None else None
     raise AssertionError(f"{spec.name}: unexpected type {hint!r}")
 
 
@@ -545,10 +547,12 @@ def test_format_value_round_trips_every_field():
 
 
 def test_type_hints_are_all_supported():
-    # parse_value knows bool, int, float, str, enums, Literals and optional enums: nothing else may appear.
+    # parse_value knows bool, int, float, str, enums, Literals, optional enums and optional numbers: nothing
+    # else may appear.
     for spec in field_specs():
         hint = spec.type_hint
-        assert hint in (bool, int, float, str) or choices_of(hint) is not None, (spec.name, hint)
+        known = hint in (bool, int, float, str, int | None, float | None)
+        assert known or choices_of(hint) is not None, (spec.name, hint)
         if typing.get_origin(hint) is typing.Literal:
             assert all(isinstance(a, str) for a in typing.get_args(hint))
 
@@ -594,3 +598,12 @@ def test_script_help_in_subprocess():
     assert "Traceback" not in result.stderr
     # --help must not start a process group or load a model.
     assert "process group" not in result.stdout
+
+
+def test_optional_number_takes_none_or_a_bounded_number():
+    assert parse_args(["--dropout_rate", "0"])[0].dropout_rate == 0.0
+    assert parse_args(["--dropout_rate", "NONE"])[0].dropout_rate is None
+    assert format_value(None) == "NONE"
+    for text, words in (("2", "<= 1"), ("x", "a number")):
+        with pytest.raises(ConfigError, match=words):
+            parse_args(["--dropout_rate", text])

@@ -33,7 +33,7 @@ NUM_EVAL = 12  # articles ROUGE scores after each epoch
 STEPS_PER_EPOCH = math.ceil(math.ceil(NUM_TRAIN / NPROC) / TrainConfig().batch_size_training)
 TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 24
 
-STEP_KEYS = {"type", "epoch", "step", "loss", "lr", "seconds"}
+STEP_KEYS = {"type", "epoch", "step", "loss", "lr", "grad_norm", "seconds"}
 EPOCH_KEYS = {
     "type",
     "epoch",

@@ -231,10 +231,10 @@ class Resumed:
     resumed: Run
 
 
-def kill_and_resume(tmp_path_factory, checkpoint_type: str) -> Resumed:
+def kill_and_resume(tmp_path_factory, checkpoint_type: str, extra: tuple[str, ...] = ()) -> Resumed:
     base = tmp_path_factory.mktemp(f"killed_{checkpoint_type}")
     output_dir = base / "out"
-    args = [*SMALL_RUN, "--checkpoint_type", checkpoint_type, "--output_dir", str(output_dir)]
+    args = [*SMALL_RUN, *extra, "--checkpoint_type", checkpoint_type, "--output_dir", str(output_dir)]
     background = Background(args, base / "killed.log")
     first = checkpoint_dir(output_dir, SAVE_EVERY) / "train_state.json"
     try:
@@ -291,6 +291,29 @@ def test_kill_and_resume_equals_uninterrupted(checkpoint_type, request, referenc
         for key in ("train_loss", "val_loss"):
             assert got[key] == pytest.approx(expected[key], rel=RTOL), (key, got, expected)
     assert (output_dir / "hf_model" / "model.safetensors").is_file()
+
+
+RECIPE = ("--lr_scheduler", "cosine", "--warmup_steps", "5", "--gradient_accumulation_steps", "2",
+          "--max_grad_norm", "1.0")  # fmt: skip
+
+
+def step_lrs(output_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_records(output_dir) if r["type"] == "step"}
+
+
+def test_kill_and_resume_with_accumulation_clipping_and_a_cosine_schedule(tmp_path_factory):
+    reference = tmp_path_factory.mktemp("recipe_reference") / "out"
+    run = torchrun([*SMALL_RUN, *RECIPE, "--checkpoint_type", SHARDED, "--output_dir", str(reference)])
+    assert run.returncode == 0, run.describe()
+    result = kill_and_resume(tmp_path_factory, SHARDED, RECIPE)
+    assert result.resumed.returncode == 0, result.resumed.describe()
+    assert result.checkpoints_at_kill and resumed_from(result.resumed)[2] == result.checkpoints_at_kill[-1]
+    steps = TOTAL_STEPS // 2  # two micro-batches per optimizer step
+    assert logged_steps(result.output_dir) == logged_steps(reference) == list(range(1, steps + 1))
+    assert_losses_match(result.output_dir, reference)
+    assert step_lrs(result.output_dir) == step_lrs(reference)  # the schedule continues exactly
+    lrs = step_lrs(reference)
+    assert lrs[1] < lrs[5] and lrs[6] > lrs[steps], lrs  # warmup, then the cosine decay
 
 
 # --------------------------------------------------------------------------- 2. another world size
@@ -446,7 +469,7 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
 
     def checkpointer(plain, checkpoint_type: str, save_optimizer: bool = True) -> Checkpointer:
         model = wrap_model(plain, fsdp_config, cpu, "fp32_policy")
-        trainables = build_trainables(model, train_config, "fp32_policy", cpu)
+        trainables = build_trainables(model, train_config, "fp32_policy", cpu, total_steps=10)
         folder = os.path.join(output_root, f"{checkpoint_type}-{save_optimizer}")
         settings = CheckpointSettings(folder, checkpoint_type, save_optimizer, 2, 0)
         return Checkpointer(settings, trainables, plain.config, tokenizer, info)

@@ -84,6 +84,8 @@ REFUSED = {
         "cpu",
         "--eval_every_n_steps",
     ),
+    "warmup with the per-epoch schedule": ({"warmup_steps": 5}, {}, 2, "cpu", "--lr_scheduler constant"),
+    "two warmups": ({"lr_scheduler": "cosine", "warmup_steps": 5, "warmup_ratio": 0.1}, {}, 2, "cpu", "not both"),
     "periodic checkpoints but none kept": (
         {"save_every_n_steps": 5, "keep_last_n": 0},
         {},
@@ -111,6 +113,7 @@ ACCEPTED = {
     ),
     "size_based with FSDP1": ({}, {"wrap_policy": "size_based"}, 2, "cpu"),
     "no checkpoints at all": ({"keep_last_n": 0}, {}, 2, "cpu"),
+    "cosine with warmup ratio": ({"lr_scheduler": "cosine", "warmup_ratio": 0.1}, {}, 2, "cpu"),
 }
 
 

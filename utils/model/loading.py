@@ -38,11 +38,15 @@ def builds_on_meta(cpu_ram_efficient_loading: bool, fsdp_version: int, is_main: 
     return cpu_ram_efficient_loading and (fsdp_version == 1 or not is_main)
 
 
-def load_model_for_run(model_name: str, on_meta: bool, weights_file: str | None) -> LoadedModel:
-    """The unwrapped model and tokenizer, with the weights of `weights_file` (a full .pt) if given."""
+def load_model_for_run(
+    model_name: str, on_meta: bool, weights_file: str | None, dropout_rate: float | None = None
+) -> LoadedModel:
+    """The unwrapped model and tokenizer, with the weights of `weights_file` (a full .pt) if given, and
+    `dropout_rate` instead of the model config's if given."""
     reset_peak_rss()
     rss_before = current_rss_bytes()
-    model, tokenizer = load_model_and_tokenizer(model_name, on_meta=on_meta)
+    overrides = {} if dropout_rate is None else {"dropout_rate": dropout_rate}
+    model, tokenizer = load_model_and_tokenizer(model_name, on_meta=on_meta, **overrides)
     load_rss_delta = peak_rss_bytes() - rss_before
     if weights_file is not None and not on_meta:
         # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
@@ -68,9 +72,10 @@ def check_local_model_dir(path: str) -> None:
 
 
 def load_model_and_tokenizer(
-    model_name: str, on_meta: bool = False
+    model_name: str, on_meta: bool = False, **config_overrides
 ) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
-    """The pretrained model in host memory, or (on_meta) only its skeleton on the meta device."""
+    """The pretrained model in host memory, or (on_meta) only its skeleton on the meta device;
+    `config_overrides` replace fields of its config (dropout_rate)."""
     if looks_like_local_path(model_name):
         check_local_model_dir(model_name)
         model_name = os.path.expanduser(model_name)
@@ -80,9 +85,10 @@ def load_model_and_tokenizer(
         # the encoder and decoder stacks keep their own copies of the config.
         if on_meta:
             with torch.device("meta"):
-                model = T5ForConditionalGeneration(T5Config.from_pretrained(model_name, use_cache=False))
+                config = T5Config.from_pretrained(model_name, use_cache=False, **config_overrides)
+                model = T5ForConditionalGeneration(config)
         else:
-            model = T5ForConditionalGeneration.from_pretrained(model_name, use_cache=False)
+            model = T5ForConditionalGeneration.from_pretrained(model_name, use_cache=False, **config_overrides)
         tokenizer = T5Tokenizer.from_pretrained(model_name)
     except OSError as err:
         raise ConfigError(f"could not load T5 model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None

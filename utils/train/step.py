@@ -6,19 +6,25 @@ non-padding target tokens and counts them; the sums and counts are all-reduced, 
 ratio. The gradient is that of the same global token mean.
 """
 
+import contextlib
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from summarization_dataset import labels_for_loss
 
-# Columns of the per-step statistics kept on the device until the next flush.
-LOSS_SUM, TARGET_TOKENS, INPUT_TOKENS, SAMPLES = range(4)
-STAT_COLUMNS = 4
+# Columns of the per-step statistics kept on the device until the next flush. GRAD_NORM holds the global
+# norm divided by the world size: the flush sums over ranks, and every rank has the same global norm.
+LOSS_SUM, TARGET_TOKENS, INPUT_TOKENS, SAMPLES, GRAD_NORM = range(5)
+STAT_COLUMNS = 5
 STAT_DTYPE = torch.float64  # exact token counts and accurate loss sums for long epochs
 
 
@@ -40,38 +46,92 @@ def forward_token_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, t
 
 
 def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict) -> torch.Tensor:
-    """[loss sum, target tokens, source+target tokens, samples] of one batch, on the device, no host sync."""
+    """[loss sum, target tokens, source+target tokens, samples, 0] of one batch, on the device, no host
+    sync (the last column is the step's gradient norm, filled in by train_step)."""
     stats = torch.stack(
         [
             token_losses.detach().sum(dtype=STAT_DTYPE),
             (labels != -100).sum().to(STAT_DTYPE),
             (batch["source_mask"].sum() + batch["target_mask"].sum()).to(STAT_DTYPE),
             torch.tensor(labels.shape[0], dtype=STAT_DTYPE, device=labels.device),
+            torch.zeros((), dtype=STAT_DTYPE, device=labels.device),
         ]
     )
     return stats
 
 
-def train_step(model: nn.Module, batch: dict, optimizer: torch.optim.Optimizer, scaler, world_size: int):
-    """One optimizer step on the global token-mean loss. Returns this rank's batch_stats.
+@dataclass(frozen=True)
+class StepSettings:
+    max_grad_norm: float = 0.0  # 0: no clipping (the norm is still measured)
+    sync_each_micro_batch: bool = True  # False: reduce gradients after the last micro-batch only
 
-    FSDP averages gradients over ranks, so the local loss is scaled by world_size / global token count:
-    the averaged gradient is then exactly that of (sum of all ranks' token losses) / (all ranks' tokens).
-    Collective: the token count is all-reduced (one scalar, no host sync).
+
+def train_step(
+    model: nn.Module,
+    micro_batches: dict | list[dict],
+    optimizer: torch.optim.Optimizer,
+    scaler,
+    world_size: int,
+    settings: StepSettings = StepSettings(),  # noqa: B008 - frozen, never mutated
+) -> torch.Tensor:
+    """One optimizer step on the global token-mean loss of one batch or of several accumulated micro-batches.
+    Returns this rank's statistics (see batch_stats), with the step's pre-clip global gradient norm.
+
+    FSDP averages gradients over ranks, so each micro-batch's summed loss is scaled by world_size / the
+    token count of all micro-batches of all ranks: the accumulated, averaged gradient is then exactly that
+    of (sum of every token loss) / (every token), not a mean of means. Collective: the token count is
+    all-reduced once per step (one scalar, no host sync), before the first forward.
     """
-    token_losses, labels = forward_token_losses(model, batch)
-    global_tokens = (labels != -100).sum().to(torch.float32)
+    micro_batches = micro_batches if isinstance(micro_batches, list) else [micro_batches]
+    global_tokens = sum(batch["target_mask"].sum() for batch in micro_batches).to(torch.float32)
     dist.all_reduce(global_tokens)
-    loss = token_losses.sum() * world_size / global_tokens.clamp(min=1)
+    stats = []
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with gradient_sync(model, last or settings.sync_each_micro_batch):
+            token_losses, labels = forward_token_losses(model, batch)
+            loss = token_losses.sum() * world_size / global_tokens.clamp(min=1)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        stats.append(batch_stats(token_losses, labels, batch))
+    grad_norm = clip_gradients(model, optimizer, scaler, settings.max_grad_norm)
     if scaler is not None:
-        scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
     else:
-        loss.backward()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return batch_stats(token_losses, labels, batch)
+    total = torch.stack(stats).sum(dim=0)
+    total[GRAD_NORM] = grad_norm.to(STAT_DTYPE) / world_size
+    return total
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Skip the gradient reduction of this backward (FSDP1 no_sync, FSDP2 set_requires_gradient_sync):
+    gradients then stay unsharded on every rank until a backward with the reduction."""
+    if enabled:
+        yield
+    elif isinstance(model, FSDP):
+        with model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
+def clip_gradients(model: nn.Module, optimizer, scaler, max_norm: float) -> torch.Tensor:
+    """The global gradient norm over every shard, before clipping; clips to max_norm when it is set.
+    Collective. With fp16 the gradients are unscaled first, so the norm is the true one."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    limit = max_norm if max_norm > 0 else math.inf  # inf: measure only (grads x 1.0, bit for bit unchanged)
+    if isinstance(model, FSDP):
+        return model.clip_grad_norm_(limit).detach()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from utils.train.step import INPUT_TOKENS, LOSS_SUM, STAT_COLUMNS, STAT_DTYPE, TARGET_TOKENS
+from utils.train.step import GRAD_NORM, INPUT_TOKENS, LOSS_SUM, STAT_COLUMNS, STAT_DTYPE, TARGET_TOKENS
 
 
 class StepLog:
@@ -31,7 +31,9 @@ class StepLog:
         self.local_stop = local_stop
         self.pending: list[tuple[int, float, torch.Tensor]] = []
         # Sums over all flushed steps and all ranks (carried over from a checkpoint when resuming mid-epoch).
-        self.totals = torch.tensor(totals or [0.0] * STAT_COLUMNS, dtype=STAT_DTYPE)
+        # (A checkpoint written before the gradient norm column has one column fewer.)
+        totals = list(totals or []) + [0.0] * (STAT_COLUMNS - len(totals or []))
+        self.totals = torch.tensor(totals, dtype=STAT_DTYPE)
         self.stop_requested = False
         self.window_start = time.perf_counter()
         # The newest flushed window, for the progress bar: its last step's loss, all ranks' tokens per second.
@@ -63,6 +65,7 @@ class StepLog:
                 "step": step,
                 "loss": row[LOSS_SUM] / max(row[TARGET_TOKENS], 1.0),
                 "lr": lr,
+                "grad_norm": row[GRAD_NORM],  # the global norm before clipping
                 "seconds": elapsed / len(rows),
             }
             for (step, lr, _), row in zip(self.pending, rows, strict=True)

@@ -1,12 +1,13 @@
 """What training updates and a checkpoint restores: the wrapped model, its optimizer, LR schedule and
 gradient scaler, built together so that the trainer and the checkpointer share the same objects."""
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.optim.lr_scheduler import LRScheduler, StepLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 
 from configs.training import TrainConfig
 from policies.mixed_precision import needs_grad_scaler
@@ -18,15 +19,46 @@ class Trainables:
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler
     scaler: ShardedGradScaler | None  # fp16 only
+    per_step_schedule: bool = False  # the scheduler steps after every optimizer step (else after every epoch)
 
 
-def build_trainables(model: nn.Module, config: TrainConfig, precision: str, device: torch.device) -> Trainables:
-    """AdamW over the (sharded) parameters, StepLR(gamma) per epoch, and a scaler when fp16 needs one.
+def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
+    """The multiplier of the base LR after `step` optimizer steps: linear warmup over `warmup` steps, then
+    constant, linear to 0 at `total`, or half a cosine to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int) -> LRScheduler:
+    """The tutorial's StepLR per epoch, or a per-step schedule over `total_steps` optimizer steps."""
+    if config.lr_scheduler == "step":
+        return StepLR(optimizer, step_size=1, gamma=config.gamma)
+    warmup = config.warmup_steps or round(config.warmup_ratio * total_steps)
+    return LambdaLR(optimizer, lambda step: lr_factor(step, config.lr_scheduler, warmup, total_steps))
+
+
+def build_trainables(
+    model: nn.Module, config: TrainConfig, precision: str, device: torch.device, total_steps: int
+) -> Trainables:
+    """AdamW over the (sharded) parameters, the LR schedule, and a scaler when fp16 needs one.
 
     Built after wrapping: the optimizer must hold FSDP's sharded parameters, not the original ones.
+    `total_steps`: the run's optimizer steps (what linear and cosine schedules decay over).
     """
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = StepLR(optimizer, step_size=1, gamma=config.gamma)
+    scheduler = build_scheduler(optimizer, config, total_steps)
     # The sharded scaler agrees on inf/NaN across ranks, so every rank skips the same steps.
     scaler = ShardedGradScaler(device=device.type) if needs_grad_scaler(precision) else None
-    return Trainables(model, optimizer, scheduler, scaler)
+    return Trainables(model, optimizer, scheduler, scaler, per_step_schedule=config.lr_scheduler != "step")
+
+
+def total_optimizer_steps(config: TrainConfig, batches_per_epoch: int) -> int:
+    """The run's optimizer steps: --max_steps, or every epoch's batches in groups of the accumulation."""
+    per_epoch = math.ceil(batches_per_epoch / config.gradient_accumulation_steps)
+    return config.max_steps or config.epochs * per_epoch

@@ -29,7 +29,16 @@ from utils.observe.memory import MemoryBaseline, gather_peaks, memory_records, r
 from utils.observe.metrics import MetricsWriter, open_metrics
 from utils.train.preemption import StopRequest
 from utils.train.progress import TrainProgress
-from utils.train.step import INPUT_TOKENS, LOSS_SUM, SAMPLES, TARGET_TOKENS, move_batch, train_step, validate
+from utils.train.step import (
+    INPUT_TOKENS,
+    LOSS_SUM,
+    SAMPLES,
+    TARGET_TOKENS,
+    StepSettings,
+    move_batch,
+    train_step,
+    validate,
+)
 from utils.train.step_log import StepLog
 from utils.train.trainables import Trainables
 
@@ -40,18 +49,19 @@ class EpochPass:
 
     epoch: int
     batches: int  # in this pass
-    samples_per_step: int  # all ranks
+    samples_per_batch: int  # one micro-batch of every rank
     start_consumed: int  # samples of the epoch's order trained before this pass
     seconds_before: float  # training seconds of the epoch before this pass
     step: int  # global step of the last finished batch
     step_log: StepLog
     batches_done: int = 0
-    stopped: bool = False  # ended early on SIGTERM, after a checkpoint
+    stopped: bool = False  # ended early: on SIGTERM after a checkpoint, or at --max_steps
+    budget_spent: bool = False  # ended early at --max_steps
     seconds: float = 0.0  # the epoch's training seconds, once the pass has ended
     started: float = field(default_factory=time.perf_counter)
 
     def samples_consumed(self) -> int:
-        return self.start_consumed + self.batches_done * self.samples_per_step
+        return self.start_consumed + self.batches_done * self.samples_per_batch
 
     def train_seconds(self) -> float:
         return self.seconds_before + time.perf_counter() - self.started
@@ -76,6 +86,8 @@ class Trainer:
         self.info = info
         self.memory_baseline = memory_baseline
         self.progress = TrainProgress()
+        self.last_epoch = 0  # the epoch trained last in this run
+        self.step_settings = StepSettings(config.max_grad_norm, sync_each_micro_batch=config.accumulate_grad_sync)
         self.resumed = False
         self.evaluator = None
         if loaders.evaluation is not None:
@@ -102,7 +114,10 @@ class Trainer:
         self.metrics = open_metrics(path, self.info.is_main, resumed_at)
         try:
             with StopRequest() as self.stop:
-                while self.progress.epoch <= self.config.epochs:
+                while self.progress.epoch <= self.config.epochs and not self.budget_spent(
+                    self.progress.global_step
+                ):
+                    self.last_epoch = self.progress.epoch
                     if not self._run_epoch():
                         return False
             self._export_final_model()
@@ -117,12 +132,13 @@ class Trainer:
             reset_peak_memory(self.info.device)
         epoch_start = time.perf_counter()
         pass_ = self._train_pass()
-        if pass_.stopped:
+        if pass_.stopped and not pass_.budget_spent:
             get_logger().info("stopped at step %d on SIGTERM; continue with --resume true", pass_.step)
             return False
         val_loss = self._validate(epoch)
         scores = self._evaluate(epoch, pass_.step)
-        self.trainables.scheduler.step()
+        if not self.trainables.per_step_schedule:
+            self.trainables.scheduler.step()
         self._finish_epoch(pass_, val_loss, scores, epoch_start)
         if any_rank(self.stop.requested, self.info.device):
             get_logger().info("stopped after epoch %d on SIGTERM; continue with --resume true", epoch)
@@ -143,7 +159,7 @@ class Trainer:
         return EpochPass(
             epoch=progress.epoch,
             batches=len(self.loaders.train),
-            samples_per_step=self.config.batch_size_training * self.info.world_size,
+            samples_per_batch=self.config.batch_size_training * self.info.world_size,
             start_consumed=progress.samples_consumed,
             seconds_before=progress.epoch_train_seconds if progress.samples_consumed else 0.0,
             step=progress.global_step,
@@ -153,12 +169,12 @@ class Trainer:
     def _train_pass(self) -> EpochPass:
         """One pass over the training loader, ended early only to checkpoint and stop."""
         pass_ = self._new_pass()
-        done_before = pass_.start_consumed // pass_.samples_per_step
+        done_before = pass_.start_consumed // pass_.samples_per_batch
         self.trainables.model.train()
         with self._bar(pass_.batches + done_before, f"Training epoch {pass_.epoch}", "blue", done_before) as bar:
-            for batch in self.loaders.train:
-                self._train_step(batch, pass_)
-                bar.update(1)
+            for micro_batches in _groups(self.loaders.train, self.config.gradient_accumulation_steps):
+                self._train_step(micro_batches, pass_)
+                bar.update(len(micro_batches))
                 _show_latest(bar, pass_.step_log)
                 if self._end_pass_early(pass_):
                     pass_.stopped = True
@@ -167,13 +183,17 @@ class Trainer:
         pass_.seconds = pass_.train_seconds()
         return pass_
 
-    def _train_step(self, batch: dict, pass_: EpochPass) -> None:
-        """One optimizer step on one batch; the run's first step also writes the memory account."""
+    def _train_step(self, micro_batches: list[dict], pass_: EpochPass) -> None:
+        """One optimizer step on one batch or several accumulated micro-batches; the run's first step also
+        writes the memory account."""
         model, optimizer, scaler = self.trainables.model, self.trainables.optimizer, self.trainables.scaler
         pass_.step += 1
-        stats = train_step(model, move_batch(batch, self.info.device), optimizer, scaler, self.info.world_size)
+        batches = [move_batch(batch, self.info.device) for batch in micro_batches]
+        stats = train_step(model, batches, optimizer, scaler, self.info.world_size, self.step_settings)
         pass_.step_log.add(pass_.step, optimizer.param_groups[0]["lr"], stats)
-        pass_.batches_done += 1
+        pass_.batches_done += len(micro_batches)
+        if self.trainables.per_step_schedule:
+            self.trainables.scheduler.step()
         if self.memory_account_due:  # AdamW's state exists from the first step on
             for record in memory_records(model, optimizer, self.info.device, self.memory_baseline):
                 self.metrics.write(record)
@@ -185,6 +205,9 @@ class Trainer:
         _finish_epoch."""
         if pass_.batches_done == pass_.batches:
             return False
+        if self.budget_spent(pass_.step):
+            pass_.budget_spent = True  # not a stop: the epoch ends as usual, and the run with it
+            return True
         every = self.config.eval_every_n_steps
         if every and pass_.step % every == 0:
             self._evaluate(pass_.epoch, pass_.step)
@@ -196,6 +219,10 @@ class Trainer:
         self._advance_progress(pass_)
         self.checkpointer.save(self.progress)
         return pass_.step_log.stop_requested
+
+    def budget_spent(self, step: int) -> bool:
+        """Whether --max_steps optimizer steps are done."""
+        return 0 < self.config.max_steps <= step
 
     def _evaluate(self, epoch: int, step: int) -> dict | None:
         """ROUGE of the evaluation set (collective): the eval record, also written to metrics.jsonl."""
@@ -243,7 +270,7 @@ class Trainer:
         beside it (hf_model_last/) when the last epoch was not the best. Collective."""
         if self.progress.best_epoch is None:
             self.checkpointer.export_hf()
-        elif self.progress.best_epoch != self.config.epochs:
+        elif self.progress.best_epoch != self.last_epoch:
             self.checkpointer.export_hf(last=True)
 
     def _epoch_record(
@@ -321,3 +348,15 @@ def _log_epoch(record: dict, peaks: list[int] | None) -> None:
         record["samples_per_s"],
         "-" if peaks is None else ", ".join(f"{p / 2**20:.0f} MiB" for p in peaks),
     )
+
+
+def _groups(loader, size: int):
+    """The loader's batches in lists of `size` (the last list may be shorter)."""
+    group = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
