@@ -112,6 +112,14 @@ class TrainConfig:
         minimum=0,
         maximum=1,
     )
+    early_stopping_patience: int = option(
+        default=0,
+        help=(
+            "Stop after this many epochs without a new best --metric_for_best (the run then ends as usual: "
+            "checkpoint and export); 0 = never. Counted from the best epoch, so it survives --resume."
+        ),
+        minimum=0,
+    )
     lr: float = option(
         default=0.002,
         help="Initial AdamW learning rate (tutorial: 0.002); StepLR multiplies it by gamma after each epoch.",

@@ -97,3 +97,32 @@ def test_max_steps_stops_saves_and_exports(tmp_path):
     assert (output_dir / "hf_model" / "model.safetensors").is_file()
     records = [json.loads(line) for line in Path(output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records if r["type"] == "epoch"] == [1]
+
+
+@pytest.mark.parametrize(
+    "next_epoch, best_epoch, patience, stops",
+    [(3, 1, 2, False), (4, 1, 2, True), (4, 2, 2, False), (5, None, 2, False), (9, 1, 0, False)],
+)
+def test_early_stopping_counts_the_epochs_since_the_best(next_epoch, best_epoch, patience, stops):
+    """The rule reads only the checkpointed progress (next epoch, best epoch): a resumed run counts the same."""
+    from utils.train.progress import TrainProgress
+    from utils.train.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)  # the rule needs no model, loaders or process group
+    trainer.config = TrainConfig(early_stopping_patience=patience)
+    trainer.progress = TrainProgress(epoch=next_epoch, global_step=100, best_epoch=best_epoch)
+    assert trainer._done_early() is stops
+
+
+def test_early_stopping_ends_a_run_that_got_worse_and_keeps_the_best(tmp_path):
+    # lr 0.5 makes the second epoch worse than the first: patience 1 ends the run there, of 3 epochs.
+    output_dir = tmp_path / "early"
+    flags = ["--num_train_samples", "48", "--num_val_samples", "8", "--eval_rouge", "false", "--epochs", "3",
+             "--lr", "0.5", "--early_stopping_patience", "1"]  # fmt: skip
+    run = torchrun([*flags, "--output_dir", str(output_dir)])
+    assert run.returncode == 0, run.describe()
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r["type"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [1, 2] and epochs[1]["val_loss"] > epochs[0]["val_loss"], epochs
+    assert "early stopping: 1 epochs without a better val_loss than epoch 1's" in run.output
+    assert (output_dir / "hf_model").is_dir() and (output_dir / "hf_model_last").is_dir()

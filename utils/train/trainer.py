@@ -114,9 +114,7 @@ class Trainer:
         self.metrics = open_metrics(path, self.info.is_main, resumed_at)
         try:
             with StopRequest() as self.stop:
-                while self.progress.epoch <= self.config.epochs and not self.budget_spent(
-                    self.progress.global_step
-                ):
+                while self.progress.epoch <= self.config.epochs and not self._done_early():
                     self.last_epoch = self.progress.epoch
                     if not self._run_epoch():
                         return False
@@ -219,6 +217,22 @@ class Trainer:
         self._advance_progress(pass_)
         self.checkpointer.save(self.progress)
         return pass_.step_log.stop_requested
+
+    def _done_early(self) -> bool:
+        """--max_steps reached, or --early_stopping_patience epochs without a new best (from the best epoch
+        kept in the progress, so the count is the same after a resume)."""
+        if self.budget_spent(self.progress.global_step):
+            return True
+        patience, best = self.config.early_stopping_patience, self.progress.best_epoch
+        if patience and best is not None and self.progress.epoch - 1 - best >= patience:
+            get_logger().info(
+                "early stopping: %d epochs without a better %s than epoch %d's",
+                patience,
+                self.config.metric_for_best,
+                best,
+            )
+            return True
+        return False
 
     def budget_spent(self, step: int) -> bool:
         """Whether --max_steps optimizer steps are done."""
