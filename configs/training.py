@@ -126,7 +126,12 @@ class TrainConfig:
         above=0,
     )
     weight_decay: float = option(
-        default=0.0, help="AdamW decoupled weight decay (0 = none, as in the tutorial).", minimum=0
+        default=0.0,
+        help=(
+            "AdamW decoupled weight decay of the matrices; the layer norms never decay (0 = none, as in the "
+            "tutorial). With FSDP1 it needs --use_orig_params true (per-parameter optimizer groups)."
+        ),
+        minimum=0,
     )
     gamma: float = option(
         default=0.85,

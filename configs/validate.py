@@ -26,6 +26,7 @@ def check_settings(train_config: TrainConfig, fsdp_config: FSDPConfig, world_siz
     check_checkpointing(train_config)
     check_evaluation(train_config)
     check_schedule(train_config)
+    check_decay_groups(train_config, fsdp_config)
 
 
 def check_precision(fsdp_config: FSDPConfig, device_type: str) -> None:
@@ -131,3 +132,14 @@ def check_schedule(train_config: TrainConfig) -> None:
         )
     if train_config.warmup_steps and train_config.warmup_ratio:
         raise ConfigError("give --warmup_steps or --warmup_ratio, not both")
+
+
+def check_decay_groups(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
+    """Weight decay skips the layer norms, which needs per-parameter optimizer groups: FSDP1 exposes the
+    original parameters only with use_orig_params (its flat parameters mix norms and matrices)."""
+    if train_config.weight_decay and fsdp_config.fsdp_version == 1 and not fsdp_config.use_orig_params:
+        raise ConfigError(
+            f"--weight_decay {train_config.weight_decay:g} decays the matrices but not the layer norms, which "
+            "FSDP1 can do only with --use_orig_params true (a little more gradient memory); add it, or use "
+            "--fsdp_version 2"
+        )

@@ -459,3 +459,18 @@ def accumulation_worker(rank: int, world_size: int, steps: int) -> dict:
                 }
                 assert GRAD_NORM == 4
     return out
+
+
+def decay_groups_worker(rank: int, world_size: int) -> dict:
+    """Names of the parameters in each AdamW group, with weight decay, for FSDP2 and FSDP1 (orig params)."""
+    from configs.training import TrainConfig
+    from utils.train.trainables import build_trainables
+
+    out = {}
+    for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
+        model = wrap_model(tiny_t5(), _fsdp_config(overrides), CPU, FP32)
+        names = {id(p): n for n, p in model.named_parameters()}
+        optimizer = build_trainables(model, TrainConfig(weight_decay=0.1), FP32, CPU, total_steps=1).optimizer
+        out[version] = [(group["weight_decay"], sorted(names[id(p)] for p in group["params"]))
+                        for group in optimizer.param_groups]  # fmt: skip
+    return out

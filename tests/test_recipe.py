@@ -126,3 +126,14 @@ def test_early_stopping_ends_a_run_that_got_worse_and_keeps_the_best(tmp_path):
     assert [r["epoch"] for r in epochs] == [1, 2] and epochs[1]["val_loss"] > epochs[0]["val_loss"], epochs
     assert "early stopping: 1 epochs without a better val_loss than epoch 1's" in run.output
     assert (output_dir / "hf_model").is_dir() and (output_dir / "hf_model_last").is_dir()
+
+
+def test_weight_decay_skips_the_layer_norms_for_both_backends():
+    from tests.dist_workers import decay_groups_worker
+
+    for version, groups in run_ranks(decay_groups_worker, timeout_s=120)[0].items():
+        (decay, decayed), (no_decay, kept) = groups
+        assert (decay, no_decay) == (0.1, 0.0), version
+        assert kept and all("layer_norm" in name for name in kept), (version, kept)
+        assert decayed and not any("layer_norm" in name for name in decayed), (version, decayed)
+        assert any("shared" in name for name in decayed) and any("DenseReluDense.wi" in name for name in decayed)

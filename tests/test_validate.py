@@ -86,6 +86,13 @@ REFUSED = {
     ),
     "warmup with the per-epoch schedule": ({"warmup_steps": 5}, {}, 2, "cpu", "--lr_scheduler constant"),
     "two warmups": ({"lr_scheduler": "cosine", "warmup_steps": 5, "warmup_ratio": 0.1}, {}, 2, "cpu", "not both"),
+    "FSDP1 weight decay without original parameters": (
+        {"weight_decay": 0.01},
+        {},
+        2,
+        "cpu",
+        "--use_orig_params true",
+    ),
     "periodic checkpoints but none kept": (
         {"save_every_n_steps": 5, "keep_last_n": 0},
         {},
@@ -113,6 +120,8 @@ ACCEPTED = {
     ),
     "size_based with FSDP1": ({}, {"wrap_policy": "size_based"}, 2, "cpu"),
     "no checkpoints at all": ({"keep_last_n": 0}, {}, 2, "cpu"),
+    "FSDP1 weight decay with original parameters": ({"weight_decay": 0.01}, {"use_orig_params": True}, 2, "cpu"),
+    "FSDP2 weight decay": ({"weight_decay": 0.01}, {"fsdp_version": 2}, 2, "cpu"),
     "cosine with warmup ratio": ({"lr_scheduler": "cosine", "warmup_ratio": 0.1}, {}, 2, "cpu"),
 }
 

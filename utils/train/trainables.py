@@ -35,6 +35,21 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: with weight decay, the matrices decay and the layer norms (and any bias)
+    do not, the usual recipe. Grouped by name, which both backends keep (FSDP1 with use_orig_params, which
+    configs/validate.py requires for this). Without weight decay, one group, as the tutorial had."""
+    if not weight_decay:
+        return [{"params": list(model.parameters()), "weight_decay": 0.0}]
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        # T5's norms are *.layer_norm.weight and *.final_layer_norm.weight; it has no biases, and its
+        # relative_attention_bias is an embedding matrix, which decays.
+        (no_decay if "layer_norm" in name or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int) -> LRScheduler:
     """The tutorial's StepLR per epoch, or a per-step schedule over `total_steps` optimizer steps."""
     if config.lr_scheduler == "step":
@@ -51,7 +66,7 @@ def build_trainables(
     Built after wrapping: the optimizer must hold FSDP's sharded parameters, not the original ones.
     `total_steps`: the run's optimizer steps (what linear and cosine schedules decay over).
     """
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr)
     scheduler = build_scheduler(optimizer, config, total_steps)
     # The sharded scaler agrees on inf/NaN across ranks, so every rank skips the same steps.
     scaler = ShardedGradScaler(device=device.type) if needs_grad_scaler(precision) else None
