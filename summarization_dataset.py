@@ -28,6 +28,7 @@ The ``wikihow`` Dataset keeps the tutorial's constructor and items; ``pad_collat
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import os
 import re
@@ -205,7 +206,14 @@ def _first_undecodable_line(path: Path) -> int:
 
 def warn_if_truncated(csv_path: Path) -> None:
     """Warn when the file ends inside a quoted field (an odd number of quote characters), as an interrupted
-    download does: the csv module would silently keep the cut-off last row."""
+    download does: the csv module would silently keep the cut-off last row. A run loads three splits from
+    the same file: it is read (600 MB for the real one) and warned about once per version of the file."""
+    stat = csv_path.stat()
+    _warn_if_truncated(csv_path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _warn_if_truncated(csv_path: Path, size: int, mtime_ns: int) -> None:  # noqa: ARG001 - the cache key
     quotes = 0
     with open(csv_path, "rb") as f:
         while chunk := f.read(1 << 24):

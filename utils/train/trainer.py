@@ -55,8 +55,7 @@ class EpochPass:
     step: int  # global step of the last finished batch
     step_log: StepLog
     batches_done: int = 0
-    stopped: bool = False  # ended early: on SIGTERM after a checkpoint, or at --max_steps
-    budget_spent: bool = False  # ended early at --max_steps
+    stopped: bool = False  # ended early on SIGTERM (after a checkpoint, if checkpoints are on)
     seconds: float = 0.0  # the epoch's training seconds, once the pass has ended
     started: float = field(default_factory=time.perf_counter)
 
@@ -130,7 +129,7 @@ class Trainer:
             reset_peak_memory(self.info.device)
         epoch_start = time.perf_counter()
         pass_ = self._train_pass()
-        if pass_.stopped and not pass_.budget_spent:
+        if pass_.stopped:
             get_logger().info("stopped at step %d on SIGTERM; continue with --resume true", pass_.step)
             return False
         val_loss = self._validate(epoch)
@@ -175,7 +174,6 @@ class Trainer:
                 bar.update(len(micro_batches))
                 _show_latest(bar, pass_.step_log)
                 if self._end_pass_early(pass_):
-                    pass_.stopped = True
                     break
         pass_.step_log.flush()
         pass_.seconds = pass_.train_seconds()
@@ -199,24 +197,22 @@ class Trainer:
 
     def _end_pass_early(self, pass_: EpochPass) -> bool:
         """Periodic evaluation, periodic and SIGTERM checkpoints inside an epoch. True when the pass must end
-        now (a stop was requested and, if checkpoints are on, saved). The epoch's last batch is left to
-        _finish_epoch."""
+        now: at --max_steps (the epoch then ends as usual, and train() ends the run), or on SIGTERM
+        (pass_.stopped; saved first if checkpoints are on). The epoch's last batch is left to _finish_epoch."""
         if pass_.batches_done == pass_.batches:
             return False
         if self.budget_spent(pass_.step):
-            pass_.budget_spent = True  # not a stop: the epoch ends as usual, and the run with it
             return True
         every = self.config.eval_every_n_steps
         if every and pass_.step % every == 0:
             self._evaluate(pass_.epoch, pass_.step)
             self.trainables.model.train()
-        stop = pass_.step_log.stop_requested
-        if not self.checkpointer.due(pass_.step, stop):
-            return stop
-        pass_.step_log.flush()  # collective; afterwards metrics.jsonl holds every step the checkpoint holds
-        self._advance_progress(pass_)
-        self.checkpointer.save(self.progress)
-        return pass_.step_log.stop_requested
+        if self.checkpointer.due(pass_.step, pass_.step_log.stop_requested):
+            pass_.step_log.flush()  # collective; afterwards metrics.jsonl holds every step the checkpoint holds
+            self._advance_progress(pass_)
+            self.checkpointer.save(self.progress)
+        pass_.stopped = pass_.step_log.stop_requested
+        return pass_.stopped
 
     def _done_early(self) -> bool:
         """--max_steps reached, or --early_stopping_patience epochs without a new best (from the best epoch
