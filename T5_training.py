@@ -102,9 +102,7 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo) -> N
     output_dir = train_config.output_dir
     rank0_decides(lambda: prepare_output_dir(output_dir))
     start = rank0_decides(lambda: choose_start(train_config.resume, output_dir))
-    precision = choose_precision(
-        fsdp_config.mixed_precision, fsdp_config.use_fp16, fsdp_config.bf16_policy, info.device
-    )
+    precision = choose_precision(fsdp_config, info.device)
     trainer = build_trainer(train_config, fsdp_config, info, precision, start)
     if is_checkpoint_folder(start):
         trainer.resume(start)

@@ -36,8 +36,18 @@ class FSDPConfig:
     bf16_policy: Literal["bfSixteen", "bfSixteen_working"] = option(
         default="bfSixteen",
         help=(
-            "bfSixteen: parameters, gradient reduction and buffers in bf16. bfSixteen_working: compute in "
-            "fp32, reduce gradients and keep buffers in bf16 (halves gradient traffic only)."
+            "bfSixteen: parameters and buffers in bf16, gradient reduction as --reduce_dtype says. "
+            "bfSixteen_working: compute in fp32, reduce gradients and keep buffers in bf16 (halves gradient "
+            "traffic only)."
+        ),
+    )
+    reduce_dtype: Literal["auto", "bf16", "fp32"] = option(
+        default="auto",
+        help=(
+            "Dtype of the gradient reduce-scatter under bf16. auto: fp32 with bfSixteen (policy "
+            "bfSixteen_fp32_reduce, torchtitan's default: bf16 sums round away 8 bits per reduction; twice "
+            "the gradient traffic of bf16), bf16 with bfSixteen_working (its purpose). bf16: the tutorial's "
+            "all-bf16 bfSixteen. fp32 with bfSixteen_working is refused (that is fp32 training)."
         ),
     )
     sharding_strategy: ShardingStrategy = option(

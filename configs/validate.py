@@ -30,6 +30,7 @@ def check_settings(train_config: TrainConfig, fsdp_config: FSDPConfig, world_siz
 
 
 def check_precision(fsdp_config: FSDPConfig, device_type: str) -> None:
+    check_reduce_dtype(fsdp_config)
     if not fsdp_config.use_fp16:
         return
     if not fsdp_config.mixed_precision:
@@ -38,6 +39,24 @@ def check_precision(fsdp_config: FSDPConfig, device_type: str) -> None:
         raise ConfigError(
             "--use_fp16 true needs a CUDA GPU (fp16 with a gradient scaler); on CPU use bf16 "
             "(--use_fp16 false) or fp32 (--mixed_precision false)"
+        )
+
+
+def check_reduce_dtype(fsdp_config: FSDPConfig) -> None:
+    """--reduce_dtype chooses between the bf16 policies; elsewhere the policy fixes the reduction dtype."""
+    reduce = fsdp_config.reduce_dtype
+    if reduce == "auto":
+        return
+    if not fsdp_config.mixed_precision or fsdp_config.use_fp16:
+        raise ConfigError(
+            f"--reduce_dtype {reduce} applies to bf16 training (--mixed_precision true --use_fp16 false); "
+            "fp32 and fp16 training reduce in their own dtype: leave --reduce_dtype auto"
+        )
+    if reduce == "fp32" and fsdp_config.bf16_policy == "bfSixteen_working":
+        raise ConfigError(
+            "--bf16_policy bfSixteen_working computes in fp32 in order to reduce in bf16; with --reduce_dtype "
+            "fp32 nothing would be bf16. Use --mixed_precision false (fp32), or --bf16_policy bfSixteen "
+            "--reduce_dtype fp32 (bf16 compute, fp32 reduction)."
         )
 
 

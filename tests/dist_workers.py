@@ -6,6 +6,7 @@ same computation and any difference comes from FSDP itself.
 
 import copy
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -473,4 +474,38 @@ def decay_groups_worker(rank: int, world_size: int) -> dict:
         optimizer = build_trainables(model, TrainConfig(weight_decay=0.1), FP32, CPU, total_steps=1).optimizer
         out[version] = [(group["weight_decay"], sorted(names[id(p)] for p in group["params"]))
                         for group in optimizer.param_groups]  # fmt: skip
+    return out
+
+
+def _reduced_gradients(version: int, policy: str, batch: dict, all_tokens: torch.Tensor, world_size: int) -> dict:
+    """name -> full fp64 gradient after one backward of train_step's per-rank loss (the token sum over the
+    all-ranks token count, x world size) and FSDP's gradient reduction. Collective."""
+    config = _fsdp_config({"fsdp_version": version, "use_orig_params": version == 1})
+    model = wrap_model(tiny_t5(), config, CPU, policy)
+    token_losses, _ = forward_token_losses(model, batch)
+    (token_losses.sum() * world_size / all_tokens).backward()
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model, with_grads=True):
+            named = model.named_parameters()
+            return {n.replace("_fsdp_wrapped_module.", ""): p.grad.double().clone() for n, p in named}
+    return {name: p.grad.full_tensor().double() for name, p in model.named_parameters()}
+
+
+def reduction_worker(rank: int, world_size: int) -> dict:
+    """Relative error of FSDP's reduced gradients under bf16 compute, with the reduction in bf16 (bfSixteen)
+    and in fp32 (bfSixteen_fp32_reduce), for both backends. The exact value is the fp64 average of each
+    rank's own bf16 gradient, each taken from a run where every rank sees the same batch (the average of
+    equal values is exact in any dtype), so it is FSDP's own computation with the rounding of the sum only."""
+    batches = [make_batch(batch_seed(0, r)) for r in range(world_size)]
+    all_tokens = sum(batch["target_mask"].sum() for batch in batches).float()
+    out = {}
+    for version in (1, 2):
+        exact_policy = "bfSixteen_fp32_reduce"
+        singles = [_reduced_gradients(version, exact_policy, b, all_tokens, world_size) for b in batches]
+        exact = {name: sum(grads[name] for grads in singles) / world_size for name in singles[0]}
+        norm = math.sqrt(sum((value**2).sum() for value in exact.values()))
+        for policy in ("bfSixteen", "bfSixteen_fp32_reduce"):
+            grads = _reduced_gradients(version, policy, batches[rank], all_tokens, world_size)
+            error = math.sqrt(sum(((grads[name] - value) ** 2).sum() for name, value in exact.items()))
+            out[(version, policy)] = error / norm
     return out
