@@ -21,7 +21,7 @@ from configs.cli import parse_args
 from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
 from configs.validate import check_settings
-from policies.mixed_precision import choose_precision
+from policies.mixed_precision import POLICIES, choose_precision
 from summarization_dataset import check_csv_header, require_csv
 from utils.checkpoint.checkpointer import Checkpointer, CheckpointSettings
 from utils.checkpoint.layout import (
@@ -46,12 +46,13 @@ from utils.errors import FAILURES, ConfigError, UserError
 from utils.eval.evaluator import Evaluator
 from utils.eval.generation import GenerationSettings, summarization_params
 from utils.fsdp.wrap import log_fsdp_layout, wrap_model
-from utils.model.loading import builds_on_meta, load_model_for_run
+from utils.model.loading import builds_on_meta, load_model_for_run, model_config_overrides
+from utils.observe.flops import T5Flops, Throughput, device_peak_flops
 from utils.observe.log import get_logger, setup_logging
 from utils.observe.metrics import MetricsWriter
 from utils.observe.run_record import run_record, write_run_record
 from utils.train.trainables import build_trainables, total_optimizer_steps
-from utils.train.trainer import Trainer
+from utils.train.trainer import Measures, Trainer
 
 RANK0_MESSAGE_GRACE_S = 2.0
 
@@ -63,7 +64,8 @@ def build_trainer(
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
     on_meta = builds_on_meta(fsdp_config.cpu_ram_efficient_loading, fsdp_config.fsdp_version, info.is_main)
     weights_file = full_weights_file(start)
-    loaded = load_model_for_run(train_config.model_name, on_meta, weights_file, train_config.dropout_rate)
+    overrides = model_config_overrides(train_config)
+    loaded = load_model_for_run(train_config.model_name, on_meta, weights_file, overrides)
     loaders = build_loaders(loaded.tokenizer, train_config, info)
     model_config = loaded.model.config
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
@@ -77,7 +79,23 @@ def build_trainer(
     trainables = build_trainables(model, train_config, precision, info.device, total_steps)
     settings = CheckpointSettings.from_configs(train_config, fsdp_config)
     checkpointer = Checkpointer(settings, trainables, model_config, loaded.tokenizer, info)
-    return Trainer(trainables, loaders, checkpointer, train_config, info, loaded.memory_baseline)
+    throughput = build_throughput(model_config, fsdp_config, train_config.peak_tflops, info, precision)
+    measures = Measures(loaded.memory_baseline, throughput)
+    return Trainer(trainables, loaders, checkpointer, train_config, info, measures)
+
+
+def build_throughput(
+    model_config, fsdp_config: FSDPConfig, peak_tflops: float, info: DistInfo, precision: str
+) -> Throughput:
+    """How steps are counted in FLOPs and rated against the device's peak in the compute dtype. Collective."""
+    dtype = POLICIES[precision].param_dtype
+    peak, source = device_peak_flops(info.device, dtype, peak_tflops)
+    if peak:
+        get_logger().info("MFU against a peak of %.4g TFLOP/s per device (%s)", peak / 1e12, source)
+    else:
+        get_logger().warning("no MFU: %s", source)
+    recompute = fsdp_config.fsdp_activation_checkpointing
+    return Throughput(T5Flops.from_config(model_config), recompute, info.world_size, peak, source)
 
 
 def evaluate_saved_model(trainer: Trainer, train_config: TrainConfig, info: DistInfo) -> None:
@@ -112,7 +130,7 @@ def run(train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo) -> N
         evaluate_saved_model(trainer, train_config, info)
     else:
         if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
-            record = run_record(train_config, fsdp_config, info, precision)
+            record = run_record(train_config, fsdp_config, info, precision, trainer.measures.throughput)
             write_run_record(os.path.join(output_dir, CONFIG_FILE), record, start)
         trainer.train()
     # No rank tears its process group down while another still communicates (seen once as an abort,

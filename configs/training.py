@@ -77,6 +77,16 @@ class TrainConfig:
         ),
         minimum=0,
     )
+    on_nonfinite: Literal["stop", "skip"] = option(
+        default="stop",
+        help=(
+            "A step whose loss or gradient norm is NaN or infinite on any rank. stop: the run ends with an "
+            "error at the next step-log flush (at most log_every_n_steps steps later, before any checkpoint "
+            "or export), keeping what was saved. skip: every rank skips that optimizer step (fused AdamW "
+            "with a found-inf flag: no host sync) and the step record says skipped. fp16's gradient scaler "
+            "skips such steps itself."
+        ),
+    )
     lr_scheduler: Literal["step", "constant", "linear", "cosine"] = option(
         default="step",
         help=(
@@ -102,6 +112,15 @@ class TrainConfig:
             "exporting as at a normal end; 0 = run all epochs."
         ),
         minimum=0,
+    )
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = option(
+        default="sdpa",
+        help=(
+            "T5's attention kernel (transformers' attn_implementation): sdpa (torch's "
+            "scaled_dot_product_attention with the position bias as an additive mask; what transformers 5.15+ "
+            "picks by default), eager (matmul, softmax, matmul: the reference), flex_attention (torch "
+            "FlexAttention). T5's learned position bias rules out flash attention."
+        ),
     )
     dropout_rate: float | None = option(
         default=None,
@@ -197,7 +216,10 @@ class TrainConfig:
     )
     eval_every_n_steps: int = option(
         default=0,
-        help="Also evaluate ROUGE every N optimizer steps inside an epoch (0: at epoch ends only).",
+        help=(
+            "Also evaluate every N optimizer steps inside an epoch: the validation loss (with run_validation; "
+            "a validation record) and ROUGE (with eval_rouge; an eval record). 0: at epoch ends only."
+        ),
         minimum=0,
     )
     num_beams: int = option(
@@ -271,6 +293,16 @@ class TrainConfig:
             "none); a checkpoint folder: continue from it; a full-model .pt: start from its weights; "
             "false: a new run (refused if output_dir already holds one)."
         ),
+    )
+    peak_tflops: float = option(
+        default=0.0,
+        help=(
+            "Dense peak TFLOP/s of one device in the compute dtype, the denominator of MFU. 0: from the table "
+            "of known GPUs (H100/H200 SXM bf16 989.4, A100 312, ...; unknown GPUs: no MFU), and on CPU a "
+            "GEMM measured at start in the same dtype and thread count (a stand-in: CPUs have no usable "
+            "data-sheet peak)."
+        ),
+        minimum=0.0,
     )
     track_memory: bool = option(
         default=True,

@@ -20,6 +20,7 @@ def check_settings(train_config: TrainConfig, fsdp_config: FSDPConfig, world_siz
     `device_type` ("cuda" or "cpu")."""
     check_precision(fsdp_config, device_type)
     check_device_settings(fsdp_config, device_type)
+    check_attention(train_config, device_type)
     if fsdp_config.fsdp_version == 2:
         check_fsdp2_settings(fsdp_config)
     check_hybrid_sharding(fsdp_config, world_size)
@@ -75,6 +76,14 @@ def check_device_settings(fsdp_config: FSDPConfig, device_type: str) -> None:
         )
 
 
+def check_attention(train_config: TrainConfig, device_type: str) -> None:
+    if train_config.attn_implementation == "flex_attention" and device_type != "cuda":
+        raise ConfigError(
+            "--attn_implementation flex_attention needs a GPU: torch's FlexAttention has no backward on CPU. "
+            "Use sdpa (the default) or eager."
+        )
+
+
 def check_fsdp2_settings(fsdp_config: FSDPConfig) -> None:
     """Refuse the FSDP1 settings that mean nothing under FSDP2, instead of silently dropping them."""
     if fsdp_config.sync_module_states:
@@ -127,7 +136,7 @@ def check_checkpointing(train_config: TrainConfig) -> None:
 
 
 def check_evaluation(train_config: TrainConfig) -> None:
-    """ROUGE-based choices need ROUGE."""
+    """ROUGE-based choices need ROUGE; periodic evaluation needs something to evaluate."""
     if train_config.eval_rouge:
         return
     if train_config.metric_for_best != "val_loss":
@@ -137,8 +146,11 @@ def check_evaluation(train_config: TrainConfig) -> None:
         )
     if train_config.evaluate_only:
         raise ConfigError("--evaluate_only true scores ROUGE: it needs --eval_rouge true")
-    if train_config.eval_every_n_steps:
-        raise ConfigError("--eval_every_n_steps needs --eval_rouge true (or drop --eval_every_n_steps)")
+    if train_config.eval_every_n_steps and not train_config.run_validation:
+        raise ConfigError(
+            "--eval_every_n_steps evaluates the validation loss and ROUGE: it needs --run_validation true or "
+            "--eval_rouge true (or drop --eval_every_n_steps)"
+        )
 
 
 def check_schedule(train_config: TrainConfig) -> None:

@@ -4,6 +4,7 @@ Models are the embedded tiny T5's architecture with dropout off, so that sharded
 same computation and any difference comes from FSDP itself.
 """
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -21,8 +22,10 @@ from policies.mixed_precision import POLICIES
 from utils.checkpoint.state_dicts import gather_full_state_dict, load_full_model_state, save_full_model
 from utils.data.loaders import build_loader
 from utils.data.samplers import PaddedEvalSampler
+from utils.errors import TrainingDivergedError
 from utils.fsdp.wrap import wrap_model
 from utils.paths import EMBEDDED_MODEL_DIR
+from utils.train import step as step_module
 from utils.train.step import forward_token_losses, train_step, validate
 from utils.train.step_log import StepLog
 
@@ -508,4 +511,56 @@ def reduction_worker(rank: int, world_size: int) -> dict:
             grads = _reduced_gradients(version, policy, batches[rank], all_tokens, world_size)
             error = math.sqrt(sum(((grads[name] - value) ** 2).sum() for name, value in exact.items()))
             out[(version, policy)] = error / norm
+    return out
+
+
+@contextlib.contextmanager
+def _nan_loss(enabled: bool):
+    """This rank's token losses (and so its gradients) become NaN while the context is open."""
+    original = step_module.forward_token_losses
+
+    def poisoned(model, batch):
+        token_losses, labels = original(model, batch)
+        return token_losses * float("nan"), labels
+
+    step_module.forward_token_losses = poisoned if enabled else original
+    try:
+        yield
+    finally:
+        step_module.forward_token_losses = original
+
+
+def _guarded_run(version: int, rank: int, world_size: int, steps: list[int], bad_step: int, stop: bool) -> dict:
+    """train_step over `steps` with rank 1's loss NaN at `bad_step`: the step records, the final weights (rank
+    0), and the error a stopping step log raised (None if none)."""
+    model = wrap_model(tiny_t5(), _fsdp_config({"fsdp_version": version}), CPU, FP32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    settings = step_module.StepSettings(skip_nonfinite=not stop)
+    records: list[dict] = []
+    step_log = StepLog(every=len(steps), on_flush=records.extend, stop_on_nonfinite=stop)
+    error = None
+    try:
+        for step in steps:
+            with _nan_loss(step == bad_step and rank == 1):
+                stats = train_step(
+                    model, make_batch(batch_seed(step, rank)), optimizer, None, world_size, settings
+                )
+            step_log.add(step + 1, LR, stats)
+        step_log.flush()
+    except TrainingDivergedError as err:
+        error = str(err)
+    return {"records": records, "state": gather_full_state_dict(model, CPU), "error": error}
+
+
+def nonfinite_worker(rank: int, world_size: int, steps: int = 4, bad_step: int = 1) -> dict:
+    """For each backend: a run whose step `bad_step` is NaN on rank 1 only, skipped; the same run without
+    that step at all; the same run with a step log that stops."""
+    out = {}
+    for version in (1, 2):
+        every = list(range(steps))
+        out[version] = {
+            "skipped": _guarded_run(version, rank, world_size, every, bad_step, stop=False),
+            "left_out": _guarded_run(version, rank, world_size, [s for s in every if s != bad_step], -1, False),
+            "stopped": _guarded_run(version, rank, world_size, every, bad_step, stop=True),
+        }
     return out

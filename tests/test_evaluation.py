@@ -99,6 +99,14 @@ def test_eval_records_and_predictions_files_agree(trained):
             assert record[key] == pytest.approx(recomputed[key], abs=1e-6), (record["step"], key)
 
 
+def test_validation_loss_is_recorded_every_n_steps_inside_the_epochs(trained):
+    records = [r for r in read_jsonl(trained / "metrics.jsonl") if r["type"] == "validation"]
+    # Inside the epochs only: at their ends (steps 12, 24) the validation loss is in the epoch record.
+    assert [(r["epoch"], r["step"]) for r in records] == [(1, 5), (1, 10), (2, 15), (2, 20)]
+    losses = [r["val_loss"] for r in records]
+    assert all(0 < loss < 20 for loss in losses) and len(set(losses)) == len(losses), losses
+
+
 def test_best_epoch_by_rouge_is_hf_model_and_survives_in_the_checkpoint(trained):
     at_epoch_end = {r["epoch"]: r["rougeL"] for r in eval_records(trained) if r["step"] in (12, 24)}
     best_epoch = max(at_epoch_end, key=lambda epoch: (at_epoch_end[epoch], -epoch))  # the first of equals

@@ -82,9 +82,35 @@ def test_two_micro_batches_of_two_equal_one_batch_of_four(tmp_path, fsdp_version
         run = torchrun([*COMMON, *flags, "--fsdp_version", fsdp_version, "--output_dir", str(output_dir)])
         assert run.returncode == 0, run.describe()
         runs[name] = step_losses(output_dir)
+        assert_epoch_flops_count_every_real_token(output_dir, num_samples=48)
     assert sorted(runs["accumulated"]) == sorted(runs["whole"]) == list(range(1, 7))  # 24 samples a rank / 4
     for step, loss in runs["whole"].items():
         assert runs["accumulated"][step] == pytest.approx(loss, rel=1e-5), step
+
+
+def assert_epoch_flops_count_every_real_token(output_dir: Path, num_samples: int, world_size: int = 2):
+    """The epoch record's model and hardware TFLOP/s per device, times devices and training seconds, are
+    the hand-count formula summed over every training sample's real (unpadded) lengths, once each."""
+    from transformers import T5Config, T5Tokenizer
+
+    from summarization_dataset import wikihow
+    from utils.observe.flops import T5Flops
+    from utils.paths import EMBEDDED_MODEL_DIR
+
+    dataset = wikihow(T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR), "train", num_samples, 512, 150)
+    items = [dataset[i] for i in range(len(dataset))]
+    src = torch.tensor([float(item["source_mask"].sum()) for item in items], dtype=torch.float64)
+    tgt = torch.tensor([float(item["target_mask"].sum()) for item in items], dtype=torch.float64)
+    flops = T5Flops.from_config(T5Config.from_pretrained(EMBEDDED_MODEL_DIR))
+    model = 3 * flops.forward(src, tgt).item()
+    hardware = model + flops.forward(src, tgt, head=False).item()  # activation checkpointing is on by default
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    epoch = next(r for r in records if r["type"] == "epoch")
+    device_seconds = world_size * num_samples / epoch["samples_per_s"]
+    assert epoch["model_tflops_per_s"] * 1e12 * device_seconds == pytest.approx(model, rel=1e-9)
+    assert epoch["hardware_tflops_per_s"] * 1e12 * device_seconds == pytest.approx(hardware, rel=1e-9)
+    config = json.loads((output_dir / "config.json").read_text())
+    assert epoch["mfu"] == pytest.approx(epoch["model_tflops_per_s"] / config["mfu_peak_tflops"], rel=1e-9)
 
 
 def test_max_steps_stops_saves_and_exports(tmp_path):
@@ -137,3 +163,65 @@ def test_weight_decay_skips_the_layer_norms_for_both_backends():
         assert kept and all("layer_norm" in name for name in kept), (version, kept)
         assert decayed and not any("layer_norm" in name for name in decayed), (version, decayed)
         assert any("shared" in name for name in decayed) and any("DenseReluDense.wi" in name for name in decayed)
+
+
+@pytest.fixture(scope="module")
+def nonfinite():
+    from tests.dist_workers import nonfinite_worker
+
+    return run_ranks(nonfinite_worker, timeout_s=180)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_nan_on_one_rank_is_skipped_on_both(nonfinite, version):
+    """Rank 1's loss is NaN at step 2: both ranks record it skipped and the weights end exactly
+    as in a run that never took that step (fused AdamW leaves parameters, moments and step count alone)."""
+    for rank_out in nonfinite:
+        records = rank_out[version]["skipped"]["records"]
+        assert [r.get("skipped", False) for r in records] == [False, True, False, False], records
+        assert [r.get("nonfinite", False) for r in records] == [False, True, False, False], records
+        assert math.isnan(records[1]["loss"]) and math.isnan(records[1]["grad_norm"])
+        assert all(math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 1)
+        left_out = rank_out[version]["left_out"]["records"]
+        assert [r["loss"] for r in left_out] == [r["loss"] for i, r in enumerate(records) if i != 1]
+    skipped, left_out = nonfinite[0][version]["skipped"]["state"], nonfinite[0][version]["left_out"]["state"]
+    assert all(torch.equal(skipped[k], left_out[k]) for k in left_out)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_nan_on_one_rank_stops_both(nonfinite, version):
+    for rank_out in nonfinite:
+        stopped = rank_out[version]["stopped"]
+        assert stopped["error"] and stopped["error"].startswith("step 2: NaN or infinite"), stopped["error"]
+        assert "--on_nonfinite skip" in stopped["error"]
+        # The NaN update was applied (nothing skips it), so every later step is NaN too: why stopping matters.
+        assert [r.get("nonfinite", False) for r in stopped["records"]] == [False, True, True, True]
+        assert not any(r.get("skipped") for r in stopped["records"])
+
+
+def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(tmp_path):
+    """lr 1e30 turns the first update into weights of ~1e30, and every later step's gradient norm infinite.
+    stop: the run fails at step 2's flush, before step 2's checkpoint; step 1's stays. skip: the run ends
+    normally, steps 2-6 skipped, and train_loss is step 1's loss (the only step that trained)."""
+    flags = [*COMMON, "--lr", "1e30", "--save_every_n_steps", "1", "--log_every_n_steps", "3"]
+    stopped = tmp_path / "stopped"
+    run = torchrun([*flags, "--output_dir", str(stopped)])
+    assert run.returncode != 0 and "step 2: NaN or infinite loss or gradient norm" in run.output, run.describe()
+    assert [p.name for p in (stopped / "checkpoints").iterdir()] == ["step_00000001"]
+    assert not (stopped / "hf_model").exists()
+
+    skipped = tmp_path / "skipped"
+    run = torchrun([*flags, "--on_nonfinite", "skip", "--output_dir", str(skipped)])
+    assert run.returncode == 0, run.describe()
+
+    def refuse(constant):
+        raise ValueError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+    lines = (skipped / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r.get("skipped", False) for r in steps] == [False] + [True] * 5, steps
+    assert all(r["grad_norm"] is None for r in steps[1:])
+    epoch = next(r for r in records if r["type"] == "epoch")
+    assert epoch["train_loss"] == pytest.approx(steps[0]["loss"], rel=1e-12)
+    assert "step 6: NaN or infinite loss or gradient norm, skipped" in run.output

@@ -46,6 +46,7 @@ REFUSED = {
         "--mixed_precision false",
     ),
     "CPU offload on CPU": ({}, {"fsdp_cpu_offload": True}, 2, "cpu", "needs GPUs"),
+    "flex attention on CPU": ({"attn_implementation": "flex_attention"}, {}, 2, "cpu", "no backward on CPU"),
     "FSDP1 sync_module_states on CPU": ({}, {"sync_module_states": True}, 2, "cpu", "--cpu_ram_efficient_loading"),
     "FSDP2 size_based wrap": ({}, {"fsdp_version": 2, "wrap_policy": "size_based"}, 2, "cuda", "size_based"),
     "FSDP2 BACKWARD_POST": (
@@ -98,8 +99,8 @@ REFUSED = {
         "--eval_rouge true",
     ),
     "evaluate-only without ROUGE": ({"eval_rouge": False, "evaluate_only": True}, {}, 2, "cpu", "--evaluate_only"),
-    "periodic ROUGE without ROUGE": (
-        {"eval_rouge": False, "eval_every_n_steps": 5},
+    "periodic evaluation with nothing to evaluate": (
+        {"eval_rouge": False, "run_validation": False, "eval_every_n_steps": 5},
         {},
         2,
         "cpu",
@@ -131,6 +132,7 @@ ACCEPTED = {
     "bf16 compute, fp32 reduction": ({}, {"reduce_dtype": "fp32"}, 2, "cpu"),
     "bfSixteen_working by default": ({}, {"bf16_policy": "bfSixteen_working"}, 2, "cpu"),
     "CPU offload on GPU": ({}, {"fsdp_cpu_offload": True}, 2, "cuda"),
+    "flex attention on GPU": ({"attn_implementation": "flex_attention"}, {}, 2, "cuda"),
     "FSDP1 sync_module_states on GPU": ({}, {"sync_module_states": True}, 2, "cuda"),
     "rank-0-only loading, FSDP1 on CPU": ({}, {"cpu_ram_efficient_loading": True}, 2, "cpu"),
     "FSDP2 defaults": ({}, {"fsdp_version": 2}, 2, "cpu"),
@@ -146,6 +148,7 @@ ACCEPTED = {
     "no checkpoints at all": ({"keep_last_n": 0}, {}, 2, "cpu"),
     "FSDP1 weight decay with original parameters": ({"weight_decay": 0.01}, {"use_orig_params": True}, 2, "cpu"),
     "FSDP2 weight decay": ({"weight_decay": 0.01}, {"fsdp_version": 2}, 2, "cpu"),
+    "periodic validation loss without ROUGE": ({"eval_rouge": False, "eval_every_n_steps": 5}, {}, 2, "cpu"),
     "cosine with warmup ratio": ({"lr_scheduler": "cosine", "warmup_ratio": 0.1}, {}, 2, "cpu"),
 }
 

@@ -27,6 +27,10 @@ class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete, corrupt or made for another model."""
 
 
+class TrainingDivergedError(UserError):
+    """A NaN or infinite loss or gradient norm with --on_nonfinite stop: the run ends without saving."""
+
+
 # What a failed run can raise: torch.distributed.checkpoint's CheckpointException derives from
 # BaseException, not Exception, so `except Exception` would let a corrupt shard escape with a traceback
 # on every rank (docs/pitfalls.md #25).

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 
+from configs.training import TrainConfig
 from utils.checkpoint.state_dicts import load_full_model_weights
 from utils.errors import ConfigError
 from utils.observe.log import get_logger
@@ -38,14 +39,17 @@ def builds_on_meta(cpu_ram_efficient_loading: bool, fsdp_version: int, is_main: 
     return cpu_ram_efficient_loading and (fsdp_version == 1 or not is_main)
 
 
-def load_model_for_run(
-    model_name: str, on_meta: bool, weights_file: str | None, dropout_rate: float | None = None
-) -> LoadedModel:
+def model_config_overrides(config: TrainConfig) -> dict:
+    """The model-config fields the run sets: the attention kernel, and the dropout if given."""
+    overrides = {"attn_implementation": config.attn_implementation}
+    return overrides if config.dropout_rate is None else {**overrides, "dropout_rate": config.dropout_rate}
+
+
+def load_model_for_run(model_name: str, on_meta: bool, weights_file: str | None, overrides: dict) -> LoadedModel:
     """The unwrapped model and tokenizer, with the weights of `weights_file` (a full .pt) if given, and
-    `dropout_rate` instead of the model config's if given."""
+    the model-config `overrides` (model_config_overrides)."""
     reset_peak_rss()
     rss_before = current_rss_bytes()
-    overrides = {} if dropout_rate is None else {"dropout_rate": dropout_rate}
     model, tokenizer = load_model_and_tokenizer(model_name, on_meta=on_meta, **overrides)
     load_rss_delta = peak_rss_bytes() - rss_before
     if weights_file is not None and not on_meta:
@@ -75,7 +79,7 @@ def load_model_and_tokenizer(
     model_name: str, on_meta: bool = False, **config_overrides
 ) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
     """The pretrained model in host memory, or (on_meta) only its skeleton on the meta device;
-    `config_overrides` replace fields of its config (dropout_rate)."""
+    `config_overrides` replace fields of its config (dropout_rate, attn_implementation)."""
     if looks_like_local_path(model_name):
         check_local_model_dir(model_name)
         model_name = os.path.expanduser(model_name)

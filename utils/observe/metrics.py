@@ -1,6 +1,7 @@
 """metrics.jsonl: one JSON record per line (step, memory, epoch), written by rank 0 as the run goes."""
 
 import json
+import math
 import os
 
 from utils.files import atomic_path
@@ -21,7 +22,7 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if self.file is None:
             return
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -30,8 +31,21 @@ class MetricsWriter:
             self.file = None
 
 
+def json_safe(value):
+    """`value` with every NaN or infinite float replaced by None: JSON has no NaN, and a diverged run's
+    NaN validation loss must not make metrics.jsonl unreadable to strict parsers (jq, JavaScript)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
+
+
 def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> None:
-    """Keep the records a checkpoint covers (steps and evals <= last_step, epochs < next_epoch), drop the rest.
+    """Keep the records a checkpoint covers (step, eval and validation records <= last_step, epochs <
+    next_epoch), drop the rest.
 
     The resumed run writes the later steps again, so the file ends as an uninterrupted run's would.
     """
@@ -44,7 +58,7 @@ def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> N
                 record = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by the crash
                 continue
-            if record.get("type") in ("step", "eval") and record["step"] > last_step:
+            if record.get("type") in ("step", "eval", "validation") and record["step"] > last_step:
                 continue
             if record.get("type") == "epoch" and record["epoch"] >= next_epoch:
                 continue

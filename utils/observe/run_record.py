@@ -12,10 +12,14 @@ from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
 from utils.distributed.process_group import DistInfo
 from utils.files import write_json
+from utils.observe.flops import Throughput
 
 
-def run_record(train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo, precision: str) -> dict:
-    """The resolved configs (CLI spelling: feeding them back as flags reproduces the run) and the setting."""
+def run_record(
+    train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo, precision: str, throughput: Throughput
+) -> dict:
+    """The resolved configs (CLI spelling: feeding them back as flags reproduces the run) and the setting,
+    with the peak FLOP/s per device that MFU divides by (null: none known)."""
     return {
         "train_config": config_to_dict(train_config),
         "fsdp_config": config_to_dict(fsdp_config),
@@ -23,6 +27,8 @@ def run_record(train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInf
         "backend": info.backend,
         "device": str(info.device),
         "mixed_precision_policy": precision,
+        "mfu_peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None,
+        "mfu_peak_source": throughput.peak_source,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": {
             "python": platform.python_version(),

@@ -20,11 +20,13 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from summarization_dataset import labels_for_loss
+from utils.observe.flops import T5Flops
 
 # Columns of the per-step statistics kept on the device until the next flush. GRAD_NORM holds the global
 # norm divided by the world size: the flush sums over ranks, and every rank has the same global norm.
-LOSS_SUM, TARGET_TOKENS, INPUT_TOKENS, SAMPLES, GRAD_NORM = range(5)
-STAT_COLUMNS = 5
+# MODEL_FLOPS / HARDWARE_FLOPS: this rank's training FLOPs from its real token counts (utils/observe/flops.py).
+LOSS_SUM, TARGET_TOKENS, INPUT_TOKENS, SAMPLES, GRAD_NORM, MODEL_FLOPS, HARDWARE_FLOPS = range(7)
+STAT_COLUMNS = 7
 STAT_DTYPE = torch.float64  # exact token counts and accurate loss sums for long epochs
 
 
@@ -45,25 +47,31 @@ def forward_token_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, t
     return token_losses, labels
 
 
-def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict) -> torch.Tensor:
-    """[loss sum, target tokens, source+target tokens, samples, 0] of one batch, on the device, no host
-    sync (the last column is the step's gradient norm, filled in by train_step)."""
+@dataclass(frozen=True)
+class StepSettings:
+    max_grad_norm: float = 0.0  # 0: no clipping (the norm is still measured)
+    sync_each_micro_batch: bool = True  # False: reduce gradients after the last micro-batch only
+    skip_nonfinite: bool = False  # skip the update when the global gradient norm is NaN/Inf (fused AdamW)
+    flops: T5Flops | None = None  # counts each batch's training FLOPs (None: zeros)
+    recompute: bool = False  # activation checkpointing: hardware FLOPs include the blocks' second forward
+
+
+def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict, settings: StepSettings):
+    """[loss sum, target tokens, source+target tokens, samples, 0, model FLOPs, hardware FLOPs] of one
+    batch, on the device, no host sync (column GRAD_NORM is the step's, filled in by train_step)."""
+    zero = torch.zeros((), dtype=STAT_DTYPE, device=labels.device)
+    flops = settings.flops.training(batch, settings.recompute) if settings.flops else (zero, zero)
     stats = torch.stack(
         [
             token_losses.detach().sum(dtype=STAT_DTYPE),
             (labels != -100).sum().to(STAT_DTYPE),
             (batch["source_mask"].sum() + batch["target_mask"].sum()).to(STAT_DTYPE),
             torch.tensor(labels.shape[0], dtype=STAT_DTYPE, device=labels.device),
-            torch.zeros((), dtype=STAT_DTYPE, device=labels.device),
+            zero,
+            *flops,
         ]
     )
     return stats
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    max_grad_norm: float = 0.0  # 0: no clipping (the norm is still measured)
-    sync_each_micro_batch: bool = True  # False: reduce gradients after the last micro-batch only
 
 
 def train_step(
@@ -92,8 +100,10 @@ def train_step(
             token_losses, labels = forward_token_losses(model, batch)
             loss = token_losses.sum() * world_size / global_tokens.clamp(min=1)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        stats.append(batch_stats(token_losses, labels, batch))
+        stats.append(batch_stats(token_losses, labels, batch, settings))
     grad_norm = clip_gradients(model, optimizer, scaler, settings.max_grad_norm)
+    if settings.skip_nonfinite and scaler is None:
+        flag_nonfinite_step(optimizer, grad_norm)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -103,6 +113,16 @@ def train_step(
     total = torch.stack(stats).sum(dim=0)
     total[GRAD_NORM] = grad_norm.to(STAT_DTYPE) / world_size
     return total
+
+
+def flag_nonfinite_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+    """Make the coming optimizer.step() a no-op when the global gradient norm is NaN or infinite.
+
+    Fused AdamW reads `found_inf` (GradScaler's hook) and then leaves parameters, moments and step count
+    as they were, on the device, without a host sync. The norm is the same on every rank, so every rank
+    skips the same steps; a non-finite loss on any rank makes its gradients, and so the norm, non-finite.
+    """
+    optimizer.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
 
 
 @contextlib.contextmanager

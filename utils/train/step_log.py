@@ -1,12 +1,25 @@
 """Per-step statistics kept on the device and reduced over ranks every few steps."""
 
+import math
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from utils.train.step import GRAD_NORM, INPUT_TOKENS, LOSS_SUM, STAT_COLUMNS, STAT_DTYPE, TARGET_TOKENS
+from utils.errors import TrainingDivergedError
+from utils.observe.flops import Throughput
+from utils.observe.log import get_logger
+from utils.train.step import (
+    GRAD_NORM,
+    HARDWARE_FLOPS,
+    INPUT_TOKENS,
+    LOSS_SUM,
+    MODEL_FLOPS,
+    STAT_COLUMNS,
+    STAT_DTYPE,
+    TARGET_TOKENS,
+)
 
 
 class StepLog:
@@ -16,7 +29,10 @@ class StepLog:
     all-reduce and one device-to-host copy serve `every` steps. Step seconds are the window's wall time
     divided by its steps: on a GPU the host runs ahead of the device, so a single step's host time would
     not be its real time. The same all-reduce carries each rank's stop flag (SIGTERM), so all ranks learn
-    together that one of them must stop.
+    together that one of them must stop, and shows every rank the same NaN/Inf losses and norms: such a
+    step is recorded as nonfinite (and skipped where --on_nonfinite skip or fp16's scaler skipped it) and
+    left out of the epoch's loss, or, with `stop_on_nonfinite`, ends the run on every rank before anything
+    else is saved.
     """
 
     def __init__(
@@ -25,8 +41,12 @@ class StepLog:
         on_flush: Callable[[list[dict]], None],
         local_stop: Callable[[], bool] = lambda: False,
         totals: list[float] | None = None,
+        stop_on_nonfinite: bool = False,
+        throughput: Throughput | None = None,
     ):
         self.every = every
+        self.stop_on_nonfinite = stop_on_nonfinite
+        self.throughput = throughput
         self.on_flush = on_flush
         self.local_stop = local_stop
         self.pending: list[tuple[int, float, torch.Tensor]] = []
@@ -36,9 +56,11 @@ class StepLog:
         self.totals = torch.tensor(totals, dtype=STAT_DTYPE)
         self.stop_requested = False
         self.window_start = time.perf_counter()
-        # The newest flushed window, for the progress bar: its last step's loss, all ranks' tokens per second.
+        # The newest flushed window, for the progress bar: its last step's loss, all ranks' tokens per second
+        # and the window's MFU (None without a peak to divide by).
         self.latest_loss: float | None = None
         self.latest_tokens_per_s: float | None = None
+        self.latest_mfu: float | None = None
 
     def add(self, step: int, lr: float, stats: torch.Tensor) -> None:
         self.pending.append((step, lr, stats))
@@ -56,22 +78,54 @@ class StepLog:
         dist.all_reduce(reduced)
         rows = reduced.tolist()  # host sync
         self.stop_requested = self.stop_requested or any(row[STAT_COLUMNS] > 0 for row in rows)
-        window = torch.tensor([row[:STAT_COLUMNS] for row in rows], dtype=STAT_DTYPE).sum(dim=0)
-        self.totals += window
         now = time.perf_counter()
         elapsed = now - self.window_start
-        records = [
-            {
-                "step": step,
-                "loss": row[LOSS_SUM] / max(row[TARGET_TOKENS], 1.0),
-                "lr": lr,
-                "grad_norm": row[GRAD_NORM],  # the global norm before clipping
-                "seconds": elapsed / len(rows),
-            }
-            for (step, lr, _), row in zip(self.pending, rows, strict=True)
-        ]
+        seconds = elapsed / len(rows)
+        pending = zip(self.pending, rows, strict=True)
+        records = [step_record(step, lr, row, seconds) for (step, lr, _), row in pending]
+        if self.throughput is not None:
+            for record, row in zip(records, rows, strict=True):
+                record.update(self.throughput.rates(row[MODEL_FLOPS], row[HARDWARE_FLOPS], seconds))
+        if not self.stop_on_nonfinite:  # the step was skipped where the norm was not finite (found_inf, scaler)
+            for record in records:
+                if record.get("nonfinite") and not math.isfinite(record["grad_norm"]):
+                    record["skipped"] = True
+        window = torch.tensor([row[:STAT_COLUMNS] for row in rows], dtype=STAT_DTYPE).sum(dim=0)
+        self.totals += window
         self.latest_loss = records[-1]["loss"]
         self.latest_tokens_per_s = float(window[INPUT_TOKENS]) / max(elapsed, 1e-9)
+        if self.throughput is not None:
+            flops = float(window[MODEL_FLOPS]), float(window[HARDWARE_FLOPS])
+            self.latest_mfu = self.throughput.rates(*flops, elapsed).get("mfu")
         self.pending = []
         self.window_start = now
         self.on_flush(records)
+        self._check_nonfinite(records)
+
+    def _check_nonfinite(self, records: list[dict]) -> None:
+        """End the run at the first non-finite step when stopping is on; else warn about each."""
+        for record in records:
+            if not record.get("nonfinite"):
+                continue
+            if self.stop_on_nonfinite:
+                raise TrainingDivergedError(
+                    f"step {record['step']}: NaN or infinite loss or gradient norm (loss {record['loss']:.4g}, "
+                    f"grad_norm {record['grad_norm']:.4g}). Stopped without saving: the "
+                    "checkpoints already in output_dir are kept (--resume true continues from the last). "
+                    "Lower --lr, set --max_grad_norm, train in fp32 (--mixed_precision false), or skip such "
+                    "steps with --on_nonfinite skip."
+                )
+            outcome = "skipped" if record.get("skipped") else "not skipped: its gradient norm is finite"
+            get_logger().warning("step %d: NaN or infinite loss or gradient norm, %s", record["step"], outcome)
+
+
+def step_record(step: int, lr: float, row: list[float], seconds: float) -> dict:
+    """A step's metrics.jsonl record from its all-ranks sums (grad_norm: the global norm before clipping).
+    A NaN/Inf loss or norm marks the record nonfinite (metrics.jsonl writes such values as null) and is
+    zeroed in `row`, so that the epoch's train_loss stays the token mean of the steps that trained."""
+    loss = row[LOSS_SUM] / max(row[TARGET_TOKENS], 1.0)
+    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": row[GRAD_NORM], "seconds": seconds}
+    if math.isfinite(loss) and math.isfinite(row[GRAD_NORM]):
+        return record
+    row[LOSS_SUM] = row[TARGET_TOKENS] = row[GRAD_NORM] = 0.0
+    return {**record, "nonfinite": True}

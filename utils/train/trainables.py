@@ -66,10 +66,13 @@ def build_trainables(
     Built after wrapping: the optimizer must hold FSDP's sharded parameters, not the original ones.
     `total_steps`: the run's optimizer steps (what linear and cosine schedules decay over).
     """
-    optimizer = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr)
-    scheduler = build_scheduler(optimizer, config, total_steps)
     # The sharded scaler agrees on inf/NaN across ranks, so every rank skips the same steps.
     scaler = ShardedGradScaler(device=device.type) if needs_grad_scaler(precision) else None
+    # --on_nonfinite skip needs the fused kernel, the one that honours a found-inf flag (utils/train/step.py);
+    # it rounds differently from the default for-each kernel in the last bit, so it is used only then.
+    fused = config.on_nonfinite == "skip" and scaler is None
+    optimizer = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr, fused=fused)
+    scheduler = build_scheduler(optimizer, config, total_steps)
     return Trainables(model, optimizer, scheduler, scaler, per_step_schedule=config.lr_scheduler != "step")
 
 

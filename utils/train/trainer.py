@@ -1,13 +1,13 @@
 """The training loop as one object: epochs of steps, validation, the LR schedule, metrics and checkpoints.
 
-    trainer = Trainer(trainables, loaders, checkpointer, train_config, info, memory_baseline)
+    trainer = Trainer(trainables, loaders, checkpointer, train_config, info, measures)
     trainer.resume(checkpoint)        # optional
     finished = trainer.train()        # False: stopped early on SIGTERM, after a checkpoint
 
 Each concern is one method: `_train_pass` (one pass over the loader), `_train_step`, `_end_pass_early`
-(periodic and SIGTERM checkpoints inside an epoch), `_validate`, `_finish_epoch` (record, best model,
-checkpoint); while training, `_advance_progress` is the one place where the progress a checkpoint records
-changes (`resume` sets it from a checkpoint before training starts).
+(periodic evaluation, periodic and SIGTERM checkpoints inside an epoch), `_validate`, `_finish_epoch`
+(record, best model, checkpoint); while training, `_advance_progress` is the one place where the progress
+a checkpoint records changes (`resume` sets it from a checkpoint before training starts).
 """
 
 import dataclasses
@@ -24,14 +24,17 @@ from utils.data.loaders import Loaders
 from utils.distributed.process_group import DistInfo, any_rank
 from utils.eval.evaluator import Evaluator
 from utils.eval.generation import GenerationSettings
+from utils.observe.flops import Throughput
 from utils.observe.log import get_logger
 from utils.observe.memory import MemoryBaseline, gather_peaks, memory_records, reset_peak_memory
 from utils.observe.metrics import MetricsWriter, open_metrics
 from utils.train.preemption import StopRequest
 from utils.train.progress import TrainProgress
 from utils.train.step import (
+    HARDWARE_FLOPS,
     INPUT_TOKENS,
     LOSS_SUM,
+    MODEL_FLOPS,
     SAMPLES,
     TARGET_TOKENS,
     StepSettings,
@@ -41,6 +44,15 @@ from utils.train.step import (
 )
 from utils.train.step_log import StepLog
 from utils.train.trainables import Trainables
+
+
+@dataclass(frozen=True)
+class Measures:
+    """What the run's figures are measured against: the memory before the model (the memory account) and
+    the FLOP counting and peak (model/hardware TFLOP/s and MFU in step and epoch records)."""
+
+    memory_baseline: MemoryBaseline
+    throughput: Throughput
 
 
 @dataclass
@@ -76,17 +88,23 @@ class Trainer:
         checkpointer: Checkpointer,
         config: TrainConfig,
         info: DistInfo,
-        memory_baseline: MemoryBaseline,
+        measures: Measures,
     ):
         self.trainables = trainables
         self.loaders = loaders
         self.checkpointer = checkpointer
         self.config = config
         self.info = info
-        self.memory_baseline = memory_baseline
+        self.measures = measures
         self.progress = TrainProgress()
         self.last_epoch = 0  # the epoch trained last in this run
-        self.step_settings = StepSettings(config.max_grad_norm, sync_each_micro_batch=config.accumulate_grad_sync)
+        self.step_settings = StepSettings(
+            config.max_grad_norm,
+            sync_each_micro_batch=config.accumulate_grad_sync,
+            skip_nonfinite=config.on_nonfinite == "skip",
+            flops=measures.throughput.flops,
+            recompute=measures.throughput.recompute,
+        )
         self.resumed = False
         self.evaluator = None
         if loaders.evaluation is not None:
@@ -152,6 +170,9 @@ class Trainer:
             lambda records, epoch=progress.epoch: self._write_steps(epoch, records),
             lambda: self.stop.requested,
             totals=progress.epoch_totals,
+            # fp16's scaler skips non-finite steps by design (they calibrate its scale): never a reason to stop.
+            stop_on_nonfinite=self.config.on_nonfinite == "stop" and self.trainables.scaler is None,
+            throughput=self.measures.throughput,
         )
         return EpochPass(
             epoch=progress.epoch,
@@ -191,7 +212,7 @@ class Trainer:
         if self.trainables.per_step_schedule:
             self.trainables.scheduler.step()
         if self.memory_account_due:  # AdamW's state exists from the first step on
-            for record in memory_records(model, optimizer, self.info.device, self.memory_baseline):
+            for record in memory_records(model, optimizer, self.info.device, self.measures.memory_baseline):
                 self.metrics.write(record)
             self.memory_account_due = False
 
@@ -205,14 +226,26 @@ class Trainer:
             return True
         every = self.config.eval_every_n_steps
         if every and pass_.step % every == 0:
-            self._evaluate(pass_.epoch, pass_.step)
-            self.trainables.model.train()
+            self._evaluate_midway(pass_)
         if self.checkpointer.due(pass_.step, pass_.step_log.stop_requested):
             pass_.step_log.flush()  # collective; afterwards metrics.jsonl holds every step the checkpoint holds
             self._advance_progress(pass_)
             self.checkpointer.save(self.progress)
         pass_.stopped = pass_.step_log.stop_requested
         return pass_.stopped
+
+    def _evaluate_midway(self, pass_: EpochPass) -> None:
+        """--eval_every_n_steps: the validation loss (a validation record) and ROUGE (an eval record) inside
+        an epoch. Collective; flushes the step log first, so a NaN step stops the run before it is evaluated."""
+        pass_.step_log.flush()
+        val_loss = self._validate(pass_.epoch)
+        if val_loss is not None:
+            get_logger().info("step %d: val_loss %.4f", pass_.step, val_loss)
+            self.metrics.write(
+                {"type": "validation", "epoch": pass_.epoch, "step": pass_.step, "val_loss": val_loss}
+            )
+        self._evaluate(pass_.epoch, pass_.step)
+        self.trainables.model.train()
 
     def _done_early(self) -> bool:
         """--max_steps reached, or --early_stopping_patience epochs without a new best (from the best epoch
@@ -288,6 +321,7 @@ class Trainer:
     ) -> dict:
         """metrics.jsonl's epoch record: losses are token means over all ranks, rates over training time."""
         totals = pass_.step_log.totals
+        flops = float(totals[MODEL_FLOPS]), float(totals[HARDWARE_FLOPS])
         return {
             "type": "epoch",
             "epoch": pass_.epoch,
@@ -296,6 +330,7 @@ class Trainer:
             "epoch_seconds": epoch_seconds,
             "samples_per_s": int(totals[SAMPLES]) / pass_.seconds,
             "tokens_per_s": int(totals[INPUT_TOKENS]) / pass_.seconds,
+            **self.measures.throughput.rates(*flops, pass_.seconds),
             "peak_memory_bytes": peaks,
         }
 
@@ -334,10 +369,12 @@ class Trainer:
 
 
 def _show_latest(bar: tqdm, step_log: StepLog) -> None:
-    """The newest flushed window's loss and all ranks' tokens per second, beside the bar (rank 0)."""
+    """The newest flushed window's loss, all ranks' tokens per second and MFU, beside the bar (rank 0)."""
     if step_log.latest_loss is not None:
-        loss, tokens_per_s = step_log.latest_loss, step_log.latest_tokens_per_s
-        bar.set_postfix(loss=f"{loss:.3f}", tokens_per_s=f"{tokens_per_s:.0f}", refresh=False)
+        shown = {"loss": f"{step_log.latest_loss:.3f}", "tokens_per_s": f"{step_log.latest_tokens_per_s:.0f}"}
+        if step_log.latest_mfu is not None:
+            shown["mfu"] = f"{step_log.latest_mfu:.1%}"
+        bar.set_postfix(shown, refresh=False)
 
 
 def is_better(metric_name: str, value: float, best: float | None) -> bool:

@@ -1,0 +1,83 @@
+"""utils/observe/flops.py: T5's training FLOPs against a hand count and against torch's own FLOP counter on the
+real model, and the peak table."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import T5Config, T5ForConditionalGeneration
+
+from utils.observe.flops import T5Flops, gpu_peak_flops
+from utils.paths import EMBEDDED_MODEL_DIR
+from utils.train.step import forward_token_losses
+
+GATED = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False}  # the v1.1 / flan-t5 shape
+
+
+def embedded_config(**overrides) -> T5Config:
+    """The embedded model's config with `overrides` applied through the constructor (from_pretrained's
+    keyword arguments would skip what __init__ derives from them, such as is_gated_act)."""
+    base = T5Config.from_pretrained(EMBEDDED_MODEL_DIR).to_dict()
+    derived = ("is_gated_act", "dense_act_fn")  # from feed_forward_proj
+    kept = {key: value for key, value in base.items() if key not in derived}
+    return T5Config(**{**kept, **overrides})
+
+
+def test_hand_count_of_a_tiny_config():
+    config = T5Config(d_model=4, d_kv=2, num_heads=2, d_ff=8, num_layers=1, num_decoder_layers=1, vocab_size=10)
+    flops = T5Flops.from_config(config)
+    # Encoder block: q, k, v, o (4 x 4x4) + wi, wo (2 x 4x8) = 128; decoder adds cross-attention: 192, of
+    # which cross k and v (2 x 4x4 = 32) project the encoder's 3 tokens.
+    counts = (flops.encoder_weights, flops.decoder_weights, flops.cross_kv_weights, flops.head_weights)
+    assert counts == (128, 192, 32, 40)
+    batch = {"source_mask": torch.ones(1, 3), "target_mask": torch.ones(1, 2)}
+    # forward: 2 * ((128 + 32)*3 + (192 - 32 + 40)*2) = 1760 linear + 4 * 4 * (3*3 + 2*2 + 2*3) = 304 = 2064
+    model, hardware = flops.training(batch, recompute=False)
+    assert (model.item(), hardware.item()) == (6192, 6192)
+    # recompute: one more forward of the blocks, without the head (2 * 40 * 2 = 160)
+    assert flops.training(batch, recompute=True)[1].item() == 6192 + 2064 - 160
+
+
+@pytest.mark.parametrize("overrides", [{}, GATED], ids=["t5", "gated"])
+def test_counted_weights_are_the_linear_layers_of_the_blocks(overrides):
+    config = embedded_config(**overrides)
+    assert config.is_gated_act == bool(overrides)
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config)
+    flops = T5Flops.from_config(config)
+
+    def linear_weights(stack):
+        return sum(m.weight.numel() for m in stack.block.modules() if isinstance(m, torch.nn.Linear))
+
+    assert flops.encoder_weights == linear_weights(model.encoder)
+    assert flops.decoder_weights == linear_weights(model.decoder)
+    assert flops.head_weights == model.lm_head.weight.numel()
+
+
+@pytest.mark.parametrize("overrides", [{}, GATED], ids=["t5", "gated"])
+def test_training_flops_equal_torchs_flop_counter_on_the_real_model(overrides):
+    """Forward and backward of the real model under torch.utils.flop_counter (every matmul it runs), on a
+    batch without padding, where real and computed tokens are the same: the count is exact."""
+    config = embedded_config(dropout_rate=0.0, attn_implementation="eager", **overrides)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config)
+    batch = {
+        "source_ids": torch.randint(2, 1000, (3, 17)),
+        "source_mask": torch.ones(3, 17, dtype=torch.long),
+        "target_ids": torch.randint(2, 1000, (3, 6)),
+        "target_mask": torch.ones(3, 6, dtype=torch.long),
+    }
+    counter = FlopCounterMode(display=False)
+    with counter:
+        token_losses, _ = forward_token_losses(model, batch)
+        token_losses.sum().backward()
+    model_flops, _ = T5Flops.from_config(config).training(batch, recompute=False)
+    assert counter.get_total_flops() == model_flops.item()
+
+
+def test_peak_table_matches_device_names_most_specific_first():
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756.5e12
+    assert gpu_peak_flops("NVIDIA H200", torch.float32) == pytest.approx(66.9e12)
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
+    assert gpu_peak_flops("Tesla V100-SXM2-16GB", torch.bfloat16) is None  # no bf16 on Volta
+    assert gpu_peak_flops("Some Future GPU", torch.bfloat16) is None

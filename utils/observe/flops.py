@@ -1,0 +1,149 @@
+"""Training FLOPs of T5 from real token counts, and the peak FLOP/s that MFU divides by.
+
+Model FLOPs of one forward pass of one sequence with S_enc source and S_dec target tokens (matmuls only;
+norms, softmax and the loss are a rounding error):
+
+    2 * ((N_enc + N_kv) * S_enc + (N_dec - N_kv + V * d_model) * S_dec)      the linear layers and the head
+  + 4 * d_attn * (L_enc * S_enc^2 + L_dec * (S_dec^2 + S_dec * S_enc))         scores (QK^T) and mixing (AV)
+
+N_enc and N_dec are the weights of the Linear layers of each stack's blocks (self-attention q, k, v, o;
+the decoder's cross-attention too; the feed-forward wi (two of them when gated, as in v1.1/flan-t5) and wo),
+so embeddings and the relative position bias, which are lookups, are not counted; d_attn = num_heads * d_kv.
+N_kv = L_dec * 2 * d_model * d_attn are the decoder's cross-attention k and v, which project the encoder's
+output: they run over S_enc tokens, not S_dec (the "6 * N_dec * S_dec" of the usual formula misses this,
+by 6% of the step at the embedded model's shape).
+The backward pass computes two matmuls for each forward one (the input's and the weight's gradient), so a
+training step is 3x the forward. Activation checkpointing recomputes each block's forward in backward: that
+work is hardware FLOPs, not model FLOPs (the head runs once). tests/test_flops.py checks the count against
+torch.utils.flop_counter on the real model.
+
+This differs from the formulas found in the wild (HF Trainer's 6 * all parameters * encoder tokens, with
+padding; Megatron's, which has no decoder): they are 1.2-1.5x off for T5 at 512/150.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import T5Config
+
+
+@dataclass(frozen=True)
+class T5Flops:
+    encoder_weights: int  # N_enc: Linear weights of the encoder blocks
+    decoder_weights: int  # N_dec: Linear weights of the decoder blocks
+    cross_kv_weights: int  # N_kv: the part of N_dec that projects the encoder's output (cross-attention k, v)
+    head_weights: int  # V * d_model
+    attention_width: int  # num_heads * d_kv
+    encoder_layers: int
+    decoder_layers: int
+
+    @classmethod
+    def from_config(cls, config: T5Config) -> "T5Flops":
+        d_model, width = config.d_model, config.num_heads * config.d_kv
+        feed_forward = d_model * config.d_ff * (3 if config.is_gated_act else 2)
+        return cls(
+            encoder_weights=config.num_layers * (4 * d_model * width + feed_forward),
+            decoder_weights=config.num_decoder_layers * (8 * d_model * width + feed_forward),
+            cross_kv_weights=config.num_decoder_layers * 2 * d_model * width,
+            head_weights=config.vocab_size * d_model,
+            attention_width=width,
+            encoder_layers=config.num_layers,
+            decoder_layers=config.num_decoder_layers,
+        )
+
+    def forward(self, source_lengths: torch.Tensor, target_lengths: torch.Tensor, head: bool = True):
+        """Forward FLOPs of a batch, summed over its sequences (lengths: real tokens per row, float64)."""
+        src, tgt = source_lengths, target_lengths
+        head_weights = self.head_weights if head else 0
+        on_source = self.encoder_weights + self.cross_kv_weights
+        linear = 2 * (on_source * src + (self.decoder_weights - self.cross_kv_weights + head_weights) * tgt)
+        scores = self.encoder_layers * src * src + self.decoder_layers * (tgt * tgt + tgt * src)
+        return (linear + 4 * self.attention_width * scores).sum()
+
+    def training(self, batch: dict, recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(model, hardware) FLOPs of one forward+backward of `batch`, on its device, without a host sync."""
+        src = batch["source_mask"].sum(dim=1).to(torch.float64)
+        tgt = batch["target_mask"].sum(dim=1).to(torch.float64)
+        model = 3 * self.forward(src, tgt)
+        hardware = model + self.forward(src, tgt, head=False) if recompute else model
+        return model, hardware
+
+
+# Dense (no sparsity) peak TFLOP/s per GPU by compute dtype, from the vendors' data sheets (SXM parts;
+# fp32 without TF32, which torch leaves off for matmuls by default). The first name contained in
+# torch.cuda.get_device_name() wins, so the more specific names come first.
+GPU_PEAK_TFLOPS = {
+    "H200": {torch.bfloat16: 989.4, torch.float16: 989.4, torch.float32: 66.9},
+    "H100 PCIe": {torch.bfloat16: 756.5, torch.float16: 756.5, torch.float32: 51.2},
+    "H100": {torch.bfloat16: 989.4, torch.float16: 989.4, torch.float32: 66.9},
+    "A100": {torch.bfloat16: 312.0, torch.float16: 312.0, torch.float32: 19.5},
+    "L40S": {torch.bfloat16: 362.1, torch.float16: 362.1, torch.float32: 91.6},
+    "L4": {torch.bfloat16: 121.0, torch.float16: 121.0, torch.float32: 30.3},
+    "V100": {torch.float16: 125.0, torch.float32: 15.7},
+}
+
+
+def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    """The table's peak FLOP/s for this GPU and dtype; None for a GPU or dtype it does not know."""
+    for name, peaks in GPU_PEAK_TFLOPS.items():
+        if name in device_name:
+            peak = peaks.get(dtype)
+            return None if peak is None else peak * 1e12
+    return None
+
+
+def cpu_gemm_flops(dtype: torch.dtype, size: int = 512, repeats: int = 5) -> float:
+    """Measured FLOP/s of a square matmul in `dtype` with this process's threads: the best of `repeats`
+    after a warm-up. A CPU has no data-sheet peak that torch reaches, so this probe stands in for one."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b  # warm-up: thread pool, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """How a step's FLOPs are counted (`flops`, `recompute`: activation checkpointing) and rated: per
+    device over `world_size` ranks, and as MFU against `peak_flops` per device (None: no MFU), which comes
+    from `peak_source`."""
+
+    flops: T5Flops
+    recompute: bool
+    world_size: int
+    peak_flops: float | None
+    peak_source: str = ""
+
+    def rates(self, model_flops: float, hardware_flops: float, seconds: float) -> dict:
+        """Record fields for FLOPs summed over all ranks in `seconds` of wall time."""
+        device_seconds = max(seconds, 1e-9) * self.world_size
+        rates = {
+            "model_tflops_per_s": model_flops / device_seconds / 1e12,
+            "hardware_tflops_per_s": hardware_flops / device_seconds / 1e12,
+        }
+        if self.peak_flops:
+            rates["mfu"] = model_flops / device_seconds / self.peak_flops
+        return rates
+
+
+def device_peak_flops(
+    device: torch.device, dtype: torch.dtype, override_tflops: float
+) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device in `dtype`, where it comes from). Collective on CPU: every rank probes at
+    once, as they train at once, and the mean is used."""
+    if override_tflops:
+        return override_tflops * 1e12, "--peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_flops(name, dtype)
+        return peak, (f"data sheet of {name}" if peak else f"{name} is not in the peak table: give --peak_tflops")
+    probe = torch.tensor(cpu_gemm_flops(dtype), dtype=torch.float64)
+    torch.distributed.all_reduce(probe)
+    threads = torch.get_num_threads()
+    mean = probe.item() / torch.distributed.get_world_size()
+    return mean, f"a {str(dtype).removeprefix('torch.')} GEMM measured on {threads} thread(s) per rank"
