@@ -184,6 +184,14 @@ class TrainConfig:
             "memory). false: pad each batch to its longest sample (much faster on short texts)."
         ),
     )
+    group_by_length: bool = option(
+        default=False,
+        help=(
+            "Order each epoch so that a step's batches hold articles of similar length (shuffled, then sorted "
+            "by length within groups of 50 steps): less padding with pad_to_max_length false. The order "
+            "stays a function of seed and epoch, the same on every rank and exactly resumable."
+        ),
+    )
     num_workers_dataloader: int = option(
         default=0,
         help=(

@@ -533,3 +533,27 @@ def test_a_csv_cut_inside_a_quoted_field_is_reported_as_truncated(tmp_path, log_
     cut = FIXTURE_CSV + 'Cut.,How to Cut,"This article was cut off in the mid'
     load_wikihow(write_data(tmp_path / "cut", cut), "train")
     assert [w for w in _warnings(log_records) if "looks truncated" in w and "wikihowAll.csv" in w]
+
+
+def test_each_item_is_tokenized_once_per_run(tokenizer, data_dir):
+    """Later epochs index the kept token ids: two passes call the tokenizer once per text, and give the
+    same items (padded or not) as the first."""
+    calls = []
+
+    class CountingTokenizer:
+        pad_token_id = tokenizer.pad_token_id
+
+        def __call__(self, text, **kwargs):
+            calls.append(text)
+            return tokenizer(text, **kwargs)
+
+    for pad in (True, False):
+        calls.clear()
+        options = WikihowOptions(data_dir=data_dir, pad_to_max_length=pad)
+        dataset = wikihow(CountingTokenizer(), "train", None, 16, 8, options)
+        first = [dataset[i] for i in range(len(dataset))]
+        second = [dataset[i] for i in range(len(dataset))]
+        assert len(calls) == 2 * len(dataset)  # a source and a target per sample, in the first pass only
+        for a, b in zip(first, second, strict=True):
+            assert all(torch.equal(a[key], b[key]) for key in a)
+        assert all(item["source_ids"].shape == ((16,) if pad else item["source_mask"].shape) for item in first)

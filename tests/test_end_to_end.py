@@ -33,7 +33,8 @@ NUM_EVAL = 12  # articles ROUGE scores after each epoch
 STEPS_PER_EPOCH = math.ceil(math.ceil(NUM_TRAIN / NPROC) / TrainConfig().batch_size_training)
 TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 24
 
-STEP_KEYS = {"type", "epoch", "step", "loss", "lr", "grad_norm", "seconds"}
+FLOP_KEYS = {"model_tflops_per_s", "hardware_tflops_per_s", "mfu"}  # mfu: where a peak is known (CPU: probed)
+STEP_KEYS = {"type", "epoch", "step", "loss", "lr", "grad_norm", "seconds", *FLOP_KEYS}
 EPOCH_KEYS = {
     "type",
     "epoch",
@@ -42,6 +43,7 @@ EPOCH_KEYS = {
     "epoch_seconds",
     "samples_per_s",
     "tokens_per_s",
+    *FLOP_KEYS,
     "peak_memory_bytes",
 }
 CUDA_ONLY_EPOCH_KEYS = {"peak_memory_reserved_bytes"}
@@ -303,7 +305,9 @@ def test_console_has_no_library_noise_and_the_bar_shows_loss_and_throughput(fini
     assert not warnings, warnings
     # transformers' weight-loading bar: rank 0's only (it used to come once per rank).
     assert run.output.count("Loading weights: 100%") <= 1, run.describe()
-    assert re.search(r"Training epoch 2: 100%.*loss=\d+\.\d{3}, tokens_per_s=\d+", run.stderr), run.stderr[-2000:]
+    assert re.search(r"Training epoch 2: 100%.*loss=\d+\.\d{3}, tokens_per_s=\d+, mfu=\d+\.\d%", run.stderr), (
+        run.stderr[-2000:]
+    )
 
 
 # ------------------------------------------------------------------------------------------ bad inputs

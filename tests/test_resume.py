@@ -294,14 +294,14 @@ def test_kill_and_resume_equals_uninterrupted(checkpoint_type, request, referenc
 
 
 RECIPE = ("--lr_scheduler", "cosine", "--warmup_steps", "5", "--gradient_accumulation_steps", "2",
-          "--max_grad_norm", "1.0")  # fmt: skip
+          "--max_grad_norm", "1.0", "--group_by_length", "true")  # fmt: skip
 
 
 def step_lrs(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in read_records(output_dir) if r["type"] == "step"}
 
 
-def test_kill_and_resume_with_accumulation_clipping_and_a_cosine_schedule(tmp_path_factory):
+def test_kill_and_resume_with_accumulation_clipping_a_cosine_schedule_and_length_grouping(tmp_path_factory):
     reference = tmp_path_factory.mktemp("recipe_reference") / "out"
     run = torchrun([*SMALL_RUN, *RECIPE, "--checkpoint_type", SHARDED, "--output_dir", str(reference)])
     assert run.returncode == 0, run.describe()

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from configs.training import TrainConfig
 from summarization_dataset import WikihowOptions, pad_collate, wikihow
-from utils.data.samplers import PaddedEvalSampler, ResumableDistributedSampler, train_sampler_for
+from utils.data.samplers import LengthGrouping, PaddedEvalSampler, ResumableDistributedSampler, train_sampler_for
 from utils.distributed.process_group import DistInfo
 from utils.errors import DataError
 from utils.observe.log import get_logger
@@ -77,7 +77,11 @@ def build_loader(
 def build_loaders(tokenizer, config: TrainConfig, info: DistInfo) -> Loaders:
     """This rank's training loader (shuffled, resumable) and validation loader (in order, padded)."""
     train_set = build_dataset(tokenizer, "train", config.num_train_samples, config, info.world_size)
-    train_sampler = train_sampler_for(train_set, info.rank, info.world_size, config.seed)
+    grouping = None
+    if config.group_by_length:
+        lengths = [len(article) for article in train_set.dataset["text"].tolist()]
+        grouping = LengthGrouping(lengths, config.batch_size_training * info.world_size)
+    train_sampler = train_sampler_for(train_set, info.rank, info.world_size, config.seed, grouping)
     loader_args = dict(
         pad_token_id=tokenizer.pad_token_id, num_workers=config.num_workers_dataloader, device=info.device
     )
