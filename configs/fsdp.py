@@ -73,6 +73,14 @@ class FSDPConfig:
             "much less activation memory for about 30% more compute."
         ),
     )
+    compile: bool = option(
+        default=False,
+        help=(
+            "torch.compile each T5Block before sharding (inductor: a C++ compiler on CPU, Triton on GPU). "
+            "The first steps take minutes to compile. FSDP1 needs --use_orig_params true. Off by default "
+            "(README: Throughput)."
+        ),
+    )
     limit_all_gathers: bool = option(
         default=True,
         help=(

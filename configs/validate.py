@@ -28,6 +28,7 @@ def check_settings(train_config: TrainConfig, fsdp_config: FSDPConfig, world_siz
     check_evaluation(train_config)
     check_schedule(train_config)
     check_decay_groups(train_config, fsdp_config)
+    check_compile(fsdp_config)
 
 
 def check_precision(fsdp_config: FSDPConfig, device_type: str) -> None:
@@ -173,4 +174,13 @@ def check_decay_groups(train_config: TrainConfig, fsdp_config: FSDPConfig) -> No
             f"--weight_decay {train_config.weight_decay:g} decays the matrices but not the layer norms, which "
             "FSDP1 can do only with --use_orig_params true (a little more gradient memory); add it, or use "
             "--fsdp_version 2"
+        )
+
+
+def check_compile(fsdp_config: FSDPConfig) -> None:
+    """FSDP1 flattens parameters, which torch.compile cannot trace through, unless it keeps the originals."""
+    if fsdp_config.compile and fsdp_config.fsdp_version == 1 and not fsdp_config.use_orig_params:
+        raise ConfigError(
+            "--compile true with FSDP1 needs --use_orig_params true (compiled blocks must see their own "
+            "parameters, not FSDP1's flat ones); add it, or use --fsdp_version 2"
         )

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.make_random_t5 import SHAPES, make  # noqa: E402
+from summarization_dataset import load_wikihow  # noqa: E402
 from utils.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT  # noqa: E402
 
 SUITES = {
@@ -62,6 +63,22 @@ SUITES = {
         "this package, FSDP2, defaults": ["--fsdp_version", "2"],
         "this package, FSDP1, tutorial settings": ["--fsdp_version", "1", "--pad_to_max_length", "true"],
     },
+    # One GPU (run with --nproc 1): precision, backends, checkpointing and attention kernels, and the
+    # unwrapped model (PEERS_OF_SUITE); CI runs it at tiny scale on CPU, where the GPU_ONLY cases are skipped.
+    "gpu": {
+        "bf16, FSDP1": ["--mixed_precision", "true"],
+        "bf16, FSDP2": ["--mixed_precision", "true", "--fsdp_version", "2"],
+        "bf16, FSDP1, no activation checkpointing": [
+            "--mixed_precision",
+            "true",
+            "--fsdp_activation_checkpointing",
+            "false",
+        ],
+        "bf16, FSDP1, eager attention": ["--mixed_precision", "true", "--attn_implementation", "eager"],
+        "fp32, FSDP1": ["--mixed_precision", "false"],
+        "fp16 + scaler, FSDP1": ["--mixed_precision", "true", "--use_fp16", "true"],
+        "bf16, FSDP1, CPU offload": ["--mixed_precision", "true", "--fsdp_cpu_offload", "true"],
+    },
     "strategies": {
         "FULL_SHARD": ["--sharding_strategy", "FULL_SHARD"],
         "SHARD_GRAD_OP": ["--sharding_strategy", "SHARD_GRAD_OP"],
@@ -70,23 +87,27 @@ SUITES = {
 }
 
 
-PEERS = {
-    "bare torch FSDP1 loop, same wrap": "fsdp",
-    "bare DDP": "ddp",
-    "HF Seq2SeqTrainer (DDP)": "hf_trainer",
+GPU_ONLY = {"--use_fp16", "--fsdp_cpu_offload"}  # refused on a CPU group
+PEERS_OF_SUITE = {
+    "peers": {
+        "bare torch FSDP1 loop, same wrap": ["--framework", "fsdp"],
+        "bare DDP": ["--framework", "ddp"],
+        "HF Seq2SeqTrainer (DDP)": ["--framework", "hf_trainer"],
+    },
+    "gpu": {"unwrapped model, bf16 autocast": ["--framework", "plain", "--precision", "bf16"]},
 }
 
 
-def run_peer(model_dir: str, framework: str, args, work: Path) -> dict:
+def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
     """One scripts/peers.py run: step time and peak memory per rank."""
     out = work / f"peer{len(list(work.iterdir()))}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--standalone",
-               str(REPO_ROOT / "scripts" / "peers.py"), "--framework", framework, "--model_name", model_dir,
+               str(REPO_ROOT / "scripts" / "peers.py"), *peer_args, "--model_name", model_dir,
                "--steps", str(args.steps), "--source_length", str(args.max_source_length),
                "--target_length", str(args.max_target_length), "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"peer failed: {framework}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise SystemExit(f"peer failed: {' '.join(peer_args)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     result = json.loads(out.read_text())
     return {"step_seconds": result["step_seconds"], "peak_memory_bytes": result["peak_memory_bytes"]}
 
@@ -184,18 +205,18 @@ def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, commo
 
 
 def wikihow_length_sample(
-    folder: Path, means: tuple[int, int] = (500, 46), rows: int = 1600, seed: int = 0
+    folder: Path, means: tuple[int, int], sigma: float = 0.6, rows: int = 1600, seed: int = 0
 ) -> str:
     """A data folder in WikiHow's format whose article and summary lengths have the given mean word counts
-    (default: WikiHow's published means, articles about 500 words, summaries about 46), made from the
-    embedded sample's sentences.
+    (WikiHow's published means: articles about 500 words, summaries about 46), made from the embedded
+    sample's sentences.
 
-    Lengths are log-normal with those means (sigma 0.6), scaled by 1.3 / 2.0: t5's tokenizer makes about
-    1.3 tokens of a word, the embedded tokenizer about 2, so token counts, which set the cost, match
-    WikiHow's under t5. No published lists: the reader splits by title hash.
+    Lengths are log-normal with those means (`sigma`; 0: every text that long), scaled by 1.3 / 2.0: t5's
+    tokenizer makes about 1.3 tokens of a word, the embedded tokenizer about 2, so token counts, which set
+    the cost, match WikiHow's under t5. No published lists: the reader splits by title hash.
     """
-    frame = pd.read_csv(EMBEDDED_DATA_DIR / "wikihowAll.csv")
-    texts, headlines = frame["text"].dropna().tolist(), frame["headline"].dropna().tolist()
+    frame = load_wikihow(EMBEDDED_DATA_DIR, "train")  # the package's reader: the file has malformed rows
+    texts, headlines = frame["text"].tolist(), frame["headline"].tolist()
     rng = random.Random(seed)
 
     def grown(pieces: list[str], words: int, separator: str) -> str:
@@ -208,7 +229,7 @@ def wikihow_length_sample(
 
     def words(mean_words: float) -> float:
         # A log-normal's mean is exp(mu + sigma^2 / 2); t5 / embedded tokens per word: 1.3 / 2.0.
-        return rng.lognormvariate(math.log(mean_words * 1.3 / 2.0) - 0.6**2 / 2, 0.6)
+        return rng.lognormvariate(math.log(mean_words * 1.3 / 2.0) - sigma**2 / 2, sigma)
 
     sample = pd.DataFrame(
         {
@@ -252,23 +273,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="backends")
     parser.add_argument("--models", nargs="+", default=["embedded"], choices=["embedded", *sorted(SHAPES)])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: 1 for the gpu suite, else 2)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per case")
     parser.add_argument("--max_source_length", type=int, default=128)
     parser.add_argument("--max_target_length", type=int, default=32)
     parser.add_argument(
         "--data",
         choices=["embedded", "wikihow_lengths", "full_lengths"],
-        default="embedded",
+        default=None,
         help=(
             "embedded: the embedded sample; wikihow_lengths: a sample with WikiHow's article and summary "
             "lengths; full_lengths: every article and summary longer than the max lengths (fixed shapes, as "
-            "the peers suite's random batches)"
+            "the peers suite's random batches). Default: full_lengths for the peers and gpu suites (their rates "
+            "count every position as a token), else embedded"
         ),
     )
     parser.add_argument("--mixed_precision", choices=["true", "false"], default="false")
     parser.add_argument("--out", default="bench", help="folder for results.json and results.md")
     args = parser.parse_args()
+    args.nproc = args.nproc or (1 if args.suite == "gpu" else 2)
+    args.data = args.data or ("full_lengths" if args.suite in PEERS_OF_SUITE else "embedded")
+    if args.suite in PEERS_OF_SUITE and args.data != "full_lengths":
+        parser.error(f"--suite {args.suite} rates fixed shapes: it needs --data full_lengths")
+    if args.suite == "gpu" and args.nproc != 1:
+        parser.error("--suite gpu measures one device: --nproc 1")
     common = [
         "--max_source_length",
         str(args.max_source_length),
@@ -281,10 +309,12 @@ def main() -> int:
         work = Path(tmp)
         (work / "runs").mkdir()
         if args.data != "embedded":
-            means = (500, 46) if args.data == "wikihow_lengths" else (4000, 1000)
-            common += ["--data_dir", wikihow_length_sample(work / "data", means)]
+            # full_lengths: about 400 and 100 tokens, past the max lengths the fixed-shape suites use
+            # (short enough that tokenizing them costs the same as tokenizing WikiHow's articles).
+            means, sigma = ((500, 46), 0.6) if args.data == "wikihow_lengths" else ((300, 80), 0.0)
+            common += ["--data_dir", wikihow_length_sample(work / "data", means, sigma)]
         results = [result for model in args.models for result in run_suite(model, args, common, work)]
-    table = peers_markdown(results) if args.suite == "peers" else markdown(results)
+    table = {"peers": peers_markdown, "gpu": gpu_markdown}.get(args.suite, markdown)(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=1))
@@ -294,21 +324,60 @@ def main() -> int:
 
 
 def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
-    """Every case of the suite for one model; for peers, then every peer, all rated alike."""
+    """Every case of the suite for one model (GPU-only ones only on a GPU), then its peers, all rated alike."""
     folder = model_folder(model, work)
     results = []
     for case, case_args in SUITES[args.suite].items():
+        if GPU_ONLY & set(case_args) and not torch.cuda.is_available():
+            print(f"{model} | {case} | skipped: needs a GPU", flush=True)
+            continue
         result = run_case(folder, case_args, args.nproc, args.steps, common, work / "runs")
-        results.append({"model": model, "case": case, **result})
+        results.append({"model": model, "case": case, **result, **planner_bytes(folder, case_args, args)})
         print(f"{model} | {case} | {result['step_seconds']:.3f} s/step", flush=True)
-    if args.suite == "peers":
-        for case, framework in PEERS.items():
-            results.append({"model": model, "case": case, **run_peer(folder, framework, args, work / "runs")})
-            print(f"{model} | {case} | {results[-1]['step_seconds']:.3f} s/step", flush=True)
+    for case, peer_args in PEERS_OF_SUITE.get(args.suite, {}).items():
+        results.append({"model": model, "case": case, **run_peer(folder, peer_args, args, work / "runs")})
+        print(f"{model} | {case} | {results[-1]['step_seconds']:.3f} s/step", flush=True)
+    if args.suite in PEERS_OF_SUITE:
         peak = results[0]["peak_tflops"]  # this package's probe (or table), the same for every row
         for result in results:
             result.update(fixed_shape_rates(result, folder, args, peak))
     return results
+
+
+def planner_bytes(model_dir: str, case_args: list[str], args) -> dict:
+    """scripts/estimate_memory.py's prediction of the case's peak per rank, for the gpu suite's table."""
+    from scripts.estimate_memory import estimate, load_shape
+
+    def flag(name: str, default: str) -> str:
+        return case_args[case_args.index(name) + 1] if name in case_args else default
+
+    precision = "fp32" if flag("--mixed_precision", args.mixed_precision) == "false" else "bf16"
+    predicted = estimate(
+        load_shape(model_dir),
+        nproc=args.nproc,
+        sharding_strategy="FULL_SHARD",
+        mixed_precision="fp16" if flag("--use_fp16", "false") == "true" else precision,
+        activation_checkpointing=flag("--fsdp_activation_checkpointing", "true") == "true",
+        batch_size=4,
+        max_source_length=args.max_source_length,
+        max_target_length=args.max_target_length,
+    )
+    return {"planner_bytes": predicted.total_bytes}
+
+
+def gpu_markdown(results: list[dict]) -> str:
+    lines = [
+        "| model | case | step time (s) | tokens/s | MFU | peak memory (MiB) | planner (MiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        planner = f"{r['planner_bytes'] / 2**20:.0f}" if "planner_bytes" in r else "-"
+        peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
+        lines.append(
+            f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} "
+            f"| {peaks} | {planner} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@
 
 Frameworks: `fsdp`, a bare torch FSDP1 loop with this package's wrap (each T5Block a unit, non-reentrant
 activation checkpointing of the blocks); `ddp`, bare DistributedDataParallel with the same checkpointing;
-`hf_trainer`, transformers' Seq2SeqTrainer (DDP under torchrun; it needs `accelerate`) with gradient
-checkpointing. Every one trains in fp32 with AdamW (lr 1e-3) on random token batches of a fixed shape (no
-padding: every position is a real token) and writes the median step time after `--warmup` steps and each
-rank's peak memory (RSS on CPU, CUDA peak allocated on GPU) to `--out` (rank 0).
+`plain`, the unwrapped model with the same checkpointing (FSDP's overhead at world size 1); `hf_trainer`,
+transformers' Seq2SeqTrainer (DDP under torchrun; it needs `accelerate`) with gradient checkpointing.
+Every one trains with AdamW (lr 1e-3) on random token batches of a fixed shape (no padding: every position
+is a real token), in fp32 or (`--precision bf16`, bare loops only) under bf16 autocast, and writes the
+median step time after `--warmup` steps and each rank's peak memory (RSS on CPU, CUDA peak allocated on
+GPU) to `--out` (rank 0).
 """
 
 import argparse
@@ -61,6 +63,7 @@ def synchronize(device: torch.device) -> None:
 def bare_loop(args, device: torch.device) -> list[float]:
     """Step seconds of a plain loop over the wrapped model."""
     model = T5ForConditionalGeneration.from_pretrained(args.model_name, use_cache=False).to(device)
+    model.train()  # from_pretrained returns eval mode: without this, dropout (most of a CPU step) would be off
     if args.framework == "fsdp":
         model = FSDP(
             model,
@@ -72,12 +75,15 @@ def bare_loop(args, device: torch.device) -> list[float]:
         apply_fsdp_checkpointing(model)
     else:
         apply_fsdp_checkpointing(model)
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if args.framework == "ddp":
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     seconds = []
     for batch in random_batches(args, args.steps, dist.get_rank()):
         start = time.perf_counter()
-        loss = model(**{key: value.to(device) for key, value in batch.items()}).loss
+        with autocast:
+            loss = model(**{key: value.to(device) for key, value in batch.items()}).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -132,7 +138,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--framework", choices=["fsdp", "ddp", "hf_trainer"], required=True)
+    parser.add_argument("--framework", choices=["fsdp", "ddp", "plain", "hf_trainer"], required=True)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--model_name", required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")

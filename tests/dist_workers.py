@@ -564,3 +564,27 @@ def nonfinite_worker(rank: int, world_size: int, steps: int = 4, bad_step: int =
             "stopped": _guarded_run(version, rank, world_size, every, bad_step, stop=True),
         }
     return out
+
+
+def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict:
+    """fp32 per-step losses and final weights with every T5Block compiled (torch.compile `backend`), for
+    FSDP1 (original parameters) and FSDP2; the unsharded, uncompiled reference on rank 0."""
+    import torch._dynamo
+
+    from utils.fsdp import wrap as wrap_module
+
+    def compile_with_backend(model):
+        for module in model.modules():
+            if isinstance(module, T5Block):
+                module.compile(backend=backend)
+
+    wrap_module.compile_blocks, original = compile_with_backend, wrap_module.compile_blocks
+    out = {"reference": reference_run(steps, world_size) if rank == 0 else None}
+    try:
+        for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
+            torch._dynamo.reset()
+            losses, state = fsdp_run(_fsdp_config({**overrides, "compile": True}), rank, world_size, steps)
+            out[version] = {"losses": losses, "state": state if rank == 0 else None}
+    finally:
+        wrap_module.compile_blocks = original
+    return out

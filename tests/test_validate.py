@@ -47,6 +47,7 @@ REFUSED = {
     ),
     "CPU offload on CPU": ({}, {"fsdp_cpu_offload": True}, 2, "cpu", "needs GPUs"),
     "flex attention on CPU": ({"attn_implementation": "flex_attention"}, {}, 2, "cpu", "no backward on CPU"),
+    "FSDP1 compile with flat parameters": ({}, {"compile": True}, 2, "cpu", "--use_orig_params true"),
     "FSDP1 sync_module_states on CPU": ({}, {"sync_module_states": True}, 2, "cpu", "--cpu_ram_efficient_loading"),
     "FSDP2 size_based wrap": ({}, {"fsdp_version": 2, "wrap_policy": "size_based"}, 2, "cuda", "size_based"),
     "FSDP2 BACKWARD_POST": (
@@ -133,6 +134,8 @@ ACCEPTED = {
     "bfSixteen_working by default": ({}, {"bf16_policy": "bfSixteen_working"}, 2, "cpu"),
     "CPU offload on GPU": ({}, {"fsdp_cpu_offload": True}, 2, "cuda"),
     "flex attention on GPU": ({"attn_implementation": "flex_attention"}, {}, 2, "cuda"),
+    "FSDP1 compile with original parameters": ({}, {"compile": True, "use_orig_params": True}, 2, "cpu"),
+    "FSDP2 compile": ({}, {"compile": True, "fsdp_version": 2}, 2, "cpu"),
     "FSDP1 sync_module_states on GPU": ({}, {"sync_module_states": True}, 2, "cuda"),
     "rank-0-only loading, FSDP1 on CPU": ({}, {"cpu_ram_efficient_loading": True}, 2, "cpu"),
     "FSDP2 defaults": ({}, {"fsdp_version": 2}, 2, "cpu"),
