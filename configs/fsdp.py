@@ -77,8 +77,9 @@ class FSDPConfig:
         default=False,
         help=(
             "torch.compile each T5Block before sharding (inductor: a C++ compiler on CPU, Triton on GPU). "
-            "The first steps take minutes to compile. FSDP1 needs --use_orig_params true. Off by default "
-            "(README: Throughput)."
+            "The first steps compile (seconds to minutes); dropout masks then come from inductor's own "
+            "generator. FSDP1 needs --use_orig_params true. Off by default: slower on CPU (README: "
+            "Throughput)."
         ),
     )
     limit_all_gathers: bool = option(

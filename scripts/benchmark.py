@@ -78,6 +78,7 @@ SUITES = {
         "fp32, FSDP1": ["--mixed_precision", "false"],
         "fp16 + scaler, FSDP1": ["--mixed_precision", "true", "--use_fp16", "true"],
         "bf16, FSDP1, CPU offload": ["--mixed_precision", "true", "--fsdp_cpu_offload", "true"],
+        "bf16, FSDP2, compiled blocks": ["--mixed_precision", "true", "--fsdp_version", "2", "--compile", "true"],
     },
     "strategies": {
         "FULL_SHARD": ["--sharding_strategy", "FULL_SHARD"],
@@ -87,7 +88,8 @@ SUITES = {
 }
 
 
-GPU_ONLY = {"--use_fp16", "--fsdp_cpu_offload"}  # refused on a CPU group
+# Run on a GPU only: refused on a CPU group (fp16, offload), or minutes of C++ compilation there (compile).
+GPU_ONLY = {"--use_fp16", "--fsdp_cpu_offload", "--compile"}
 PEERS_OF_SUITE = {
     "peers": {
         "bare torch FSDP1 loop, same wrap": ["--framework", "fsdp"],
