@@ -4,7 +4,8 @@
         --mixed_precision bf16 --activation_checkpointing true --batch_size 4 \\
         --max_source_length 512 --max_target_length 150
 
---model is a published shape (t5-small, t5-base, t5-large, t5-3b) or a local folder with a config.json.
+--model is a published shape (t5-small, t5-base, t5-large, t5-3b, t5-11b; t5-v1_1-* and flan-t5-* small to
+xxl, gated GELU with an untied head) or a local folder with a config.json.
 
 What is predicted, per rank:
 - parameters: the fp32 shard FSDP keeps at rest: 4 bytes x P / S (S = ranks a parameter is sharded over;

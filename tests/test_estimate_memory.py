@@ -21,6 +21,24 @@ def test_parameter_count_from_the_config_equals_the_model():
     )
 
 
+@pytest.mark.parametrize("name", ["t5-small", "t5-11b", "t5-v1_1-xl", "flan-t5-base"])
+def test_parameter_count_of_published_shapes_equals_the_model(name):
+    """v1.0 (tied, ReLU, t5-11b included) and v1.1 / FLAN-T5 (gated GELU, untied head, as their checkpoints
+    load), built on meta."""
+    import torch
+    from transformers import T5Config
+
+    from scripts.make_random_t5 import SHAPES, untie_head
+
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(T5Config(vocab_size=32128, **SHAPES[name]))
+        if not SHAPES[name]["tie_word_embeddings"]:
+            untie_head(model)
+    real = sum(p.numel() for p in model.parameters())
+    planned = estimate(load_shape(name), nproc=8, sharding_strategy="FULL_SHARD", **SETTINGS).param_numel_total
+    assert planned == real, (name, planned, real)
+
+
 @pytest.mark.parametrize(
     "strategy, group, expected_degree", [("FULL_SHARD", 0, 8), ("NO_SHARD", 0, 1), ("HYBRID_SHARD", 4, 4)]
 )
