@@ -58,6 +58,7 @@ MEMORY_KEYS = {
     "optim_state_numel_local",
     "peak_rss_bytes",
     "cuda_peak_allocated_bytes",
+    "saved_activation_bytes",
 }
 
 FAIL_FAST_S = 60  # a user error must end every rank within this

@@ -101,8 +101,43 @@ def optim_state_numel_local(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+class SavedTensorCounter:
+    """Counts the bytes autograd keeps for backward while it is entered (a context manager): every tensor
+    a forward saves, once per storage, parameters and views of them (FSDP1's flat-parameter views
+    included) left out. It counts what is held, not what is computed, so a CPU run measures exactly what a
+    GPU would hold. Under non-reentrant activation checkpointing a block's own tensors are saved by the
+    checkpoint's hooks, which come first and keep nothing; what it keeps is the block's inputs, which it
+    saves outside them, where this counter sees them."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._seen: set[tuple[int, str]] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor if tensor._base is None else tensor._base
+        if not isinstance(base, nn.Parameter):
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), str(tensor.device))
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> "SavedTensorCounter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 def memory_records(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, baseline: MemoryBaseline
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    baseline: MemoryBaseline,
+    saved_activation_bytes: int,
 ) -> list[dict]:
     """One memory-account record per rank, in rank order (on every rank). Collective."""
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
@@ -112,6 +147,7 @@ def memory_records(
         optim_state_numel_local(optimizer),
         peak_rss_bytes(),
         cuda_peak,
+        saved_activation_bytes,
     ]
     return [
         {
@@ -123,6 +159,7 @@ def memory_records(
             "optim_state_numel_local": optim,
             "peak_rss_bytes": rss,
             "cuda_peak_allocated_bytes": None if cuda < 0 else cuda,
+            "saved_activation_bytes": saved,
         }
-        for rank, (load_delta, params, optim, rss, cuda) in enumerate(gather_ints(local, device))
+        for rank, (load_delta, params, optim, rss, cuda, saved) in enumerate(gather_ints(local, device))
     ]

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from summarization_dataset import labels_for_loss
 from utils.observe.flops import T5Flops
+from utils.observe.memory import SavedTensorCounter
 
 # Columns of the per-step statistics kept on the device until the next flush. GRAD_NORM holds the global
 # norm divided by the world size: the flush sums over ranks, and every rank has the same global norm.
@@ -54,6 +55,7 @@ class StepSettings:
     skip_nonfinite: bool = False  # skip the update when the global gradient norm is NaN/Inf (fused AdamW)
     flops: T5Flops | None = None  # counts each batch's training FLOPs (None: zeros)
     recompute: bool = False  # activation checkpointing: hardware FLOPs include the blocks' second forward
+    saved_counter: SavedTensorCounter | None = None  # counts what the first micro-batch saves for backward
 
 
 def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict, settings: StepSettings):
@@ -96,7 +98,8 @@ def train_step(
     stats = []
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
-        with gradient_sync(model, last or settings.sync_each_micro_batch):
+        counting = settings.saved_counter if index == 0 and settings.saved_counter else contextlib.nullcontext()
+        with gradient_sync(model, last or settings.sync_each_micro_batch), counting:
             token_losses, labels = forward_token_losses(model, batch)
             loss = token_losses.sum() * world_size / global_tokens.clamp(min=1)
             (scaler.scale(loss) if scaler is not None else loss).backward()

@@ -26,7 +26,13 @@ from utils.eval.evaluator import Evaluator
 from utils.eval.generation import GenerationSettings
 from utils.observe.flops import Throughput
 from utils.observe.log import get_logger
-from utils.observe.memory import MemoryBaseline, gather_peaks, memory_records, reset_peak_memory
+from utils.observe.memory import (
+    MemoryBaseline,
+    SavedTensorCounter,
+    gather_peaks,
+    memory_records,
+    reset_peak_memory,
+)
 from utils.observe.metrics import MetricsWriter, open_metrics
 from utils.train.preemption import StopRequest
 from utils.train.progress import TrainProgress
@@ -206,13 +212,16 @@ class Trainer:
         model, optimizer, scaler = self.trainables.model, self.trainables.optimizer, self.trainables.scaler
         pass_.step += 1
         batches = [move_batch(batch, self.info.device) for batch in micro_batches]
-        stats = train_step(model, batches, optimizer, scaler, self.info.world_size, self.step_settings)
+        counter = SavedTensorCounter() if self.memory_account_due else None
+        settings = dataclasses.replace(self.step_settings, saved_counter=counter)
+        stats = train_step(model, batches, optimizer, scaler, self.info.world_size, settings)
         pass_.step_log.add(pass_.step, optimizer.param_groups[0]["lr"], stats)
         pass_.batches_done += len(micro_batches)
         if self.trainables.per_step_schedule:
             self.trainables.scheduler.step()
         if self.memory_account_due:  # AdamW's state exists from the first step on
-            for record in memory_records(model, optimizer, self.info.device, self.measures.memory_baseline):
+            baseline = self.measures.memory_baseline
+            for record in memory_records(model, optimizer, self.info.device, baseline, counter.bytes):
                 self.metrics.write(record)
             self.memory_account_due = False
 

@@ -1,0 +1,39 @@
+"""utils/observe/memory.SavedTensorCounter: the bytes a forward keeps for backward, parameters left out,
+against a hand count and against what activation checkpointing must save less of."""
+
+import torch
+from torch import nn
+from transformers import T5Config, T5ForConditionalGeneration
+
+from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
+from tests.dist_workers import make_batch
+from utils.observe.memory import SavedTensorCounter
+from utils.paths import EMBEDDED_MODEL_DIR
+from utils.train.step import forward_token_losses
+
+
+def test_hand_count_of_linear_relu_linear():
+    """linear saves its input (the weight is a parameter, not counted); relu saves its output; the second
+    linear saves that same output again (one storage, counted once)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2))
+    x = torch.randn(3, 5)
+    with SavedTensorCounter() as counter:
+        model(x).sum().backward()
+    assert counter.bytes == 3 * 5 * 4 + 3 * 7 * 4
+
+
+def test_activation_checkpointing_keeps_only_block_inputs_and_what_is_outside_the_blocks():
+    config = T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0, use_cache=False)
+    batch = make_batch(0, rows=4, src_len=32, tgt_len=8)
+    measured = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = T5ForConditionalGeneration(config)
+        if checkpointing:
+            apply_fsdp_checkpointing(model)
+        with SavedTensorCounter() as counter:
+            token_losses, _ = forward_token_losses(model, batch)
+        token_losses.sum().backward()  # the saved tensors were real: backward runs on them
+        measured[checkpointing] = counter.bytes
+    assert 0 < measured[True] < measured[False] / 2, measured
