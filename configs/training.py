@@ -82,9 +82,9 @@ class TrainConfig:
         help=(
             "A step whose loss or gradient norm is NaN or infinite on any rank. stop: the run ends with an "
             "error at the next step-log flush (at most log_every_n_steps steps later, before any checkpoint "
-            "or export), keeping what was saved. skip: every rank skips that optimizer step (fused AdamW "
-            "with a found-inf flag: no host sync) and the step record says skipped. fp16's gradient scaler "
-            "skips such steps itself."
+            "or export), keeping what was saved. skip: every rank skips each optimizer step whose global "
+            "gradient norm is NaN/Inf (a NaN loss makes it NaN; fused AdamW with a found-inf flag: no host "
+            "sync), and the step record says skipped. fp16's gradient scaler skips such steps itself."
         ),
     )
     lr_scheduler: Literal["step", "constant", "linear", "cosine"] = option(
@@ -188,8 +188,9 @@ class TrainConfig:
         default=False,
         help=(
             "Order each epoch so that a step's batches hold articles of similar length (shuffled, then sorted "
-            "by length within groups of 50 steps): less padding with pad_to_max_length false. The order "
-            "stays a function of seed and epoch, the same on every rank and exactly resumable."
+            "by length within groups of 256 x batch_size_training samples): less padding with "
+            "pad_to_max_length false. The order stays a function of seed and epoch, the same on every rank "
+            "and exactly resumable, also on another number of ranks."
         ),
     )
     num_workers_dataloader: int = option(

@@ -340,8 +340,10 @@ def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
         results.append({"model": model, "case": case, **run_peer(folder, peer_args, args, work / "runs")})
         print(f"{model} | {case} | {results[-1]['step_seconds']:.3f} s/step", flush=True)
     if args.suite in PEERS_OF_SUITE:
-        peak = results[0]["peak_tflops"]  # this package's probe (or table), the same for every row
+        # Each of this package's rows against the peak of its own compute dtype (its config.json); the peers
+        # against the first row's (fp32 for the peers suite, bf16 for the gpu suite's bf16 unwrapped model).
         for result in results:
+            peak = result.get("peak_tflops") or results[0]["peak_tflops"]
             result.update(fixed_shape_rates(result, folder, args, peak))
     return results
 

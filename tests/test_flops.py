@@ -77,6 +77,9 @@ def test_training_flops_equal_torchs_flop_counter_on_the_real_model(overrides):
 def test_peak_table_matches_device_names_most_specific_first():
     assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12
     assert gpu_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756.5e12
+    assert gpu_peak_flops("NVIDIA H100 NVL", torch.bfloat16) == 835.5e12
+    assert gpu_peak_flops("NVIDIA L40", torch.bfloat16) == 181e12  # not the L4's (a prefix of it)
+    assert gpu_peak_flops("NVIDIA L40S", torch.bfloat16) == pytest.approx(362.1e12)
     assert gpu_peak_flops("NVIDIA H200", torch.float32) == pytest.approx(66.9e12)
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
     assert gpu_peak_flops("Tesla V100-SXM2-16GB", torch.bfloat16) is None  # no bf16 on Volta

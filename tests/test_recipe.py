@@ -203,7 +203,8 @@ def test_a_nan_on_one_rank_stops_both(nonfinite, version):
 def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(tmp_path):
     """lr 1e30 turns the first update into weights of ~1e30, and every later step's gradient norm infinite.
     stop: the run fails at step 2's flush, before step 2's checkpoint; step 1's stays. skip: the run ends
-    normally, steps 2-6 skipped, and train_loss is step 1's loss (the only step that trained)."""
+    normally over 2 epochs, steps 2-12 skipped; epoch 1's train_loss is step 1's loss (the only step that
+    trained), epoch 2's is null (none trained)."""
     flags = [*COMMON, "--lr", "1e30", "--save_every_n_steps", "1", "--log_every_n_steps", "3"]
     stopped = tmp_path / "stopped"
     run = torchrun([*flags, "--output_dir", str(stopped)])
@@ -212,7 +213,7 @@ def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(t
     assert not (stopped / "hf_model").exists()
 
     skipped = tmp_path / "skipped"
-    run = torchrun([*flags, "--on_nonfinite", "skip", "--output_dir", str(skipped)])
+    run = torchrun([*flags, "--on_nonfinite", "skip", "--epochs", "2", "--output_dir", str(skipped)])
     assert run.returncode == 0, run.describe()
 
     def refuse(constant):
@@ -221,8 +222,40 @@ def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(t
     lines = (skipped / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line, parse_constant=refuse) for line in lines]
     steps = [r for r in records if r["type"] == "step"]
-    assert [r.get("skipped", False) for r in steps] == [False] + [True] * 5, steps
+    assert [r.get("skipped", False) for r in steps] == [False] + [True] * 11, steps
     assert all(r["grad_norm"] is None for r in steps[1:])
-    epoch = next(r for r in records if r["type"] == "epoch")
-    assert epoch["train_loss"] == pytest.approx(steps[0]["loss"], rel=1e-12)
-    assert "step 6: NaN or infinite loss or gradient norm, skipped" in run.output
+    epochs = [r for r in records if r["type"] == "epoch"]
+    assert epochs[0]["train_loss"] == pytest.approx(steps[0]["loss"], rel=1e-12)
+    assert epochs[1]["train_loss"] is None
+    assert "step 12: NaN or infinite loss or gradient norm, skipped" in run.output
+
+
+@pytest.mark.parametrize(
+    "value, best, better",
+    [(1.0, None, True), (1.0, 2.0, True), (3.0, 2.0, False), (math.nan, None, False), (math.inf, 2.0, False),
+     (5.0, math.nan, True)],
+)  # fmt: skip
+def test_a_non_finite_metric_is_never_the_best(value, best, better):
+    from utils.train.trainer import is_better
+
+    assert is_better("val_loss", value, best) is better
+
+
+def test_a_restored_optimizer_keeps_its_own_kernel():
+    """A checkpoint of a for-each AdamW restored into a fused one (--on_nonfinite skip): the fused flag is
+    written into the loaded groups before loading, since torch places the step counters by it (on the GPU
+    for fused; docs/pitfalls.md #31)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from utils.checkpoint.state_dicts import set_optimizer_state
+
+    model = torch.nn.Linear(3, 2)
+    saving = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    saving.step()
+    state = get_optimizer_state_dict(model, saving)
+    assert state["param_groups"][0]["fused"] is None
+    running = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    set_optimizer_state(model, running, state, full=False)
+    assert state["param_groups"][0]["fused"] is True and running.param_groups[0]["fused"] is True
+    assert torch.equal(running.state[model.weight]["exp_avg"], saving.state[model.weight]["exp_avg"])

@@ -60,12 +60,14 @@ def sharded_model_state(model: nn.Module) -> dict:
 def set_optimizer_state(model: nn.Module, optimizer, optim_state: dict, full: bool) -> None:
     """Load an optimizer state dict (full or sharded) into the optimizer of the wrapped model. Collective.
 
-    The saved parameter groups also carry the kernel choice of the run that saved them; this run keeps its
-    own (--on_nonfinite skip needs the fused kernel, whichever the checkpoint was written with)."""
-    kernels = [{key: group[key] for key in ("fused", "foreach")} for group in optimizer.param_groups]
+    The saved parameter groups also carry the kernel choice of the run that saved them. This run keeps its
+    own (--on_nonfinite skip needs the fused kernel, whichever the checkpoint was written with), and sets
+    it in the loaded groups *before* loading: torch places each `step` counter by the loaded group's kernel
+    (on the GPU for fused), so restoring the flags afterwards would leave a fused kernel with CPU counters
+    (docs/pitfalls.md #31)."""
+    for saved, group in zip(optim_state.get("param_groups", []), optimizer.param_groups, strict=True):
+        saved.update(fused=group["fused"], foreach=group["foreach"])
     set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=full))
-    for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
-        group.update(kernel)
 
 
 def tensor_only_optimizer_state(optim_state: dict) -> dict:

@@ -80,7 +80,7 @@ def build_loaders(tokenizer, config: TrainConfig, info: DistInfo) -> Loaders:
     grouping = None
     if config.group_by_length:
         lengths = [len(article) for article in train_set.dataset["text"].tolist()]
-        grouping = LengthGrouping(lengths, config.batch_size_training * info.world_size)
+        grouping = LengthGrouping(lengths, config.batch_size_training)
     train_sampler = train_sampler_for(train_set, info.rank, info.world_size, config.seed, grouping)
     loader_args = dict(
         pad_token_id=tokenizer.pad_token_id, num_workers=config.num_workers_dataloader, device=info.device

@@ -39,21 +39,22 @@ class PaddedEvalSampler(Sampler[int]):
 class LengthGrouping:
     """--group_by_length: arrange an epoch's shuffled order so that each step's batches hold similar lengths.
 
-    The order is cut into mega-batches of `MEGA_BATCH_STEPS` steps (a step: `step_samples`, one batch of
-    every rank) and each mega-batch sorted by length, longest first; ranks deal from it every
-    world_size-th entry as before, so a step's batches come from `step_samples` neighbours in length. Only
-    the order changes: each sample still comes once per epoch, the order is still a function of (seed,
-    epoch), the same on every rank, and a resume still continues it exactly. Its cost is less
-    randomness inside a mega-batch (the usual trade-off of length grouping).
+    The order is cut into mega-batches of `MEGA_BATCHES` batches' worth of samples and each sorted by
+    length, longest first; ranks deal from it every world_size-th entry as before, so a step's batches come
+    from neighbours in length. Only the order changes: each sample still comes once per epoch, and the
+    order is still a function of (seed, epoch), the same on every rank. The mega-batch size does not depend
+    on the number of ranks, so a resume on another world size continues the same order, as without
+    grouping (a resume with another batch size does not). Its cost is less randomness inside a mega-batch
+    (the usual trade-off of length grouping).
     """
 
     lengths: list[int]  # a length per sample (characters of the article: a free, exact-enough proxy for tokens)
-    step_samples: int  # batch size x world size
+    batch_size: int  # per rank
 
-    MEGA_BATCH_STEPS = 50
+    MEGA_BATCHES = 256
 
     def arrange(self, order: list[int]) -> list[int]:
-        size = self.step_samples * self.MEGA_BATCH_STEPS
+        size = self.batch_size * self.MEGA_BATCHES
         arranged = []
         for start in range(0, len(order), size):
             arranged += sorted(order[start : start + size], key=lambda index: -self.lengths[index])

@@ -74,11 +74,14 @@ class T5Flops:
 # fp32 without TF32, which torch leaves off for matmuls by default). The first name contained in
 # torch.cuda.get_device_name() wins, so the more specific names come first.
 GPU_PEAK_TFLOPS = {
+    "H200 NVL": {torch.bfloat16: 835.5, torch.float16: 835.5, torch.float32: 60.0},
     "H200": {torch.bfloat16: 989.4, torch.float16: 989.4, torch.float32: 66.9},
+    "H100 NVL": {torch.bfloat16: 835.5, torch.float16: 835.5, torch.float32: 60.0},
     "H100 PCIe": {torch.bfloat16: 756.5, torch.float16: 756.5, torch.float32: 51.2},
     "H100": {torch.bfloat16: 989.4, torch.float16: 989.4, torch.float32: 66.9},
     "A100": {torch.bfloat16: 312.0, torch.float16: 312.0, torch.float32: 19.5},
     "L40S": {torch.bfloat16: 362.1, torch.float16: 362.1, torch.float32: 91.6},
+    "L40": {torch.bfloat16: 181.0, torch.float16: 181.0, torch.float32: 90.5},
     "L4": {torch.bfloat16: 121.0, torch.float16: 121.0, torch.float32: 30.3},
     "V100": {torch.float16: 125.0, torch.float32: 15.7},
 }

@@ -10,7 +10,9 @@ Each concern is one method: `_train_pass` (one pass over the loader), `_train_st
 a checkpoint records changes (`resume` sets it from a checkpoint before training starts).
 """
 
+import contextlib
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -235,11 +237,13 @@ class Trainer:
             return True
         every = self.config.eval_every_n_steps
         if every and pass_.step % every == 0:
-            self._evaluate_midway(pass_)
+            with _off_the_clock(pass_):
+                self._evaluate_midway(pass_)
         if self.checkpointer.due(pass_.step, pass_.step_log.stop_requested):
             pass_.step_log.flush()  # collective; afterwards metrics.jsonl holds every step the checkpoint holds
             self._advance_progress(pass_)
-            self.checkpointer.save(self.progress)
+            with _off_the_clock(pass_):
+                self.checkpointer.save(self.progress)
         pass_.stopped = pass_.step_log.stop_requested
         return pass_.stopped
 
@@ -331,10 +335,11 @@ class Trainer:
         """metrics.jsonl's epoch record: losses are token means over all ranks, rates over training time."""
         totals = pass_.step_log.totals
         flops = float(totals[MODEL_FLOPS]), float(totals[HARDWARE_FLOPS])
+        trained_tokens = float(totals[TARGET_TOKENS])  # 0 when --on_nonfinite skip skipped every step
         return {
             "type": "epoch",
             "epoch": pass_.epoch,
-            "train_loss": float(totals[LOSS_SUM] / totals[TARGET_TOKENS].clamp(min=1)),
+            "train_loss": float(totals[LOSS_SUM]) / trained_tokens if trained_tokens else None,
             "val_loss": val_loss,
             "epoch_seconds": epoch_seconds,
             "samples_per_s": int(totals[SAMPLES]) / pass_.seconds,
@@ -377,6 +382,19 @@ class Trainer:
         )
 
 
+@contextlib.contextmanager
+def _off_the_clock(pass_: EpochPass):
+    """Evaluation and checkpoint saves inside a pass: their time is taken out of the epoch's training
+    seconds and of the current step window, so throughput, TFLOP/s and MFU are over training time only."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        paused = time.perf_counter() - start
+        pass_.started += paused
+        pass_.step_log.window_start += paused
+
+
 def _show_latest(bar: tqdm, step_log: StepLog) -> None:
     """The newest flushed window's loss, all ranks' tokens per second and MFU, beside the bar (rank 0)."""
     if step_log.latest_loss is not None:
@@ -387,18 +405,21 @@ def _show_latest(bar: tqdm, step_log: StepLog) -> None:
 
 
 def is_better(metric_name: str, value: float, best: float | None) -> bool:
-    """Lower is better for val_loss, higher for the ROUGE scores."""
-    if best is None:
+    """Lower is better for val_loss, higher for the ROUGE scores. A NaN or infinite value is never better
+    (a diverged epoch must not become the exported model), and replaces a best that is not finite."""
+    if not math.isfinite(value):
+        return False
+    if best is None or not math.isfinite(best):
         return True
     return value < best if metric_name == "val_loss" else value > best
 
 
 def _log_epoch(record: dict, peaks: list[int] | None) -> None:
-    val_loss = record["val_loss"]
+    train_loss, val_loss = record["train_loss"], record["val_loss"]
     get_logger().info(
-        "epoch %d: train_loss %.4f | val_loss %s | %.1f s | %.1f samples/s | peak memory per rank %s",
+        "epoch %d: train_loss %s | val_loss %s | %.1f s | %.1f samples/s | peak memory per rank %s",
         record["epoch"],
-        record["train_loss"],
+        "- (every step skipped)" if train_loss is None else f"{train_loss:.4f}",
         "-" if val_loss is None else f"{val_loss:.4f}",
         record["epoch_seconds"],
         record["samples_per_s"],
