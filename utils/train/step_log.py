@@ -51,7 +51,7 @@ class StepLog:
         self.local_stop = local_stop
         self.pending: list[tuple[int, float, torch.Tensor]] = []
         # Sums over all flushed steps and all ranks (carried over from a checkpoint when resuming mid-epoch).
-        # (A checkpoint written before the gradient norm column has one column fewer.)
+        # (A checkpoint written before the gradient norm or FLOP columns existed has fewer; they start at 0.)
         totals = list(totals or []) + [0.0] * (STAT_COLUMNS - len(totals or []))
         self.totals = torch.tensor(totals, dtype=STAT_DTYPE)
         self.stop_requested = False

@@ -214,8 +214,10 @@ class Trainer:
         model, optimizer, scaler = self.trainables.model, self.trainables.optimizer, self.trainables.scaler
         pass_.step += 1
         batches = [move_batch(batch, self.info.device) for batch in micro_batches]
-        counter = SavedTensorCounter() if self.memory_account_due else None
-        settings = dataclasses.replace(self.step_settings, saved_counter=counter)
+        settings, counter = self.step_settings, None
+        if self.memory_account_due:  # the run's first step also counts what backward keeps
+            counter = SavedTensorCounter()
+            settings = dataclasses.replace(settings, saved_counter=counter)
         stats = train_step(model, batches, optimizer, scaler, self.info.world_size, settings)
         pass_.step_log.add(pass_.step, optimizer.param_groups[0]["lr"], stats)
         pass_.batches_done += len(micro_batches)
