@@ -49,6 +49,7 @@ from utils.fsdp.wrap import log_fsdp_layout, wrap_model
 from utils.model.loading import builds_on_meta, load_model_for_run, model_config_overrides
 from utils.observe.flops import T5Flops, Throughput, device_peak_flops
 from utils.observe.log import get_logger, setup_logging
+from utils.observe.memory import trim_host_heap
 from utils.observe.metrics import MetricsWriter
 from utils.observe.run_record import run_record, write_run_record
 from utils.train.trainables import build_trainables, total_optimizer_steps
@@ -60,13 +61,12 @@ RANK0_MESSAGE_GRACE_S = 2.0
 def build_trainer(
     train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo, precision: str, start: str | None
 ) -> Trainer:
-    """config -> model + tokenizer -> loaders -> FSDP model -> optimizer -> checkpointer -> trainer."""
+    """config -> model + tokenizer -> FSDP model -> loaders -> optimizer -> checkpointer -> trainer."""
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
     on_meta = builds_on_meta(fsdp_config.cpu_ram_efficient_loading, fsdp_config.fsdp_version, info.is_main)
     weights_file = full_weights_file(start)
     overrides = model_config_overrides(train_config)
     loaded = load_model_for_run(train_config.model_name, on_meta, weights_file, overrides)
-    loaders = build_loaders(loaded.tokenizer, train_config, info)
     model_config = loaded.model.config
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
     model_config.task_specific_params = {
@@ -74,13 +74,16 @@ def build_trainer(
         "summarization": summarization_params(train_config),
     }
     model = wrap_model(loaded.model, fsdp_config, info.device, precision, loaded.weights_source)
+    memory_baseline = loaded.memory_baseline()  # loading measured until sharded, before the data is read
+    trim_host_heap()  # what loading freed goes back to the OS instead of inflating the run's peak
     log_fsdp_layout(model, precision)
+    loaders = build_loaders(loaded.tokenizer, train_config, info)
     total_steps = total_optimizer_steps(train_config, len(loaders.train))
     trainables = build_trainables(model, train_config, precision, info.device, total_steps)
     settings = CheckpointSettings.from_configs(train_config, fsdp_config)
     checkpointer = Checkpointer(settings, trainables, model_config, loaded.tokenizer, info)
     throughput = build_throughput(model_config, fsdp_config, train_config.peak_tflops, info, precision)
-    measures = Measures(loaded.memory_baseline, throughput)
+    measures = Measures(memory_baseline, throughput)
     return Trainer(trainables, loaders, checkpointer, train_config, info, measures)
 
 

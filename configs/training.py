@@ -201,6 +201,13 @@ class TrainConfig:
         ),
         minimum=0,
     )
+    tensorboard: bool = option(
+        default=False,
+        help=(
+            "Also write every metrics.jsonl record (losses, LR, grad norm, tokens/s, MFU, ROUGE, memory) as "
+            "TensorBoard scalars into output_dir/tensorboard (needs: pip install tensorboard)."
+        ),
+    )
     log_every_n_steps: int = option(
         default=10,
         help=(

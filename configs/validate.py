@@ -13,6 +13,7 @@ from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
 from utils.distributed.mesh import HYBRID, hybrid_group_size
 from utils.errors import ConfigError
+from utils.observe.tensorboard import INSTALL_HINT, tensorboard_available
 
 
 def check_settings(train_config: TrainConfig, fsdp_config: FSDPConfig, world_size: int, device_type: str) -> None:
@@ -27,6 +28,7 @@ def check_settings(train_config: TrainConfig, fsdp_config: FSDPConfig, world_siz
     check_checkpointing(train_config)
     check_evaluation(train_config)
     check_schedule(train_config)
+    check_optional_packages(train_config)
     check_decay_groups(train_config, fsdp_config)
     check_compile(fsdp_config)
 
@@ -152,6 +154,12 @@ def check_evaluation(train_config: TrainConfig) -> None:
             "--eval_every_n_steps evaluates the validation loss and ROUGE: it needs --run_validation true or "
             "--eval_rouge true (or drop --eval_every_n_steps)"
         )
+
+
+def check_optional_packages(train_config: TrainConfig) -> None:
+    """A feature whose package is not installed fails here, on every rank, naming the pip line."""
+    if train_config.tensorboard and not tensorboard_available():
+        raise ConfigError(INSTALL_HINT)
 
 
 def check_schedule(train_config: TrainConfig) -> None:

@@ -5,6 +5,8 @@
         --max_target_length 150 --out bench/datapath
     python scripts/benchmark.py --suite peers --models t5-small --data full_lengths \
         --max_source_length 256 --max_target_length 64 --out bench/peers
+    python scripts/benchmark.py --suite loading --models t5-base --steps 4 --max_source_length 64 \
+        --max_target_length 16 --out bench/loading
 
 Each case is one short run of T5_training.py (one epoch, no validation, no checkpoints) on the embedded
 sample, or on a generated one (--data). Step time is the median of the logged step windows after the
@@ -79,6 +81,14 @@ SUITES = {
         "fp16 + scaler, FSDP1": ["--mixed_precision", "true", "--use_fp16", "true"],
         "bf16, FSDP1, CPU offload": ["--mixed_precision", "true", "--fsdp_cpu_offload", "true"],
         "bf16, FSDP2, compiled blocks": ["--mixed_precision", "true", "--fsdp_version", "2", "--compile", "true"],
+    },
+    # Host memory of loading (the memory account's high-water mark from before the model is built until it
+    # is sharded), with and without rank-0-only loading, per backend.
+    "loading": {
+        "FSDP1": ["--fsdp_version", "1", "--cpu_ram_efficient_loading", "false"],
+        "FSDP1, rank-0-only loading": ["--fsdp_version", "1", "--cpu_ram_efficient_loading", "true"],
+        "FSDP2": ["--fsdp_version", "2", "--cpu_ram_efficient_loading", "false"],
+        "FSDP2, rank-0-only loading": ["--fsdp_version", "2", "--cpu_ram_efficient_loading", "true"],
     },
     "strategies": {
         "FULL_SHARD": ["--sharding_strategy", "FULL_SHARD"],
@@ -203,6 +213,7 @@ def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, commo
         "param_share": max(r["param_numel_local"] for r in memory) / total,
         "optim_share": max(r["optim_state_numel_local"] for r in memory) / (2 * total),  # AdamW: 2 moments
         "param_numel_total": total,
+        "load_rss_delta_bytes": [r["load_rss_delta_bytes"] for r in memory],  # by rank
     }
 
 
@@ -271,6 +282,21 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def loading_markdown(results: list[dict]) -> str:
+    lines = [
+        "| model | case | loading high-water mark per rank (MiB) | / fp32 model | peak RSS per rank (MiB) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        model_bytes = 4 * r["param_numel_total"]
+        lines.append(
+            f"| {r['model']} | {r['case']} | {', '.join(f'{b / 2**20:.0f}' for b in r['load_rss_delta_bytes'])} "
+            f"| {', '.join(f'{b / model_bytes:.2f}' for b in r['load_rss_delta_bytes'])} "
+            f"| {', '.join(f'{b / 2**20:.0f}' for b in r['peak_memory_bytes'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="backends")
@@ -316,7 +342,9 @@ def main() -> int:
             means, sigma = ((500, 46), 0.6) if args.data == "wikihow_lengths" else ((300, 80), 0.0)
             common += ["--data_dir", wikihow_length_sample(work / "data", means, sigma)]
         results = [result for model in args.models for result in run_suite(model, args, common, work)]
-    table = {"peers": peers_markdown, "gpu": gpu_markdown}.get(args.suite, markdown)(results)
+    table = {"peers": peers_markdown, "gpu": gpu_markdown, "loading": loading_markdown}.get(args.suite, markdown)(
+        results
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=1))
@@ -365,6 +393,8 @@ def planner_bytes(model_dir: str, case_args: list[str], args) -> dict:
         batch_size=4,
         max_source_length=args.max_source_length,
         max_target_length=args.max_target_length,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        attn_implementation=flag("--attn_implementation", "sdpa"),
     )
     return {"planner_bytes": predicted.total_bytes}
 

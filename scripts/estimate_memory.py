@@ -15,8 +15,14 @@ What is predicted, per rank:
 - largest unsharded unit: the full parameters of the biggest FSDP unit in the compute dtype, all-gathered
   while it runs (SHARD_GRAD_OP keeps every unit's full parameters from forward to backward: the whole
   model in the compute dtype);
-- activations: a rough estimate (+-50%) of what backward needs, with or without activation checkpointing,
-  plus the fp32 logits of the loss.
+- activations: the bytes autograd keeps for backward after one micro-batch's forward, counted tensor by
+  tensor from what T5's operations save (norms, attention, feed-forward, dropout masks, the fp32
+  log-softmax of the loss; with activation checkpointing each block's input): equal to the memory
+  account's measured saved_activation_bytes for eager attention and for sdpa's math kernel, which CPU
+  runs use (tests/test_estimate_memory.py). CUDA's fused sdpa kernels keep no attention probabilities,
+  so for them the figure is an upper bound;
+- recompute: with activation checkpointing, the activations of the one block backward recomputes at a
+  time, held on top of the kept ones while it runs.
 The state figures (parameters, gradients, optimizer) are exact up to padding; they are checked against the
 memory account that training writes to metrics.jsonl (tests/test_end_to_end.py).
 """
@@ -100,25 +106,106 @@ def shard_degree(strategy: str, nproc: int, shard_group_size: int) -> int:
     return shard_group_size or nproc
 
 
-def activation_bytes(shape: T5Shape, batch: int, src: int, tgt: int, compute: int, checkpointing: bool) -> int:
-    """Rough bytes of activations kept for backward (the Megatron-style per-layer count, adapted to T5)."""
-    inner = shape.num_heads * shape.d_kv
+@dataclass(frozen=True)
+class Workload:
+    """What one micro-batch of training puts through the model, and the bytes of what it keeps."""
 
-    def layer(tokens: int, keys: int, cross_keys: int = 0) -> int:
-        per_token = 10 * shape.d_model + 4 * inner + 2 * shape.d_ff  # inputs, norms, q/k/v/o, FF in/out
-        scores = 2 * shape.num_heads * (keys + cross_keys)  # attention probabilities and dropout masks
-        if cross_keys:
-            per_token += 6 * shape.d_model + 4 * inner  # the cross-attention sub-layer
-        return batch * tokens * (per_token + scores) * compute
+    batch: int
+    src: int
+    tgt: int
+    compute_bytes: int  # the activations' dtype: 4 for fp32, 2 for bf16/fp16
+    mask_bytes: int  # one dropout-mask element: the compute dtype on CPU, a bool on CUDA; 0 without dropout
+    checkpointing: bool
+    sdpa: bool = False  # torch's scaled_dot_product_attention (math kernel): boolean extended masks
+    attention_bytes: int = 0  # q/k/v copies, scores, probabilities: the math kernel upcasts bf16 to fp32 on CPU
 
-    encoder_layer, decoder_layer = layer(src, src), layer(tgt, tgt, src)
-    if checkpointing:  # each block keeps its input; one block's activations exist during recomputation
-        kept = batch * (src * shape.num_layers + tgt * shape.num_decoder_layers) * shape.d_model * compute
-        kept += max(encoder_layer, decoder_layer)
+    @property
+    def attention(self) -> int:
+        return self.attention_bytes or self.compute_bytes
+
+    @property
+    def attention_mask(self) -> int:
+        """The attention dropout's mask: in the attention dtype when the math kernel upcasts it."""
+        return self.attention if self.mask_bytes and self.attention_bytes else self.mask_bytes
+
+
+def _feed_forward_bytes(shape: T5Shape, w: Workload, tokens: int) -> int:
+    """The d_ff-wide activations a feed-forward keeps. ReLU keeps its output, which is also the second
+    matrix's input unless dropout sits between them (then the mask and the dropped copy are kept too). Gated
+    tanh-GELU keeps 7 (both halves, the GELU's intermediates, the product); dropout adds only its mask,
+    since the second matrix then keeps the dropped copy instead of the product."""
+    if shape.gated:
+        return tokens * shape.d_ff * (7 * w.compute_bytes + w.mask_bytes)
+    dropped = w.compute_bytes + w.mask_bytes if w.mask_bytes else 0
+    return tokens * shape.d_ff * (w.compute_bytes + dropped)
+
+
+def encoder_layer_bytes(shape: T5Shape, w: Workload) -> int:
+    """What one encoder block keeps for backward (counted from the tensors autograd saves, eager attention)."""
+    c, tokens, scores = w.compute_bytes, w.batch * w.src, w.batch * shape.num_heads * w.src * w.src
+    inner, norm_copy = shape.num_heads * shape.d_kv, 4 if w.compute_bytes != 4 else 0
+    kept = c * tokens * 7 * shape.d_model + w.attention * (3 * tokens * inner + scores)
+    kept += _feed_forward_bytes(shape, w, tokens)
+    kept += 4 * 2 * tokens + norm_copy * 2 * tokens * shape.d_model  # 2 RMS norms: rsqrt, fp32 input copy
+    if w.mask_bytes:  # each dropout keeps its mask, and its output where a matmul consumes it
+        kept += w.mask_bytes * 2 * tokens * shape.d_model + (w.attention_mask + w.attention) * scores
+    return kept
+
+
+def decoder_layer_bytes(shape: T5Shape, w: Workload) -> int:
+    """What one decoder block keeps: self- and cross-attention (whose k/v project the source) and the FF."""
+    c, tokens, source = w.compute_bytes, w.batch * w.tgt, w.batch * w.src
+    scores = w.batch * shape.num_heads * (w.tgt * w.tgt + w.tgt * w.src)
+    inner, norm_copy = shape.num_heads * shape.d_kv, 4 if w.compute_bytes != 4 else 0
+    kept = c * tokens * 11 * shape.d_model + w.attention * (4 * tokens * inner + 2 * source * inner + scores)
+    kept += _feed_forward_bytes(shape, w, tokens)
+    kept += 4 * 3 * tokens + norm_copy * 3 * tokens * shape.d_model  # 3 RMS norms
+    if w.mask_bytes:
+        kept += w.mask_bytes * 3 * tokens * shape.d_model + (w.attention_mask + w.attention) * scores
+    return kept
+
+
+def _outside_blocks_bytes(shape: T5Shape, w: Workload) -> int:
+    """Embedding dropout and final norm of each stack, token ids and labels, and the fp32 log-softmax."""
+    tokens = w.batch * (w.src + w.tgt)
+    norm_copy = 4 if w.compute_bytes != 4 else 0
+    kept = (3 * w.compute_bytes + norm_copy + 2 * w.mask_bytes) * tokens * shape.d_model + 4 * tokens
+    kept += 8 * w.batch * (w.src + 2 * w.tgt)  # int64 source ids, decoder input ids, labels
+    return kept + 4 * w.batch * w.tgt * shape.vocab_size
+
+
+def _checkpointed_blocks_bytes(shape: T5Shape, w: Workload) -> int:
+    """What checkpointed blocks keep: each block's input, one copy of the position bias the first block hands
+    to the later ones, and the extended attention masks (one per stack)."""
+    c, heads = w.compute_bytes, shape.num_heads
+    encoder = shape.num_layers * w.batch * w.src * shape.d_model + min(shape.num_layers - 1, 1) * heads * w.src**2
+    decoder_scores = w.tgt * w.tgt + w.tgt * w.src
+    decoder = shape.num_decoder_layers * w.batch * w.tgt * shape.d_model
+    decoder += min(shape.num_decoder_layers - 1, 1) * heads * decoder_scores
+    if w.sdpa:  # boolean padding masks of the source and of the cross-attention; the causal one is implied
+        return c * (encoder + decoder) + w.batch * (w.src * w.src + w.tgt * w.src)
+    return c * (encoder + decoder + w.batch * (w.src * w.src + decoder_scores))
+
+
+def activation_bytes(shape: T5Shape, w: Workload) -> int:
+    """Bytes autograd keeps for backward after one micro-batch's forward: what the memory account's
+    saved_activation_bytes measures: exact for eager attention and for sdpa's math kernel, which CPU runs
+    use (tested); CUDA's fused sdpa kernels keep no probabilities, so there it is an upper bound."""
+    if w.checkpointing:
+        blocks = _checkpointed_blocks_bytes(shape, w)
     else:
-        kept = encoder_layer * shape.num_layers + decoder_layer * shape.num_decoder_layers
-    logits = 2 * batch * tgt * shape.vocab_size * 4  # fp32 logits of the loss and their gradient
-    return kept + logits
+        blocks = 8 * (w.src * w.src + w.tgt * w.tgt)  # int64 relative-position buckets, one set per stack
+        if w.sdpa:  # boolean masks: the source padding mask and the decoder's causal mask
+            blocks += w.batch * w.src * w.src + w.tgt * w.tgt
+        blocks += shape.num_layers * encoder_layer_bytes(shape, w)
+        blocks += shape.num_decoder_layers * decoder_layer_bytes(shape, w)
+    return blocks + _outside_blocks_bytes(shape, w)
+
+
+def recompute_bytes(shape: T5Shape, w: Workload) -> int:
+    """With activation checkpointing, backward recomputes one block at a time and holds its activations
+    while it runs: the largest block's, on top of what is kept. Without checkpointing nothing."""
+    return max(encoder_layer_bytes(shape, w), decoder_layer_bytes(shape, w)) if w.checkpointing else 0
 
 
 @dataclass
@@ -130,6 +217,7 @@ class Estimate:
     optimizer_bytes: int
     largest_unsharded_unit_bytes: int
     activations_bytes: int
+    recompute_bytes: int
     total_bytes: int
 
 
@@ -144,11 +232,25 @@ def estimate(
     max_source_length: int,
     max_target_length: int,
     shard_group_size: int = 0,
+    device: str = "cuda",
+    attn_implementation: str = "sdpa",
+    dropout_rate: float = 0.1,
 ) -> Estimate:
+    compute = COMPUTE_BYTES[mixed_precision]
+    work = Workload(
+        batch=batch_size,
+        src=max_source_length,
+        tgt=max_target_length,
+        compute_bytes=compute,
+        mask_bytes=(compute if device == "cpu" else 1) if dropout_rate > 0 else 0,
+        checkpointing=activation_checkpointing,
+        sdpa=attn_implementation == "sdpa",
+        # CPU's sdpa math kernel computes bf16/fp16 attention in fp32 (and keeps it so).
+        attention_bytes=4 if device == "cpu" and attn_implementation == "sdpa" else 0,
+    )
     units = shape.unit_params()
     degree = shard_degree(sharding_strategy, nproc, shard_group_size)
     local = sum(math.ceil(n / degree) for n in units)  # each unit's flat parameter padded to the degree
-    compute = COMPUTE_BYTES[mixed_precision]
     keep_all = sharding_strategy in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2") and degree > 1
     unsharded = (sum(units) if keep_all else max(units)) * compute if degree > 1 else 0
     parts = {
@@ -156,9 +258,8 @@ def estimate(
         "gradients_bytes": 4 * local,
         "optimizer_bytes": 8 * local,
         "largest_unsharded_unit_bytes": unsharded,
-        "activations_bytes": activation_bytes(
-            shape, batch_size, max_source_length, max_target_length, compute, activation_checkpointing
-        ),
+        "activations_bytes": activation_bytes(shape, work),
+        "recompute_bytes": recompute_bytes(shape, work),
     }
     return Estimate(
         param_numel_total=sum(units), param_numel_local=local, total_bytes=sum(parts.values()), **parts
@@ -180,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--max_source_length", type=int, default=512)
     parser.add_argument("--max_target_length", type=int, default=150)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="CUDA keeps bool dropout masks")
+    parser.add_argument("--attn_implementation", choices=["sdpa", "eager"], default="sdpa")
+    parser.add_argument("--dropout_rate", type=float, default=0.1, help="the model's (0: no dropout masks kept)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     result = estimate(
@@ -192,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         max_source_length=args.max_source_length,
         max_target_length=args.max_target_length,
         shard_group_size=args.hybrid_shard_group_size,
+        device=args.device,
+        attn_implementation=args.attn_implementation,
+        dropout_rate=args.dropout_rate,
     )
     if args.json:
         print(json.dumps(asdict(result), indent=1))

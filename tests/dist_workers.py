@@ -7,6 +7,7 @@ same computation and any difference comes from FSDP itself.
 import contextlib
 import copy
 import dataclasses
+import gc
 import math
 
 import torch
@@ -24,6 +25,7 @@ from utils.data.loaders import build_loader
 from utils.data.samplers import PaddedEvalSampler
 from utils.errors import TrainingDivergedError
 from utils.fsdp.wrap import wrap_model
+from utils.model.rank0_loading import Rank0Materializer
 from utils.paths import EMBEDDED_MODEL_DIR
 from utils.train import step as step_module
 from utils.train.step import forward_token_losses, train_step, validate
@@ -343,9 +345,22 @@ def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> d
     if fsdp_version == 2:
         reference = tiny_t5(seed=123)  # what rank 0 "loaded"
         model = wrap_model(tiny_t5(seed=123) if rank == 0 else tiny_t5(on_meta=True), config, CPU, FP32)
+        held = None
     else:
+        held = []  # live host tensor bytes each time FSDP1 materialises a module, before the reference exists
+        original = Rank0Materializer.__call__
+
+        def measured(materializer, module):
+            held.append(_live_host_tensor_bytes())
+            original(materializer, module)
+
+        Rank0Materializer.__call__ = measured
+        try:
+            model = wrap_model(tiny_t5(on_meta=True), config, CPU, FP32, weights_source=str(EMBEDDED_MODEL_DIR))
+        finally:
+            Rank0Materializer.__call__ = original
+        held = max(held)
         reference = T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR)
-        model = wrap_model(tiny_t5(on_meta=True), config, CPU, FP32, weights_source=str(EMBEDDED_MODEL_DIR))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -354,7 +369,20 @@ def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> d
         "keys_equal": sorted(full) == sorted(reference.state_dict()),
         "tied": _lm_head_is_shared(model),
         "any_meta": any(p.is_meta for p in model.parameters()),
+        "held_bytes": held,
+        "model_bytes": 4 * sum(p.numel() for p in reference.parameters()),
     }
+
+
+def _live_host_tensor_bytes() -> int:
+    """Bytes of every live CPU tensor's storage in this process, each storage once."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _lm_head_is_shared(model) -> bool:

@@ -59,6 +59,7 @@ MEMORY_KEYS = {
     "peak_rss_bytes",
     "cuda_peak_allocated_bytes",
     "saved_activation_bytes",
+    "saved_activation_batch",
 }
 
 FAIL_FAST_S = 60  # a user error must end every rank within this
@@ -73,7 +74,8 @@ def training(tmp_path_factory) -> tuple[Run, Path]:
     run = torchrun(
         ["--epochs", str(EPOCHS), "--num_train_samples", str(NUM_TRAIN), "--num_val_samples", str(NUM_VAL),
          "--eval_num_samples", str(NUM_EVAL),
-         "--save_model", "true", "--log_every_n_steps", "5", "--output_dir", str(output_dir)],
+         "--save_model", "true", "--log_every_n_steps", "5", "--tensorboard", "true",
+         "--output_dir", str(output_dir)],
         timeout=300,
     )  # fmt: skip
     return run, output_dir
@@ -155,23 +157,48 @@ def test_memory_account_has_one_record_per_rank_and_full_shard_halves_the_state(
         assert record["cuda_peak_allocated_bytes"] is None
 
 
-def test_memory_planner_predicts_the_measured_state(records):
+def test_memory_planner_predicts_the_measured_state_and_activations(records, run_config):
+    """The planner, given the run's settings and the shape of the micro-batch the account counted, predicts
+    the state held and the bytes autograd kept for backward through FSDP (bf16, checkpointing, sdpa)."""
     from scripts.estimate_memory import estimate, load_shape
 
-    predicted = estimate(
-        load_shape(str(EMBEDDED_MODEL)),
-        nproc=NPROC,
-        sharding_strategy="FULL_SHARD",
-        mixed_precision="bf16",
-        activation_checkpointing=True,
-        batch_size=4,
-        max_source_length=512,
-        max_target_length=150,
-    )
+    train, fsdp = run_config["train_config"], run_config["fsdp_config"]
+    assert train["dropout_rate"] in (None, "NONE")
     for record in (r for r in records if r["type"] == "memory"):
+        rows, source_length, target_length = record["saved_activation_batch"]
+        predicted = estimate(
+            load_shape(str(EMBEDDED_MODEL)),
+            nproc=NPROC,
+            sharding_strategy=fsdp["sharding_strategy"],
+            mixed_precision="bf16" if fsdp["mixed_precision"] else "fp32",
+            activation_checkpointing=fsdp["fsdp_activation_checkpointing"],
+            batch_size=rows,
+            max_source_length=source_length,
+            max_target_length=target_length,
+            device="cpu",
+            attn_implementation=train["attn_implementation"],
+            dropout_rate=T5Config.from_pretrained(EMBEDDED_MODEL).dropout_rate,  # the run keeps the model's
+        )
         assert record["param_numel_total"] == predicted.param_numel_total
         assert abs(record["param_numel_local"] / predicted.param_numel_local - 1) < 0.15
         assert abs(record["optim_state_numel_local"] / (2 * predicted.param_numel_local) - 1) < 0.15
+        assert predicted.activations_bytes == pytest.approx(record["saved_activation_bytes"], rel=0.01), record
+
+
+def test_tensorboard_holds_the_metrics_records(records, finished):
+    """--tensorboard true: the run's event files carry the step, epoch, ROUGE and memory figures."""
+    from tests.test_tensorboard import read_scalars
+
+    _, output_dir = finished
+    scalars = read_scalars(output_dir / "tensorboard")
+    steps = [(r["step"], r["loss"]) for r in steps_of(records)]
+    assert [(step, pytest.approx(loss)) for step, loss in steps] == scalars["train/loss"]
+    assert [value for _, value in scalars["epoch/val_loss"]] == pytest.approx(
+        [r["val_loss"] for r in epochs_of(records)]
+    )
+    for tag in ("train/lr", "train/grad_norm", "train/mfu", "epoch/tokens_per_s", "rouge/validation/rougeL",
+                "memory/peak_rss_mib", "memory/saved_activation_mib"):  # fmt: skip
+        assert tag in scalars, (tag, sorted(scalars))
 
 
 def test_step_numbers_are_global_and_consecutive(records):

@@ -62,6 +62,9 @@ def test_rank0_only_loading_gives_every_rank_rank0s_weights(fsdp_version):
         assert result["keys_equal"] and result["max_diff"] == 0.0
         assert result["tied"], "lm_head and shared must stay one parameter"
         assert not result["any_meta"]
+        if fsdp_version == 1:  # while wrapping, each unit's full parameters are freed once it is sharded
+            # (measured: 0.62x of the fp32 model; 1.38x when a strong memo kept every unit alive)
+            assert result["held_bytes"] < 0.9 * result["model_bytes"], result
 
 
 CROSS_ARGS = [

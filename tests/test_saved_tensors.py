@@ -37,3 +37,24 @@ def test_activation_checkpointing_keeps_only_block_inputs_and_what_is_outside_th
         token_losses.sum().backward()  # the saved tensors were real: backward runs on them
         measured[checkpointing] = counter.bytes
     assert 0 < measured[True] < measured[False] / 2, measured
+
+
+def test_decoder_inputs_are_t5s_own_shift_and_its_loss_is_not_kept():
+    """forward_token_losses passes decoder_input_ids (utils/train/step.shift_right) instead of labels: the
+    logits equal T5's own labels path exactly, and the bytes kept for backward are smaller by T5's unused
+    loss, one batch x target x vocabulary log-softmax."""
+    config = T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config)
+    batch = make_batch(0, rows=4, src_len=32, tgt_len=8)
+    labels = batch["target_ids"].masked_fill(batch["target_mask"] == 0, -100)
+    with SavedTensorCounter() as with_labels:  # the labels path, and the same float32 loss on its logits
+        reference = model(input_ids=batch["source_ids"], attention_mask=batch["source_mask"], labels=labels)
+        expected = torch.nn.functional.cross_entropy(
+            reference.logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
+        ).view_as(labels)
+    with SavedTensorCounter() as ours:
+        token_losses, _ = forward_token_losses(model, batch)
+    assert torch.equal(token_losses, expected)
+    log_softmax = 4 * 8 * config.vocab_size * 4  # fp32, 4 x 8 target tokens
+    assert 0 <= with_labels.bytes - ours.bytes - log_softmax <= 8  # and T5's loss scalar

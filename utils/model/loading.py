@@ -29,8 +29,15 @@ HUB_HINT = (
 class LoadedModel:
     model: nn.Module  # unwrapped; on the meta device where rank-0-only loading leaves it empty
     tokenizer: T5Tokenizer
-    memory_baseline: MemoryBaseline  # what loading cost this rank, and the model's size
     weights_source: str  # where rank-0-only loading reads the weights: the model, or a full .pt
+    param_numel_total: int  # the model's parameters, tied weights once
+    rss_before: int  # this rank's resident memory before the model was built (the peak was reset there)
+
+    def memory_baseline(self) -> MemoryBaseline:
+        """Call once the model is sharded: this rank's RSS high-water mark since before the model was built,
+        over the RSS then. Loading is not measured around from_pretrained alone, because transformers 5
+        memory-maps safetensors and the weights become resident only when FSDP copies and shards them."""
+        return MemoryBaseline(peak_rss_bytes() - self.rss_before, self.param_numel_total)
 
 
 def builds_on_meta(cpu_ram_efficient_loading: bool, fsdp_version: int, is_main: bool) -> bool:
@@ -51,12 +58,11 @@ def load_model_for_run(model_name: str, on_meta: bool, weights_file: str | None,
     reset_peak_rss()
     rss_before = current_rss_bytes()
     model, tokenizer = load_model_and_tokenizer(model_name, on_meta=on_meta, **overrides)
-    load_rss_delta = peak_rss_bytes() - rss_before
     if weights_file is not None and not on_meta:
         # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
         load_full_model_weights(model, weights_file)
-    baseline = MemoryBaseline(load_rss_delta, sum(p.numel() for p in model.parameters()))
-    return LoadedModel(model, tokenizer, baseline, weights_file or model_name)
+    numel = sum(p.numel() for p in model.parameters())
+    return LoadedModel(model, tokenizer, weights_file or model_name, numel, rss_before)
 
 
 def looks_like_local_path(model_name: str) -> bool:

@@ -6,8 +6,8 @@ and shards that unit, in the same order on every rank. Rank0Materializer allocat
 parameters, lets rank 0 read just those tensors from the pretrained safetensors file (or a full .pt), and
 broadcasts them. No rank ever holds more than one unit it does not keep (rank 0 included: it reads tensors
 by name, not the whole file), and FSDP1's `sync_module_states`, which it refuses for CPU tensors
-(docs/pitfalls.md #16), is not needed. A memo keeps tied weights (T5's `shared`, `embed_tokens`, `lm_head`)
-one parameter.
+(docs/pitfalls.md #16), is not needed. A weak memo keeps tied weights (T5's `shared`, `embed_tokens`,
+`lm_head`) one parameter without keeping any unit alive after it is sharded.
 
 FSDP2: ranks but 0 build on meta; after fully_shard, broadcast_rank0_weights allocates every rank's shards
 and scatters rank 0's loaded state dict into them.
@@ -15,6 +15,7 @@ and scatters rank 0's loaded state dict into them.
 
 import json
 import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from transformers.utils import cached_file
 
 from utils.errors import ConfigError
+from utils.observe.memory import trim_host_heap
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -93,7 +95,10 @@ class Rank0Materializer:
             self.aliases.setdefault(id(param), []).append(name)
         self.buffer_names = {id(b): name for name, b in model.named_buffers(remove_duplicate=False)}
         self.device, self.read, self.available = device, read, available
-        self.materialized: dict[int, torch.Tensor] = {}
+        # Weakly held: a tied weight is met again only inside its own unit, while that unit's modules still
+        # hold it. A plain dict kept every unit's full, unsharded parameters alive after FSDP had flattened
+        # and sharded them: the whole model resident on every rank for the whole run.
+        self.materialized: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
         self.is_rank0 = dist.get_rank() == 0
 
     def _filled(self, meta: torch.Tensor, names: list[str]) -> torch.Tensor:
@@ -107,15 +112,18 @@ class Rank0Materializer:
         return tensor
 
     def __call__(self, module: nn.Module) -> None:
+        trim_host_heap()  # the previous unit's full parameters are freed by now: keep them off the RSS
         for name, param in list(module._parameters.items()):
             if param is None:
                 continue
-            if id(param) not in self.materialized:
+            real = self.materialized.get(id(param))
+            if real is None:
                 if not param.is_meta:
                     continue
                 filled = self._filled(param, self.aliases[id(param)])
-                self.materialized[id(param)] = nn.Parameter(filled, requires_grad=param.requires_grad)
-            module._parameters[name] = self.materialized[id(param)]
+                real = nn.Parameter(filled, requires_grad=param.requires_grad)
+                self.materialized[id(param)] = real
+            module._parameters[name] = real
         for name, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = self._filled(buffer, [self.buffer_names.get(id(buffer), name)])

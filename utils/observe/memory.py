@@ -5,6 +5,7 @@ The account is written once, after the first optimizer step of a run (AdamW crea
 that step), as one `{"type": "memory", ...}` record per rank in metrics.jsonl.
 """
 
+import ctypes
 import resource
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ PROC_CLEAR_REFS = "/proc/self/clear_refs"
 class MemoryBaseline:
     """Measured while loading, reported in the memory account."""
 
-    load_rss_delta_bytes: int  # what building/loading the model made resident on this rank
+    load_rss_delta_bytes: int  # RSS high-water mark from before the model was built until it was sharded
     param_numel_total: int  # the model's parameters, tied weights counted once
 
 
@@ -58,6 +59,26 @@ def reset_peak_rss() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def trim_host_heap() -> None:
+    """Give freed host memory back to the OS (glibc's malloc_trim; a no-op elsewhere). glibc keeps freed
+    chunks of tens of MB in its heaps, so while a model is materialised and sharded unit by unit each
+    freed unit stays resident: with rank-0-only loading under FSDP1 that held 0.87x of a t5-base model on
+    rank 1 instead of 0.73x. Costs a walk of the heaps (about a millisecond)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -138,8 +159,10 @@ def memory_records(
     device: torch.device,
     baseline: MemoryBaseline,
     saved_activation_bytes: int,
+    saved_batch_shape: tuple[int, int, int],
 ) -> list[dict]:
-    """One memory-account record per rank, in rank order (on every rank). Collective."""
+    """One memory-account record per rank, in rank order (on every rank). Collective. `saved_batch_shape`:
+    rows, source and target length of the micro-batch whose saved bytes were counted."""
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
     local = [
         baseline.load_rss_delta_bytes,
@@ -148,6 +171,7 @@ def memory_records(
         peak_rss_bytes(),
         cuda_peak,
         saved_activation_bytes,
+        *saved_batch_shape,
     ]
     return [
         {
@@ -160,6 +184,9 @@ def memory_records(
             "peak_rss_bytes": rss,
             "cuda_peak_allocated_bytes": None if cuda < 0 else cuda,
             "saved_activation_bytes": saved,
+            "saved_activation_batch": batch_shape,  # [rows, source length, target length]
         }
-        for rank, (load_delta, params, optim, rss, cuda, saved) in enumerate(gather_ints(local, device))
+        for rank, (load_delta, params, optim, rss, cuda, saved, *batch_shape) in enumerate(
+            gather_ints(local, device)
+        )
     ]

@@ -1,10 +1,12 @@
-"""metrics.jsonl: one JSON record per line (step, memory, epoch), written by rank 0 as the run goes."""
+"""metrics.jsonl: one JSON record per line (step, memory, epoch, ...), written by rank 0 as the run goes
+(and, with --tensorboard true, the same records as TensorBoard scalars: utils/observe/tensorboard.py)."""
 
 import json
 import math
 import os
 
 from utils.files import atomic_path
+from utils.observe.tensorboard import TENSORBOARD_DIR, TensorBoardSink
 
 
 class MetricsWriter:
@@ -14,21 +16,27 @@ class MetricsWriter:
     files of a run, metrics.jsonl is appended in place (a resumed run first cuts it back atomically).
     """
 
-    def __init__(self, path: str, enabled: bool, append: bool = False):
+    def __init__(self, path: str, enabled: bool, append: bool = False, tensorboard: TensorBoardSink | None = None):
         self.path = path
         mode = "a" if append else "w"
         self.file = open(path, mode, encoding="utf-8") if enabled else None  # noqa: SIM115 - closed in close()
+        self.tensorboard = tensorboard  # the same records as scalars (--tensorboard true), rank 0 only
 
     def write(self, record: dict) -> None:
         if self.file is None:
             return
         self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
 
 
 def json_safe(value):
@@ -67,9 +75,14 @@ def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> N
         f.writelines(kept)
 
 
-def open_metrics(path: str, is_main: bool, resumed_at: tuple[int, int] | None) -> MetricsWriter:
+def open_metrics(path: str, is_main: bool, resumed_at: tuple[int, int] | None, tensorboard: bool) -> MetricsWriter:
     """The run's metrics writer (rank 0 writes; others ignore). `resumed_at`: (global step, epoch) of the
-    checkpoint a resumed run continues from; the file is cut back to it and appended to."""
+    checkpoint a resumed run continues from; the file is cut back to it and appended to. `tensorboard`:
+    also write the records as TensorBoard scalars, beside metrics.jsonl."""
     if is_main and resumed_at is not None:
         truncate_metrics_for_resume(path, *resumed_at)
-    return MetricsWriter(path, enabled=is_main, append=resumed_at is not None)
+    sink = None
+    if is_main and tensorboard:
+        log_dir = os.path.join(os.path.dirname(path), TENSORBOARD_DIR)
+        sink = TensorBoardSink(log_dir, purge_step=resumed_at[0] + 1 if resumed_at else None)
+    return MetricsWriter(path, enabled=is_main, append=resumed_at is not None, tensorboard=sink)

@@ -36,12 +36,24 @@ def move_batch(batch: dict, device: torch.device) -> dict:
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
+def shift_right(target_ids: torch.Tensor, start_token_id: int) -> torch.Tensor:
+    """T5's decoder inputs: the start token, then the targets but the last. Padding positions of the targets
+    hold the pad token already, which is what T5's own shift puts there."""
+    start = target_ids.new_full((target_ids.shape[0], 1), start_token_id)
+    return torch.cat([start, target_ids[:, :-1]], dim=1)
+
+
 def forward_token_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cross-entropy (float32, 0 at padding) and the labels, for a batch already on the device."""
     labels = labels_for_loss(batch["target_ids"], batch["target_mask"])
-    # T5 builds decoder inputs by shifting `labels` right (pad as start token; -100 becomes pad). Its own
-    # `loss` output is recomputed below in float32 as a sum, so that ranks can be combined exactly.
-    logits = model(input_ids=batch["source_ids"], attention_mask=batch["source_mask"], labels=labels).logits
+    # The decoder inputs are passed rather than `labels`: given labels, T5 also computes its own mean loss,
+    # whose log-softmax keeps a batch x target x vocabulary tensor alive for backward although the loss
+    # below (a float32 sum, so ranks combine exactly) is the one trained on.
+    logits = model(
+        input_ids=batch["source_ids"],
+        attention_mask=batch["source_mask"],
+        decoder_input_ids=shift_right(batch["target_ids"], model.config.decoder_start_token_id),
+    ).logits
     token_losses = F.cross_entropy(
         logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
     ).view_as(labels)

@@ -136,7 +136,7 @@ class Trainer:
         (after saving a checkpoint). Collective."""
         resumed_at = (self.progress.global_step, self.progress.epoch) if self.resumed else None
         path = os.path.join(self.config.output_dir, METRICS_FILE)
-        self.metrics = open_metrics(path, self.info.is_main, resumed_at)
+        self.metrics = open_metrics(path, self.info.is_main, resumed_at, self.config.tensorboard)
         try:
             with StopRequest() as self.stop:
                 while self.progress.epoch <= self.config.epochs and not self._done_early():
@@ -225,7 +225,8 @@ class Trainer:
             self.trainables.scheduler.step()
         if self.memory_account_due:  # AdamW's state exists from the first step on
             baseline = self.measures.memory_baseline
-            for record in memory_records(model, optimizer, self.info.device, baseline, counter.bytes):
+            counted = (*batches[0]["source_ids"].shape, batches[0]["target_ids"].shape[1])
+            for record in memory_records(model, optimizer, self.info.device, baseline, counter.bytes, counted):
                 self.metrics.write(record)
             self.memory_account_due = False
 

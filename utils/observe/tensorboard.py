@@ -1,0 +1,75 @@
+"""TensorBoard curves (--tensorboard true): every record rank 0 writes to metrics.jsonl also becomes
+scalars in output_dir/tensorboard, through torch.utils.tensorboard (which needs the `tensorboard` package).
+
+Tags by record type, each against its natural x-axis:
+- step (global step): train/loss, train/lr, train/grad_norm, train/mfu, train/model_tflops_per_s, ...
+- validation (global step): validation/val_loss
+- epoch (epoch): epoch/train_loss, epoch/val_loss, epoch/tokens_per_s, epoch/mfu, epoch/peak_memory_mib, ...
+- eval (global step): rouge/<split>/rouge1, rouge2, rougeL, rougeLsum, gen_len
+- memory (rank): memory/<field> in MiB or elements, one point per rank
+Null, non-finite and non-numeric fields are left out, so a skipped step leaves a gap, not a zero.
+"""
+
+import importlib.util
+import math
+
+TENSORBOARD_DIR = "tensorboard"
+INSTALL_HINT = "--tensorboard true needs the tensorboard package: pip install tensorboard"
+# The x-axis of each record type, and the prefix of its tags.
+AXES = {"step": ("step", "train"), "validation": ("step", "validation"), "epoch": ("epoch", "epoch")}
+NOT_SCALARS = {"type", "step", "epoch", "rank", "split", "num_samples", "baselines"}
+
+
+def tensorboard_available() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def _numbers(record: dict) -> dict[str, float]:
+    return {
+        key: float(value)
+        for key, value in record.items()
+        if key not in NOT_SCALARS
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    }
+
+
+def scalars_of(record: dict) -> list[tuple[str, float, int]]:
+    """(tag, value, x) for every finite number of a metrics record; byte counts become MiB."""
+    kind = record.get("type")
+    if kind == "eval":
+        prefix, x = f"rouge/{record['split']}", record["step"]
+    elif kind == "memory":
+        prefix, x = "memory", record["rank"]
+    elif kind in AXES:
+        axis, prefix = AXES[kind]
+        x = record[axis]
+    else:
+        return []
+    out = []
+    for key, value in _numbers(record).items():
+        if key.endswith("_bytes"):
+            key, value = key.removesuffix("_bytes") + "_mib", value / 2**20
+        out.append((f"{prefix}/{key}", value, x))
+    if kind == "epoch" and record.get("peak_memory_bytes"):  # a list, one peak per rank: the largest
+        out.append(("epoch/peak_memory_mib", max(record["peak_memory_bytes"]) / 2**20, x))
+    return out
+
+
+class TensorBoardSink:
+    """Writes metrics records as TensorBoard scalars (rank 0 only: build it there). `purge_step`: on resume,
+    the first step the resumed run writes again; TensorBoard then hides the old run's later events."""
+
+    def __init__(self, log_dir: str, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked for
+
+        self.writer = SummaryWriter(log_dir, purge_step=purge_step)
+
+    def write(self, record: dict) -> None:
+        for tag, value, x in scalars_of(record):
+            self.writer.add_scalar(tag, value, x)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
