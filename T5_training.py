@@ -47,6 +47,7 @@ from utils.eval.evaluator import Evaluator
 from utils.eval.generation import GenerationSettings, summarization_params
 from utils.fsdp.wrap import log_fsdp_layout, wrap_model
 from utils.model.loading import builds_on_meta, load_model_for_run, model_config_overrides
+from utils.model.lora import LoraSettings, apply_lora, trainable_share
 from utils.observe.flops import T5Flops, Throughput, device_peak_flops
 from utils.observe.log import get_logger, setup_logging
 from utils.observe.memory import trim_host_heap
@@ -67,6 +68,9 @@ def build_trainer(
     weights_file = full_weights_file(start)
     overrides = model_config_overrides(train_config)
     loaded = load_model_for_run(train_config.model_name, on_meta, weights_file, overrides)
+    lora = LoraSettings.from_config(train_config)
+    if lora is not None:
+        loaded.model = add_lora_adapters(loaded.model, lora)
     model_config = loaded.model.config
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
     model_config.task_specific_params = {
@@ -80,25 +84,37 @@ def build_trainer(
     loaders = build_loaders(loaded.tokenizer, train_config, info)
     total_steps = total_optimizer_steps(train_config, len(loaders.train))
     trainables = build_trainables(model, train_config, precision, info.device, total_steps)
-    settings = CheckpointSettings.from_configs(train_config, fsdp_config)
+    settings = CheckpointSettings.from_configs(train_config, fsdp_config, lora)
     checkpointer = Checkpointer(settings, trainables, model_config, loaded.tokenizer, info)
-    throughput = build_throughput(model_config, fsdp_config, train_config.peak_tflops, info, precision)
+    throughput = build_throughput(model_config, fsdp_config, train_config, info, precision)
     measures = Measures(memory_baseline, throughput)
     return Trainer(trainables, loaders, checkpointer, train_config, info, measures)
 
 
+def add_lora_adapters(model, lora: LoraSettings):
+    """--peft lora: the PEFT model, only its adapters trainable (before wrapping, like the model itself)."""
+    model = apply_lora(model, lora)
+    trainable, total = trainable_share(model)
+    get_logger().info(
+        "LoRA r=%d alpha=%d on %s: %d of %d parameters train (%.2f%%)",
+        lora.r, lora.alpha, ",".join(lora.target_modules), trainable, total, 100 * trainable / total,
+    )  # fmt: skip
+    return model
+
+
 def build_throughput(
-    model_config, fsdp_config: FSDPConfig, peak_tflops: float, info: DistInfo, precision: str
+    model_config, fsdp_config: FSDPConfig, train_config: TrainConfig, info: DistInfo, precision: str
 ) -> Throughput:
     """How steps are counted in FLOPs and rated against the device's peak in the compute dtype. Collective."""
     dtype = POLICIES[precision].param_dtype
-    peak, source = device_peak_flops(info.device, dtype, peak_tflops)
+    peak, source = device_peak_flops(info.device, dtype, train_config.peak_tflops)
     if peak:
         get_logger().info("MFU against a peak of %.4g TFLOP/s per device (%s)", peak / 1e12, source)
     else:
         get_logger().warning("no MFU: %s", source)
     recompute = fsdp_config.fsdp_activation_checkpointing
-    return Throughput(T5Flops.from_config(model_config), recompute, info.world_size, peak, source)
+    flops = T5Flops.from_config(model_config, frozen_weights=train_config.peft == "lora")
+    return Throughput(flops, recompute, info.world_size, peak, source)
 
 
 def evaluate_saved_model(trainer: Trainer, train_config: TrainConfig, info: DistInfo) -> None:

@@ -9,14 +9,18 @@ import argparse
 import difflib
 import enum
 import math
+import os
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
+from configs.accelerate_env import settings_from_accelerate
 from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
 from utils.errors import ConfigError
+from utils.observe.log import get_logger
 
 # The tutorial's flags (seed 000/002), kept working. Flags whose name equals a field (--epochs, --lr,
 # --gamma, --seed, --track_memory, --run_validation) need no alias. Unlike the tutorial, where
@@ -218,20 +222,56 @@ def _unknown_flag_message(unknown: list[str], parser: argparse.ArgumentParser) -
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, FSDPConfig]:
-    """Defaults of the dataclasses, overridden by argv. Raises ConfigError on any bad flag or value."""
+def parse_args(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[TrainConfig, FSDPConfig]:
+    """Defaults of the dataclasses, overridden by the settings `accelerate launch` passed in the environment
+    (configs/accelerate_env.py), overridden by argv. Raises ConfigError on any bad flag or value."""
+    overrides, from_accelerate = _resolve(argv, environ)
+    if from_accelerate:
+        values = {**overrides["train"], **overrides["fsdp"]}
+        taken = ", ".join(
+            f"--{name} {format_value(values[name])} ({source})" for name, source in from_accelerate.items()
+        )
+        get_logger().info("from accelerate launch's environment: %s", taken)
+    train_config = replace(TrainConfig(), **overrides["train"])
+    fsdp_config = replace(FSDPConfig(), **overrides["fsdp"])
+    return train_config, fsdp_config
+
+
+def fields_from_accelerate(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> dict:
+    """{field: the accelerate launch variable(s) it was taken from} for the run that parse_args(argv, environ)
+    configures (flags given in argv win, so their fields are not listed): the run record's "from_accelerate"."""
+    return _resolve(argv, environ)[1]
+
+
+def _resolve(argv: list[str] | None, environ: Mapping[str, str] | None) -> tuple[dict, dict[str, str]]:
+    """{"train": {field: value}, "fsdp": {...}}: the typed values that the environment (accelerate launch's
+    settings) or argv give, argv winning; and {field: variables} of those taken from the environment."""
     parser = build_parser()
     namespace, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if unknown:
         raise ConfigError(_unknown_flag_message(unknown, parser))
-    specs = {f"{s.section}.{s.name}": s for s in field_specs()}
+    specs = {s.name: s for s in field_specs()}
+    explicit = {dest.split(".", 1)[1]: text for dest, text in vars(namespace).items()}
+    settings = settings_from_accelerate(os.environ if environ is None else environ, explicit)
     overrides = {"train": {}, "fsdp": {}}
-    for dest, text in vars(namespace).items():
-        section, name = dest.split(".", 1)
-        overrides[section][name] = parse_value(specs[dest], text)
-    train_config = replace(TrainConfig(), **overrides["train"])
-    fsdp_config = replace(FSDPConfig(), **overrides["fsdp"])
-    return train_config, fsdp_config
+    for name, (text, variables) in settings.items():  # first: the flags given below win
+        overrides[specs[name].section][name] = _parse_from_environment(specs[name], text, variables)
+    for name, text in explicit.items():
+        overrides[specs[name].section][name] = parse_value(specs[name], text)
+    return overrides, {name: variables for name, (_, variables) in settings.items()}
+
+
+def _parse_from_environment(spec: FieldSpec, text: str, variables: str):
+    """parse_value, with the variables that gave the value named in the error."""
+    try:
+        return parse_value(spec, text)
+    except ConfigError as err:
+        raise ConfigError(
+            f"{variables} (set by accelerate launch) gives --{spec.name} {text}: {err}. "
+            f"Fix the config file, or give --{spec.name} on the command line."
+        ) from None
 
 
 def config_to_dict(config) -> dict:

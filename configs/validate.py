@@ -7,6 +7,8 @@ names the flags and the fix. Rules about single values (types, bounds, choices) 
 are first read.
 """
 
+import importlib.util
+
 from torch.distributed.fsdp import BackwardPrefetch
 
 from configs.fsdp import FSDPConfig
@@ -29,6 +31,7 @@ def check_settings(train_config: TrainConfig, fsdp_config: FSDPConfig, world_siz
     check_evaluation(train_config)
     check_schedule(train_config)
     check_optional_packages(train_config)
+    check_lora(train_config, fsdp_config)
     check_decay_groups(train_config, fsdp_config)
     check_compile(fsdp_config)
 
@@ -160,6 +163,21 @@ def check_optional_packages(train_config: TrainConfig) -> None:
     """A feature whose package is not installed fails here, on every rank, naming the pip line."""
     if train_config.tensorboard and not tensorboard_available():
         raise ConfigError(INSTALL_HINT)
+    if train_config.peft == "lora" and importlib.util.find_spec("peft") is None:
+        raise ConfigError("--peft lora needs the peft package: pip install peft")
+
+
+def check_lora(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
+    """Rank-0-only loading builds on meta and reads weights by name, and the adapters are not in the file.
+    (FSDP1 needs nothing: the adapters become units of their own, policies/wrapping.py.)"""
+    if train_config.peft != "lora":
+        if train_config.merge_lora:
+            raise ConfigError("--merge_lora true merges LoRA adapters: it needs --peft lora")
+        return
+    if fsdp_config.cpu_ram_efficient_loading:
+        raise ConfigError("--peft lora cannot be combined with --cpu_ram_efficient_loading true yet; drop one")
+    if not [name for name in train_config.lora_target_modules.split(",") if name.strip()]:
+        raise ConfigError("--lora_target_modules is empty: give the linear layers to adapt, e.g. q,v")
 
 
 def check_schedule(train_config: TrainConfig) -> None:

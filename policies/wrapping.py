@@ -46,9 +46,25 @@ def get_size_based_wrap_policy(model: nn.Module, min_num_params: int):
     )
 
 
+def _adapters_apart(module, recurse, nonwrapped_numel, *, policy):
+    # A module whose own parameters all train, in a model that is otherwise frozen (LoRA's lora_A and
+    # lora_B), becomes a unit of its own: a FlatParameter must not mix frozen and trained weights.
+    if recurse:
+        return True
+    own = list(module.parameters(recurse=False))
+    if own and all(p.requires_grad for p in own):
+        return True
+    return policy(module, recurse, nonwrapped_numel)
+
+
 def get_wrap_policy(name: str, model: nn.Module, min_num_params: int):
+    """The named policy; when part of the model is frozen (--peft lora), with the trained modules (the
+    adapters) wrapped apart, so FSDP1 needs no use_orig_params and shards each adapter over every rank."""
     if name == "transformer":
-        return get_t5_wrap_policy()
-    if name == "size_based":
-        return get_size_based_wrap_policy(model, min_num_params)
-    raise ValueError(f"wrap policy must be transformer or size_based, not {name!r}")
+        policy = get_t5_wrap_policy()
+    elif name == "size_based":
+        policy = get_size_based_wrap_policy(model, min_num_params)
+    else:
+        raise ValueError(f"wrap policy must be transformer or size_based, not {name!r}")
+    trains = {p.requires_grad for p in model.parameters()}
+    return functools.partial(_adapters_apart, policy=policy) if trains == {True, False} else policy

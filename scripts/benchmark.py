@@ -5,6 +5,8 @@
         --max_target_length 150 --out bench/datapath
     python scripts/benchmark.py --suite peers --models t5-small --data full_lengths \
         --max_source_length 256 --max_target_length 64 --out bench/peers
+    python scripts/benchmark.py --suite lora --models t5-small --max_source_length 256 \
+        --max_target_length 64 --out bench/lora
     python scripts/benchmark.py --suite loading --models t5-base --steps 4 --max_source_length 64 \
         --max_target_length 16 --out bench/loading
 
@@ -89,6 +91,14 @@ SUITES = {
         "FSDP1, rank-0-only loading": ["--fsdp_version", "1", "--cpu_ram_efficient_loading", "true"],
         "FSDP2": ["--fsdp_version", "2", "--cpu_ram_efficient_loading", "false"],
         "FSDP2, rank-0-only loading": ["--fsdp_version", "2", "--cpu_ram_efficient_loading", "true"],
+    },
+    # LoRA (--peft lora, q and v, r 8) against full fine-tuning: step time, peak memory, optimizer state.
+    "lora": {
+        "full fine-tuning, FSDP1": ["--fsdp_version", "1"],
+        "LoRA, FSDP1 (adapters wrapped apart)": ["--fsdp_version", "1", "--peft", "lora"],
+        "LoRA, FSDP1, use_orig_params": ["--fsdp_version", "1", "--peft", "lora", "--use_orig_params", "true"],
+        "full fine-tuning, FSDP2": ["--fsdp_version", "2"],
+        "LoRA, FSDP2": ["--fsdp_version", "2", "--peft", "lora"],
     },
     "strategies": {
         "FULL_SHARD": ["--sharding_strategy", "FULL_SHARD"],

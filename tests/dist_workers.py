@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.data import Dataset
@@ -25,11 +26,14 @@ from utils.data.loaders import build_loader
 from utils.data.samplers import PaddedEvalSampler
 from utils.errors import TrainingDivergedError
 from utils.fsdp.wrap import wrap_model
+from utils.model.lora import LoraSettings, apply_lora
 from utils.model.rank0_loading import Rank0Materializer
+from utils.observe.memory import optim_state_numel_local
 from utils.paths import EMBEDDED_MODEL_DIR
 from utils.train import step as step_module
 from utils.train.step import forward_token_losses, train_step, validate
 from utils.train.step_log import StepLog
+from utils.train.trainables import parameter_groups
 
 CPU = torch.device("cpu")
 VOCAB = 1100
@@ -615,4 +619,63 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
             out[version] = {"losses": losses, "state": state if rank == 0 else None}
     finally:
         wrap_module.compile_blocks = original
+    return out
+
+
+LORA = LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=("q", "v"), base_model="", merge=False)
+
+
+def lora_t5() -> nn.Module:
+    """tiny_t5 with LoRA on q and v; the adapters' random A drawn from one seed, as every rank does."""
+    model = tiny_t5()
+    torch.manual_seed(7)
+    return apply_lora(model, LORA)
+
+
+def lora_reference_run(steps: int, world_size: int) -> tuple[list[float], dict]:
+    """The unsharded PEFT model on the global batch, AdamW over the trainable (adapter) parameters."""
+    model = lora_t5()
+    optimizer = torch.optim.AdamW(parameter_groups(model, 0.0), lr=LR)
+    losses = []
+    for step in range(steps):
+        token_losses, labels = forward_token_losses(model, global_batch(step, world_size))
+        loss = token_losses.sum() / (labels != -100).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+LORA_VARIANTS = {
+    "FSDP1": {},
+    "FSDP1 + checkpointing": {"fsdp_activation_checkpointing": True},
+    "FSDP1 use_orig_params": {"use_orig_params": True},
+    "FSDP2": {"fsdp_version": 2},
+    "FSDP2 + checkpointing": {"fsdp_version": 2, "fsdp_activation_checkpointing": True},
+}
+
+
+def lora_worker(rank: int, world_size: int, steps: int) -> dict:
+    """LoRA under each backend: per-step losses, the full state dict (rank 0), and the AdamW state elements
+    this rank holds. Rank 0 also returns the unsharded reference and the initial weights."""
+    out = {}
+    for name, overrides in LORA_VARIANTS.items():
+        model = wrap_model(lora_t5(), _fsdp_config(overrides), CPU, FP32)
+        optimizer = torch.optim.AdamW(parameter_groups(model, 0.0), lr=LR)
+        records: list[dict] = []
+        step_log = StepLog(every=steps, on_flush=records.extend)
+        for step in range(steps):
+            stats = train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
+            step_log.add(step + 1, LR, stats)
+        step_log.flush()
+        state = gather_full_state_dict(model, CPU)
+        out[name] = {
+            "losses": [r["loss"] for r in records],
+            "state": state,
+            "optim": optim_state_numel_local(optimizer),
+        }
+    if rank == 0:
+        out["reference"] = lora_reference_run(steps, world_size)
+        out["initial"] = {k: v.clone() for k, v in lora_t5().state_dict().items()}
     return out

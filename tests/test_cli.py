@@ -122,7 +122,8 @@ def non_default_value(spec, default):
     if hint is int:
         return default + 1
     if hint is float:
-        return default * 2 + 1
+        wider = default * 2 + 1
+        return wider if spec.maximum is None or wider <= spec.maximum else (default + spec.maximum) / 2
     if hint is str:
         return default + "_other"
     if hint == float | None:

@@ -39,6 +39,7 @@ from utils.checkpoint.state_dicts import (
 from utils.distributed.process_group import DistInfo
 from utils.errors import FAILURES, CheckpointError, error_summary
 from utils.files import disk_bytes, write_json
+from utils.model.lora import LoraSettings, write_lora_folders
 from utils.observe.log import get_logger
 from utils.train.progress import TrainProgress
 from utils.train.trainables import Trainables
@@ -51,15 +52,19 @@ class CheckpointSettings:
     save_optimizer: bool
     keep_last_n: int  # 0: no resumable checkpoints
     every_n_steps: int  # 0: at epoch ends only
+    lora: LoraSettings | None = None  # --peft lora: the export writes the adapter (and the merged model)
 
     @classmethod
-    def from_configs(cls, train_config: TrainConfig, fsdp_config: FSDPConfig) -> "CheckpointSettings":
+    def from_configs(
+        cls, train_config: TrainConfig, fsdp_config: FSDPConfig, lora: LoraSettings | None = None
+    ) -> "CheckpointSettings":
         return cls(
             output_dir=train_config.output_dir,
             checkpoint_type=fsdp_config.checkpoint_type,
             save_optimizer=fsdp_config.save_optimizer,
             keep_last_n=train_config.keep_last_n,
             every_n_steps=train_config.save_every_n_steps,
+            lora=lora,
         )
 
 
@@ -246,7 +251,15 @@ class Checkpointer:
         if not self.info.is_main:
             return None
         folder = os.path.join(self.settings.output_dir, layout.HF_LAST_DIR if last else layout.HF_DIR)
-        write_hf_folder(state, self.model_config, self.tokenizer, folder)
+        lora = self.settings.lora
+        if lora is not None:  # the adapter beside where the model goes, and the merged model if asked for
+            adapter = folder.replace(layout.HF_DIR, layout.HF_ADAPTER_DIR)
+            write_lora_folders(state, self.model_config, self.tokenizer, lora, (adapter, folder))
+            get_logger().info("LoRA adapter written: %s (PeftModel.from_pretrained-loadable)", adapter)
+            if not lora.merge:
+                return adapter
+        else:
+            write_hf_folder(state, self.model_config, self.tokenizer, folder)
         get_logger().info("model written: %s (from_pretrained-loadable, safetensors)", folder)
         return folder
 

@@ -32,6 +32,7 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 HF_DIR = "hf_model"
 HF_LAST_DIR = "hf_model_last"  # the final model, when an earlier epoch was the best
+HF_ADAPTER_DIR = "hf_adapter"  # --peft lora: the adapter (hf_adapter, hf_adapter_last)
 STATE_FILE = "train_state.json"
 PARAM_GROUPS_FILE = "optimizer_param_groups.json"
 MODEL_FILE = "model.pt"

@@ -37,9 +37,10 @@ class T5Flops:
     attention_width: int  # num_heads * d_kv
     encoder_layers: int
     decoder_layers: int
+    frozen_weights: bool = False  # --peft lora: backward computes no gradient for the (frozen) weights
 
     @classmethod
-    def from_config(cls, config: T5Config) -> "T5Flops":
+    def from_config(cls, config: T5Config, frozen_weights: bool = False) -> "T5Flops":
         d_model, width = config.d_model, config.num_heads * config.d_kv
         feed_forward = d_model * config.d_ff * (3 if config.is_gated_act else 2)
         return cls(
@@ -50,22 +51,31 @@ class T5Flops:
             attention_width=width,
             encoder_layers=config.num_layers,
             decoder_layers=config.num_decoder_layers,
+            frozen_weights=frozen_weights,
         )
 
-    def forward(self, source_lengths: torch.Tensor, target_lengths: torch.Tensor, head: bool = True):
-        """Forward FLOPs of a batch, summed over its sequences (lengths: real tokens per row, float64)."""
+    def forward_parts(self, source_lengths: torch.Tensor, target_lengths: torch.Tensor, head: bool = True):
+        """(linear layers, attention scores and mixing) forward FLOPs of a batch, summed over its sequences
+        (lengths: real tokens per row, float64)."""
         src, tgt = source_lengths, target_lengths
         head_weights = self.head_weights if head else 0
         on_source = self.encoder_weights + self.cross_kv_weights
         linear = 2 * (on_source * src + (self.decoder_weights - self.cross_kv_weights + head_weights) * tgt)
         scores = self.encoder_layers * src * src + self.decoder_layers * (tgt * tgt + tgt * src)
-        return (linear + 4 * self.attention_width * scores).sum()
+        return linear.sum(), (4 * self.attention_width * scores).sum()
+
+    def forward(self, source_lengths: torch.Tensor, target_lengths: torch.Tensor, head: bool = True):
+        """Forward FLOPs of a batch, summed over its sequences."""
+        return sum(self.forward_parts(source_lengths, target_lengths, head))
 
     def training(self, batch: dict, recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(model, hardware) FLOPs of one forward+backward of `batch`, on its device, without a host sync."""
+        """(model, hardware) FLOPs of one forward+backward of `batch`, on its device, without a host sync.
+        With frozen weights a linear layer's backward is one matmul (its input's gradient), not two; the
+        adapters' own FLOPs (rank r) are left out."""
         src = batch["source_mask"].sum(dim=1).to(torch.float64)
         tgt = batch["target_mask"].sum(dim=1).to(torch.float64)
-        model = 3 * self.forward(src, tgt)
+        linear, attention = self.forward_parts(src, tgt)
+        model = (2 if self.frozen_weights else 3) * linear + 3 * attention
         hardware = model + self.forward(src, tgt, head=False) if recompute else model
         return model, hardware
 

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 import torch
 import transformers
 
-from configs.cli import config_to_dict
+from configs.cli import config_to_dict, fields_from_accelerate
 from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
 from utils.distributed.process_group import DistInfo
@@ -18,11 +18,13 @@ from utils.observe.flops import Throughput
 def run_record(
     train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo, precision: str, throughput: Throughput
 ) -> dict:
-    """The resolved configs (CLI spelling: feeding them back as flags reproduces the run) and the setting,
-    with the peak FLOP/s per device that MFU divides by (null: none known)."""
+    """The resolved configs (CLI spelling: feeding them back as flags reproduces the run), the fields taken
+    from `accelerate launch`'s environment ({field: variables}; {} without it), and the setting, with the peak
+    FLOP/s per device that MFU divides by (null: none known)."""
     return {
         "train_config": config_to_dict(train_config),
         "fsdp_config": config_to_dict(fsdp_config),
+        "from_accelerate": fields_from_accelerate(sys.argv[1:]),
         "world_size": info.world_size,
         "backend": info.backend,
         "device": str(info.device),

@@ -39,10 +39,11 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's parameter groups: with weight decay, the matrices decay and the layer norms (and any bias)
     do not, the usual recipe. Grouped by name, which both backends keep (FSDP1 with use_orig_params, which
     configs/validate.py requires for this). Without weight decay, one group, as the tutorial had."""
+    trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]  # LoRA: adapters
     if not weight_decay:
-        return [{"params": list(model.parameters()), "weight_decay": 0.0}]
+        return [{"params": [param for _, param in trained], "weight_decay": 0.0}]
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for name, param in trained:
         # T5's norms are *.layer_norm.weight and *.final_layer_norm.weight; it has no biases, and its
         # relative_attention_bias is an embedding matrix, which decays.
         (no_decay if "layer_norm" in name or name.endswith(".bias") else decay).append(param)
