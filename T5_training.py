@@ -6,7 +6,7 @@ Every field of configs/training.py and configs/fsdp.py is a flag; `--help` lists
 it trains the embedded tiny T5 on the embedded WikiHow sample (offline, CPU or GPU).
 
 The run, top to bottom: parse the flags, check every combination (before anything is read), set up the
-process group, build (model, data, FSDP, optimizer, checkpointer, trainer), train, export, tear down.
+process group, build (data, model, FSDP, optimizer, checkpointer, trainer), train, export, tear down.
 """
 
 import os
@@ -32,6 +32,7 @@ from utils.checkpoint.layout import (
     is_checkpoint_folder,
     prepare_output_dir,
 )
+from utils.checkpoint.state_dicts import load_full_model_weights
 from utils.data.loaders import build_eval_set, build_loaders
 from utils.distributed.process_group import (
     DistInfo,
@@ -46,8 +47,14 @@ from utils.errors import FAILURES, ConfigError, UserError
 from utils.eval.evaluator import Evaluator
 from utils.eval.generation import GenerationSettings, summarization_params
 from utils.fsdp.wrap import log_fsdp_layout, wrap_model
-from utils.model.loading import builds_on_meta, load_model_for_run, model_config_overrides
-from utils.model.lora import LoraSettings, apply_lora, trainable_share
+from utils.model.loading import (
+    LoadedModel,
+    builds_on_meta,
+    load_model_for_run,
+    load_tokenizer,
+    model_config_overrides,
+)
+from utils.model.lora import LoraSettings, apply_lora, holds_adapters, trainable_share
 from utils.observe.flops import T5Flops, Throughput, device_peak_flops
 from utils.observe.log import get_logger, setup_logging
 from utils.observe.memory import trim_host_heap
@@ -62,15 +69,12 @@ RANK0_MESSAGE_GRACE_S = 2.0
 def build_trainer(
     train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo, precision: str, start: str | None
 ) -> Trainer:
-    """config -> model + tokenizer -> FSDP model -> loaders -> optimizer -> checkpointer -> trainer."""
+    """config -> tokenizer + loaders -> model (+ LoRA) -> FSDP model -> optimizer -> checkpointer -> trainer."""
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
-    on_meta = builds_on_meta(fsdp_config.cpu_ram_efficient_loading, fsdp_config.fsdp_version, info.is_main)
-    weights_file = full_weights_file(start)
-    overrides = model_config_overrides(train_config)
-    loaded = load_model_for_run(train_config.model_name, on_meta, weights_file, overrides)
+    # The data is read and checked before the model loads, so a data error costs seconds, not minutes.
+    loaders = build_loaders(load_tokenizer(train_config.model_name), train_config, info)
     lora = LoraSettings.from_config(train_config)
-    if lora is not None:
-        loaded.model = add_lora_adapters(loaded.model, lora)
+    loaded = build_model(train_config, fsdp_config, info, lora, start)
     model_config = loaded.model.config
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
     model_config.task_specific_params = {
@@ -78,10 +82,9 @@ def build_trainer(
         "summarization": summarization_params(train_config),
     }
     model = wrap_model(loaded.model, fsdp_config, info.device, precision, loaded.weights_source)
-    memory_baseline = loaded.memory_baseline()  # loading measured until sharded, before the data is read
+    memory_baseline = loaded.memory_baseline()  # loading measured until sharded
     trim_host_heap()  # what loading freed goes back to the OS instead of inflating the run's peak
     log_fsdp_layout(model, precision)
-    loaders = build_loaders(loaded.tokenizer, train_config, info)
     total_steps = total_optimizer_steps(train_config, len(loaders.train))
     trainables = build_trainables(model, train_config, precision, info.device, total_steps)
     settings = CheckpointSettings.from_configs(train_config, fsdp_config, lora)
@@ -89,6 +92,35 @@ def build_trainer(
     throughput = build_throughput(model_config, fsdp_config, train_config, info, precision)
     measures = Measures(memory_baseline, throughput)
     return Trainer(trainables, loaders, checkpointer, train_config, info, measures)
+
+
+def build_model(
+    train_config: TrainConfig,
+    fsdp_config: FSDPConfig,
+    info: DistInfo,
+    lora: LoraSettings | None,
+    start: str | None,
+) -> LoadedModel:
+    """The unwrapped model: pretrained (or a skeleton for rank-0-only loading), with the weights of a full
+    .pt start, and LoRA adapters. A LoRA run's own .pt (adapters included) is loaded after the adapters."""
+    on_meta = builds_on_meta(fsdp_config.cpu_ram_efficient_loading, fsdp_config.fsdp_version, info.is_main)
+    weights_file = full_weights_file(start)
+    adapter_weights = weights_file if lora and weights_file and holds_adapters(weights_file) else None
+    if lora and weights_file and not adapter_weights and not is_checkpoint_folder(start) and not lora.merge:
+        raise ConfigError(
+            f"--peft lora from the weights of {start}: the adapter would name {lora.base_model} as its base, "
+            "whose weights differ. Add --merge_lora true (the merged hf_model/ stands alone)."
+        )
+    overrides = model_config_overrides(train_config)
+    loaded = load_model_for_run(
+        train_config.model_name, on_meta, None if adapter_weights else weights_file, overrides
+    )
+    if lora is not None:
+        loaded.model = add_lora_adapters(loaded.model, lora)
+        if adapter_weights:
+            load_full_model_weights(loaded.model, adapter_weights)
+        loaded.param_numel_total = trainable_share(loaded.model)[1]
+    return loaded
 
 
 def add_lora_adapters(model, lora: LoraSettings):

@@ -167,13 +167,22 @@ def check_optional_packages(train_config: TrainConfig) -> None:
         raise ConfigError("--peft lora needs the peft package: pip install peft")
 
 
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora")
+
+
 def check_lora(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
     """Rank-0-only loading builds on meta and reads weights by name, and the adapters are not in the file.
     (FSDP1 needs nothing: the adapters become units of their own, policies/wrapping.py.)"""
     if train_config.peft != "lora":
-        if train_config.merge_lora:
-            raise ConfigError("--merge_lora true merges LoRA adapters: it needs --peft lora")
+        defaults = TrainConfig()
+        given = [name for name in LORA_FIELDS if getattr(train_config, name) != getattr(defaults, name)]
+        if given:
+            raise ConfigError(f"--{given[0]} sets up LoRA adapters: it needs --peft lora")
         return
+    if train_config.lora_dropout >= 1:
+        raise ConfigError("--lora_dropout 1 drops every input of the adapters, which would never train: use < 1")
+    if fsdp_config.compile:
+        raise ConfigError("--peft lora with --compile true is not supported yet (untested); drop one")
     if fsdp_config.cpu_ram_efficient_loading:
         raise ConfigError("--peft lora cannot be combined with --cpu_ram_efficient_loading true yet; drop one")
     if not [name for name in train_config.lora_target_modules.split(",") if name.strip()]:

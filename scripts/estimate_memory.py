@@ -23,6 +23,8 @@ What is predicted, per rank:
   so for them the figure is an upper bound;
 - recompute: with activation checkpointing, the activations of the one block backward recomputes at a
   time, held on top of the kept ones while it runs.
+It plans full fine-tuning: with --peft lora the gradients and AdamW state are the adapters' alone (about 2%
+of these figures at r 8 on q,v) and the adapters' own activations are not counted.
 The state figures (parameters, gradients, optimizer) are exact up to padding; they are checked against the
 memory account that training writes to metrics.jsonl (tests/test_end_to_end.py).
 """

@@ -39,16 +39,20 @@ def load_records(run_dir: Path) -> list[dict]:
         raise PlotError(f"{path} does not exist: is {str(run_dir)!r} an output_dir of T5_training.py?")
     records = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
+        lines = f.readlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines) and not line.endswith("\n"):  # a running or crashed run's last line
+                print(f"note: {path} line {number} is cut short (a run still writing?): left out", file=sys.stderr)
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise PlotError(f"{path} line {number} is not JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise PlotError(f"{path} line {number} is not a JSON object")
-            records.append(record)
+            raise PlotError(f"{path} line {number} is not JSON ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise PlotError(f"{path} line {number} is not a JSON object")
+        records.append(record)
     return records
 
 

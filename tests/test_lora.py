@@ -2,6 +2,7 @@
 PEFT model; the adapter and merged exports; the run through torchrun, killed and resumed."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ def test_adapter_and_merged_exports_load_and_agree(tmp_path):
     from_pretrained; both give the trained PEFT model's logits."""
     from peft import PeftModel
 
-    settings = type(LORA)(**{**LORA.__dict__, "base_model": str(EMBEDDED_MODEL_DIR), "merge": True})
+    settings = replace(LORA, base_model=str(EMBEDDED_MODEL_DIR), merge=True)
     torch.manual_seed(7)
     trained = apply_lora(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR), settings)
     with torch.no_grad():  # stand-in for training: non-zero adapters
@@ -85,7 +86,10 @@ def test_adapter_and_merged_exports_load_and_agree(tmp_path):
     [
         ({"peft": "lora"}, {"fsdp_version": 2, "cpu_ram_efficient_loading": True}, "--cpu_ram_efficient_loading"),
         ({"peft": "lora", "lora_target_modules": " , "}, {"fsdp_version": 2}, "--lora_target_modules is empty"),
-        ({"merge_lora": True}, {}, "--merge_lora true merges LoRA adapters"),
+        ({"merge_lora": True}, {}, "--merge_lora sets up LoRA adapters: it needs --peft lora"),
+        ({"lora_r": 16}, {}, "--lora_r sets up LoRA adapters"),
+        ({"peft": "lora", "lora_dropout": 1.0}, {"fsdp_version": 2}, "--lora_dropout 1 drops every input"),
+        ({"peft": "lora"}, {"fsdp_version": 2, "compile": True}, "--compile true is not supported"),
     ],
 )
 def test_lora_settings_that_cannot_run_are_refused(train, fsdp, message):
@@ -93,19 +97,47 @@ def test_lora_settings_that_cannot_run_are_refused(train, fsdp, message):
         check_lora(TrainConfig(**train), FSDPConfig(**fsdp))
 
 
-def test_kill_and_resume_with_lora_equals_the_uninterrupted_run(tmp_path_factory):
-    """Through torchrun (FSDP1, adapters wrapped apart, sharded checkpoints): the adapters and their AdamW
-    state come back from the checkpoint, so every step after the resume has the uninterrupted run's loss;
-    the run ends with the adapter export and no full model."""
-    from tests.test_resume import SHARDED, SMALL_RUN, assert_losses_match, kill_and_resume, resumed_from
+@pytest.mark.parametrize("checkpoint_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_kill_and_resume_with_lora_equals_the_uninterrupted_run(tmp_path_factory, checkpoint_type):
+    """Through torchrun (FSDP1, adapters wrapped apart): the adapters and their AdamW state come back from
+    the checkpoint (a FULL one's model.pt, in PEFT's names, is loaded after the adapters exist), so every
+    step after the resume has the uninterrupted run's loss; the run ends with the adapter export only."""
+    from tests.test_resume import SMALL_RUN, assert_losses_match, kill_and_resume, resumed_from
 
     extra = ("--peft", "lora", "--lr", "0.01")  # a visible change in a few steps
     reference = tmp_path_factory.mktemp("lora_reference") / "out"
-    run = torchrun([*SMALL_RUN, *extra, "--checkpoint_type", SHARDED, "--output_dir", str(reference)])
+    run = torchrun([*SMALL_RUN, *extra, "--checkpoint_type", checkpoint_type, "--output_dir", str(reference)])
     assert run.returncode == 0, run.describe()
-    result = kill_and_resume(tmp_path_factory, SHARDED, extra)
+    result = kill_and_resume(tmp_path_factory, checkpoint_type, extra)
     assert result.resumed.returncode == 0, result.resumed.describe()
     assert result.checkpoints_at_kill and resumed_from(result.resumed)[2] == result.checkpoints_at_kill[-1]
     assert_losses_match(result.output_dir, reference)
     assert (result.output_dir / "hf_adapter" / "adapter_model.safetensors").is_file()
     assert not (result.output_dir / "hf_model").exists()
+
+
+def test_target_names_that_adapt_nothing_are_refused():
+    """PEFT would adapt what matches and say nothing about the rest; a gated T5 has wi_0/wi_1, not wi."""
+    from transformers import T5Config
+
+    with pytest.raises(ConfigError, match="--lora_target_modules zz: no such layer.*q,"):
+        apply_lora(
+            T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR),
+            replace(LORA, target_modules=("q", "zz")),
+        )
+    gated = T5Config(vocab_size=1100, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1,
+                     feed_forward_proj="gated-gelu", decoder_start_token_id=0)  # fmt: skip
+    with pytest.raises(ConfigError, match="--lora_target_modules wi: .*wi_0,wi_1"):
+        apply_lora(T5ForConditionalGeneration(gated), replace(LORA, target_modules=("wi",)))
+
+
+def test_a_full_state_file_says_whether_it_holds_adapters(tmp_path):
+    """A LoRA run's .pt (PEFT names) is loaded after the adapters exist; a plain one into the plain model."""
+    from utils.model.lora import holds_adapters
+
+    torch.manual_seed(7)
+    peft_model = apply_lora(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR), LORA)
+    torch.save(peft_model.state_dict(), tmp_path / "lora.pt")
+    torch.save(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR).state_dict(), tmp_path / "plain.pt")
+    assert holds_adapters(str(tmp_path / "lora.pt"))
+    assert not holds_adapters(str(tmp_path / "plain.pt"))

@@ -152,6 +152,15 @@ def test_a_line_that_is_not_json_is_named(tmp_path, capsys):
     assert "line 2 is not a JSON object" in one_error(capsys)
 
 
+def test_a_last_line_cut_short_by_a_running_or_crashed_run_is_left_out(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "run", records())
+    with open(tmp_path / "run" / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"type": "step", "epoch": 2, "ste')  # no newline: the writer was cut off here
+    assert main([run]) == 0
+    assert "cut short" in capsys.readouterr().err
+
+
 def test_without_matplotlib_it_says_how_to_install_it(tmp_path, capsys, monkeypatch):
     run = write_run(tmp_path / "run", records())
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError

@@ -253,7 +253,7 @@ class Checkpointer:
         folder = os.path.join(self.settings.output_dir, layout.HF_LAST_DIR if last else layout.HF_DIR)
         lora = self.settings.lora
         if lora is not None:  # the adapter beside where the model goes, and the merged model if asked for
-            adapter = folder.replace(layout.HF_DIR, layout.HF_ADAPTER_DIR)
+            adapter = os.path.join(self.settings.output_dir, layout.HF_ADAPTER_DIR + ("_last" if last else ""))
             write_lora_folders(state, self.model_config, self.tokenizer, lora, (adapter, folder))
             get_logger().info("LoRA adapter written: %s (PeftModel.from_pretrained-loadable)", adapter)
             if not lora.merge:

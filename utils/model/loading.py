@@ -81,6 +81,17 @@ def check_local_model_dir(path: str) -> None:
         )
 
 
+def load_tokenizer(model_name: str) -> T5Tokenizer:
+    """The model's tokenizer alone (seconds), so the data can be read and checked before the model loads."""
+    if looks_like_local_path(model_name):
+        check_local_model_dir(model_name)
+        model_name = os.path.expanduser(model_name)
+    try:
+        return T5Tokenizer.from_pretrained(model_name)
+    except OSError as err:
+        raise ConfigError(f"could not load T5 model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
+
+
 def load_model_and_tokenizer(
     model_name: str, on_meta: bool = False, **config_overrides
 ) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
@@ -99,7 +110,7 @@ def load_model_and_tokenizer(
                 model = T5ForConditionalGeneration(config)
         else:
             model = T5ForConditionalGeneration.from_pretrained(model_name, use_cache=False, **config_overrides)
-        tokenizer = T5Tokenizer.from_pretrained(model_name)
+        tokenizer = load_tokenizer(model_name)
     except OSError as err:
         raise ConfigError(f"could not load T5 model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
     n_params = sum(p.numel() for p in model.parameters())

@@ -11,6 +11,7 @@ hold the whole model (frozen weights included), so resuming needs nothing else. 
 """
 
 import copy
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,11 @@ from transformers import T5ForConditionalGeneration
 
 from configs.training import TrainConfig
 from utils.checkpoint.hf_export import write_hf_folder
+from utils.errors import ConfigError
 from utils.files import atomic_path
+from utils.model.loading import looks_like_local_path
+
+PEFT_PREFIX = "base_model.model."  # PEFT's names of the wrapped model's parameters
 
 
 @dataclass(frozen=True)
@@ -36,9 +41,11 @@ class LoraSettings:
         if config.peft != "lora":
             return None
         modules = tuple(name.strip() for name in config.lora_target_modules.split(",") if name.strip())
-        return cls(
-            config.lora_r, config.lora_alpha, config.lora_dropout, modules, config.model_name, config.merge_lora
+        # A local folder as an absolute path: adapter_config.json must name it from any working directory.
+        base = (
+            os.path.abspath(config.model_name) if looks_like_local_path(config.model_name) else config.model_name
         )
+        return cls(config.lora_r, config.lora_alpha, config.lora_dropout, modules, base, config.merge_lora)
 
     def peft_config(self):
         from peft import LoraConfig, TaskType
@@ -59,7 +66,15 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     from peft import get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    model = get_peft_model(model, settings.peft_config())
+    layers = linear_layer_names(model)
+    try:
+        model = get_peft_model(model, settings.peft_config())
+    except ValueError:  # PEFT's NoMatchingPeftModuleError: not one target matched
+        raise ConfigError(_missing_targets(settings.target_modules, layers)) from None
+    adapted = {name.rsplit(".", 1)[-1] for name in model.targeted_module_names}
+    missing = tuple(target for target in settings.target_modules if target not in adapted)
+    if missing:  # PEFT adapts what matches and says nothing about the rest
+        raise ConfigError(_missing_targets(missing, layers))
     for module in model.modules():
         # PEFT casts an adapter's input to its weight's dtype, read outside FSDP's forward: a FSDP1 unit's
         # weight is then the fp32 shard, while its forward computes in bf16 ("expected m1 and m2 to have the
@@ -67,6 +82,32 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         if isinstance(module, BaseTunerLayer):
             module.cast_input_dtype_enabled = False
     return model
+
+
+def holds_adapters(weights_file: str) -> bool:
+    """Whether a full .pt was saved by a LoRA run (PEFT's names), rather than by a plain model."""
+    state = torch.load(weights_file, map_location="cpu", weights_only=True, mmap=True)  # keys: nothing read
+    return any(key.startswith(PEFT_PREFIX) for key in state)
+
+
+def _missing_targets(missing: tuple[str, ...], layers: list[str]) -> str:
+    # A gated T5 (v1.1, flan-t5) has wi_0 and wi_1 where T5 v1.0 has wi.
+    return (
+        f"--lora_target_modules {','.join(missing)}: no such layer in this model; its linear layers are "
+        f"{','.join(layers)}"
+    )
+
+
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """The short names of a model's linear layers (of a PEFT model's: an adapted layer's base_layer by its
+    own name, the adapters' inner layers left out)."""
+    names = set()
+    for path, module in model.named_modules():
+        parts = path.split(".")
+        if not isinstance(module, nn.Linear) or any(part.startswith("lora_") for part in parts):
+            continue
+        names.add(parts[-2] if parts[-1] == "base_layer" else parts[-1])
+    return sorted(names)
 
 
 def trainable_share(model: nn.Module) -> tuple[int, int]:
