@@ -60,6 +60,7 @@ from utils.observe.log import get_logger, setup_logging
 from utils.observe.memory import trim_host_heap
 from utils.observe.metrics import MetricsWriter
 from utils.observe.run_record import run_record, write_run_record
+from utils.observe.tensorboard import TENSORBOARD_DIR, TensorBoardSink
 from utils.train.trainables import build_trainables, total_optimizer_steps
 from utils.train.trainer import Measures, Trainer
 
@@ -158,7 +159,10 @@ def evaluate_saved_model(trainer: Trainer, train_config: TrainConfig, info: Dist
     evaluator = Evaluator(eval_set, settings, train_config.output_dir, info)
     progress = trainer.progress
     record = evaluator.evaluate(trainer.trainables.model, progress.epoch - 1, progress.global_step)
-    metrics = MetricsWriter(os.path.join(train_config.output_dir, METRICS_FILE), info.is_main, append=True)
+    log_dir = os.path.join(train_config.output_dir, TENSORBOARD_DIR)
+    sink = TensorBoardSink(log_dir) if info.is_main and train_config.tensorboard else None
+    path = os.path.join(train_config.output_dir, METRICS_FILE)
+    metrics = MetricsWriter(path, info.is_main, append=True, tensorboard=sink)
     try:
         metrics.write(record)
     finally:

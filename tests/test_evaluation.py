@@ -140,7 +140,8 @@ def test_summarize_reproduces_the_last_evaluation_from_a_file_and_from_stdin(tra
 def test_evaluate_only_scores_a_saved_model_on_the_test_split(trained, tmp_path):
     output_dir = tmp_path / "eval_only"
     args = ["--evaluate_only", "true", "--model_name", str(final_model(trained)), "--eval_split", "test",
-            "--eval_num_samples", "8", "--mixed_precision", "false", "--output_dir", str(output_dir)]  # fmt: skip
+            "--eval_num_samples", "8", "--mixed_precision", "false", "--tensorboard", "true",
+            "--output_dir", str(output_dir)]  # fmt: skip
     run = torchrun(args)
     assert run.returncode == 0, run.describe()
     assert "Training epoch" not in run.output
@@ -150,7 +151,10 @@ def test_evaluate_only_scores_a_saved_model_on_the_test_split(trained, tmp_path)
     assert [line["title"] for line in lines] == load_wikihow(EMBEDDED_DATA_DIR, "test")["title"].tolist()[:8]
     recomputed = mean_scores([rouge_scores(line["reference"], line["prediction"]) for line in lines])
     assert all(record[key] == pytest.approx(recomputed[key], abs=1e-6) for key in ROUGE_KEYS)
-    assert sorted(p.name for p in output_dir.iterdir()) == ["metrics.jsonl", "predictions"]  # nothing else
+    assert sorted(p.name for p in output_dir.iterdir()) == ["metrics.jsonl", "predictions", "tensorboard"]
+    from tests.test_tensorboard import read_scalars
+
+    assert read_scalars(output_dir / "tensorboard")["rouge/test/rougeL"] == [(0, pytest.approx(record["rougeL"]))]
 
 
 def test_hf_model_generates_like_the_evaluation(trained):
