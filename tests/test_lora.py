@@ -97,18 +97,29 @@ def test_lora_settings_that_cannot_run_are_refused(train, fsdp, message):
         check_lora(TrainConfig(**train), FSDPConfig(**fsdp))
 
 
+LORA_RUN = ("--peft", "lora", "--lr", "0.01")  # a visible change in a few steps
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory):
+    """One uninterrupted LoRA run (the checkpoint format does not change its losses)."""
+    from tests.test_resume import SMALL_RUN
+
+    reference = tmp_path_factory.mktemp("lora_reference") / "out"
+    run = torchrun([*SMALL_RUN, *LORA_RUN, "--output_dir", str(reference)])
+    assert run.returncode == 0, run.describe()
+    return reference
+
+
 @pytest.mark.parametrize("checkpoint_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
-def test_kill_and_resume_with_lora_equals_the_uninterrupted_run(tmp_path_factory, checkpoint_type):
+def test_kill_and_resume_with_lora_equals_the_uninterrupted_run(tmp_path_factory, lora_reference, checkpoint_type):
     """Through torchrun (FSDP1, adapters wrapped apart): the adapters and their AdamW state come back from
     the checkpoint (a FULL one's model.pt, in PEFT's names, is loaded after the adapters exist), so every
     step after the resume has the uninterrupted run's loss; the run ends with the adapter export only."""
-    from tests.test_resume import SMALL_RUN, assert_losses_match, kill_and_resume, resumed_from
+    from tests.test_resume import assert_losses_match, kill_and_resume, resumed_from
 
-    extra = ("--peft", "lora", "--lr", "0.01")  # a visible change in a few steps
-    reference = tmp_path_factory.mktemp("lora_reference") / "out"
-    run = torchrun([*SMALL_RUN, *extra, "--checkpoint_type", checkpoint_type, "--output_dir", str(reference)])
-    assert run.returncode == 0, run.describe()
-    result = kill_and_resume(tmp_path_factory, checkpoint_type, extra)
+    reference = lora_reference
+    result = kill_and_resume(tmp_path_factory, checkpoint_type, LORA_RUN)
     assert result.resumed.returncode == 0, result.resumed.describe()
     assert result.checkpoints_at_kill and resumed_from(result.resumed)[2] == result.checkpoints_at_kill[-1]
     assert_losses_match(result.output_dir, reference)
