@@ -75,10 +75,11 @@ def global_batch(step: int, world_size: int) -> dict:
     return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
 
-def reference_run(steps: int, world_size: int) -> tuple[list[float], dict]:
-    """Unsharded model, no process group: token-mean loss over the global batch, AdamW."""
-    model = tiny_t5()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+def reference_run(steps: int, world_size: int, model: nn.Module | None = None) -> tuple[list[float], dict]:
+    """Unsharded model (tiny_t5 unless given), no process group: token-mean loss over the global batch,
+    AdamW over the parameters that train (all of them, or a PEFT model's adapters)."""
+    model = tiny_t5() if model is None else model
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(steps):
         token_losses, labels = forward_token_losses(model, global_batch(step, world_size))
@@ -102,14 +103,19 @@ def fsdp_run(
     skeleton = efficient and (config.fsdp_version == 1 or rank != 0)
     model = wrap_model(tiny_t5(on_meta=skeleton), config, CPU, precision, weights_source=weights_file)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = train_wrapped(model, optimizer, rank, world_size, steps)
+    return losses, gather_full_state_dict(model, CPU)
+
+
+def train_wrapped(model: nn.Module, optimizer, rank: int, world_size: int, steps: int) -> list[float]:
+    """`steps` of train_step on this rank's batches; the reported (global token-mean) loss of each."""
     records: list[dict] = []
     step_log = StepLog(every=steps, on_flush=records.extend)
     for step in range(steps):
         stats = train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
         step_log.add(step + 1, LR, stats)
     step_log.flush()
-    full_state = gather_full_state_dict(model, CPU)
-    return [r["loss"] for r in records], full_state
+    return [r["loss"] for r in records]
 
 
 PARITY_VARIANTS = {
@@ -636,21 +642,6 @@ def lora_t5() -> nn.Module:
     return apply_lora(model, LORA)
 
 
-def lora_reference_run(steps: int, world_size: int) -> tuple[list[float], dict]:
-    """The unsharded PEFT model on the global batch, AdamW over the trainable (adapter) parameters."""
-    model = lora_t5()
-    optimizer = torch.optim.AdamW(parameter_groups(model, 0.0), lr=LR)
-    losses = []
-    for step in range(steps):
-        token_losses, labels = forward_token_losses(model, global_batch(step, world_size))
-        loss = token_losses.sum() / (labels != -100).sum()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
-
-
 LORA_VARIANTS = {
     "FSDP1": {},
     "FSDP1 + checkpointing": {"fsdp_activation_checkpointing": True},
@@ -667,19 +658,10 @@ def lora_worker(rank: int, world_size: int, steps: int) -> dict:
     for name, overrides in LORA_VARIANTS.items():
         model = wrap_model(lora_t5(), _fsdp_config(overrides), CPU, FP32)
         optimizer = torch.optim.AdamW(parameter_groups(model, 0.0), lr=LR)
-        records: list[dict] = []
-        step_log = StepLog(every=steps, on_flush=records.extend)
-        for step in range(steps):
-            stats = train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
-            step_log.add(step + 1, LR, stats)
-        step_log.flush()
+        losses = train_wrapped(model, optimizer, rank, world_size, steps)
         state = gather_full_state_dict(model, CPU)
-        out[name] = {
-            "losses": [r["loss"] for r in records],
-            "state": state,
-            "optim": optim_state_numel_local(optimizer),
-        }
+        out[name] = {"losses": losses, "state": state, "optim": optim_state_numel_local(optimizer)}
     if rank == 0:
-        out["reference"] = lora_reference_run(steps, world_size)
+        out["reference"] = reference_run(steps, world_size, lora_t5())
         out["initial"] = {k: v.clone() for k, v in lora_t5().state_dict().items()}
     return out

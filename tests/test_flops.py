@@ -53,6 +53,25 @@ def test_counted_weights_are_the_linear_layers_of_the_blocks(overrides):
     assert flops.head_weights == model.lm_head.weight.numel()
 
 
+def unpadded_batch() -> dict:
+    """3 rows, 17 source and 6 target tokens, no padding: real and computed tokens are the same."""
+    return {
+        "source_ids": torch.randint(2, 1000, (3, 17)),
+        "source_mask": torch.ones(3, 17, dtype=torch.long),
+        "target_ids": torch.randint(2, 1000, (3, 6)),
+        "target_mask": torch.ones(3, 6, dtype=torch.long),
+    }
+
+
+def counted_training_flops(model, batch: dict) -> int:
+    """Every matmul FLOP of one forward and backward, as torch.utils.flop_counter counts them."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        token_losses, _ = forward_token_losses(model, batch)
+        token_losses.sum().backward()
+    return counter.get_total_flops()
+
+
 @pytest.mark.parametrize("overrides", [{}, GATED], ids=["t5", "gated"])
 def test_training_flops_equal_torchs_flop_counter_on_the_real_model(overrides):
     """Forward and backward of the real model under torch.utils.flop_counter (every matmul it runs), on a
@@ -60,18 +79,10 @@ def test_training_flops_equal_torchs_flop_counter_on_the_real_model(overrides):
     config = embedded_config(dropout_rate=0.0, attn_implementation="eager", **overrides)
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config)
-    batch = {
-        "source_ids": torch.randint(2, 1000, (3, 17)),
-        "source_mask": torch.ones(3, 17, dtype=torch.long),
-        "target_ids": torch.randint(2, 1000, (3, 6)),
-        "target_mask": torch.ones(3, 6, dtype=torch.long),
-    }
-    counter = FlopCounterMode(display=False)
-    with counter:
-        token_losses, _ = forward_token_losses(model, batch)
-        token_losses.sum().backward()
+    batch = unpadded_batch()
+    counted = counted_training_flops(model, batch)
     model_flops, _ = T5Flops.from_config(config).training(batch, recompute=False)
-    assert counter.get_total_flops() == model_flops.item()
+    assert counted == model_flops.item()
 
 
 def test_peak_table_matches_device_names_most_specific_first():
@@ -98,18 +109,9 @@ def test_lora_training_flops_against_torchs_flop_counter():
     config = embedded_config(dropout_rate=0.0, attn_implementation="eager")
     torch.manual_seed(0)
     model = apply_lora(T5ForConditionalGeneration(config), LORA)
-    batch = {
-        "source_ids": torch.randint(2, 1000, (3, 17)),
-        "source_mask": torch.ones(3, 17, dtype=torch.long),
-        "target_ids": torch.randint(2, 1000, (3, 6)),
-        "target_mask": torch.ones(3, 6, dtype=torch.long),
-    }
-    counter = FlopCounterMode(display=False)
-    with counter:
-        token_losses, _ = forward_token_losses(model, batch)
-        token_losses.sum().backward()
+    batch = unpadded_batch()
+    counted = counted_training_flops(model, batch)
     lora_flops, _ = T5Flops.from_config(config, frozen_weights=True).training(batch, recompute=False)
     full_flops, _ = T5Flops.from_config(config).training(batch, recompute=False)
-    counted = counter.get_total_flops()
     assert lora_flops.item() == pytest.approx(counted, rel=0.05)
     assert lora_flops.item() < 0.8 * full_flops.item()
