@@ -33,7 +33,6 @@ from utils.paths import EMBEDDED_MODEL_DIR
 from utils.train import step as step_module
 from utils.train.step import forward_token_losses, train_step, validate
 from utils.train.step_log import StepLog
-from utils.train.trainables import parameter_groups
 
 CPU = torch.device("cpu")
 VOCAB = 1100
@@ -657,7 +656,9 @@ def lora_worker(rank: int, world_size: int, steps: int) -> dict:
     out = {}
     for name, overrides in LORA_VARIANTS.items():
         model = wrap_model(lora_t5(), _fsdp_config(overrides), CPU, FP32)
-        optimizer = torch.optim.AdamW(parameter_groups(model, 0.0), lr=LR)
+        # As reference_run: AdamW (its default weight decay) over what trains. parameter_groups keeps the
+        # same parameters (the torchrun LoRA runs of tests/test_lora.py use it).
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
         losses = train_wrapped(model, optimizer, rank, world_size, steps)
         state = gather_full_state_dict(model, CPU)
         out[name] = {"losses": losses, "state": state, "optim": optim_state_numel_local(optimizer)}

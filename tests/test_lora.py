@@ -97,7 +97,7 @@ def test_lora_settings_that_cannot_run_are_refused(train, fsdp, message):
         check_lora(TrainConfig(**train), FSDPConfig(**fsdp))
 
 
-LORA_RUN = ("--peft", "lora", "--lr", "0.01")  # a visible change in a few steps
+LORA_RUN = ("--peft", "lora", "--lr", "0.01", "--epochs", "1", "--eval_rouge", "false")  # one short epoch
 
 
 @pytest.fixture(scope="module")
