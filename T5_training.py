@@ -60,7 +60,7 @@ from utils.observe.log import get_logger, setup_logging
 from utils.observe.memory import trim_host_heap
 from utils.observe.metrics import MetricsWriter
 from utils.observe.run_record import run_record, write_run_record
-from utils.observe.tensorboard import TENSORBOARD_DIR, TensorBoardSink
+from utils.observe.tensorboard import tensorboard_sink
 from utils.train.trainables import build_trainables, total_optimizer_steps
 from utils.train.trainer import Measures, Trainer
 
@@ -73,9 +73,10 @@ def build_trainer(
     """config -> tokenizer + loaders -> model (+ LoRA) -> FSDP model -> optimizer -> checkpointer -> trainer."""
     check_csv_header(require_csv(train_config.data_dir))  # before the model: seconds, not minutes
     # The data is read and checked before the model loads, so a data error costs seconds, not minutes.
-    loaders = build_loaders(load_tokenizer(train_config.model_name), train_config, info)
+    tokenizer = load_tokenizer(train_config.model_name)
+    loaders = build_loaders(tokenizer, train_config, info)
     lora = LoraSettings.from_config(train_config)
-    loaded = build_model(train_config, fsdp_config, info, lora, start)
+    loaded = build_model(train_config, fsdp_config, info, lora, start, tokenizer)
     model_config = loaded.model.config
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
     model_config.task_specific_params = {
@@ -101,6 +102,7 @@ def build_model(
     info: DistInfo,
     lora: LoraSettings | None,
     start: str | None,
+    tokenizer,
 ) -> LoadedModel:
     """The unwrapped model: pretrained (or a skeleton for rank-0-only loading), with the weights of a full
     .pt start, and LoRA adapters. A LoRA run's own .pt (adapters included) is loaded after the adapters."""
@@ -113,9 +115,8 @@ def build_model(
             "whose weights differ. Add --merge_lora true (the merged hf_model/ stands alone)."
         )
     overrides = model_config_overrides(train_config)
-    loaded = load_model_for_run(
-        train_config.model_name, on_meta, None if adapter_weights else weights_file, overrides
-    )
+    weights = None if adapter_weights else weights_file
+    loaded = load_model_for_run(train_config.model_name, on_meta, weights, overrides, tokenizer)
     if lora is not None:
         loaded.model = add_lora_adapters(loaded.model, lora)
         if adapter_weights:
@@ -159,9 +160,8 @@ def evaluate_saved_model(trainer: Trainer, train_config: TrainConfig, info: Dist
     evaluator = Evaluator(eval_set, settings, train_config.output_dir, info)
     progress = trainer.progress
     record = evaluator.evaluate(trainer.trainables.model, progress.epoch - 1, progress.global_step)
-    log_dir = os.path.join(train_config.output_dir, TENSORBOARD_DIR)
-    sink = TensorBoardSink(log_dir) if info.is_main and train_config.tensorboard else None
     path = os.path.join(train_config.output_dir, METRICS_FILE)
+    sink = tensorboard_sink(path, info.is_main and train_config.tensorboard)
     metrics = MetricsWriter(path, info.is_main, append=True, tensorboard=sink)
     try:
         metrics.write(record)

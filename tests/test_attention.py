@@ -5,7 +5,7 @@ import torch
 
 from configs.training import TrainConfig
 from tests.dist_workers import make_batch
-from utils.model.loading import load_model_for_run, model_config_overrides
+from utils.model.loading import load_model_for_run, load_tokenizer, model_config_overrides
 from utils.paths import EMBEDDED_MODEL_DIR
 from utils.train.step import forward_token_losses
 
@@ -15,7 +15,8 @@ KERNELS = ["eager", "sdpa"]  # flex_attention has no backward on CPU (refused th
 def train_losses(attn_implementation: str, steps: int = 3) -> list[float]:
     """fp32 token-mean losses of AdamW steps on padded random batches, dropout off."""
     config = TrainConfig(attn_implementation=attn_implementation, dropout_rate=0.0)
-    loaded = load_model_for_run(EMBEDDED_MODEL_DIR, False, None, model_config_overrides(config))
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
+    loaded = load_model_for_run(EMBEDDED_MODEL_DIR, False, None, model_config_overrides(config), tokenizer)
     assert loaded.model.config._attn_implementation == attn_implementation
     optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
     losses = []

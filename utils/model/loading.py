@@ -52,12 +52,18 @@ def model_config_overrides(config: TrainConfig) -> dict:
     return overrides if config.dropout_rate is None else {**overrides, "dropout_rate": config.dropout_rate}
 
 
-def load_model_for_run(model_name: str, on_meta: bool, weights_file: str | None, overrides: dict) -> LoadedModel:
-    """The unwrapped model and tokenizer, with the weights of `weights_file` (a full .pt) if given, and
-    the model-config `overrides` (model_config_overrides)."""
+def load_model_for_run(
+    model_name: str, on_meta: bool, weights_file: str | None, overrides: dict, tokenizer: T5Tokenizer
+) -> LoadedModel:
+    """The unwrapped model, with the weights of `weights_file` (a full .pt) if given, and the model-config
+    `overrides` (model_config_overrides); `tokenizer` (load_tokenizer, loaded once per run) goes with it."""
     reset_peak_rss()
     rss_before = current_rss_bytes()
-    model, tokenizer = load_model_and_tokenizer(model_name, on_meta=on_meta, **overrides)
+    model = load_model(model_name, on_meta=on_meta, **overrides)
+    get_logger().info(
+        "model %s: %.2fM parameters, vocab %d",
+        model_name, sum(p.numel() for p in model.parameters()) / 1e6, len(tokenizer),
+    )  # fmt: skip
     if weights_file is not None and not on_meta:
         # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
         load_full_model_weights(model, weights_file)
@@ -92,9 +98,7 @@ def load_tokenizer(model_name: str) -> T5Tokenizer:
         raise ConfigError(f"could not load T5 model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
 
 
-def load_model_and_tokenizer(
-    model_name: str, on_meta: bool = False, **config_overrides
-) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
+def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> T5ForConditionalGeneration:
     """The pretrained model in host memory, or (on_meta) only its skeleton on the meta device;
     `config_overrides` replace fields of its config (dropout_rate, attn_implementation)."""
     if looks_like_local_path(model_name):
@@ -110,9 +114,6 @@ def load_model_and_tokenizer(
                 model = T5ForConditionalGeneration(config)
         else:
             model = T5ForConditionalGeneration.from_pretrained(model_name, use_cache=False, **config_overrides)
-        tokenizer = load_tokenizer(model_name)
     except OSError as err:
         raise ConfigError(f"could not load T5 model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
-    n_params = sum(p.numel() for p in model.parameters())
-    get_logger().info("model %s: %.2fM parameters, vocab %d", model_name, n_params / 1e6, len(tokenizer))
-    return model, tokenizer
+    return model

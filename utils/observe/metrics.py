@@ -6,7 +6,7 @@ import math
 import os
 
 from utils.files import atomic_path
-from utils.observe.tensorboard import TENSORBOARD_DIR, TensorBoardSink
+from utils.observe.tensorboard import TensorBoardSink, tensorboard_sink
 
 
 class MetricsWriter:
@@ -81,8 +81,5 @@ def open_metrics(path: str, is_main: bool, resumed_at: tuple[int, int] | None, t
     also write the records as TensorBoard scalars, beside metrics.jsonl."""
     if is_main and resumed_at is not None:
         truncate_metrics_for_resume(path, *resumed_at)
-    sink = None
-    if is_main and tensorboard:
-        log_dir = os.path.join(os.path.dirname(path), TENSORBOARD_DIR)
-        sink = TensorBoardSink(log_dir, purge_step=resumed_at[0] + 1 if resumed_at else None)
+    sink = tensorboard_sink(path, is_main and tensorboard, purge_step=resumed_at[0] + 1 if resumed_at else None)
     return MetricsWriter(path, enabled=is_main, append=resumed_at is not None, tensorboard=sink)

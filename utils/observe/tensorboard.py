@@ -12,6 +12,7 @@ Null, non-finite and non-numeric fields are left out, so a skipped step leaves a
 
 import importlib.util
 import math
+import os
 
 TENSORBOARD_DIR = "tensorboard"
 INSTALL_HINT = "--tensorboard true needs the tensorboard package: pip install tensorboard"
@@ -73,3 +74,10 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def tensorboard_sink(metrics_path: str, enabled: bool, purge_step: int | None = None) -> "TensorBoardSink | None":
+    """The sink beside a run's metrics.jsonl (output_dir/tensorboard), or None when not enabled here."""
+    if not enabled:
+        return None
+    return TensorBoardSink(os.path.join(os.path.dirname(metrics_path), TENSORBOARD_DIR), purge_step)
