@@ -28,12 +28,12 @@ The ``wikihow`` Dataset keeps the tutorial's constructor and items; ``pad_collat
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import hashlib
 import os
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -41,9 +41,14 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
-from utils.errors import ConfigError, DataError, DataFileNotFoundError
-from utils.observe.log import get_logger
-from utils.paths import EMBEDDED_DATA_DIR
+from configs.data import DataConfig
+from configs.errors import ConfigError, DataError, DataFileNotFoundError
+from configs.evaluation import EvalConfig
+from configs.training import TrainConfig
+from utils.data.loaders import EvalSet, Loaders, build_loader
+from utils.data.samplers import LengthGrouping, PaddedEvalSampler, train_sampler_for
+from utils.distributed.process_group import DistInfo
+from utils.log import get_logger
 
 CSV_NAME = "wikihowAll.csv"
 EXPECTED_HEADER = ["headline", "title", "text"]
@@ -278,16 +283,6 @@ def clean_text(text: str) -> str:
     return _SPACES.sub(" ", text).strip()
 
 
-@dataclass(frozen=True)
-class WikihowOptions:
-    """What the tutorial's Dataset did not have: where the data is, the source prefix, dynamic padding."""
-
-    data_dir: str | os.PathLike = EMBEDDED_DATA_DIR
-    source_prefix: str = ""  # put before every article ("summarize: " for pretrained T5 checkpoints)
-    pad_to_max_length: bool = True  # the tutorial's fixed shapes; False pads each batch in pad_collate
-    print_text: bool = False  # log every source text as it is tokenized (debug)
-
-
 class wikihow(Dataset):  # noqa: N801 - the tutorial's name, kept so that its code reads the same
     """WikiHow split as the tutorial's items: 1-D int64 source_ids/source_mask/target_ids/target_mask.
 
@@ -306,9 +301,10 @@ class wikihow(Dataset):  # noqa: N801 - the tutorial's name, kept so that its co
         num_samples: int | None,
         input_length: int,
         output_length: int,
-        options: WikihowOptions | None = None,
+        options: DataConfig | None = None,
     ) -> None:
-        options = options or WikihowOptions()
+        # Without options: the embedded sample, padded to the max lengths as the tutorial's Dataset did.
+        options = options or DataConfig(pad_to_max_length=True)
         if num_samples is not None and num_samples < 1:
             raise ConfigError(f"num_samples must be None (all) or at least 1, got {num_samples}.")
         for name, length in (("input_length", input_length), ("output_length", output_length)):
@@ -414,10 +410,59 @@ def pad_collate(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int) -> 
     return batch
 
 
-def labels_for_loss(target_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-    """A copy of target_ids with -100 (ignored by the loss) wherever target_mask is 0.
+# ---------------------------------------------------------------------------------------------------
+# Each rank's datasets and loaders (needs the process group: the samplers read rank and world size)
+# ---------------------------------------------------------------------------------------------------
 
-    Padding must never count in the loss, or the model learns to predict padding and the loss reads too
-    low (docs/pitfalls.md #8). T5 shifts the labels right itself to make the decoder inputs.
-    """
-    return target_ids.long().masked_fill(target_mask == 0, -100)
+
+def build_dataset(tokenizer, split: str, num_samples: int, data: DataConfig, world_size: int) -> wikihow:
+    """The tutorial's wikihow Dataset of one split, with at least one sample per rank."""
+    num_or_all = num_samples or None  # 0 means all
+    dataset = wikihow(tokenizer, split, num_or_all, data.max_source_length, data.max_target_length, data)
+    if len(dataset) < world_size:
+        raise DataError(
+            f"the {split} split of {data.data_dir} has {len(dataset)} usable samples, fewer than the "
+            f"{world_size} ranks: every rank needs at least one. Use more data or fewer processes."
+        )
+    return dataset
+
+
+def build_loaders(
+    tokenizer, data: DataConfig, train: TrainConfig, evaluation: EvalConfig, info: DistInfo
+) -> Loaders:
+    """This rank's training loader (shuffled, resumable), validation loader (in order, padded) and ROUGE
+    set; --run_validation false builds neither of the last two."""
+    train_set = build_dataset(tokenizer, "train", data.num_train_samples, data, info.world_size)
+    grouping = None
+    if data.group_by_length:
+        lengths = [len(article) for article in train_set.dataset["text"].tolist()]
+        grouping = LengthGrouping(lengths, train.batch_size_training)
+    train_sampler = train_sampler_for(train_set, info.rank, info.world_size, train.seed, grouping)
+    collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)
+    loader_args = dict(collate_fn=collate, num_workers=train.num_workers_dataloader, device=info.device)
+    train_loader = build_loader(train_set, train_sampler, train.batch_size_training, **loader_args)
+    val, val_num_real, rouge_set = None, 0, None
+    if train.run_validation:
+        val_set = build_dataset(tokenizer, "validation", data.num_val_samples, data, info.world_size)
+        val_sampler = PaddedEvalSampler(len(val_set), info.rank, info.world_size)
+        val = build_loader(val_set, val_sampler, train.val_batch_size, **loader_args)
+        val_num_real = val_sampler.num_real_samples
+        if evaluation.eval_rouge:
+            rouge_set = build_eval_set(tokenizer, data, train, evaluation, info, "validation")
+    get_logger().info("samples: train %d, validation %s", len(train_set), len(val.dataset) if val else "-")
+    return Loaders(train_loader, train_sampler, val, val_num_real, rouge_set)
+
+
+def build_eval_set(
+    tokenizer, data: DataConfig, train: TrainConfig, evaluation: EvalConfig, info: DistInfo, split: str
+) -> EvalSet:
+    """The first --eval_num_samples articles of `split`, each batch padded to its longest source only
+    (generation needs no fixed shapes)."""
+    dynamic = dataclasses.replace(data, pad_to_max_length=False)
+    dataset = build_dataset(tokenizer, split, evaluation.eval_num_samples, dynamic, info.world_size)
+    sampler = PaddedEvalSampler(len(dataset), info.rank, info.world_size)
+    collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)
+    loader = build_loader(
+        dataset, sampler, train.val_batch_size, collate, train.num_workers_dataloader, info.device
+    )
+    return EvalSet(split, dataset, loader, sampler)

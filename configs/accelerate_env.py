@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
-from utils.errors import ConfigError
+from configs.errors import ConfigError
 
 TRUE_WORDS = ("y", "yes", "t", "true", "on", "1")  # accelerate's str_to_bool
 FALSE_WORDS = ("n", "no", "f", "false", "off", "0")
@@ -47,7 +47,7 @@ class EnvRule:
     """One field set from accelerate launch's environment."""
 
     variables: tuple[str, ...]  # read together; the rule applies when any of them is set
-    field: str  # the TrainConfig/FSDPConfig field, i.e. the flag --field
+    field: str  # a config field (configs/run.py), i.e. the flag --field
     convert: Callable[[Env], str | None]  # the flag's text; None: this setting leaves the field alone
     values: str  # what each spelling becomes (the README's table)
 

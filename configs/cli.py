@@ -17,10 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 from configs.accelerate_env import settings_from_accelerate
-from configs.fsdp import FSDPConfig
-from configs.training import TrainConfig
-from utils.errors import ConfigError
-from utils.observe.log import get_logger
+from configs.errors import ConfigError
+from configs.run import RECORD_KEYS, SECTION_TITLES, RunConfig
 
 # The tutorial's flags (seed 000/002), kept working. Flags whose name equals a field (--epochs, --lr,
 # --gamma, --seed, --track_memory, --run_validation) need no alias. Unlike the tutorial, where
@@ -41,7 +39,7 @@ NONE_WORD = "NONE"
 class FieldSpec:
     """One config field as the CLI sees it."""
 
-    section: str  # "train" or "fsdp"
+    section: str  # the RunConfig attribute of its section: "train", "fsdp", "data", ...
     name: str
     type_hint: object
     help: str
@@ -52,12 +50,13 @@ class FieldSpec:
 
 def field_specs() -> list[FieldSpec]:
     specs = []
-    for section, cls in (("train", TrainConfig), ("fsdp", FSDPConfig)):
+    for section in fields(RunConfig):
+        cls = section.default_factory
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
             specs.append(
                 FieldSpec(
-                    section,
+                    section.name,
                     f.name,
                     hints[f.name],
                     f.metadata["help"],
@@ -173,19 +172,16 @@ def type_label(spec: FieldSpec) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = {"train": TrainConfig(), "fsdp": FSDPConfig()}
+    defaults = RunConfig()
     parser = _RaisingParser(
         prog="torchrun --nproc_per_node N T5_training.py",
         description="Fine-tune T5 on WikiHow with FSDP. Every config field is a flag: --field value.",
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    groups = {
-        "train": parser.add_argument_group("training (configs/training.py)"),
-        "fsdp": parser.add_argument_group("FSDP (configs/fsdp.py)"),
-    }
+    groups = {name: parser.add_argument_group(title.replace("`", "")) for name, title in SECTION_TITLES.items()}
     for spec in field_specs():
-        default = format_value(getattr(defaults[spec.section], spec.name))
+        default = format_value(getattr(getattr(defaults, spec.section), spec.name))
         aliases = ALIASES.get(spec.name, [])
         alias_note = f" Alias: {', '.join(aliases)} (the tutorial's flag)." if aliases else ""
         bool_note = " Given alone: true." if spec.type_hint is bool else ""
@@ -222,21 +218,14 @@ def _unknown_flag_message(unknown: list[str], parser: argparse.ArgumentParser) -
     return "\n".join(lines)
 
 
-def parse_args(
-    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
-) -> tuple[TrainConfig, FSDPConfig]:
+def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> RunConfig:
     """Defaults of the dataclasses, overridden by the settings `accelerate launch` passed in the environment
     (configs/accelerate_env.py), overridden by argv. Raises ConfigError on any bad flag or value."""
-    overrides, from_accelerate = _resolve(argv, environ)
-    if from_accelerate:
-        values = {**overrides["train"], **overrides["fsdp"]}
-        taken = ", ".join(
-            f"--{name} {format_value(values[name])} ({source})" for name, source in from_accelerate.items()
-        )
-        get_logger().info("from accelerate launch's environment: %s", taken)
-    train_config = replace(TrainConfig(), **overrides["train"])
-    fsdp_config = replace(FSDPConfig(), **overrides["fsdp"])
-    return train_config, fsdp_config
+    overrides, _ = _resolve(argv, environ)
+    defaults = RunConfig()
+    return RunConfig(
+        **{section: replace(getattr(defaults, section), **values) for section, values in overrides.items()}
+    )
 
 
 def fields_from_accelerate(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> dict:
@@ -246,7 +235,7 @@ def fields_from_accelerate(argv: list[str] | None = None, environ: Mapping[str, 
 
 
 def _resolve(argv: list[str] | None, environ: Mapping[str, str] | None) -> tuple[dict, dict[str, str]]:
-    """{"train": {field: value}, "fsdp": {...}}: the typed values that the environment (accelerate launch's
+    """{"train": {field: value}, "fsdp": {...}, ...}: the typed values that the environment (accelerate launch's
     settings) or argv give, argv winning; and {field: variables} of those taken from the environment."""
     parser = build_parser()
     namespace, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -255,7 +244,7 @@ def _resolve(argv: list[str] | None, environ: Mapping[str, str] | None) -> tuple
     specs = {s.name: s for s in field_specs()}
     explicit = {dest.split(".", 1)[1]: text for dest, text in vars(namespace).items()}
     settings = settings_from_accelerate(os.environ if environ is None else environ, explicit)
-    overrides = {"train": {}, "fsdp": {}}
+    overrides = {section: {} for section in SECTION_TITLES}
     for name, (text, variables) in settings.items():  # first: the flags given below win
         overrides[specs[name].section][name] = _parse_from_environment(specs[name], text, variables)
     for name, text in explicit.items():
@@ -274,10 +263,14 @@ def _parse_from_environment(spec: FieldSpec, text: str, variables: str):
         ) from None
 
 
-def config_to_dict(config) -> dict:
-    """A JSON-ready dict of a config, enums by name (the same spelling the CLI takes)."""
+def config_to_dict(config: RunConfig) -> dict:
+    """A JSON-ready dict of every section under its config.json key, enums by name (the spelling the CLI
+    takes): feeding the values back as flags reproduces the run."""
     return {
-        f.name: (format_value(v) if isinstance(v, enum.Enum) or v is None else v)
-        for f in fields(config)
-        for v in [getattr(config, f.name)]
+        RECORD_KEYS[section.name]: {
+            f.name: (format_value(v) if isinstance(v, enum.Enum) or v is None else v)
+            for f in fields(getattr(config, section.name))
+            for v in [getattr(getattr(config, section.name), f.name)]
+        }
+        for section in fields(RunConfig)
     }

@@ -1,11 +1,25 @@
 """How the model is sharded. Every field is a `--field value` flag (see configs/cli.py); enums by name."""
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
+from configs.errors import ConfigError
 from configs.options import option
+
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def hybrid_group_size(world_size: int, requested: int = 0) -> int:
+    """Ranks per shard group for the hybrid strategies: `requested`, or (0) the ranks of one node."""
+    size = requested or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % size:
+        raise ConfigError(
+            f"--hybrid_shard_group_size {size} does not divide the world size {world_size}; choose a divisor"
+        )
+    return size
 
 
 @dataclass

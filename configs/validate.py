@@ -11,29 +11,36 @@ import importlib.util
 
 from torch.distributed.fsdp import BackwardPrefetch
 
-from configs.fsdp import FSDPConfig
+from configs.checkpointing import CheckpointConfig
+from configs.errors import ConfigError
+from configs.evaluation import EvalConfig
+from configs.fsdp import HYBRID, FSDPConfig, hybrid_group_size
+from configs.lora import LoraConfig
+from configs.observability import ObserveConfig
+from configs.recipe import RecipeConfig
+from configs.run import RunConfig
 from configs.training import TrainConfig
-from utils.distributed.mesh import HYBRID, hybrid_group_size
-from utils.errors import ConfigError
-from utils.observe.tensorboard import INSTALL_HINT, tensorboard_available
+
+TENSORBOARD_HINT = "--tensorboard true needs the tensorboard package: pip install tensorboard"
 
 
-def check_settings(train_config: TrainConfig, fsdp_config: FSDPConfig, world_size: int, device_type: str) -> None:
+def check_settings(config: RunConfig, world_size: int, device_type: str) -> None:
     """Raise ConfigError for the first combination that cannot run as asked on `world_size` ranks of
     `device_type` ("cuda" or "cpu")."""
-    check_precision(fsdp_config, device_type)
-    check_device_settings(fsdp_config, device_type)
-    check_attention(train_config, device_type)
-    if fsdp_config.fsdp_version == 2:
-        check_fsdp2_settings(fsdp_config)
-    check_hybrid_sharding(fsdp_config, world_size)
-    check_checkpointing(train_config)
-    check_evaluation(train_config)
-    check_schedule(train_config)
-    check_optional_packages(train_config)
-    check_lora(train_config, fsdp_config)
-    check_decay_groups(train_config, fsdp_config)
-    check_compile(fsdp_config)
+    fsdp = config.fsdp
+    check_precision(fsdp, device_type)
+    check_device_settings(fsdp, device_type)
+    check_attention(config.recipe, device_type)
+    if fsdp.fsdp_version == 2:
+        check_fsdp2_settings(fsdp)
+    check_hybrid_sharding(fsdp, world_size)
+    check_checkpointing(config.checkpointing)
+    check_evaluation(config.evaluation, config.train)
+    check_schedule(config.recipe)
+    check_optional_packages(config.observe, config.lora)
+    check_lora(config.lora, fsdp)
+    check_decay_groups(config.train, fsdp)
+    check_compile(fsdp)
 
 
 def check_precision(fsdp_config: FSDPConfig, device_type: str) -> None:
@@ -82,8 +89,8 @@ def check_device_settings(fsdp_config: FSDPConfig, device_type: str) -> None:
         )
 
 
-def check_attention(train_config: TrainConfig, device_type: str) -> None:
-    if train_config.attn_implementation == "flex_attention" and device_type != "cuda":
+def check_attention(recipe: RecipeConfig, device_type: str) -> None:
+    if recipe.attn_implementation == "flex_attention" and device_type != "cuda":
         raise ConfigError(
             "--attn_implementation flex_attention needs a GPU: torch's FlexAttention has no backward on CPU. "
             "Use sdpa (the default) or eager."
@@ -133,71 +140,73 @@ def check_hybrid_sharding(fsdp_config: FSDPConfig, world_size: int) -> None:
         )
 
 
-def check_checkpointing(train_config: TrainConfig) -> None:
-    if train_config.save_every_n_steps and not train_config.keep_last_n:
+def check_checkpointing(checkpointing: CheckpointConfig) -> None:
+    if checkpointing.save_every_n_steps and not checkpointing.keep_last_n:
         raise ConfigError(
-            f"--save_every_n_steps {train_config.save_every_n_steps} with --keep_last_n 0: no checkpoint "
+            f"--save_every_n_steps {checkpointing.save_every_n_steps} with --keep_last_n 0: no checkpoint "
             "would be written. Keep at least one (--keep_last_n 1) or drop --save_every_n_steps."
         )
 
 
-def check_evaluation(train_config: TrainConfig) -> None:
-    """ROUGE-based choices need ROUGE; periodic evaluation needs something to evaluate."""
-    if train_config.eval_rouge:
+def check_evaluation(evaluation: EvalConfig, train_config: TrainConfig) -> None:
+    """--run_validation is the switch of all evaluation (the validation loss and ROUGE); --eval_rouge the
+    switch of ROUGE inside it. ROUGE-based choices need ROUGE; periodic evaluation needs evaluation."""
+    if evaluation.evaluate_only:
+        if not evaluation.eval_rouge:
+            raise ConfigError("--evaluate_only true scores ROUGE: it needs --eval_rouge true")
         return
-    if train_config.metric_for_best != "val_loss":
+    rouge = train_config.run_validation and evaluation.eval_rouge
+    if evaluation.metric_for_best != "val_loss" and not rouge:
         raise ConfigError(
-            f"--metric_for_best {train_config.metric_for_best} needs --eval_rouge true (or choose "
-            "--metric_for_best val_loss)"
+            f"--metric_for_best {evaluation.metric_for_best} needs ROUGE: --run_validation true (all evaluation) "
+            "and --eval_rouge true (ROUGE); or choose --metric_for_best val_loss"
         )
-    if train_config.evaluate_only:
-        raise ConfigError("--evaluate_only true scores ROUGE: it needs --eval_rouge true")
-    if train_config.eval_every_n_steps and not train_config.run_validation:
+    if evaluation.eval_every_n_steps and not train_config.run_validation:
         raise ConfigError(
-            "--eval_every_n_steps evaluates the validation loss and ROUGE: it needs --run_validation true or "
-            "--eval_rouge true (or drop --eval_every_n_steps)"
+            "--eval_every_n_steps evaluates the validation loss and ROUGE inside epochs, but --run_validation "
+            "false turns all evaluation off: drop --eval_every_n_steps, or use --run_validation true"
         )
 
 
-def check_optional_packages(train_config: TrainConfig) -> None:
+def check_optional_packages(observe: ObserveConfig, lora: LoraConfig) -> None:
     """A feature whose package is not installed fails here, on every rank, naming the pip line."""
-    if train_config.tensorboard and not tensorboard_available():
-        raise ConfigError(INSTALL_HINT)
-    if train_config.peft == "lora" and importlib.util.find_spec("peft") is None:
+    if observe.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(TENSORBOARD_HINT)
+    if lora.peft == "lora" and importlib.util.find_spec("peft") is None:
         raise ConfigError("--peft lora needs the peft package: pip install peft")
 
 
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora")
 
 
-def check_lora(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
+def check_lora(lora: LoraConfig, fsdp_config: FSDPConfig) -> None:
     """Rank-0-only loading builds on meta and reads weights by name, and the adapters are not in the file.
     (FSDP1 needs nothing: the adapters become units of their own, policies/wrapping.py.)"""
-    if train_config.peft != "lora":
-        defaults = TrainConfig()
-        given = [name for name in LORA_FIELDS if getattr(train_config, name) != getattr(defaults, name)]
+    if lora.peft != "lora":
+        defaults = LoraConfig()
+        given = [name for name in LORA_FIELDS if getattr(lora, name) != getattr(defaults, name)]
         if given:
             raise ConfigError(f"--{given[0]} sets up LoRA adapters: it needs --peft lora")
         return
-    if train_config.lora_dropout >= 1:
+    if lora.lora_dropout >= 1:
         raise ConfigError("--lora_dropout 1 drops every input of the adapters, which would never train: use < 1")
     if fsdp_config.compile:
         raise ConfigError("--peft lora with --compile true is not supported yet (untested); drop one")
     if fsdp_config.cpu_ram_efficient_loading:
         raise ConfigError("--peft lora cannot be combined with --cpu_ram_efficient_loading true yet; drop one")
-    if not [name for name in train_config.lora_target_modules.split(",") if name.strip()]:
+    if not [name for name in lora.lora_target_modules.split(",") if name.strip()]:
         raise ConfigError("--lora_target_modules is empty: give the linear layers to adapt, e.g. q,v")
 
 
-def check_schedule(train_config: TrainConfig) -> None:
+def check_schedule(recipe: RecipeConfig) -> None:
     """Warmup belongs to the per-step schedules, and is given one way."""
-    warmup = train_config.warmup_steps or train_config.warmup_ratio
-    if warmup and train_config.lr_scheduler == "step":
+    warmup = recipe.warmup_steps or recipe.warmup_ratio
+    if warmup and recipe.lr_scheduler == "step":
         raise ConfigError(
             "--warmup_steps/--warmup_ratio need a per-step schedule: --lr_scheduler constant, linear or cosine "
             "(the tutorial's step schedule changes the LR once per epoch)"
         )
-    if train_config.warmup_steps and train_config.warmup_ratio:
+    if recipe.warmup_steps and recipe.warmup_ratio:
         raise ConfigError("give --warmup_steps or --warmup_ratio, not both")
 
 

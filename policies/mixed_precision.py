@@ -3,15 +3,17 @@
 param_dtype is the compute dtype of the gathered parameters, reduce_dtype the dtype of the gradient
 reduce-scatter/all-reduce, buffer_dtype the dtype of buffers (T5 has none that matter). The sharded fp32
 master copy that the optimizer updates is unaffected by all of them. A policy is named by its key in
-POLICIES everywhere (config.json, the log); this module alone maps a name to what it implies.
+POLICIES everywhere (config.json, the log). `resolve_precision` turns the settings into one Precision,
+once per run; everything that depends on the precision asks that object.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
 from configs.fsdp import FSDPConfig
-from utils.observe.log import get_logger
 
 fpSixteen = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16, buffer_dtype=torch.float16)
 
@@ -77,21 +79,37 @@ def select_policy_name(fsdp_config: FSDPConfig, bf16_ok: bool) -> str:
     return fsdp_config.bf16_policy
 
 
-def choose_precision(fsdp_config: FSDPConfig, device: torch.device) -> str:
-    """The policy name for these settings on `device`, with a warning when bf16 falls back to fp32."""
+@dataclass(frozen=True)
+class Precision:
+    """The run's precision: a policy of POLICIES, resolved once for the settings and the device."""
+
+    name: str  # a key of POLICIES (config.json, the log)
+    fallback: str | None = None  # why bf16 was asked for and fp32 is used (to be logged), else None
+
+    @property
+    def policy(self) -> MixedPrecision:
+        """FSDP1's MixedPrecision."""
+        return POLICIES[self.name]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.param_dtype
+
+    @property
+    def needs_grad_scaler(self) -> bool:
+        """fp16 gradients underflow without loss scaling (docs/pitfalls.md #5); bf16 and fp32 need none."""
+        return self.compute_dtype == torch.float16
+
+    @property
+    def fsdp2_policy(self) -> MixedPrecisionPolicy:
+        """The FSDP2 form of the policy (buffer_dtype has no FSDP2 equivalent: FSDP2 leaves buffers alone)."""
+        return MixedPrecisionPolicy(param_dtype=self.policy.param_dtype, reduce_dtype=self.policy.reduce_dtype)
+
+
+def resolve_precision(fsdp_config: FSDPConfig, device: torch.device) -> Precision:
+    """The policy for these settings on `device`; bf16 that the device cannot do falls back to fp32."""
     bf16_ok = bf16_supported(device)
-    name = select_policy_name(fsdp_config, bf16_ok)
+    fallback = None
     if fsdp_config.mixed_precision and not fsdp_config.use_fp16 and not bf16_ok:
-        get_logger().warning("bf16 is not supported on %s: training in fp32 instead", device)
-    return name
-
-
-def needs_grad_scaler(policy_name: str) -> bool:
-    """fp16 gradients underflow without loss scaling (docs/pitfalls.md #5); bf16 and fp32 need none."""
-    return POLICIES[policy_name].param_dtype == torch.float16
-
-
-def fsdp2_policy(policy_name: str) -> MixedPrecisionPolicy:
-    """The FSDP2 form of a policy (buffer_dtype has no FSDP2 equivalent: FSDP2 leaves buffers alone)."""
-    policy = POLICIES[policy_name]
-    return MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+        fallback = f"bf16 is not supported on {device}: training in fp32 instead"
+    return Precision(select_policy_name(fsdp_config, bf16_ok), fallback)

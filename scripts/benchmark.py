@@ -33,9 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT  # noqa: E402
 from scripts.make_random_t5 import SHAPES, make  # noqa: E402
 from summarization_dataset import load_wikihow  # noqa: E402
-from utils.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT  # noqa: E402
 
 SUITES = {
     "backends": {

@@ -1,9 +1,10 @@
-"""Print the README's config reference (a markdown table per dataclass) from configs/.
+"""Print the config reference of docs/configuration.md (a markdown table per dataclass) from configs/.
 
     python scripts/config_reference.py
 
-tests/test_docs.py checks that README.md contains exactly this output, so the docs cannot drift from the
-code: after changing a field, paste the new output into the README.
+tests/test_docs.py checks that docs/configuration.md contains exactly this output, so the docs cannot drift
+from the code: after changing a field, paste the new output into docs/configuration.md (its "Reference"
+section).
 """
 
 import sys
@@ -13,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.cli import ALIASES, field_specs, format_value, type_label  # noqa: E402
 from configs.fsdp import FSDPConfig  # noqa: E402
+from configs.paths import REPO_ROOT  # noqa: E402
 from configs.training import TrainConfig  # noqa: E402
-from utils.paths import REPO_ROOT  # noqa: E402
 
 TABLE_HEADER = "| flag | values | default | meaning |"
 TITLES = {"train": "Training (`configs/training.py`)", "fsdp": "FSDP (`configs/fsdp.py`)"}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from configs.errors import UserError  # noqa: E402
 from utils.checkpoint.hf_export import convert_checkpoint  # noqa: E402
-from utils.errors import UserError  # noqa: E402
-from utils.observe.log import get_logger, setup_logging  # noqa: E402
+from utils.log import get_logger, setup_logging  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,10 +25,10 @@ from tqdm import tqdm
 # Run as `python scripts/download_wikihow.py`: sys.path[0] is scripts/, the package is its parent.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from configs.errors import UserError  # noqa: E402
 from summarization_dataset import CSV_NAME, CSV_SOURCE_URL, SPLIT_FILES, check_csv_header  # noqa: E402
-from utils.errors import UserError  # noqa: E402
 from utils.files import atomic_path  # noqa: E402
-from utils.observe.log import get_logger, setup_logging  # noqa: E402
+from utils.log import get_logger, setup_logging  # noqa: E402
 
 SPLIT_LIST_BASE_URL = "https://raw.githubusercontent.com/mahnazkoupaee/WikiHow-Dataset/master/"
 _CHUNK_BYTES = 1 << 20

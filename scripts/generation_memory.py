@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from transformers import T5ForConditionalGeneration, T5Tokenizer  # noqa: E402
 from transformers.models.t5.modeling_t5 import T5Block  # noqa: E402
+from utils.fsdp.wrap import wrap_model  # noqa: E402
 
 from configs.fsdp import FSDPConfig  # noqa: E402
 from configs.training import TrainConfig  # noqa: E402
@@ -30,7 +31,6 @@ from tests.dist_harness import run_ranks  # noqa: E402
 from utils.data.loaders import build_eval_set  # noqa: E402
 from utils.distributed.process_group import DistInfo  # noqa: E402
 from utils.eval.generation import GenerationSettings, generate  # noqa: E402
-from utils.fsdp.wrap import wrap_model  # noqa: E402
 from utils.train.step import move_batch  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from utils.paths import REPO_ROOT  # noqa: E402
+from configs.paths import REPO_ROOT  # noqa: E402
 
 DEFAULT_OUT_DIR = REPO_ROOT / "data"
 

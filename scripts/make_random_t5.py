@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer  # noqa: E402
 
-from utils.paths import EMBEDDED_MODEL_DIR  # noqa: E402
+from configs.paths import EMBEDDED_MODEL_DIR  # noqa: E402
 
 # The published shapes, vocabulary 32,128. T5 v1.0: tied embeddings, ReLU feed-forward (the t5-11b the
 # tutorial names included). T5 v1.1 and FLAN-T5 (the same shapes): gated-GELU feed-forward (two input

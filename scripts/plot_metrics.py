@@ -2,6 +2,10 @@
 
     python scripts/plot_metrics.py outputs/run1                 # writes outputs/run1/metrics.png
     python scripts/plot_metrics.py outputs/run1 --output run1.png
+    python scripts/plot_metrics.py outputs/run1 --title "t5-base, 8 GPUs"
+
+The figure's title is --title, or else the run folder's name alone ("run1"): never a machine path, so a
+committed picture does not show where it was made.
 
 1. Loss against the global step: the train loss of every step (a step whose loss is null, non-finite or
    skipped, leaves a gap and a red vertical line), each epoch's mean train loss and validation loss at the
@@ -195,10 +199,16 @@ def draw(records: list[dict], title: str = ""):
     return figure
 
 
+def figure_title(run_dir: Path, title: str | None = None) -> str:
+    """`title` when given, else the run folder's own name ("outputs/run1/" and "/abs/run1" give "run1")."""
+    return title if title is not None else run_dir.resolve().name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", help="a T5_training.py output_dir (holds metrics.jsonl)")
     parser.add_argument("--output", help="the PNG to write (default: OUTPUT_DIR/metrics.png)")
+    parser.add_argument("--title", help="the figure's title (default: the name of OUTPUT_DIR, without its path)")
     args = parser.parse_args(argv)
     run_dir = Path(args.output_dir)
     output = Path(args.output) if args.output else run_dir / "metrics.png"
@@ -215,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {NO_MATPLOTLIB}", file=sys.stderr)
         return 2
     matplotlib.use("Agg")
-    draw(records, title=str(run_dir / "metrics.jsonl")).savefig(output, dpi=100)
+    draw(records, title=figure_title(run_dir, args.title)).savefig(output, dpi=100)
     print(f"wrote {output} ({len(records)} records)")
     return 0
 

@@ -20,10 +20,10 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoTokenizer, T5ForConditionalGeneration  # noqa: E402
 
+from configs.errors import UserError  # noqa: E402
 from summarization_dataset import clean_text  # noqa: E402
-from utils.errors import UserError  # noqa: E402
+from utils.log import get_logger, setup_logging  # noqa: E402
 from utils.model.loading import check_local_model_dir, looks_like_local_path  # noqa: E402
-from utils.observe.log import get_logger, setup_logging  # noqa: E402
 
 DEFAULT_MAX_SOURCE_LENGTH = 512
 

@@ -18,18 +18,18 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.data import Dataset
 from transformers import T5Config, T5ForConditionalGeneration
 from transformers.models.t5.modeling_t5 import T5Attention, T5Block
+from utils.fsdp.wrap import wrap_model
 
+from configs.errors import TrainingDivergedError
 from configs.fsdp import FSDPConfig
+from configs.paths import EMBEDDED_MODEL_DIR
 from policies.mixed_precision import POLICIES
 from utils.checkpoint.state_dicts import gather_full_state_dict, load_full_model_state, save_full_model
 from utils.data.loaders import build_loader
 from utils.data.samplers import PaddedEvalSampler
-from utils.errors import TrainingDivergedError
-from utils.fsdp.wrap import wrap_model
 from utils.model.lora import LoraSettings, apply_lora
 from utils.model.rank0_loading import Rank0Materializer
 from utils.observe.memory import optim_state_numel_local
-from utils.paths import EMBEDDED_MODEL_DIR
 from utils.train import step as step_module
 from utils.train.step import forward_token_losses, train_step, validate
 from utils.train.step_log import StepLog
@@ -508,8 +508,9 @@ def accumulation_worker(rank: int, world_size: int, steps: int) -> dict:
 
 def decay_groups_worker(rank: int, world_size: int) -> dict:
     """Names of the parameters in each AdamW group, with weight decay, for FSDP2 and FSDP1 (orig params)."""
-    from configs.training import TrainConfig
     from utils.train.trainables import build_trainables
+
+    from configs.training import TrainConfig
 
     out = {}
     for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):

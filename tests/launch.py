@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from configs.paths import REPO_ROOT
 from utils.distributed.process_group import free_port
-from utils.paths import REPO_ROOT
 
 DEFAULT_TIMEOUT_S = 300
 

@@ -25,12 +25,12 @@ from configs.accelerate_env import (
     mapping_markdown,
 )
 from configs.cli import field_specs, fields_from_accelerate, parse_args
+from configs.errors import ConfigError
 from configs.fsdp import FSDPConfig
+from configs.paths import REPO_ROOT
 from configs.training import TrainConfig
 from tests.launch import Run, offline_env, program_tracebacks
 from utils.distributed.process_group import free_port
-from utils.errors import ConfigError
-from utils.paths import REPO_ROOT
 
 accelerate_launch = pytest.importorskip("accelerate.commands.launch")
 accelerate_utils_launch = pytest.importorskip("accelerate.utils.launch")

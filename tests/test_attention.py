@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from configs.paths import EMBEDDED_MODEL_DIR
 from configs.training import TrainConfig
 from tests.dist_workers import make_batch
 from utils.model.loading import load_model_for_run, load_tokenizer, model_config_overrides
-from utils.paths import EMBEDDED_MODEL_DIR
 from utils.train.step import forward_token_losses
 
 KERNELS = ["eager", "sdpa"]  # flex_attention has no backward on CPU (refused there by configs/validate.py)

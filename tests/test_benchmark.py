@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
+from configs.paths import REPO_ROOT
 from scripts.benchmark import GPU_ONLY, PEERS_OF_SUITE, SUITES
-from utils.paths import REPO_ROOT
 
 
 def test_gpu_suite_runs_at_tiny_scale_on_cpu(tmp_path):

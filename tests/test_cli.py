@@ -29,10 +29,10 @@ from configs.cli import (
     format_value,
     parse_args,
 )
+from configs.errors import ConfigError, UserError
 from configs.fsdp import FSDPConfig
+from configs.paths import REPO_ROOT
 from configs.training import TrainConfig
-from utils.errors import ConfigError, UserError
-from utils.paths import REPO_ROOT
 
 # The names the issue fixes (the README, the tutorial's flags and the run record use them).
 REQUIRED_FIELDS = [

@@ -20,6 +20,8 @@ import pandas as pd
 import pytest
 import torch
 
+from configs.errors import ConfigError, DataError, DataFileNotFoundError
+from configs.paths import REPO_ROOT
 from summarization_dataset import (
     ITEM_KEYS,
     WikihowOptions,
@@ -30,9 +32,7 @@ from summarization_dataset import (
     pad_collate,
     wikihow,
 )
-from utils.errors import ConfigError, DataError, DataFileNotFoundError
-from utils.observe.log import get_logger
-from utils.paths import REPO_ROOT
+from utils.log import get_logger
 
 # The real file's quirks: a quoted multi-line headline whose bold lines are joined by ".,\n"; a text
 # whose paragraphs are joined by ".\n,", by ";\n," and by "..\n\n,"; a title with surrounding spaces;

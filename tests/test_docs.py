@@ -1,16 +1,18 @@
-"""The README's configuration reference is the one the code generates."""
+"""The docs' configuration reference is the one the code generates; the module map names every module."""
 
 import re
 from pathlib import Path
 
 from scripts.config_reference import reference_markdown
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+DEVELOPMENT = ROOT / "docs" / "development.md"
 
 
-def test_readme_config_reference_matches_the_dataclasses():
-    assert reference_markdown() in README.read_text(encoding="utf-8"), (
-        "README.md's configuration reference is stale: paste `python scripts/config_reference.py` into it"
+def test_docs_config_reference_matches_the_dataclasses():
+    assert reference_markdown() in CONFIGURATION.read_text(encoding="utf-8"), (
+        "docs/configuration.md's reference is stale: paste `python scripts/config_reference.py` into it"
     )
 
 
@@ -22,12 +24,12 @@ def test_every_field_is_documented():
 
 
 def layout_section() -> str:
-    text = README.read_text(encoding="utf-8")
+    text = DEVELOPMENT.read_text(encoding="utf-8")
     return text[text.index("## Layout\n") : text.index("## Errors\n")]
 
 
-def test_readme_layout_maps_every_module_and_only_existing_ones():
-    root = README.parent
+def test_docs_layout_maps_every_module_and_only_existing_ones():
+    root = ROOT
     named = set(re.findall(r"`((?:configs|policies|utils)/[\w/]+\.py|T5_training\.py|summarization_dataset\.py)`",
                            layout_section()))  # fmt: skip
     existing = {
@@ -36,4 +38,4 @@ def test_readme_layout_maps_every_module_and_only_existing_ones():
         for path in (root / folder).rglob("*.py")
         if path.name != "__init__.py"
     } | {"T5_training.py", "summarization_dataset.py"}
-    assert named == existing, {"missing from README": existing - named, "not in the code": named - existing}
+    assert named == existing, {"missing from the Layout": existing - named, "not in the code": named - existing}

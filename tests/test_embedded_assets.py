@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils.paths import REPO_ROOT
+from configs.paths import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "make_embedded_assets.py"
 COMMITTED = REPO_ROOT / "data"

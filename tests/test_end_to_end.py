@@ -20,9 +20,9 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from configs.cli import format_value, parse_args
 from configs.fsdp import FSDPConfig
+from configs.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
 from configs.training import TrainConfig
 from tests.launch import Run, program_tracebacks, torchrun
-from utils.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
 
 NPROC = 2
 EPOCHS = 2

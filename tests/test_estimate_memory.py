@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
+from configs.paths import EMBEDDED_MODEL_DIR
 from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
 from scripts.estimate_memory import T5Shape, estimate, load_shape, main
 from scripts.make_random_t5 import SHAPES
 from tests.dist_workers import make_batch
 from utils.observe.memory import SavedTensorCounter
-from utils.paths import EMBEDDED_MODEL_DIR
 from utils.train.step import forward_token_losses
 
 SETTINGS = dict(

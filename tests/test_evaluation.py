@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
+from configs.paths import EMBEDDED_DATA_DIR, REPO_ROOT
 from summarization_dataset import load_wikihow
 from tests.dist_harness import run_ranks
 from tests.dist_workers import generation_worker
 from tests.launch import torchrun
 from utils.eval.rouge import ROUGE_KEYS, mean_scores, rouge_scores
-from utils.paths import EMBEDDED_DATA_DIR, REPO_ROOT
 
 N_SAMPLES = 7  # uneven over 2 ranks: 4 and 3 real samples, one padding repeat
 EVAL_KEYS = {"type", "epoch", "step", "split", *ROUGE_KEYS, "gen_len", "num_samples", "seconds", "baselines"}

@@ -6,8 +6,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import T5Config, T5ForConditionalGeneration
 
+from configs.paths import EMBEDDED_MODEL_DIR
 from utils.observe.flops import T5Flops, gpu_peak_flops
-from utils.paths import EMBEDDED_MODEL_DIR
 from utils.train.step import forward_token_losses
 
 GATED = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False}  # the v1.1 / flan-t5 shape

@@ -8,15 +8,15 @@ import pytest
 import torch
 from transformers import T5ForConditionalGeneration, T5Tokenizer
 
+from configs.errors import ConfigError
 from configs.fsdp import FSDPConfig
+from configs.paths import EMBEDDED_MODEL_DIR
 from configs.training import TrainConfig
 from configs.validate import check_lora
 from tests.dist_harness import run_ranks
 from tests.dist_workers import LORA, LORA_VARIANTS, lora_worker, make_batch
 from tests.launch import torchrun
-from utils.errors import ConfigError
 from utils.model.lora import apply_lora, write_lora_folders
-from utils.paths import EMBEDDED_MODEL_DIR
 
 pytest.importorskip("peft")
 STEPS = 4

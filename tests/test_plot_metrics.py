@@ -82,6 +82,23 @@ def test_writes_a_png_next_to_the_metrics_and_where_asked(tmp_path, capsys):
     assert "elsewhere.png" in capsys.readouterr().out
 
 
+def test_the_title_is_the_run_folders_name_or_the_one_given(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    titles = []
+
+    def spy(records, title=""):
+        figure = draw(records, title=title)
+        titles.append(figure.get_suptitle())
+        return figure
+
+    monkeypatch.setattr("scripts.plot_metrics.draw", spy)
+    run = write_run(tmp_path / "run", records())  # an absolute path: the picture must not show it
+    assert main([run]) == 0
+    assert main([run + "/", "--title", "offline demo, 2 ranks"]) == 0
+    assert titles == ["run", "offline demo, 2 ranks"]
+    assert "/" not in titles[0] and str(tmp_path) not in titles[0]
+
+
 def test_the_panels_draw_the_records_values(tmp_path):
     pytest.importorskip("matplotlib")
     figure = draw(load_records(Path(write_run(tmp_path / "run", records()))))

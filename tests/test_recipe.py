@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from utils.train.trainables import build_scheduler, lr_factor
 
 from configs.training import TrainConfig
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
 from tests.dist_workers import accumulation_worker
 from tests.launch import torchrun
-from utils.train.trainables import build_scheduler, lr_factor
 
 STEPS = 3
 
@@ -93,9 +93,9 @@ def assert_epoch_flops_count_every_real_token(output_dir: Path, num_samples: int
     the hand-count formula summed over every training sample's real (unpadded) lengths, once each."""
     from transformers import T5Config, T5Tokenizer
 
+    from configs.paths import EMBEDDED_MODEL_DIR
     from summarization_dataset import wikihow
     from utils.observe.flops import T5Flops
-    from utils.paths import EMBEDDED_MODEL_DIR
 
     dataset = wikihow(T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR), "train", num_samples, 512, 150)
     items = [dataset[i] for i in range(len(dataset))]
@@ -131,7 +131,7 @@ def test_max_steps_stops_saves_and_exports(tmp_path):
 )
 def test_early_stopping_counts_the_epochs_since_the_best(next_epoch, best_epoch, patience, stops):
     """The rule reads only the checkpointed progress (next epoch, best epoch): a resumed run counts the same."""
-    from utils.train.progress import TrainProgress
+    from utils.checkpoint.progress import TrainProgress
     from utils.train.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)  # the rule needs no model, loaders or process group

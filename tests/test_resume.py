@@ -26,22 +26,22 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration, T5Tokenizer
+from utils.checkpoint.checkpointer import Checkpointer, CheckpointSettings
+from utils.checkpoint.layout import MODEL_FILE
+from utils.fsdp.wrap import wrap_model
+from utils.train.trainables import build_trainables
 
 from configs.fsdp import FSDPConfig
+from configs.paths import EMBEDDED_DATA_DIR as SAMPLE_DATA
+from configs.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
 from configs.training import TrainConfig
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
 from tests.launch import Background, Run, program_tracebacks, torchrun
-from utils.checkpoint.checkpointer import Checkpointer, CheckpointSettings
-from utils.checkpoint.layout import MODEL_FILE
+from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.state_dicts import load_full_model_weights
 from utils.distributed.process_group import DistInfo
-from utils.fsdp.wrap import wrap_model
-from utils.paths import EMBEDDED_DATA_DIR as SAMPLE_DATA
-from utils.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
-from utils.train.progress import TrainProgress
 from utils.train.step import train_step
-from utils.train.trainables import build_trainables
 
 SHARDED = "SHARDED_STATE_DICT"
 FULL = "FULL_STATE_DICT"

@@ -5,10 +5,10 @@ import torch
 from torch import nn
 from transformers import T5Config, T5ForConditionalGeneration
 
+from configs.paths import EMBEDDED_MODEL_DIR
 from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
 from tests.dist_workers import make_batch
 from utils.observe.memory import SavedTensorCounter
-from utils.paths import EMBEDDED_MODEL_DIR
 from utils.train.step import forward_token_losses
 
 

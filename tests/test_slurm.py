@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from utils.paths import REPO_ROOT
+from configs.paths import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "slurm" / "train.sbatch"
 JOB_ID = "4242"

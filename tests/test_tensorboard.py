@@ -3,12 +3,13 @@ from the event files with tensorboard's own reader; a missing package is refused
 
 import pytest
 
+from configs.errors import ConfigError
 from configs.training import TrainConfig
 from configs.validate import check_optional_packages
-from utils.errors import ConfigError
+from utils.layout import TENSORBOARD_DIR
 from utils.observe import tensorboard as tensorboard_module
 from utils.observe.metrics import open_metrics
-from utils.observe.tensorboard import TENSORBOARD_DIR, scalars_of
+from utils.observe.tensorboard import scalars_of
 
 RECORDS = [
     {"type": "step", "epoch": 1, "step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 3.0, "mfu": 0.25},

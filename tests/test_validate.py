@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
+from configs.errors import ConfigError
 from configs.fsdp import FSDPConfig
 from configs.training import TrainConfig
 from configs.validate import check_settings
-from utils.errors import ConfigError
 
 HYBRID = ShardingStrategy.HYBRID_SHARD
 ZERO2_HYBRID = ShardingStrategy._HYBRID_SHARD_ZERO2

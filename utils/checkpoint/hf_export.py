@@ -12,12 +12,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 
-from utils.checkpoint.layout import FULL, MODEL_FILE, STATE_FILE, TOKENIZER_DIR, read_train_state
+from configs.errors import FAILURES, CheckpointError, UserError, error_summary
+from configs.lora import LoraConfig
 from utils.checkpoint.safe_dcp import SafeFileSystemReader
-from utils.checkpoint.state_dicts import load_full_model_state
-from utils.errors import FAILURES, CheckpointError, UserError, error_summary
+from utils.checkpoint.start import read_train_state
 from utils.eval.generation import GENERATION_KEYS
 from utils.files import atomic_path
+from utils.layout import FULL, MODEL_FILE, STATE_FILE, TOKENIZER_DIR
+from utils.model.loading import load_full_model_state
+from utils.model.lora import apply_lora
 
 
 def write_hf_folder(state_dict: dict, model_config, tokenizer, folder: str) -> None:
@@ -40,6 +43,28 @@ def write_hf_folder(state_dict: dict, model_config, tokenizer, folder: str) -> N
     with atomic_path(folder) as tmp:
         skeleton.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+
+
+def write_lora_folders(
+    state_dict: dict, model_config, tokenizer, lora: LoraConfig, base_model: str, folders: tuple
+) -> None:
+    """Rank 0: the adapter folder (PEFT save_pretrained + tokenizer) and, with --merge_lora, the merged
+    model as a plain transformers folder. `folders`: (adapter folder, merged folder)."""
+    adapter_folder, merged_folder = folders
+    config = copy.deepcopy(model_config)
+    config.use_cache = True
+    with torch.device("meta"):  # no random init of a model about to be overwritten
+        peft_model = apply_lora(T5ForConditionalGeneration(config), lora, base_model)
+    peft_model.to_empty(device="cpu")  # keeps parameter identity: the tied embedding stays one tensor
+    peft_model.load_state_dict(state_dict, strict=True)
+    # PEFT names the base after the skeleton's config, which has no name: PeftModel.from_pretrained reads it.
+    peft_model.peft_config["default"].base_model_name_or_path = base_model
+    with atomic_path(adapter_folder) as tmp:
+        peft_model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    if lora.merge_lora:
+        merged = peft_model.merge_and_unload()
+        write_hf_folder(merged.state_dict(), model_config, tokenizer, merged_folder)
 
 
 def checkpoint_weights(checkpoint: str, model_config: T5Config) -> dict:

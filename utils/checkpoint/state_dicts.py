@@ -18,9 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from utils.errors import FAILURES, CheckpointError, error_summary
 from utils.files import atomic_path, disk_bytes
-from utils.observe.log import get_logger
+from utils.log import get_logger
 
 # FSDP1's optimizer-state utilities ask the process group for its device through a deprecated helper on
 # every call, and on a gloo group that helper also warns that it has to guess: two UserWarnings per rank per
@@ -98,22 +97,6 @@ def _gather_full_state_dict_fsdp1(model: FSDP, device: torch.device) -> dict:
     policy = FullStateDictConfig(offload_to_cpu=device.type == "cuda", rank0_only=True)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, policy):
         return model.state_dict()
-
-
-def load_full_model_state(path: str) -> dict:
-    """A saved .pt as a plain state dict; weights_only=True: only tensors are unpickled, never objects."""
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def load_full_model_weights(model: nn.Module, file: str) -> None:
-    """A full state dict (.pt) into the *unwrapped* model, before FSDP wraps it. Strict: every key must match."""
-    try:
-        model.load_state_dict(load_full_model_state(file), strict=True)
-    except FAILURES as err:  # any failure means this file cannot seed this model
-        raise CheckpointError(
-            f"cannot load model weights from {file}: {error_summary(err)}. It is corrupt or was saved from "
-            "another model shape; pick another checkpoint or --model_name."
-        ) from None
 
 
 def save_full_model(model: nn.Module, device: torch.device, is_main: bool, path: str) -> str | None:

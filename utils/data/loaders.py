@@ -1,19 +1,15 @@
-"""Datasets and loaders of each rank. Needs the process group (samplers read rank and world size)."""
+"""What a rank's loaders are made of: the DataLoader settings every loader shares, the batches' move to the
+device, and the containers the trainer and the evaluator receive. The WikiHow datasets and samplers that fill
+them are built in summarization_dataset.py (build_loaders)."""
 
-import dataclasses
-import functools
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from configs.training import TrainConfig
-from summarization_dataset import WikihowOptions, pad_collate, wikihow
-from utils.data.samplers import LengthGrouping, PaddedEvalSampler, ResumableDistributedSampler, train_sampler_for
-from utils.distributed.process_group import DistInfo
-from utils.errors import DataError
-from utils.observe.log import get_logger
+from utils.data.samplers import PaddedEvalSampler, ResumableDistributedSampler
 
 
 @dataclass
@@ -22,7 +18,7 @@ class EvalSet:
     so that every rank generates the same number of batches."""
 
     split: str
-    dataset: wikihow
+    dataset: Dataset  # summarization_dataset.wikihow: .article(i), .reference(i), .clean_text
     loader: DataLoader
     sampler: PaddedEvalSampler  # says which of this rank's samples are real
 
@@ -31,22 +27,14 @@ class EvalSet:
 class Loaders:
     train: DataLoader
     train_sampler: ResumableDistributedSampler
-    val: DataLoader | None
+    val: DataLoader | None  # None with --run_validation false
     val_num_real_samples: int  # this rank's validation samples that are not padding repeats
-    evaluation: EvalSet | None  # the ROUGE set (--eval_rouge)
+    evaluation: EvalSet | None  # the ROUGE set (--eval_rouge, within --run_validation)
 
 
-def build_dataset(tokenizer, split: str, num_samples: int, config: TrainConfig, world_size: int) -> Dataset:
-    """The tutorial's wikihow Dataset of one split, with at least one sample per rank."""
-    options = WikihowOptions(config.data_dir, config.source_prefix, config.pad_to_max_length, config.print_text)
-    num_or_all = num_samples or None  # 0 means all
-    dataset = wikihow(tokenizer, split, num_or_all, config.max_source_length, config.max_target_length, options)
-    if len(dataset) < world_size:
-        raise DataError(
-            f"the {split} split of {config.data_dir} has {len(dataset)} usable samples, fewer than the "
-            f"{world_size} ranks: every rank needs at least one. Use more data or fewer processes."
-        )
-    return dataset
+def move_batch(batch: dict, device: torch.device) -> dict:
+    # non_blocking lets the host-to-GPU copy of pinned memory overlap with compute; a no-op on CPU.
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def _ignore_sigterm_in_worker(_worker_id: int) -> None:
@@ -56,13 +44,18 @@ def _ignore_sigterm_in_worker(_worker_id: int) -> None:
 
 
 def build_loader(
-    dataset: Dataset, sampler: Sampler, batch_size: int, pad_token_id: int, num_workers: int, device: torch.device
+    dataset: Dataset,
+    sampler: Sampler,
+    batch_size: int,
+    collate_fn: Callable,
+    num_workers: int,
+    device: torch.device,
 ) -> DataLoader:
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
-        collate_fn=functools.partial(pad_collate, pad_token_id=pad_token_id),
+        collate_fn=collate_fn,
         num_workers=num_workers,
         # Pinned host memory makes the copy to the GPU asynchronous; pointless on CPU.
         pin_memory=device.type == "cuda",
@@ -72,37 +65,3 @@ def build_loader(
         # run (which starts one iterator more or fewer) would see different dropout masks.
         generator=torch.Generator().manual_seed(0),
     )
-
-
-def build_loaders(tokenizer, config: TrainConfig, info: DistInfo) -> Loaders:
-    """This rank's training loader (shuffled, resumable) and validation loader (in order, padded)."""
-    train_set = build_dataset(tokenizer, "train", config.num_train_samples, config, info.world_size)
-    grouping = None
-    if config.group_by_length:
-        lengths = [len(article) for article in train_set.dataset["text"].tolist()]
-        grouping = LengthGrouping(lengths, config.batch_size_training)
-    train_sampler = train_sampler_for(train_set, info.rank, info.world_size, config.seed, grouping)
-    loader_args = dict(
-        pad_token_id=tokenizer.pad_token_id, num_workers=config.num_workers_dataloader, device=info.device
-    )
-    train = build_loader(train_set, train_sampler, config.batch_size_training, **loader_args)
-    val, val_num_real = None, 0
-    if config.run_validation:
-        val_set = build_dataset(tokenizer, "validation", config.num_val_samples, config, info.world_size)
-        val_sampler = PaddedEvalSampler(len(val_set), info.rank, info.world_size)
-        val = build_loader(val_set, val_sampler, config.val_batch_size, **loader_args)
-        val_num_real = val_sampler.num_real_samples
-    evaluation = build_eval_set(tokenizer, config, info, "validation") if config.eval_rouge else None
-    get_logger().info("samples: train %d, validation %s", len(train_set), len(val.dataset) if val else "-")
-    return Loaders(train, train_sampler, val, val_num_real, evaluation)
-
-
-def build_eval_set(tokenizer, config: TrainConfig, info: DistInfo, split: str) -> EvalSet:
-    """The first --eval_num_samples articles of `split`, each batch padded to its longest source only
-    (generation needs no fixed shapes)."""
-    dynamic = dataclasses.replace(config, pad_to_max_length=False)
-    dataset = build_dataset(tokenizer, split, config.eval_num_samples, dynamic, info.world_size)
-    sampler = PaddedEvalSampler(len(dataset), info.rank, info.world_size)
-    loader = build_loader(dataset, sampler, config.val_batch_size, tokenizer.pad_token_id,
-                          config.num_workers_dataloader, info.device)  # fmt: skip
-    return EvalSet(split, dataset, loader, sampler)

@@ -5,25 +5,11 @@ torch.cuda.device_count(), which is 0 on a CPU group, and silently stops synchro
 docs/pitfalls.md #26); FSDP2 always shards over a mesh.
 """
 
-import os
-
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import ShardingStrategy
 
-from utils.errors import ConfigError
-
-HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-
-
-def hybrid_group_size(world_size: int, requested: int = 0) -> int:
-    """Ranks per shard group for the hybrid strategies: `requested`, or (0) the ranks of one node."""
-    size = requested or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if world_size % size:
-        raise ConfigError(
-            f"--hybrid_shard_group_size {size} does not divide the world size {world_size}; choose a divisor"
-        )
-    return size
+from configs.fsdp import HYBRID, hybrid_group_size
 
 
 def hybrid_mesh(world_size: int, shard_group_size: int, device: torch.device) -> DeviceMesh:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from utils.errors import ConfigError, UserError
-from utils.observe.log import get_logger
+from configs.errors import ConfigError, UserError
+from utils.log import get_logger
 
 # Phrases of the errors a rank gets when a peer died mid-collective: a consequence, not the cause.
 PEER_FAILURE_PHRASES = ("Connection closed by peer", "Connection reset by peer", "remote worker crash")

@@ -1,7 +1,7 @@
 """ROUGE evaluation under FSDP: every rank generates summaries for its share of the evaluation articles,
 scores them, and rank 0 gathers the scores in article order, writes the eval record and the predictions.
 
-    evaluator = Evaluator(eval_set, GenerationSettings.from_config(config), output_dir, info)
+    evaluator = Evaluator(eval_set, generation_kwargs(config.evaluation, max_target_length), output_dir, info)
     record = evaluator.evaluate(model, epoch, step)   # collective; the record on every rank
 
 Each article is scored exactly once: the evaluation sampler's padding repeats are generated (every rank
@@ -16,24 +16,23 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from utils.data.loaders import EvalSet
+from utils import layout
+from utils.data.loaders import EvalSet, move_batch
 from utils.distributed.process_group import DistInfo
-from utils.eval.generation import GenerationSettings, generate
+from utils.eval.generation import generate
 from utils.eval.rouge import lead_sentences, lead_steps, mean_scores, rouge_scores
 from utils.files import atomic_path
-from utils.observe.log import get_logger
-from utils.train.step import move_batch
+from utils.log import get_logger
 
-PREDICTIONS_DIR = "predictions"
 EXAMPLES_LOGGED = 3
 
 
 class Evaluator:
     """Generates, scores and records one evaluation set (the first N articles of a split)."""
 
-    def __init__(self, eval_set: EvalSet, settings: GenerationSettings, output_dir: str, info: DistInfo):
+    def __init__(self, eval_set: EvalSet, generation: dict, output_dir: str, info: DistInfo):
         self.eval_set = eval_set
-        self.settings = settings
+        self.generation = generation  # generate's settings (utils/eval/generation.py: generation_kwargs)
         self.output_dir = output_dir
         self.info = info
         self._baselines: dict | None = None  # computed once, on rank 0
@@ -64,7 +63,7 @@ class Evaluator:
                    disable=not self.info.is_main, dynamic_ncols=True)  # fmt: skip
         with bar:
             for batch in self.eval_set.loader:
-                ids = generate(model, move_batch(batch, self.info.device), self.settings).cpu()
+                ids = generate(model, move_batch(batch, self.info.device), self.generation).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
                 for text, length in zip(texts, (ids != pad_id).sum(dim=1).tolist(), strict=True):
                     if position < sampler.num_real_samples:
@@ -102,14 +101,10 @@ class Evaluator:
             }  # fmt: skip
         return self._baselines
 
-    def predictions_path(self, step: int) -> str:
-        name = f"{self.eval_set.split}_step_{step:08d}.jsonl"
-        return os.path.join(self.output_dir, PREDICTIONS_DIR, name)
-
     def _write_predictions(self, ordered: list[dict], step: int) -> None:
         """One line per scored article, in split order; `reference` is exactly the text scored."""
         dataset = self.eval_set.dataset
-        path = self.predictions_path(step)
+        path = layout.predictions_file(self.output_dir, self.eval_set.split, step)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             for row in ordered:

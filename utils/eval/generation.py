@@ -13,65 +13,50 @@ batches (repeats padded in and ignored when scoring).
 """
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from configs.training import TrainConfig
+from configs.data import DataConfig
+from configs.evaluation import EvalConfig
 
 GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
 
 
-@dataclass(frozen=True)
-class GenerationSettings:
-    num_beams: int
-    max_new_tokens: int
-    length_penalty: float
-    no_repeat_ngram_size: int
-
-    @classmethod
-    def from_config(cls, config: TrainConfig) -> "GenerationSettings":
-        return cls(
-            num_beams=config.num_beams,
-            max_new_tokens=config.max_new_tokens or config.max_target_length,
-            length_penalty=config.length_penalty,
-            no_repeat_ngram_size=config.no_repeat_ngram_size,
-        )
-
-    def generate_kwargs(self) -> dict:
-        """The keyword arguments of `generate` (also saved as hf_model/generation_config.json)."""
-        return {
-            "num_beams": self.num_beams,
-            "max_new_tokens": self.max_new_tokens,
-            "length_penalty": self.length_penalty,
-            "no_repeat_ngram_size": self.no_repeat_ngram_size,
-            "do_sample": False,
-        }
+def generation_kwargs(evaluation: EvalConfig, max_target_length: int) -> dict:
+    """The keyword arguments of `generate` for these settings (also saved as hf_model/generation_config.json).
+    Summaries are as long as the model was trained to write unless --max_new_tokens says otherwise."""
+    return {
+        "num_beams": evaluation.num_beams,
+        "max_new_tokens": evaluation.max_new_tokens or max_target_length,
+        "length_penalty": evaluation.length_penalty,
+        "no_repeat_ngram_size": evaluation.no_repeat_ngram_size,
+        "do_sample": False,
+    }
 
 
-def summarization_params(config: TrainConfig) -> dict:
+def summarization_params(data: DataConfig, evaluation: EvalConfig) -> dict:
     """How this run prepares an article and generates its summary. Saved in the model config's
     `task_specific_params["summarization"]` (where T5's published checkpoints keep theirs), so checkpoints and
     hf_model/ carry it and scripts/summarize.py needs no flags."""
     return {
-        "prefix": config.source_prefix,
-        "max_source_length": config.max_source_length,
-        **GenerationSettings.from_config(config).generate_kwargs(),
+        "prefix": data.source_prefix,
+        "max_source_length": data.max_source_length,
+        **generation_kwargs(evaluation, data.max_target_length),
     }
 
 
-def generate(model: nn.Module, batch: dict, settings: GenerationSettings) -> torch.Tensor:
-    """Token ids of the summaries of one batch (on the model's device). Collective: every rank calls it
-    the same number of times."""
+def generate(model: nn.Module, batch: dict, generation: dict) -> torch.Tensor:
+    """Token ids of the summaries of one batch (on the model's device), with `generation` (generation_kwargs)
+    as generate's settings. Collective: every rank calls it the same number of times."""
     kwargs = {
         "input_ids": batch["source_ids"],
         "attention_mask": batch["source_mask"],
         "synced_gpus": dist.get_world_size() > 1,
         "use_cache": True,  # the model is loaded with use_cache=False for training; decoding wants the cache
-        **settings.generate_kwargs(),
+        **generation,
     }
     with torch.no_grad():
         if isinstance(model, FSDP):

@@ -13,10 +13,9 @@ import torch
 from torch import nn
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 
-from configs.training import TrainConfig
-from utils.checkpoint.state_dicts import load_full_model_weights
-from utils.errors import ConfigError
-from utils.observe.log import get_logger
+from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
+from configs.recipe import RecipeConfig
+from utils.log import get_logger
 from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 HUB_HINT = (
@@ -46,10 +45,10 @@ def builds_on_meta(cpu_ram_efficient_loading: bool, fsdp_version: int, is_main: 
     return cpu_ram_efficient_loading and (fsdp_version == 1 or not is_main)
 
 
-def model_config_overrides(config: TrainConfig) -> dict:
+def model_config_overrides(recipe: RecipeConfig) -> dict:
     """The model-config fields the run sets: the attention kernel, and the dropout if given."""
-    overrides = {"attn_implementation": config.attn_implementation}
-    return overrides if config.dropout_rate is None else {**overrides, "dropout_rate": config.dropout_rate}
+    overrides = {"attn_implementation": recipe.attn_implementation}
+    return overrides if recipe.dropout_rate is None else {**overrides, "dropout_rate": recipe.dropout_rate}
 
 
 def load_model_for_run(
@@ -117,3 +116,19 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> T5
     except OSError as err:
         raise ConfigError(f"could not load T5 model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
     return model
+
+
+def load_full_model_state(path: str) -> dict:
+    """A saved .pt as a plain state dict; weights_only=True: only tensors are unpickled, never objects."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_full_model_weights(model: nn.Module, file: str) -> None:
+    """A full state dict (.pt) into the *unwrapped* model, before FSDP wraps it. Strict: every key must match."""
+    try:
+        model.load_state_dict(load_full_model_state(file), strict=True)
+    except FAILURES as err:  # any failure means this file cannot seed this model
+        raise CheckpointError(
+            f"cannot load model weights from {file}: {error_summary(err)}. It is corrupt or was saved from "
+            "another model shape; pick another checkpoint or --model_name."
+        ) from None

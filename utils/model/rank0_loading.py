@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers.utils import cached_file
 
-from utils.errors import ConfigError
+from configs.errors import ConfigError
 from utils.observe.memory import trim_host_heap
 
 SINGLE_FILE = "model.safetensors"

@@ -7,28 +7,27 @@ from datetime import datetime, timezone
 import torch
 import transformers
 
-from configs.cli import config_to_dict, fields_from_accelerate
-from configs.fsdp import FSDPConfig
-from configs.training import TrainConfig
+from configs.cli import config_to_dict
+from configs.run import RunConfig
+from policies.mixed_precision import Precision
 from utils.distributed.process_group import DistInfo
 from utils.files import write_json
 from utils.observe.flops import Throughput
 
 
 def run_record(
-    train_config: TrainConfig, fsdp_config: FSDPConfig, info: DistInfo, precision: str, throughput: Throughput
+    config: RunConfig, from_accelerate: dict, info: DistInfo, precision: Precision, throughput: Throughput
 ) -> dict:
     """The resolved configs (CLI spelling: feeding them back as flags reproduces the run), the fields taken
     from `accelerate launch`'s environment ({field: variables}; {} without it), and the setting, with the peak
     FLOP/s per device that MFU divides by (null: none known)."""
     return {
-        "train_config": config_to_dict(train_config),
-        "fsdp_config": config_to_dict(fsdp_config),
-        "from_accelerate": fields_from_accelerate(sys.argv[1:]),
+        **config_to_dict(config),  # one key per section: train_config, fsdp_config, data_config, ...
+        "from_accelerate": from_accelerate,
         "world_size": info.world_size,
         "backend": info.backend,
         "device": str(info.device),
-        "mixed_precision_policy": precision,
+        "mixed_precision_policy": precision.name,
         "mfu_peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None,
         "mfu_peak_source": throughput.peak_source,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -10,19 +10,14 @@ Tags by record type, each against its natural x-axis:
 Null, non-finite and non-numeric fields are left out, so a skipped step leaves a gap, not a zero.
 """
 
-import importlib.util
 import math
 import os
 
-TENSORBOARD_DIR = "tensorboard"
-INSTALL_HINT = "--tensorboard true needs the tensorboard package: pip install tensorboard"
+from utils import layout
+
 # The x-axis of each record type, and the prefix of its tags.
 AXES = {"step": ("step", "train"), "validation": ("step", "validation"), "epoch": ("epoch", "epoch")}
 NOT_SCALARS = {"type", "step", "epoch", "rank", "split", "num_samples", "baselines"}
-
-
-def tensorboard_available() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
 
 
 def _numbers(record: dict) -> dict[str, float]:
@@ -80,4 +75,4 @@ def tensorboard_sink(metrics_path: str, enabled: bool, purge_step: int | None = 
     """The sink beside a run's metrics.jsonl (output_dir/tensorboard), or None when not enabled here."""
     if not enabled:
         return None
-    return TensorBoardSink(os.path.join(os.path.dirname(metrics_path), TENSORBOARD_DIR), purge_step)
+    return TensorBoardSink(os.path.join(os.path.dirname(metrics_path), layout.TENSORBOARD_DIR), purge_step)

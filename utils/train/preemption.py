@@ -8,7 +8,7 @@ most log_every_n_steps steps plus the time of one checkpoint: keep it within the
 
 import signal
 
-from utils.observe.log import get_logger
+from utils.log import get_logger
 
 
 class StopRequest:

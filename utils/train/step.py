@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from summarization_dataset import labels_for_loss
+from utils.data.loaders import move_batch
 from utils.observe.flops import T5Flops
 from utils.observe.memory import SavedTensorCounter
 
@@ -31,9 +31,13 @@ STAT_COLUMNS = 7
 STAT_DTYPE = torch.float64  # exact token counts and accurate loss sums for long epochs
 
 
-def move_batch(batch: dict, device: torch.device) -> dict:
-    # non_blocking lets the host-to-GPU copy of pinned memory overlap with compute; a no-op on CPU.
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+def labels_for_loss(target_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """A copy of target_ids with -100 (ignored by the loss) wherever target_mask is 0.
+
+    Padding must never count in the loss, or the model learns to predict padding and the loss reads too
+    low (docs/pitfalls.md #8). T5 shifts the labels right itself to make the decoder inputs.
+    """
+    return target_ids.long().masked_fill(target_mask == 0, -100)
 
 
 def shift_right(target_ids: torch.Tensor, start_token_id: int) -> torch.Tensor:

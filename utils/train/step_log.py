@@ -7,9 +7,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from utils.errors import TrainingDivergedError
+from configs.errors import TrainingDivergedError
+from utils.log import get_logger
 from utils.observe.flops import Throughput
-from utils.observe.log import get_logger
 from utils.train.step import (
     GRAD_NORM,
     HARDWARE_FLOPS,

@@ -1,13 +1,13 @@
-"""The training loop as one object: epochs of steps, validation, the LR schedule, metrics and checkpoints.
+"""The training loop: epochs of steps, validation, ROUGE, the LR schedule, the epoch record and checkpoints.
 
-    trainer = Trainer(trainables, loaders, checkpointer, train_config, info, measures)
-    trainer.resume(checkpoint)        # optional
-    finished = trainer.train()        # False: stopped early on SIGTERM, after a checkpoint
+    trainer = Trainer(model, optimizer, scheduler, scaler, loaders, checkpoints, evaluator, info, ...)
+    finished = trainer.train(progress, resumed)   # False: stopped early on SIGTERM, after a checkpoint
 
-Each concern is one method: `_train_pass` (one pass over the loader), `_train_step`, `_end_pass_early`
-(periodic evaluation, periodic and SIGTERM checkpoints inside an epoch), `_validate`, `_finish_epoch`
-(record, best model, checkpoint); while training, `_advance_progress` is the one place where the progress
-a checkpoint records changes (`resume` sets it from a checkpoint before training starts).
+`train` is the tutorial's `for epoch in range(1, epochs + 1): train(); validation(); scheduler.step(); save`,
+read top to bottom in one method, with what this package adds as named steps inside it: a resumed epoch
+starting mid-way, periodic evaluation and checkpoints inside an epoch, SIGTERM, --max_steps and early
+stopping, the best model by --metric_for_best. One optimizer step's arithmetic (forward, token-mean loss,
+backward, clipping, optimizer step) is utils/train/step.py's `train_step`.
 """
 
 import contextlib
@@ -15,19 +15,25 @@ import dataclasses
 import math
 import os
 import time
-from dataclasses import dataclass, field
 
+import torch
+from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
 
+from configs.evaluation import EvalConfig
+from configs.observability import ObserveConfig
+from configs.recipe import RecipeConfig
 from configs.training import TrainConfig
-from utils.checkpoint.checkpointer import Checkpointer
-from utils.checkpoint.layout import METRICS_FILE
-from utils.data.loaders import Loaders
+from utils import layout
+from utils.checkpoint.manager import CheckpointManager
+from utils.checkpoint.progress import TrainProgress
+from utils.data.loaders import Loaders, move_batch
 from utils.distributed.process_group import DistInfo, any_rank
 from utils.eval.evaluator import Evaluator
-from utils.eval.generation import GenerationSettings
+from utils.log import get_logger
 from utils.observe.flops import Throughput
-from utils.observe.log import get_logger
 from utils.observe.memory import (
     MemoryBaseline,
     SavedTensorCounter,
@@ -37,7 +43,6 @@ from utils.observe.memory import (
 )
 from utils.observe.metrics import MetricsWriter, open_metrics
 from utils.train.preemption import StopRequest
-from utils.train.progress import TrainProgress
 from utils.train.step import (
     HARDWARE_FLOPS,
     INPUT_TOKENS,
@@ -46,356 +51,307 @@ from utils.train.step import (
     SAMPLES,
     TARGET_TOKENS,
     StepSettings,
-    move_batch,
     train_step,
     validate,
 )
 from utils.train.step_log import StepLog
-from utils.train.trainables import Trainables
-
-
-@dataclass(frozen=True)
-class Measures:
-    """What the run's figures are measured against: the memory before the model (the memory account) and
-    the FLOP counting and peak (model/hardware TFLOP/s and MFU in step and epoch records)."""
-
-    memory_baseline: MemoryBaseline
-    throughput: Throughput
-
-
-@dataclass
-class EpochPass:
-    """One pass over the training loader: a whole epoch, or the rest of one after a resume."""
-
-    epoch: int
-    batches: int  # in this pass
-    samples_per_batch: int  # one micro-batch of every rank
-    start_consumed: int  # samples of the epoch's order trained before this pass
-    seconds_before: float  # training seconds of the epoch before this pass
-    step: int  # global step of the last finished batch
-    step_log: StepLog
-    batches_done: int = 0
-    stopped: bool = False  # ended early on SIGTERM (after a checkpoint, if checkpoints are on)
-    seconds: float = 0.0  # the epoch's training seconds, once the pass has ended
-    started: float = field(default_factory=time.perf_counter)
-
-    def samples_consumed(self) -> int:
-        return self.start_consumed + self.batches_done * self.samples_per_batch
-
-    def train_seconds(self) -> float:
-        return self.seconds_before + time.perf_counter() - self.started
 
 
 class Trainer:
-    """Owns one run's training: the trainables, loaders, checkpointer, metrics writer and progress."""
+    """One run's training: handed the sharded model, its optimizer, scheduler and scaler, the loaders, the
+    checkpoint manager and the evaluator (None without ROUGE) once."""
 
     def __init__(
         self,
-        trainables: Trainables,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LRScheduler,
+        scaler: ShardedGradScaler | None,
         loaders: Loaders,
-        checkpointer: Checkpointer,
-        config: TrainConfig,
+        checkpoints: CheckpointManager,
+        evaluator: Evaluator | None,
         info: DistInfo,
-        measures: Measures,
+        train: TrainConfig,
+        recipe: RecipeConfig,
+        evaluation: EvalConfig,
+        observe: ObserveConfig,
+        throughput: Throughput,
+        memory_baseline: MemoryBaseline,
     ):
-        self.trainables = trainables
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.loaders = loaders
-        self.checkpointer = checkpointer
-        self.config = config
+        self.checkpoints = checkpoints
+        self.evaluator = evaluator
         self.info = info
-        self.measures = measures
-        self.progress = TrainProgress()
-        self.last_epoch = 0  # the epoch trained last in this run
-        self.step_settings = StepSettings(
-            config.max_grad_norm,
-            sync_each_micro_batch=config.accumulate_grad_sync,
-            skip_nonfinite=config.on_nonfinite == "skip",
-            flops=measures.throughput.flops,
-            recompute=measures.throughput.recompute,
-        )
-        self.resumed = False
-        self.evaluator = None
-        if loaders.evaluation is not None:
-            settings = GenerationSettings.from_config(config)
-            self.evaluator = Evaluator(loaders.evaluation, settings, config.output_dir, info)
-        self.memory_account_due = True  # written once, after the run's first optimizer step
+        self.train_config, self.recipe, self.evaluation, self.observe = train, recipe, evaluation, observe
+        self.throughput = throughput
+        self.memory_baseline = memory_baseline
         self.metrics: MetricsWriter | None = None  # open while train() runs
-        self.stop: StopRequest | None = None  # installed while train() runs
 
-    def resume(self, checkpoint: str) -> None:
-        """Continue from a checkpoint folder: weights (sharded ones; full ones were loaded before
-        wrapping), optimizer, scheduler, scaler, RNG and progress. Collective."""
-        self.progress = self.checkpointer.restore(checkpoint)
-        self.resumed = True
-        get_logger().info(
-            "resumed from %s: epoch %d, step %d", checkpoint, self.progress.epoch, self.progress.global_step
+    def train(self, progress: TrainProgress, resumed: bool) -> bool:
+        """Train from `progress` (a new run's, or a checkpoint's) to the last epoch, then export the final
+        model. Returns False if SIGTERM stopped it early (after saving a checkpoint). Collective."""
+        train, recipe, info = self.train_config, self.recipe, self.info
+        model, optimizer, scheduler = self.model, self.optimizer, self.scheduler
+        per_step_schedule = recipe.lr_scheduler != "step"  # else the tutorial's StepLR, once per epoch
+        step_settings = StepSettings(
+            recipe.max_grad_norm,
+            sync_each_micro_batch=recipe.accumulate_grad_sync,
+            skip_nonfinite=recipe.on_nonfinite == "skip",
+            flops=self.throughput.flops,
+            recompute=self.throughput.recompute,
         )
-
-    def train(self) -> bool:
-        """Train from the current progress to the last epoch. Returns False if SIGTERM stopped it early
-        (after saving a checkpoint). Collective."""
-        resumed_at = (self.progress.global_step, self.progress.epoch) if self.resumed else None
-        path = os.path.join(self.config.output_dir, METRICS_FILE)
-        self.metrics = open_metrics(path, self.info.is_main, resumed_at, self.config.tensorboard)
+        memory_account_due = True  # written once, after the run's first optimizer step
+        metric_name = self.evaluation.metric_for_best
+        every_eval = self.evaluation.eval_every_n_steps
+        resumed_at = (progress.global_step, progress.epoch) if resumed else None
+        path = os.path.join(train.output_dir, layout.METRICS_FILE)
+        self.metrics = open_metrics(path, info.is_main, resumed_at, self.observe.tensorboard)
+        last_epoch = 0  # the epoch trained last in this run
         try:
-            with StopRequest() as self.stop:
-                while self.progress.epoch <= self.config.epochs and not self._done_early():
-                    self.last_epoch = self.progress.epoch
-                    if not self._run_epoch():
+            with StopRequest() as stop:
+                while progress.epoch <= train.epochs and not self._ends_before_epoch(progress):
+                    epoch = last_epoch = progress.epoch
+                    if train.track_memory:
+                        reset_peak_memory(info.device)
+                    epoch_start = time.perf_counter()
+
+                    # ---- train: one pass over the loader (the whole epoch, or its rest after a resume).
+                    # Without set_epoch every epoch would see the same order; a resumed epoch skips what the
+                    # checkpoint already trained on.
+                    self.loaders.train_sampler.set_epoch(epoch, progress.samples_consumed)
+                    step_log = StepLog(
+                        self.observe.log_every_n_steps,
+                        lambda records, epoch=epoch: self._write_steps(epoch, records),
+                        lambda: stop.requested,
+                        totals=progress.epoch_totals,
+                        # fp16's scaler skips non-finite steps by design (they calibrate its scale): never a
+                        # reason to stop.
+                        stop_on_nonfinite=recipe.on_nonfinite == "stop" and self.scaler is None,
+                        throughput=self.throughput,
+                    )
+                    clock = EpochClock(progress.epoch_train_seconds if progress.samples_consumed else 0.0)
+                    total_batches = len(self.loaders.train)
+                    samples_per_batch = train.batch_size_training * info.world_size
+                    start_consumed = progress.samples_consumed  # of the epoch's order, before this pass
+                    done_before = start_consumed // samples_per_batch
+                    batches_done, step, stopped = 0, progress.global_step, False
+                    model.train()
+                    bar = _bar(total_batches + done_before, f"Training epoch {epoch}", "blue", info, done_before)
+                    with bar:
+                        for micro_batches in _groups(self.loaders.train, recipe.gradient_accumulation_steps):
+                            step += 1
+                            batches = [move_batch(batch, info.device) for batch in micro_batches]
+                            settings = step_settings
+                            if memory_account_due:  # the run's first step also counts what backward keeps
+                                settings = dataclasses.replace(step_settings, saved_counter=SavedTensorCounter())
+                            stats = train_step(model, batches, optimizer, self.scaler, info.world_size, settings)
+                            step_log.add(step, optimizer.param_groups[0]["lr"], stats)
+                            batches_done += len(micro_batches)
+                            if per_step_schedule:
+                                scheduler.step()
+                            if memory_account_due:  # AdamW's state exists from the first step on
+                                self._write_memory_account(batches[0], settings.saved_counter.bytes)
+                                memory_account_due = False
+                            bar.update(len(micro_batches))
+                            _show_latest(bar, step_log)
+                            if batches_done == total_batches:
+                                break  # the epoch's end: validation, evaluation and the checkpoint follow
+                            # Inside the epoch: the step budget, periodic evaluation, periodic and SIGTERM
+                            # checkpoints (evaluation and saves off the training clock).
+                            if 0 < recipe.max_steps <= step:
+                                break  # the epoch then ends as usual, and the run after it
+                            if every_eval and step % every_eval == 0:
+                                with clock.paused(step_log):
+                                    self._evaluate_midway(epoch, step, step_log)
+                            if self.checkpoints.due(step, step_log.stop_requested):
+                                step_log.flush()  # collective; metrics.jsonl then holds every step saved
+                                progress = dataclasses.replace(
+                                    progress,
+                                    samples_consumed=start_consumed + batches_done * samples_per_batch,
+                                    global_step=step,
+                                    epoch_totals=step_log.totals.tolist(),
+                                    epoch_train_seconds=clock.train_seconds(),
+                                )
+                                with clock.paused(step_log):
+                                    self.checkpoints.save(progress)
+                            if step_log.stop_requested:
+                                stopped = True
+                                break
+                    step_log.flush()
+                    train_seconds = clock.train_seconds()
+                    if stopped:
+                        get_logger().info("stopped at step %d on SIGTERM; continue with --resume true", step)
                         return False
-            self._export_final_model()
+
+                    # ---- validation, ROUGE, and the tutorial's scheduler.step() after each epoch
+                    val_loss = self._validation(epoch)
+                    scores = self._evaluate(epoch, step)
+                    if not per_step_schedule:
+                        scheduler.step()
+
+                    # ---- the epoch record, the best model (.pt, hf_model/), then the epoch's checkpoint
+                    peaks, reserved = gather_peaks(info.device) if train.track_memory else (None, None)
+                    record = self._epoch_record(epoch, step_log, val_loss, time.perf_counter() - epoch_start,
+                                                train_seconds, peaks)  # fmt: skip
+                    if reserved is not None:
+                        record["peak_memory_reserved_bytes"] = reserved
+                    self.metrics.write(record)
+                    _log_epoch(record, peaks)
+                    metric = val_loss if metric_name == "val_loss" else (scores or {}).get(metric_name)
+                    improved = metric is not None and is_better(metric_name, metric, progress.best_metric)
+                    # Without a metric there is no "best": every epoch's .pt is saved, under its own name.
+                    if train.save_model and (improved or metric is None):
+                        self.checkpoints.save_full_model(epoch, val_loss)
+                    best_metric, best_epoch = (
+                        (metric, epoch) if improved else (progress.best_metric, progress.best_epoch)
+                    )
+                    if improved:
+                        get_logger().info("new best %s %.4f (epoch %d)", metric_name, metric, epoch)
+                        self.checkpoints.export_hf()
+                    if batches_done == total_batches:  # the next epoch starts at its beginning
+                        progress = TrainProgress(
+                            epoch=epoch + 1, global_step=step, best_metric=best_metric, best_epoch=best_epoch
+                        )
+                    else:  # --max_steps ended the epoch early: the checkpoint resumes inside it
+                        progress = dataclasses.replace(
+                            progress,
+                            samples_consumed=start_consumed + batches_done * samples_per_batch,
+                            global_step=step,
+                            best_metric=best_metric,
+                            best_epoch=best_epoch,
+                            epoch_totals=step_log.totals.tolist(),
+                            epoch_train_seconds=train_seconds,
+                        )
+                    self.checkpoints.save(progress)
+                    if any_rank(stop.requested, info.device):
+                        get_logger().info("stopped after epoch %d on SIGTERM; continue with --resume true", epoch)
+                        return False
+
+            # hf_model/ holds the best epoch's model; the final one goes there when there is no metric, or
+            # beside it (hf_model_last/) when the last epoch was not the best.
+            if progress.best_epoch is None:
+                self.checkpoints.export_hf()
+            elif progress.best_epoch != last_epoch:
+                self.checkpoints.export_hf(last=True)
             return True
         finally:
             self.metrics.close()
 
-    def _run_epoch(self) -> bool:
-        """Train, validate, step the LR, record and save one epoch. False when a stop ended the run."""
-        epoch = self.progress.epoch
-        if self.config.track_memory:
-            reset_peak_memory(self.info.device)
-        epoch_start = time.perf_counter()
-        pass_ = self._train_pass()
-        if pass_.stopped:
-            get_logger().info("stopped at step %d on SIGTERM; continue with --resume true", pass_.step)
-            return False
-        val_loss = self._validate(epoch)
-        scores = self._evaluate(epoch, pass_.step)
-        if not self.trainables.per_step_schedule:
-            self.trainables.scheduler.step()
-        self._finish_epoch(pass_, val_loss, scores, epoch_start)
-        if any_rank(self.stop.requested, self.info.device):
-            get_logger().info("stopped after epoch %d on SIGTERM; continue with --resume true", epoch)
-            return False
-        return True
-
-    def _new_pass(self) -> EpochPass:
-        """The pass from the current progress. Without set_epoch every epoch would see the same order; a
-        resumed epoch skips what the checkpoint already trained on."""
-        progress = self.progress
-        self.loaders.train_sampler.set_epoch(progress.epoch, progress.samples_consumed)
-        step_log = StepLog(
-            self.config.log_every_n_steps,
-            lambda records, epoch=progress.epoch: self._write_steps(epoch, records),
-            lambda: self.stop.requested,
-            totals=progress.epoch_totals,
-            # fp16's scaler skips non-finite steps by design (they calibrate its scale): never a reason to stop.
-            stop_on_nonfinite=self.config.on_nonfinite == "stop" and self.trainables.scaler is None,
-            throughput=self.measures.throughput,
-        )
-        return EpochPass(
-            epoch=progress.epoch,
-            batches=len(self.loaders.train),
-            samples_per_batch=self.config.batch_size_training * self.info.world_size,
-            start_consumed=progress.samples_consumed,
-            seconds_before=progress.epoch_train_seconds if progress.samples_consumed else 0.0,
-            step=progress.global_step,
-            step_log=step_log,
-        )
-
-    def _train_pass(self) -> EpochPass:
-        """One pass over the training loader, ended early only to checkpoint and stop."""
-        pass_ = self._new_pass()
-        done_before = pass_.start_consumed // pass_.samples_per_batch
-        self.trainables.model.train()
-        with self._bar(pass_.batches + done_before, f"Training epoch {pass_.epoch}", "blue", done_before) as bar:
-            for micro_batches in _groups(self.loaders.train, self.config.gradient_accumulation_steps):
-                self._train_step(micro_batches, pass_)
-                bar.update(len(micro_batches))
-                _show_latest(bar, pass_.step_log)
-                if self._end_pass_early(pass_):
-                    break
-        pass_.step_log.flush()
-        pass_.seconds = pass_.train_seconds()
-        return pass_
-
-    def _train_step(self, micro_batches: list[dict], pass_: EpochPass) -> None:
-        """One optimizer step on one batch or several accumulated micro-batches; the run's first step also
-        writes the memory account."""
-        model, optimizer, scaler = self.trainables.model, self.trainables.optimizer, self.trainables.scaler
-        pass_.step += 1
-        batches = [move_batch(batch, self.info.device) for batch in micro_batches]
-        settings, counter = self.step_settings, None
-        if self.memory_account_due:  # the run's first step also counts what backward keeps
-            counter = SavedTensorCounter()
-            settings = dataclasses.replace(settings, saved_counter=counter)
-        stats = train_step(model, batches, optimizer, scaler, self.info.world_size, settings)
-        pass_.step_log.add(pass_.step, optimizer.param_groups[0]["lr"], stats)
-        pass_.batches_done += len(micro_batches)
-        if self.trainables.per_step_schedule:
-            self.trainables.scheduler.step()
-        if self.memory_account_due:  # AdamW's state exists from the first step on
-            baseline = self.measures.memory_baseline
-            counted = (*batches[0]["source_ids"].shape, batches[0]["target_ids"].shape[1])
-            for record in memory_records(model, optimizer, self.info.device, baseline, counter.bytes, counted):
-                self.metrics.write(record)
-            self.memory_account_due = False
-
-    def _end_pass_early(self, pass_: EpochPass) -> bool:
-        """Periodic evaluation, periodic and SIGTERM checkpoints inside an epoch. True when the pass must end
-        now: at --max_steps (the epoch then ends as usual, and train() ends the run), or on SIGTERM
-        (pass_.stopped; saved first if checkpoints are on). The epoch's last batch is left to _finish_epoch."""
-        if pass_.batches_done == pass_.batches:
-            return False
-        if self.budget_spent(pass_.step):
+    def _ends_before_epoch(self, progress: TrainProgress) -> bool:
+        """--max_steps reached, or --early_stopping_patience epochs without a new best (counted from the best
+        epoch kept in the progress, so the count is the same after a resume)."""
+        if 0 < self.recipe.max_steps <= progress.global_step:
             return True
-        every = self.config.eval_every_n_steps
-        if every and pass_.step % every == 0:
-            with _off_the_clock(pass_):
-                self._evaluate_midway(pass_)
-        if self.checkpointer.due(pass_.step, pass_.step_log.stop_requested):
-            pass_.step_log.flush()  # collective; afterwards metrics.jsonl holds every step the checkpoint holds
-            self._advance_progress(pass_)
-            with _off_the_clock(pass_):
-                self.checkpointer.save(self.progress)
-        pass_.stopped = pass_.step_log.stop_requested
-        return pass_.stopped
-
-    def _evaluate_midway(self, pass_: EpochPass) -> None:
-        """--eval_every_n_steps: the validation loss (a validation record) and ROUGE (an eval record) inside
-        an epoch. Collective; flushes the step log first, so a NaN step stops the run before it is evaluated."""
-        pass_.step_log.flush()
-        val_loss = self._validate(pass_.epoch)
-        if val_loss is not None:
-            get_logger().info("step %d: val_loss %.4f", pass_.step, val_loss)
-            self.metrics.write(
-                {"type": "validation", "epoch": pass_.epoch, "step": pass_.step, "val_loss": val_loss}
-            )
-        self._evaluate(pass_.epoch, pass_.step)
-        self.trainables.model.train()
-
-    def _done_early(self) -> bool:
-        """--max_steps reached, or --early_stopping_patience epochs without a new best (from the best epoch
-        kept in the progress, so the count is the same after a resume)."""
-        if self.budget_spent(self.progress.global_step):
-            return True
-        patience, best = self.config.early_stopping_patience, self.progress.best_epoch
-        if patience and best is not None and self.progress.epoch - 1 - best >= patience:
+        patience, best = self.recipe.early_stopping_patience, progress.best_epoch
+        if patience and best is not None and progress.epoch - 1 - best >= patience:
             get_logger().info(
                 "early stopping: %d epochs without a better %s than epoch %d's",
                 patience,
-                self.config.metric_for_best,
+                self.evaluation.metric_for_best,
                 best,
             )
             return True
         return False
 
-    def budget_spent(self, step: int) -> bool:
-        """Whether --max_steps optimizer steps are done."""
-        return 0 < self.config.max_steps <= step
-
-    def _evaluate(self, epoch: int, step: int) -> dict | None:
-        """ROUGE of the evaluation set (collective): the eval record, also written to metrics.jsonl."""
-        if self.evaluator is None:
-            return None
-        record = self.evaluator.evaluate(self.trainables.model, epoch, step)
-        self.metrics.write(record)
-        return record
-
-    def _validate(self, epoch: int) -> float | None:
+    def _validation(self, epoch: int) -> float | None:
+        """The tutorial's validation(): the token-mean loss over the validation articles of every rank."""
         if self.loaders.val is None:
             return None
-        with self._bar(len(self.loaders.val), f"Validation epoch {epoch}", "green") as bar:
+        with _bar(len(self.loaders.val), f"Validation epoch {epoch}", "green", self.info) as bar:
             return validate(
-                self.trainables.model,
+                self.model,
                 self.loaders.val,
                 device=self.info.device,
                 num_real_samples=self.loaders.val_num_real_samples,
                 progress=bar,
             )
 
-    def _finish_epoch(self, pass_: EpochPass, val_loss: float | None, scores: dict | None, epoch_start: float):
-        """The epoch record and log line, the best model (.pt, hf_model/), then the epoch-end checkpoint."""
-        peaks, reserved = gather_peaks(self.info.device) if self.config.track_memory else (None, None)
-        record = self._epoch_record(pass_, val_loss, time.perf_counter() - epoch_start, peaks)
-        if reserved is not None:
-            record["peak_memory_reserved_bytes"] = reserved
+    def _evaluate(self, epoch: int, step: int) -> dict | None:
+        """ROUGE of the evaluation set (collective): the eval record, also written to metrics.jsonl."""
+        if self.evaluator is None:
+            return None
+        record = self.evaluator.evaluate(self.model, epoch, step)
         self.metrics.write(record)
-        _log_epoch(record, peaks)
-        name = self.config.metric_for_best
-        metric = val_loss if name == "val_loss" else (scores or {}).get(name)
-        improved = metric is not None and is_better(name, metric, self.progress.best_metric)
-        # Without a metric there is no "best": every epoch's .pt is saved, under its own name.
-        if self.config.save_model and (improved or metric is None):
-            self.checkpointer.save_full_model(pass_.epoch, val_loss)
-        best = (metric, pass_.epoch) if improved else (self.progress.best_metric, self.progress.best_epoch)
-        if improved:
-            get_logger().info("new best %s %.4f (epoch %d)", name, metric, pass_.epoch)
-            self.checkpointer.export_hf()
-        self._advance_progress(pass_, best)
-        self.checkpointer.save(self.progress)
+        return record
 
-    def _export_final_model(self) -> None:
-        """hf_model/ holds the best epoch's model; the final one goes there when there is no metric, or
-        beside it (hf_model_last/) when the last epoch was not the best. Collective."""
-        if self.progress.best_epoch is None:
-            self.checkpointer.export_hf()
-        elif self.progress.best_epoch != self.last_epoch:
-            self.checkpointer.export_hf(last=True)
+    def _evaluate_midway(self, epoch: int, step: int, step_log: StepLog) -> None:
+        """--eval_every_n_steps: the validation loss (a validation record) and ROUGE (an eval record) inside
+        an epoch. Collective; flushes the step log first, so a NaN step stops the run before it is evaluated."""
+        step_log.flush()
+        val_loss = self._validation(epoch)
+        if val_loss is not None:
+            get_logger().info("step %d: val_loss %.4f", step, val_loss)
+            self.metrics.write({"type": "validation", "epoch": epoch, "step": step, "val_loss": val_loss})
+        self._evaluate(epoch, step)
+        self.model.train()
+
+    def _write_memory_account(self, first_batch: dict, saved_activation_bytes: int) -> None:
+        """The memory records (utils/observe/memory.py), after the run's first optimizer step."""
+        counted = (*first_batch["source_ids"].shape, first_batch["target_ids"].shape[1])
+        for record in memory_records(
+            self.model, self.optimizer, self.info.device, self.memory_baseline, saved_activation_bytes, counted
+        ):
+            self.metrics.write(record)
 
     def _epoch_record(
-        self, pass_: EpochPass, val_loss: float | None, epoch_seconds: float, peaks: list[int] | None
+        self,
+        epoch: int,
+        step_log: StepLog,
+        val_loss: float | None,
+        epoch_seconds: float,
+        train_seconds: float,
+        peaks: list[int] | None,
     ) -> dict:
         """metrics.jsonl's epoch record: losses are token means over all ranks, rates over training time."""
-        totals = pass_.step_log.totals
+        totals = step_log.totals
         flops = float(totals[MODEL_FLOPS]), float(totals[HARDWARE_FLOPS])
         trained_tokens = float(totals[TARGET_TOKENS])  # 0 when --on_nonfinite skip skipped every step
         return {
             "type": "epoch",
-            "epoch": pass_.epoch,
+            "epoch": epoch,
             "train_loss": float(totals[LOSS_SUM]) / trained_tokens if trained_tokens else None,
             "val_loss": val_loss,
             "epoch_seconds": epoch_seconds,
-            "samples_per_s": int(totals[SAMPLES]) / pass_.seconds,
-            "tokens_per_s": int(totals[INPUT_TOKENS]) / pass_.seconds,
-            **self.measures.throughput.rates(*flops, pass_.seconds),
+            "samples_per_s": int(totals[SAMPLES]) / train_seconds,
+            "tokens_per_s": int(totals[INPUT_TOKENS]) / train_seconds,
+            **self.throughput.rates(*flops, train_seconds),
             "peak_memory_bytes": peaks,
         }
-
-    def _advance_progress(self, pass_: EpochPass, best: tuple[float | None, int | None] | None = None) -> None:
-        """The one place progress changes. Inside a pass it records the position a checkpoint resumes
-        from (the step log must be flushed); after the pass's last batch it points at the next epoch, with
-        `best` = (best metric, its epoch) after this epoch."""
-        if pass_.batches_done == pass_.batches:
-            metric, epoch = best
-            self.progress = TrainProgress(
-                epoch=pass_.epoch + 1, global_step=pass_.step, best_metric=metric, best_epoch=epoch
-            )
-            return
-        self.progress = dataclasses.replace(
-            self.progress,
-            samples_consumed=pass_.samples_consumed(),
-            global_step=pass_.step,
-            epoch_totals=pass_.step_log.totals.tolist(),
-            epoch_train_seconds=pass_.train_seconds(),
-        )
 
     def _write_steps(self, epoch: int, records: list[dict]) -> None:
         for record in records:
             self.metrics.write({"type": "step", "epoch": epoch, **record})
 
-    def _bar(self, total: int, desc: str, colour: str, initial: int = 0) -> tqdm:
-        # Rank 0 only: N ranks drawing N bars on one terminal is unreadable.
-        return tqdm(
-            total=total,
-            initial=initial,
-            desc=desc,
-            colour=colour,
-            disable=not self.info.is_main,
-            dynamic_ncols=True,
-        )
+
+class EpochClock:
+    """An epoch's training seconds: evaluation and checkpoint saves inside the epoch are taken out of them
+    (and out of the current step-log window), so throughput, TFLOP/s and MFU are over training time only.
+    `seconds_before`: the training seconds a resumed epoch had before its checkpoint."""
+
+    def __init__(self, seconds_before: float):
+        self.seconds_before = seconds_before
+        self.started = time.perf_counter()
+
+    def train_seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.started
+
+    @contextlib.contextmanager
+    def paused(self, step_log: StepLog):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            paused = time.perf_counter() - start
+            self.started += paused
+            step_log.window_start += paused
 
 
-@contextlib.contextmanager
-def _off_the_clock(pass_: EpochPass):
-    """Evaluation and checkpoint saves inside a pass: their time is taken out of the epoch's training
-    seconds and of the current step window, so throughput, TFLOP/s and MFU are over training time only."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        paused = time.perf_counter() - start
-        pass_.started += paused
-        pass_.step_log.window_start += paused
+def _bar(total: int, desc: str, colour: str, info: DistInfo, initial: int = 0) -> tqdm:
+    # Rank 0 only: N ranks drawing N bars on one terminal is unreadable.
+    return tqdm(
+        total=total, initial=initial, desc=desc, colour=colour, disable=not info.is_main, dynamic_ncols=True
+    )
 
 
 def _show_latest(bar: tqdm, step_log: StepLog) -> None:

@@ -1,6 +1,6 @@
 """Resumable checkpoints (model, optimizer, LR scheduler, grad scaler, progress, RNG) and the final saves.
 
-The layout of a checkpoint folder is in utils/checkpoint/layout.py. A checkpoint is written under
+The layout of a checkpoint folder is in utils/layout.py. A checkpoint is written under
 `checkpoints/.tmp_step_...` and renamed when every rank has finished, so a crash during a save leaves only
 an ignored temporary folder, and the previous checkpoints stay loadable; old ones are pruned only after a
 newer one is complete.
@@ -14,19 +14,26 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.optim.lr_scheduler import LRScheduler
 
+from configs.checkpointing import CheckpointConfig
+from configs.errors import FAILURES, CheckpointError, error_summary
 from configs.fsdp import FSDPConfig
-from configs.training import TrainConfig
-from utils.checkpoint import layout
-from utils.checkpoint.hf_export import write_hf_folder
+from configs.lora import LoraConfig
+from utils import layout
+from utils.checkpoint.hf_export import write_hf_folder, write_lora_folders
+from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.safe_dcp import SafeFileSystemReader
+from utils.checkpoint.start import StartPoint, read_train_state
 from utils.checkpoint.state_dicts import (
     gather_full_state_dict,
     model_and_optimizer_state,
@@ -37,66 +44,58 @@ from utils.checkpoint.state_dicts import (
     tensor_only_optimizer_state,
 )
 from utils.distributed.process_group import DistInfo
-from utils.errors import FAILURES, CheckpointError, error_summary
 from utils.files import disk_bytes, write_json
-from utils.model.lora import LoraSettings, write_lora_folders
-from utils.observe.log import get_logger
-from utils.train.progress import TrainProgress
-from utils.train.trainables import Trainables
+from utils.log import get_logger
 
 
-@dataclass(frozen=True)
-class CheckpointSettings:
-    output_dir: str
-    checkpoint_type: str  # layout.FULL or layout.SHARDED
-    save_optimizer: bool
-    keep_last_n: int  # 0: no resumable checkpoints
-    every_n_steps: int  # 0: at epoch ends only
-    lora: LoraSettings | None = None  # --peft lora: the export writes the adapter (and the merged model)
-
-    @classmethod
-    def from_configs(
-        cls, train_config: TrainConfig, fsdp_config: FSDPConfig, lora: LoraSettings | None = None
-    ) -> "CheckpointSettings":
-        return cls(
-            output_dir=train_config.output_dir,
-            checkpoint_type=fsdp_config.checkpoint_type,
-            save_optimizer=fsdp_config.save_optimizer,
-            keep_last_n=train_config.keep_last_n,
-            every_n_steps=train_config.save_every_n_steps,
-            lora=lora,
-        )
-
-
-class Checkpointer:
-    """Owns output_dir's checkpoints/, the --save_model .pt files and hf_model/ for one run.
+class CheckpointManager:
+    """Owns output_dir's checkpoints/, the --save_model .pt files and hf_model/ for one run: handed the
+    model, optimizer, scheduler and scaler once, it decides when to save (`due`), saves, prunes, loads where
+    the run starts from, and exports.
 
     Every saving or loading method is collective: every rank calls it, rank 0 writes the shared files.
     """
 
     def __init__(
-        self, settings: CheckpointSettings, trainables: Trainables, model_config, tokenizer, info: DistInfo
+        self,
+        checkpointing: CheckpointConfig,
+        fsdp: FSDPConfig,
+        output_dir: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LRScheduler,
+        scaler: ShardedGradScaler | None,
+        model_config,
+        tokenizer,
+        info: DistInfo,
+        lora: LoraConfig,
+        base_model: str,
     ):
-        self.settings = settings
-        self.trainables = trainables
+        self.checkpointing = checkpointing
+        self.checkpoint_type = fsdp.checkpoint_type  # the tutorial's fsdp_config fields
+        self.save_optimizer = fsdp.save_optimizer
+        self.output_dir = output_dir
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.info = info
+        self.lora = lora if lora.peft == "lora" else None  # the export writes the adapter (and merged model)
+        self.base_model = base_model  # what the adapter names as its base (utils/model/lora.py: adapter_base)
         self.run_id = datetime.now().strftime("%Y%m%d-%H%M%S")  # names this run's .pt files
 
     # ------------------------------------------------------------------------------------ resumable
 
     def due(self, step: int, stop_requested: bool) -> bool:
         """Whether a checkpoint is to be written after `step` inside an epoch (epoch ends always save)."""
-        periodic = self.settings.every_n_steps > 0 and step % self.settings.every_n_steps == 0
-        return self.settings.keep_last_n > 0 and (periodic or stop_requested)
+        periodic = self.checkpointing.save_every_n_steps > 0 and step % self.checkpointing.save_every_n_steps == 0
+        return self.checkpointing.keep_last_n > 0 and (periodic or stop_requested)
 
     def save(self, progress: TrainProgress) -> str | None:
         """Write a checkpoint of the current state (nothing with --keep_last_n 0). Returns its folder."""
-        if self.settings.keep_last_n == 0:
+        if self.checkpointing.keep_last_n == 0:
             return None
         started = time.perf_counter()
-        root = layout.checkpoint_root(self.settings.output_dir)
+        root = layout.checkpoint_root(self.output_dir)
         name = layout.step_dir_name(progress.global_step)
         final, tmp = os.path.join(root, name), os.path.join(root, layout.TMP_PREFIX + name)
         if self.info.is_main:
@@ -114,7 +113,7 @@ class Checkpointer:
             get_logger().info(
                 "checkpoint %s (%s): %.1f MB in %.2f s",
                 final,
-                self.settings.checkpoint_type,
+                self.checkpoint_type,
                 disk_bytes(final) / 1e6,
                 time.perf_counter() - started,
             )
@@ -124,11 +123,9 @@ class Checkpointer:
 
     def _write_state(self, folder: str) -> None:
         """Model and optimizer (full on rank 0, or every rank's shards), RNG, config and tokenizer."""
-        full = self.settings.checkpoint_type == layout.FULL
-        model_state, optim_state = model_and_optimizer_state(
-            self.trainables.model, self.trainables.optimizer, full, self.info.device
-        )
-        save_optimizer = self.settings.save_optimizer
+        full = self.checkpoint_type == layout.FULL
+        model_state, optim_state = model_and_optimizer_state(self.model, self.optimizer, full, self.info.device)
+        save_optimizer = self.save_optimizer
         if full:
             # With CPU offload (GPU runs) only rank 0 receives the gathered state; the others get {}.
             if self.info.is_main:
@@ -143,38 +140,41 @@ class Checkpointer:
             dcp.save(payload, checkpoint_id=folder)  # collective; each rank writes its own shards
         torch.save(_rng_state(self.info.device), layout.rng_file(folder, self.info.rank))
         if self.info.is_main:
-            if self.settings.save_optimizer:
+            if self.save_optimizer:
                 write_json(os.path.join(folder, layout.PARAM_GROUPS_FILE), optim_state["param_groups"])
             self.model_config.save_pretrained(folder)
             self.tokenizer.save_pretrained(os.path.join(folder, layout.TOKENIZER_DIR))
 
     def _write_train_state(self, folder: str, progress: TrainProgress) -> None:
         """train_state.json, written last: its presence marks the checkpoint complete."""
-        scaler = self.trainables.scaler
+        scaler = self.scaler
         state = {
             "format_version": layout.FORMAT_VERSION,
-            "checkpoint_type": self.settings.checkpoint_type,
-            "has_optimizer": self.settings.save_optimizer,
+            "checkpoint_type": self.checkpoint_type,
+            "has_optimizer": self.save_optimizer,
             "world_size": self.info.world_size,
             "progress": asdict(progress),
-            "scheduler": self.trainables.scheduler.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,
         }
         write_json(os.path.join(folder, layout.STATE_FILE), state)
 
     def _prune(self) -> None:
         """Delete all but the newest keep_last_n complete checkpoints (only after a new one is complete)."""
-        for old in layout.complete_checkpoints(self.settings.output_dir)[: -self.settings.keep_last_n]:
+        for old in layout.complete_checkpoints(self.output_dir)[: -self.checkpointing.keep_last_n]:
             shutil.rmtree(old)
-            get_logger().info("removed old checkpoint %s (keep_last_n=%d)", old, self.settings.keep_last_n)
+            get_logger().info("removed old checkpoint %s (keep_last_n=%d)", old, self.checkpointing.keep_last_n)
 
-    def restore(self, checkpoint: str) -> TrainProgress:
-        """Load a checkpoint into the wrapped model, optimizer, scheduler, scaler and RNG. Collective.
-
-        A FULL_STATE_DICT checkpoint's weights were loaded into the unwrapped model before wrapping
-        (layout.full_weights_file); this restores the rest.
-        """
-        state = layout.read_train_state(checkpoint)
+    def load(self, start: StartPoint) -> TrainProgress:
+        """Continue from where the run starts: a checkpoint folder's optimizer, scheduler, scaler, RNG and
+        progress, and its weights when sharded (a full checkpoint's or a .pt's weights went into the
+        unwrapped model before sharding: StartPoint.weights_file). The progress to train from. Collective."""
+        if not start.is_checkpoint:
+            if start.path:
+                get_logger().info("started from the weights of %s (new optimizer, epoch 1)", start.path)
+            return TrainProgress()
+        checkpoint = start.path
+        state = read_train_state(checkpoint)
         try:
             self._load_model_and_optimizer(checkpoint, state)
         except FAILURES as err:  # every failure becomes one message naming the checkpoint
@@ -183,14 +183,16 @@ class Checkpointer:
                 "written for another model or optimizer; resume from another checkpoint (--resume PATH) or "
                 "start a new output_dir."
             ) from None
-        self.trainables.scheduler.load_state_dict(state["scheduler"])
-        if self.trainables.scaler is not None and state["scaler"] is not None:
-            self.trainables.scaler.load_state_dict(state["scaler"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
         self._restore_rng(checkpoint, state["world_size"])
-        return TrainProgress(**state["progress"])
+        progress = TrainProgress(**state["progress"])
+        get_logger().info("resumed from %s: epoch %d, step %d", checkpoint, progress.epoch, progress.global_step)
+        return progress
 
     def _load_model_and_optimizer(self, checkpoint: str, state: dict) -> None:
-        model, optimizer = self.trainables.model, self.trainables.optimizer
+        model, optimizer = self.model, self.optimizer
         full = state["checkpoint_type"] == layout.FULL
         has_optimizer = state["has_optimizer"]
         if full:
@@ -238,25 +240,25 @@ class Checkpointer:
         """The tutorial's full state dict .pt, named by run, epoch and loss (rank 0 writes it)."""
         name = layout.best_model_filename(self.run_id, epoch, val_loss)
         return save_full_model(
-            self.trainables.model,
+            self.model,
             self.info.device,
             self.info.is_main,
-            os.path.join(self.settings.output_dir, name),
+            os.path.join(self.output_dir, name),
         )
 
     def export_hf(self, last: bool = False) -> str | None:
         """Gather the full model (collective) and write output_dir/hf_model (or, `last`, hf_model_last) on
         rank 0. Returns its path there."""
-        state = gather_full_state_dict(self.trainables.model, self.info.device)
+        state = gather_full_state_dict(self.model, self.info.device)
         if not self.info.is_main:
             return None
-        folder = os.path.join(self.settings.output_dir, layout.HF_LAST_DIR if last else layout.HF_DIR)
-        lora = self.settings.lora
+        folder = os.path.join(self.output_dir, layout.HF_LAST_DIR if last else layout.HF_DIR)
+        lora = self.lora
         if lora is not None:  # the adapter beside where the model goes, and the merged model if asked for
-            adapter = os.path.join(self.settings.output_dir, layout.HF_ADAPTER_DIR + ("_last" if last else ""))
-            write_lora_folders(state, self.model_config, self.tokenizer, lora, (adapter, folder))
+            adapter = os.path.join(self.output_dir, layout.HF_ADAPTER_DIR + ("_last" if last else ""))
+            write_lora_folders(state, self.model_config, self.tokenizer, lora, self.base_model, (adapter, folder))
             get_logger().info("LoRA adapter written: %s (PeftModel.from_pretrained-loadable)", adapter)
-            if not lora.merge:
+            if not lora.merge_lora:
                 return adapter
         else:
             write_hf_folder(state, self.model_config, self.tokenizer, folder)

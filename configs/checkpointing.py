@@ -1,0 +1,37 @@
+"""Resumable checkpoints (utils/checkpoint/): how often, how many are kept, and where a run starts from.
+
+The tutorial's checkpoint_type and save_optimizer stay in fsdp_config (configs/fsdp.py), save_model in
+train_config (configs/training.py).
+"""
+
+from dataclasses import dataclass
+
+from configs.options import option
+
+
+@dataclass
+class CheckpointConfig:
+    save_every_n_steps: int = option(
+        default=0,
+        help=(
+            "Also write a resumable checkpoint every N optimizer steps (0: only at the end of each epoch). "
+            "Format: --checkpoint_type. Needs --keep_last_n >= 1."
+        ),
+        minimum=0,
+    )
+    keep_last_n: int = option(
+        default=2,
+        help=(
+            "Resumable checkpoints kept in output_dir/checkpoints; older ones are deleted once a newer one "
+            "is complete. 0 writes none."
+        ),
+        minimum=0,
+    )
+    resume: str = option(
+        default="false",
+        help=(
+            "true: continue from the newest complete checkpoint in output_dir (start afresh if there is "
+            "none); a checkpoint folder: continue from it; a full-model .pt: start from its weights; "
+            "false: a new run (refused if output_dir already holds one)."
+        ),
+    )

@@ -1,0 +1,76 @@
+"""Summaries and ROUGE (utils/eval/): what is generated, how, and which epoch counts as the best.
+
+The validation loss is the tutorial's (--run_validation, configs/training.py); --run_validation false turns all
+evaluation off, ROUGE included. --eval_rouge false keeps the validation loss and drops ROUGE alone.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from configs.options import option
+
+
+@dataclass
+class EvalConfig:
+    eval_rouge: bool = option(
+        default=True,
+        help=(
+            "After each epoch (and every eval_every_n_steps), generate summaries of the first "
+            "eval_num_samples validation articles on every rank and score them with rouge-score: an eval "
+            "record in metrics.jsonl and output_dir/predictions/validation_step_<N>.jsonl."
+        ),
+    )
+    eval_num_samples: int = option(
+        default=300,
+        help="Validation articles (the first N, each scored once) that ROUGE evaluates; 0 = the whole split.",
+        minimum=0,
+    )
+    eval_every_n_steps: int = option(
+        default=0,
+        help=(
+            "Also evaluate every N optimizer steps inside an epoch: the validation loss (with run_validation; "
+            "a validation record) and ROUGE (with eval_rouge; an eval record). 0: at epoch ends only."
+        ),
+        minimum=0,
+    )
+    num_beams: int = option(
+        default=1,
+        help="Beams of the summaries' beam search; 1 = greedy decoding (fastest, deterministic).",
+        minimum=1,
+    )
+    max_new_tokens: int = option(
+        default=0,
+        help="Longest summary generated, in tokens; 0 = max_target_length (what the model was trained on).",
+        minimum=0,
+    )
+    length_penalty: float = option(
+        default=1.0,
+        help=(
+            "Beam search only: exponent on the length in the beam score; > 1 favours longer summaries, "
+            "< 1 shorter (transformers' default 1.0)."
+        ),
+    )
+    no_repeat_ngram_size: int = option(
+        default=0,
+        help="Forbid repeating any n-gram of this size in a summary (0 = off; 3 curbs loops of small models).",
+        minimum=0,
+    )
+    metric_for_best: Literal["val_loss", "rouge1", "rouge2", "rougeL", "rougeLsum"] = option(
+        default="val_loss",
+        help=(
+            "Which epoch is the best: lowest val_loss, or highest ROUGE score. The best epoch's model is "
+            "hf_model/ (and the --save_model .pt); kept across --resume."
+        ),
+    )
+    evaluate_only: bool = option(
+        default=False,
+        help=(
+            "Score a saved model without training: --model_name (a hub name or a folder such as "
+            "OUTPUT_DIR/hf_model), or the checkpoint or .pt of --resume, on --eval_split, under FSDP on every "
+            "rank. Writes the eval record and the predictions file into output_dir."
+        ),
+    )
+    eval_split: Literal["validation", "test"] = option(
+        default="validation",
+        help="The split --evaluate_only scores (training runs always evaluate the validation split).",
+    )

@@ -1,0 +1,35 @@
+"""LoRA adapters through PEFT (utils/model/lora.py): off unless --peft lora."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from configs.options import option
+
+
+@dataclass
+class LoraConfig:
+    peft: Literal["none", "lora"] = option(
+        default="none",
+        help=(
+            "lora: train LoRA adapters (PEFT's get_peft_model) on the frozen model; only the adapters get "
+            "gradients and AdamW state. Under FSDP1 each adapter is a unit of its own. Needs: pip install peft."
+        ),
+    )
+    lora_r: int = option(default=8, help="With --peft lora: the adapters' rank.", minimum=1)
+    lora_alpha: int = option(
+        default=32, help="With --peft lora: the scale numerator (the update is alpha/r x BA).", minimum=1
+    )
+    lora_dropout: float = option(
+        default=0.1, help="With --peft lora: dropout on the adapters' input.", minimum=0, maximum=1
+    )
+    lora_target_modules: str = option(
+        default="q,v",
+        help="With --peft lora: comma-separated names of the linear layers that get adapters (T5: q,k,v,o,wi,wo).",
+    )
+    merge_lora: bool = option(
+        default=False,
+        help=(
+            "With --peft lora: besides the adapter (hf_adapter/), export hf_model/ with the adapters merged "
+            "into the weights, loadable without PEFT."
+        ),
+    )

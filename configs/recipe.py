@@ -1,0 +1,99 @@
+"""The training recipe beyond the tutorial's AdamW + StepLR: gradient accumulation, clipping, the guard against
+non-finite steps, per-step LR schedules with warmup, step budgets and early stopping, and the model's attention
+kernel and dropout (utils/train/)."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from configs.options import option
+
+
+@dataclass
+class RecipeConfig:
+    gradient_accumulation_steps: int = option(
+        default=1,
+        help=(
+            "Micro-batches per optimizer step. The loss optimised and reported is the token mean over all of "
+            "them on all ranks; the effective batch is batch_size_training x K x ranks."
+        ),
+        minimum=1,
+    )
+    accumulate_grad_sync: bool = option(
+        default=True,
+        help=(
+            "With gradient_accumulation_steps > 1: reduce gradients after every micro-batch (true: "
+            "memory stays one gradient shard) or only after the last (false: FSDP1 no_sync / FSDP2 "
+            "set_requires_gradient_sync(False); less communication, but every rank keeps unsharded "
+            "gradients of the whole model between micro-batches)."
+        ),
+    )
+    max_grad_norm: float = option(
+        default=0.0,
+        help=(
+            "Clip the global gradient norm (over all shards) to this value before each optimizer step; 0 = "
+            "no clipping. The pre-clip norm is recorded in every step record either way."
+        ),
+        minimum=0,
+    )
+    on_nonfinite: Literal["stop", "skip"] = option(
+        default="stop",
+        help=(
+            "A step whose loss or gradient norm is NaN or infinite on any rank. stop: the run ends with an "
+            "error at the next step-log flush (at most log_every_n_steps steps later, before any checkpoint "
+            "or export), keeping what was saved. skip: every rank skips each optimizer step whose global "
+            "gradient norm is NaN/Inf (a NaN loss makes it NaN; fused AdamW with a found-inf flag: no host "
+            "sync), and the step record says skipped. fp16's gradient scaler skips such steps itself."
+        ),
+    )
+    lr_scheduler: Literal["step", "constant", "linear", "cosine"] = option(
+        default="step",
+        help=(
+            "step: the tutorial's StepLR, lr x gamma after each epoch. constant, linear (to 0) and cosine "
+            "(to 0): stepped after every optimizer step over the run's optimizer steps, after warmup."
+        ),
+    )
+    warmup_steps: int = option(
+        default=0,
+        help="Optimizer steps of linear warmup from 0 to lr (constant/linear/cosine schedules).",
+        minimum=0,
+    )
+    warmup_ratio: float = option(
+        default=0.0,
+        help="Warmup as a fraction of the run's optimizer steps, when warmup_steps is 0.",
+        minimum=0,
+        maximum=1,
+    )
+    max_steps: int = option(
+        default=0,
+        help=(
+            "Stop after this many optimizer steps, whatever epochs says, validating, evaluating, saving and "
+            "exporting as at a normal end; 0 = run all epochs."
+        ),
+        minimum=0,
+    )
+    early_stopping_patience: int = option(
+        default=0,
+        help=(
+            "Stop after this many epochs without a new best --metric_for_best (the run then ends as usual: "
+            "checkpoint and export); 0 = never. Counted from the best epoch, so it survives --resume."
+        ),
+        minimum=0,
+    )
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = option(
+        default="sdpa",
+        help=(
+            "T5's attention kernel (transformers' attn_implementation): sdpa (torch's "
+            "scaled_dot_product_attention with the position bias as an additive mask; what transformers 5.15+ "
+            "picks by default), eager (matmul, softmax, matmul: the reference), flex_attention (torch "
+            "FlexAttention). T5's learned position bias rules out flash attention."
+        ),
+    )
+    dropout_rate: float | None = option(
+        default=None,
+        help=(
+            "Override the model config's dropout rate (0 turns dropout off, for exact comparisons); NONE keeps "
+            "the model's (0.1 for T5)."
+        ),
+        minimum=0,
+        maximum=1,
+    )

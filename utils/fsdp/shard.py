@@ -1,0 +1,193 @@
+"""Sharding the model: one call, `shard_model`, with both FSDP backends behind it.
+
+    model = shard_model(model, config.fsdp, precision, device, weights_source)
+
+FSDP1 (`--fsdp_version 1`, the tutorial's API, deprecated upstream) is the tutorial's one constructor call,
+`FSDP(model, auto_wrap_policy=..., mixed_precision=..., sharding_strategy=..., ...)`, then activation
+checkpointing of the T5Blocks inside their units. FSDP2 (`--fsdp_version 2`) reads like torchtitan's
+`parallelize`: activation checkpointing, then `fully_shard` of every T5Block and of the root. With
+--compile, each T5Block is compiled first, for both backends.
+How the tutorial's FSDP1 settings map onto FSDP2 (docs/pitfalls.md #15; what has no FSDP2 meaning is refused
+by configs/validate.py before anything loads):
+
+| FSDP1 (tutorial)              | FSDP2 here                                                                   |
+| ----------------------------- | ---------------------------------------------------------------------------- |
+| FULL_SHARD                    | 1-D mesh (world), reshard_after_forward=True                                 |
+| SHARD_GRAD_OP                 | 1-D mesh (world), reshard_after_forward=False                                |
+| NO_SHARD                      | 2-D mesh (replicate=world, shard=1): plain replication, gradients all-reduced |
+| HYBRID_SHARD / _ZERO2         | 2-D mesh (replicate=world/group, shard=group), reshard True / False          |
+| MixedPrecision(param, reduce) | MixedPrecisionPolicy(param_dtype, reduce_dtype)                              |
+| MixedPrecision.buffer_dtype   | no equivalent: FSDP2 leaves buffers alone (T5 has none that matter)          |
+| auto_wrap_policy (T5Block)    | fully_shard on each T5Block, then on the root                                |
+| size-based auto-wrap          | refused: FSDP2 has no auto-wrap policies                                     |
+| BACKWARD_PRE                  | FSDP2's default: the next unit's all-gather is issued before this backward   |
+| BACKWARD_POST                 | refused: no FSDP2 equivalent                                                 |
+| backward_prefetch NONE        | explicit empty backward-prefetch lists                                       |
+| limit_all_gathers=True        | built in (FSDP2 frees memory without rate limiting); False is refused       |
+| device_id                     | the mesh's device type: fully_shard moves each unit there                    |
+| sync_module_states            | set_model_state_dict(..., broadcast_from_rank0=True) (rank-0-only loading)   |
+"""
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffload,
+    CPUOffloadPolicy,
+    FSDPModule,
+    ShardingStrategy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from transformers.models.t5.modeling_t5 import T5Block
+
+from configs.fsdp import FSDPConfig
+from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
+from policies.mixed_precision import Precision
+from policies.wrapping import get_wrap_policy
+from utils.distributed.mesh import fsdp1_mesh, fsdp2_mesh
+from utils.log import get_logger
+from utils.model.rank0_loading import Rank0Materializer, broadcast_rank0_weights, weight_reader
+
+# FSDP2 warns, on every forward of every T5Block unit (checkpointed or not), that the unit returned a view
+# whose in-place modification would skip its pre-backward hook. T5 loses no gradient that way: the FSDP2
+# parity tests, with and without activation checkpointing, end with the unsharded reference's weights.
+# Ignored for exactly those two unit types; any other unit that returns a view still warns.
+warnings.filterwarnings(
+    "ignore",
+    message=r"FSDP2-wrapped module \(FSDP(CheckpointWrapper|T5Block)\) returned a view tensor",
+    category=UserWarning,
+)
+
+RESHARD_AFTER_FORWARD = {
+    ShardingStrategy.FULL_SHARD: True,
+    ShardingStrategy.SHARD_GRAD_OP: False,
+    ShardingStrategy.NO_SHARD: True,  # one rank per shard group: nothing to reshard either way
+    ShardingStrategy.HYBRID_SHARD: True,
+    ShardingStrategy._HYBRID_SHARD_ZERO2: False,
+}
+
+
+def shard_model(
+    model: nn.Module, fsdp: FSDPConfig, precision: Precision, device: torch.device, weights_source: str = ""
+) -> nn.Module:
+    """Shard `model` (unwrapped, on CPU or meta) over the default process group. Collective.
+
+    With rank-0-only loading (--cpu_ram_efficient_loading) the ranks hold a skeleton on the meta device: FSDP1
+    fills each unit with rank 0's reads of `weights_source` (the pretrained model or a full .pt) as it wraps
+    it; FSDP2 broadcasts rank 0's loaded weights into every rank's shards after sharding.
+    """
+    if fsdp.compile:
+        compile_blocks(model)
+    if fsdp.fsdp_version == 1:
+        param_init_fn = None
+        if fsdp.cpu_ram_efficient_loading:
+            read, available = weight_reader(weights_source) if dist.get_rank() == 0 else (None, set())
+            param_init_fn = Rank0Materializer(model, device, read, available)
+        mesh = fsdp1_mesh(fsdp.sharding_strategy, dist.get_world_size(), device, fsdp.hybrid_shard_group_size)
+        model = FSDP(
+            model,
+            auto_wrap_policy=get_wrap_policy(fsdp.wrap_policy, model, fsdp.min_num_params),
+            mixed_precision=precision.policy,
+            sharding_strategy=fsdp.sharding_strategy,
+            backward_prefetch=fsdp.backward_prefetch,
+            limit_all_gathers=fsdp.limit_all_gathers,
+            # FSDP moves each unit to the device as it wraps it, so a model that fits in host memory but not
+            # on one GPU never needs to be on the GPU whole (tutorial: "FSDP model init on device").
+            device_id=device,
+            device_mesh=mesh,
+            forward_prefetch=fsdp.forward_prefetch,
+            use_orig_params=fsdp.use_orig_params,
+            sync_module_states=fsdp.sync_module_states,
+            cpu_offload=CPUOffload(offload_params=True) if fsdp.fsdp_cpu_offload else None,
+            param_init_fn=param_init_fn,
+        )
+        if fsdp.fsdp_activation_checkpointing:
+            apply_fsdp_checkpointing(model)
+        return model
+
+    rank0_state = None
+    if fsdp.cpu_ram_efficient_loading:
+        # References to rank 0's loaded tensors: they stay alive (one full copy) until the broadcast.
+        rank0_state = model.state_dict() if dist.get_rank() == 0 else {}
+    if fsdp.fsdp_activation_checkpointing:
+        apply_fsdp_checkpointing(model)  # before sharding: FSDP2 shards the checkpoint wrappers
+    units = t5_units(model)
+    options = {
+        "mesh": fsdp2_mesh(fsdp.sharding_strategy, dist.get_world_size(), device, fsdp.hybrid_shard_group_size),
+        "reshard_after_forward": RESHARD_AFTER_FORWARD[fsdp.sharding_strategy],
+        "mp_policy": precision.fsdp2_policy,
+    }
+    if fsdp.fsdp_cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for unit in [*units, model]:
+        fully_shard(unit, **options)
+    # BACKWARD_PRE is FSDP2's default; NONE empties every unit's backward list. Forward prefetch makes each
+    # block's forward all-gather the next block too (FSDP2's default is none).
+    if fsdp.backward_prefetch is None:
+        for unit in [*units, model]:
+            unit.set_modules_to_backward_prefetch([])
+    if fsdp.forward_prefetch:
+        for unit, following in zip(units, units[1:], strict=False):
+            unit.set_modules_to_forward_prefetch([following])
+    # generate() calls the encoder directly: registered, it gathers the root's parameters like forward does.
+    register_fsdp_forward_method(model, "generate")
+    if rank0_state is not None:
+        broadcast_rank0_weights(model, rank0_state, device)
+    return model
+
+
+RESHARD_AFTER_FORWARD = {
+    ShardingStrategy.FULL_SHARD: True,
+    ShardingStrategy.SHARD_GRAD_OP: False,
+    ShardingStrategy.NO_SHARD: True,  # one rank per shard group: nothing to reshard either way
+    ShardingStrategy.HYBRID_SHARD: True,
+    ShardingStrategy._HYBRID_SHARD_ZERO2: False,
+}
+
+
+def t5_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that become FSDP2 units, in forward order: each T5Block, or its checkpoint wrapper."""
+    wrapped = {
+        id(m._checkpoint_wrapped_module) for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")
+    }
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "_checkpoint_wrapped_module", m), T5Block) and id(m) not in wrapped
+    ]
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile every T5Block in place, before sharding (FSDP2's recommended order; FSDP1 needs
+    use_orig_params). In place (`Module.compile`), the blocks keep their class, so the wrap policy and
+    activation checkpointing still find them. Compilation happens at each block's first call (and again
+    when the shapes change, as with per-batch padding, until torch marks them dynamic)."""
+    for module in model.modules():
+        if isinstance(module, T5Block):
+            module.compile()
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP units of a wrapped model, root first, for either backend."""
+    if isinstance(model, FSDP):
+        return [unit.module for unit in FSDP.fsdp_modules(model)]
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def log_fsdp_layout(model: nn.Module, precision: Precision) -> None:
+    """One line at INFO (units, precision); the whole wrapped module tree at DEBUG (long for t5-3b)."""
+    units = fsdp_units(model)
+    blocks = sum(isinstance(getattr(u, "_checkpoint_wrapped_module", u), T5Block) for u in units)
+    get_logger().info(
+        "FSDP%d: %d units (root + %d T5Blocks + %d other), mixed precision %s",
+        2 if isinstance(model, FSDPModule) else 1,
+        len(units),
+        blocks,
+        len(units) - 1 - blocks,
+        precision.name,
+    )
+    get_logger().debug("FSDP model:\n%s", model)

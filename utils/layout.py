@@ -1,0 +1,81 @@
+"""The layout of an output_dir: every file and folder name is spelled here, and only here.
+
+    output_dir/
+      config.json                         the run record (utils/observe/run_record.py)
+      metrics.jsonl                       one JSON record per line (utils/observe/metrics.py)
+      checkpoints/step_00000123/          a resumable checkpoint (utils/checkpoint/checkpointer.py):
+        train_state.json                    progress, scheduler, scaler, format; written last
+        optimizer_param_groups.json         the optimizer's hyper-parameters
+        rng/rank_<r>.pt                     each rank's RNG state
+        tokenizer/, config.json             what an HF export needs besides the weights
+        model.pt, optimizer.pt              FULL_STATE_DICT: full state dicts gathered on rank 0
+        .metadata, __<r>_0.distcp           SHARDED_STATE_DICT: torch.distributed.checkpoint shards
+      checkpoints/.tmp_step_.../          a save in progress (ignored; replaced by the next save)
+      hf_model/                           the best epoch's model (--metric_for_best), save_pretrained + tokenizer
+      hf_model_last/                      the final model, when it is not the best
+      predictions/<split>_step_<N>.jsonl  the summaries of each ROUGE evaluation (utils/eval/evaluator.py)
+      tensorboard/                        --tensorboard true: the metrics as TensorBoard scalars
+      T5-model-<run>-epoch<E>-val<L>.pt   --save_model: the tutorial's full state dict per best epoch
+
+Also here: finding complete checkpoints, resolving --resume, and refusing a new run over an old one.
+"""
+
+import os
+import re
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+HF_DIR = "hf_model"
+HF_LAST_DIR = "hf_model_last"  # the final model, when an earlier epoch was the best
+HF_ADAPTER_DIR = "hf_adapter"  # --peft lora: the adapter (hf_adapter, hf_adapter_last)
+STATE_FILE = "train_state.json"
+PARAM_GROUPS_FILE = "optimizer_param_groups.json"
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_DIR = "rng"
+TOKENIZER_DIR = "tokenizer"
+PREDICTIONS_DIR = "predictions"
+TENSORBOARD_DIR = "tensorboard"
+BEST_MODEL_PREFIX = "T5-model"
+TMP_PREFIX = ".tmp_"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+FULL = "FULL_STATE_DICT"
+SHARDED = "SHARDED_STATE_DICT"
+FORMAT_VERSION = 1
+
+
+def checkpoint_root(output_dir: str) -> str:
+    return os.path.join(output_dir, CHECKPOINTS_DIR)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rng_file(checkpoint: str, rank: int) -> str:
+    return os.path.join(checkpoint, RNG_DIR, f"rank_{rank}.pt")
+
+
+def predictions_file(output_dir: str, split: str, step: int) -> str:
+    return os.path.join(output_dir, PREDICTIONS_DIR, f"{split}_step_{step:08d}.jsonl")
+
+
+def best_model_filename(run_id: str, epoch: int, val_loss: float | None) -> str:
+    """Unique per run and epoch, so saves never overwrite each other or an earlier run's."""
+    loss_part = f"-val{val_loss:.4f}" if val_loss is not None else ""
+    return f"{BEST_MODEL_PREFIX}-{run_id}-epoch{epoch}{loss_part}.pt"
+
+
+def complete_checkpoints(output_dir: str) -> list[str]:
+    """Complete checkpoints under output_dir, oldest first (temporary folders of unfinished saves ignored)."""
+    root = checkpoint_root(output_dir)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(root, name, STATE_FILE)):
+            found.append((int(match.group(1)), os.path.join(root, name)))
+    return [path for _, path in sorted(found)]

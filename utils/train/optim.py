@@ -1,0 +1,55 @@
+"""AdamW's parameter groups and the LR schedules; T5_training.py builds the optimizer with them."""
+
+import math
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
+
+from configs.recipe import RecipeConfig
+
+
+def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
+    """The multiplier of the base LR after `step` optimizer steps: linear warmup over `warmup` steps, then
+    constant, linear to 0 at `total`, or half a cosine to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: with weight decay, the matrices decay and the layer norms (and any bias)
+    do not, the usual recipe. Grouped by name, which both backends keep (FSDP1 with use_orig_params, which
+    configs/validate.py requires for this). Without weight decay, one group, as the tutorial had."""
+    trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]  # LoRA: adapters
+    if not weight_decay:
+        return [{"params": [param for _, param in trained], "weight_decay": 0.0}]
+    decay, no_decay = [], []
+    for name, param in trained:
+        # T5's norms are *.layer_norm.weight and *.final_layer_norm.weight; it has no biases, and its
+        # relative_attention_bias is an embedding matrix, which decays.
+        (no_decay if "layer_norm" in name or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def lr_scheduler(
+    optimizer: torch.optim.Optimizer, gamma: float, recipe: RecipeConfig, total_steps: int
+) -> LRScheduler:
+    """The tutorial's StepLR (lr x gamma after each epoch), or a per-step schedule (--lr_scheduler constant,
+    linear, cosine) with warmup over `total_steps` optimizer steps."""
+    if recipe.lr_scheduler == "step":
+        return StepLR(optimizer, step_size=1, gamma=gamma)
+    warmup = recipe.warmup_steps or round(recipe.warmup_ratio * total_steps)
+    return LambdaLR(optimizer, lambda step: lr_factor(step, recipe.lr_scheduler, warmup, total_steps))
+
+
+def total_optimizer_steps(recipe: RecipeConfig, epochs: int, batches_per_epoch: int) -> int:
+    """The run's optimizer steps: --max_steps, or every epoch's batches in groups of the accumulation."""
+    per_epoch = math.ceil(batches_per_epoch / recipe.gradient_accumulation_steps)
+    return recipe.max_steps or epochs * per_epoch
