@@ -49,7 +49,7 @@ class EnvRule:
     variables: tuple[str, ...]  # read together; the rule applies when any of them is set
     field: str  # a config field (configs/run.py), i.e. the flag --field
     convert: Callable[[Env], str | None]  # the flag's text; None: this setting leaves the field alone
-    values: str  # what each spelling becomes (the README's table)
+    values: str  # what each spelling becomes (the table of docs/ecosystem.md)
 
 
 def refuse(variable: str, value: str, reason: str) -> NoReturn:
@@ -318,7 +318,7 @@ def settings_from_accelerate(environ: Env, explicit: Collection[str]) -> dict[st
 
 
 def mapping_markdown() -> str:
-    """The README's table of ENV_RULES, CHECKED_VARIABLES and IGNORED_VARIABLES."""
+    """The table of ENV_RULES, CHECKED_VARIABLES and IGNORED_VARIABLES."""
     lines = ["| variable | field | values |", "| --- | --- | --- |"]
     for rule in ENV_RULES:
         variables = " + ".join(f"`{variable}`" for variable in rule.variables)

@@ -15,9 +15,10 @@ class EvalConfig:
     eval_rouge: bool = option(
         default=True,
         help=(
-            "After each epoch (and every eval_every_n_steps), generate summaries of the first "
-            "eval_num_samples validation articles on every rank and score them with rouge-score: an eval "
-            "record in metrics.jsonl and output_dir/predictions/validation_step_<N>.jsonl."
+            "With --run_validation true: after each epoch (and every eval_every_n_steps), also generate "
+            "summaries of the first eval_num_samples validation articles on every rank and score them with "
+            "rouge-score: an eval record in metrics.jsonl and output_dir/predictions/validation_step_<N>.jsonl. "
+            "false: the validation loss alone."
         ),
     )
     eval_num_samples: int = option(
@@ -28,8 +29,8 @@ class EvalConfig:
     eval_every_n_steps: int = option(
         default=0,
         help=(
-            "Also evaluate every N optimizer steps inside an epoch: the validation loss (with run_validation; "
-            "a validation record) and ROUGE (with eval_rouge; an eval record). 0: at epoch ends only."
+            "Also evaluate every N optimizer steps inside an epoch: the validation loss (a validation record) "
+            "and, with eval_rouge, ROUGE (an eval record). Needs --run_validation true. 0: at epoch ends only."
         ),
         minimum=0,
     )

@@ -28,7 +28,8 @@ class FSDPConfig:
         default=1,
         help=(
             "1: FullyShardedDataParallel, the tutorial's API (deprecated upstream). 2: fully_shard (FSDP2) on "
-            "a DeviceMesh, the same settings mapped (README); what has no FSDP2 meaning is refused."
+            "a DeviceMesh, the same settings mapped (docs/throughput.md: FSDP2); what has no FSDP2 meaning is "
+            "refused."
         ),
         minimum=1,
         maximum=2,
@@ -92,7 +93,7 @@ class FSDPConfig:
         help=(
             "torch.compile each T5Block before sharding (inductor: a C++ compiler on CPU, Triton on GPU). "
             "The first steps compile (seconds to minutes); dropout masks then come from inductor's own "
-            "generator. FSDP1 needs --use_orig_params true. Off by default: slower on CPU (README: "
+            "generator. FSDP1 needs --use_orig_params true. Off by default: slower on CPU (docs/throughput.md: "
             "Throughput)."
         ),
     )

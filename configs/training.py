@@ -1,9 +1,10 @@
 """The tutorial's train_config: what model to train, for how long, how, and where the run goes.
 
 Every field of every section is a `--field value` flag (configs/cli.py). The defaults are the offline demo:
-the embedded tiny T5 and WikiHow-format sample in data/, which train on a laptop CPU. For the tutorial's real
-setting use `--model_name t5-base --data_dir data` (README). What this package adds beyond the tutorial lives
-in sections of its own: data.py, recipe.py, evaluation.py, checkpointing.py, lora.py, observability.py.
+the embedded tiny T5 and WikiHow-format sample in data/, which train on a laptop CPU. For the tutorial's
+real setting use `--model_name t5-base --data_dir data` (README). What this package adds beyond the
+tutorial lives in sections of its own: data.py, recipe.py, evaluation.py, checkpointing.py, lora.py and
+observability.py, side by side in run.py.
 """
 
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ class TrainConfig:
         default="outputs",
         help=(
             "Where config.json, metrics.jsonl, checkpoints/, hf_model/ and the --save_model .pt files are "
-            "written (README: What a run leaves)."
+            "written (docs/checkpoints.md: the output_dir layout)."
         ),
     )
     device: Literal["auto", "cuda", "cpu"] = option(
@@ -74,12 +75,18 @@ class TrainConfig:
         above=0,
     )
     seed: int = option(default=1, help="Seed for weights of a fresh model, dropout and shuffling.")
-    run_validation: bool = option(default=True, help="Compute the validation loss after each epoch.")
+    run_validation: bool = option(
+        default=True,
+        help=(
+            "The switch of all evaluation: the validation loss after each epoch, and the ROUGE evaluation "
+            "inside it (--eval_rouge). false: nothing is evaluated (no validation loss, no ROUGE)."
+        ),
+    )
     save_model: bool = option(
         default=False,
         help=(
             "Save the full model state dict (.pt, gathered on rank 0) at each new best validation loss, "
-            "or every epoch when run_validation is false."
+            "or every epoch when there is no metric (--run_validation false)."
         ),
     )
     track_memory: bool = option(

@@ -13,12 +13,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.cli import ALIASES, field_specs, format_value, type_label  # noqa: E402
-from configs.fsdp import FSDPConfig  # noqa: E402
 from configs.paths import REPO_ROOT  # noqa: E402
-from configs.training import TrainConfig  # noqa: E402
+from configs.run import SECTION_TITLES, RunConfig  # noqa: E402
 
 TABLE_HEADER = "| flag | values | default | meaning |"
-TITLES = {"train": "Training (`configs/training.py`)", "fsdp": "FSDP (`configs/fsdp.py`)"}
 
 
 def _default_text(value) -> str:
@@ -28,20 +26,15 @@ def _default_text(value) -> str:
 
 
 def reference_markdown() -> str:
-    defaults = {"train": TrainConfig(), "fsdp": FSDPConfig()}
+    defaults = RunConfig()
     lines = []
-    for section in ("train", "fsdp"):
-        lines += [
-            f"#### {TITLES[section]}",
-            "",
-            TABLE_HEADER,
-            "| --- | --- | --- | --- |",
-        ]
+    for section, title in SECTION_TITLES.items():
+        lines += [f"#### {title}", "", TABLE_HEADER, "| --- | --- | --- | --- |"]
         for spec in field_specs():
             if spec.section != section:
                 continue
             flag = " / ".join(f"`{f}`" for f in [f"--{spec.name}", *ALIASES.get(spec.name, [])])
-            default = _default_text(getattr(defaults[section], spec.name))
+            default = _default_text(getattr(getattr(defaults, section), spec.name))
             values = type_label(spec).replace("|", " or ")
             lines.append(f"| {flag} | {values} | `{default}` | {spec.help} |")
         lines.append("")
