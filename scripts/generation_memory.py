@@ -22,16 +22,19 @@ import torch  # noqa: E402
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from transformers import T5ForConditionalGeneration, T5Tokenizer  # noqa: E402
 from transformers.models.t5.modeling_t5 import T5Block  # noqa: E402
-from utils.fsdp.wrap import wrap_model  # noqa: E402
 
+from configs.data import DataConfig  # noqa: E402
+from configs.evaluation import EvalConfig  # noqa: E402
 from configs.fsdp import FSDPConfig  # noqa: E402
 from configs.training import TrainConfig  # noqa: E402
+from policies.mixed_precision import Precision  # noqa: E402
 from scripts.make_random_t5 import make  # noqa: E402
+from summarization_dataset import build_eval_set  # noqa: E402
 from tests.dist_harness import run_ranks  # noqa: E402
-from utils.data.loaders import build_eval_set  # noqa: E402
+from utils.data.loaders import move_batch  # noqa: E402
 from utils.distributed.process_group import DistInfo  # noqa: E402
-from utils.eval.generation import GenerationSettings, generate  # noqa: E402
-from utils.train.step import move_batch  # noqa: E402
+from utils.eval.generation import generate, generation_kwargs  # noqa: E402
+from utils.fsdp.shard import shard_model  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -47,16 +50,17 @@ def unsharded_bytes(model: FSDP) -> int:
 
 def measure(rank: int, world_size: int, model_dir: str, articles: int) -> dict:
     info = DistInfo(rank, rank, world_size, CPU, "gloo")
-    config = TrainConfig(eval_num_samples=articles, val_batch_size=4, max_new_tokens=32, max_source_length=256)
-    eval_set = build_eval_set(T5Tokenizer.from_pretrained(model_dir), config, info, "validation")
+    data, train = DataConfig(max_source_length=256), TrainConfig(val_batch_size=4)
+    evaluation = EvalConfig(eval_num_samples=articles, max_new_tokens=32)
+    eval_set = build_eval_set(T5Tokenizer.from_pretrained(model_dir), data, train, evaluation, info, "validation")
     plain = T5ForConditionalGeneration.from_pretrained(model_dir, use_cache=False)
     whole = sum(p.numel() * p.element_size() for p in plain.parameters())
     fsdp_config = FSDPConfig(mixed_precision=False, fsdp_activation_checkpointing=False)
-    model = wrap_model(plain, fsdp_config, CPU, "fp32_policy").eval()
+    model = shard_model(plain, fsdp_config, Precision("fp32_policy"), CPU).eval()
     peak = [0]
     for block in (m for m in model.modules() if isinstance(m, T5Block)):
         block.register_forward_pre_hook(lambda *_: peak.__setitem__(0, max(peak[0], unsharded_bytes(model))))
-    settings = GenerationSettings.from_config(config)
+    settings = generation_kwargs(evaluation, data.max_target_length)
     for batch in eval_set.loader:
         generate(model, move_batch(batch, CPU), settings)
     return {"peak_unsharded_bytes": peak[0], "whole_model_bytes": whole}

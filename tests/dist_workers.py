@@ -7,6 +7,7 @@ same computation and any difference comes from FSDP itself.
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import math
 
@@ -18,16 +19,19 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.data import Dataset
 from transformers import T5Config, T5ForConditionalGeneration
 from transformers.models.t5.modeling_t5 import T5Attention, T5Block
-from utils.fsdp.wrap import wrap_model
 
 from configs.errors import TrainingDivergedError
 from configs.fsdp import FSDPConfig
+from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR
-from policies.mixed_precision import POLICIES
-from utils.checkpoint.state_dicts import gather_full_state_dict, load_full_model_state, save_full_model
+from policies.mixed_precision import POLICIES, Precision
+from summarization_dataset import pad_collate
+from utils.checkpoint.state_dicts import gather_full_state_dict, save_full_model
 from utils.data.loaders import build_loader
 from utils.data.samplers import PaddedEvalSampler
-from utils.model.lora import LoraSettings, apply_lora
+from utils.fsdp.shard import shard_model
+from utils.model.loading import load_full_model_state
+from utils.model.lora import apply_lora
 from utils.model.rank0_loading import Rank0Materializer
 from utils.observe.memory import optim_state_numel_local
 from utils.train import step as step_module
@@ -37,7 +41,7 @@ from utils.train.step_log import StepLog
 CPU = torch.device("cpu")
 VOCAB = 1100
 LR = 1e-3
-FP32 = "fp32_policy"
+FP32 = Precision("fp32_policy")
 
 
 def tiny_t5(seed: int = 0, on_meta: bool = False) -> T5ForConditionalGeneration:
@@ -91,7 +95,7 @@ def reference_run(steps: int, world_size: int, model: nn.Module | None = None) -
 
 
 def fsdp_run(
-    config: FSDPConfig, rank: int, world_size: int, steps: int, precision: str = FP32, weights_file: str = ""
+    config: FSDPConfig, rank: int, world_size: int, steps: int, precision: Precision = FP32, weights_file: str = ""
 ):
     """Per-step reported losses of train_step under FSDP, and the final full state dict (rank 0).
 
@@ -100,7 +104,7 @@ def fsdp_run(
     """
     efficient = config.cpu_ram_efficient_loading
     skeleton = efficient and (config.fsdp_version == 1 or rank != 0)
-    model = wrap_model(tiny_t5(on_meta=skeleton), config, CPU, precision, weights_source=weights_file)
+    model = shard_model(tiny_t5(on_meta=skeleton), config, precision, CPU, weights_source=weights_file)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = train_wrapped(model, optimizer, rank, world_size, steps)
     return losses, gather_full_state_dict(model, CPU)
@@ -205,7 +209,7 @@ def structure_worker(rank: int, world_size: int) -> dict:
         config = dataclasses.replace(_fsdp_config({}), fsdp_activation_checkpointing=checkpointing)
         plain = tiny_t5()
         n_blocks = sum(isinstance(m, T5Block) for m in plain.modules())
-        model = wrap_model(plain, config, CPU, FP32)
+        model = shard_model(plain, config, FP32, CPU)
         units = FSDP.fsdp_modules(model)
         out[checkpointing] = {
             "n_blocks": n_blocks,
@@ -223,7 +227,7 @@ def precision_worker(rank: int, world_size: int) -> dict:
     """The dtype that T5's attention projections compute in under each policy, and the master dtype."""
     out = {}
     for name in POLICIES:
-        model = wrap_model(tiny_t5(), _fsdp_config({}), CPU, name)
+        model = shard_model(tiny_t5(), _fsdp_config({}), Precision(name), CPU)
         attention = next(m for m in model.modules() if isinstance(m, T5Attention))
         seen = {}
 
@@ -252,7 +256,7 @@ def precision_worker(rank: int, world_size: int) -> dict:
 def checkpoint_worker(rank: int, world_size: int, path: str, fsdp_version: int = 1) -> dict:
     """Train 2 steps, save the rank-0 full state dict, reload it into a plain model, compare logits."""
     config = _fsdp_config({"fsdp_activation_checkpointing": True, "fsdp_version": fsdp_version})
-    model = wrap_model(tiny_t5(), config, CPU, FP32)
+    model = shard_model(tiny_t5(), config, FP32, CPU)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(2):
         train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
@@ -311,10 +315,11 @@ def validation_worker(rank: int, world_size: int, n_samples: int, batch_size: in
     """validate() over an uneven split vs a hand-computed token mean over the unique samples."""
     plain = tiny_t5()
     reference_model = copy.deepcopy(plain).eval()
-    model = wrap_model(plain, _fsdp_config({}), CPU, FP32)
+    model = shard_model(plain, _fsdp_config({}), FP32, CPU)
     dataset = ItemsDataset(n_samples)
     sampler = PaddedEvalSampler(len(dataset), rank, world_size)
-    loader = build_loader(dataset, sampler, batch_size, pad_token_id=0, num_workers=0, device=CPU)
+    collate = functools.partial(pad_collate, pad_token_id=0)
+    loader = build_loader(dataset, sampler, batch_size, collate_fn=collate, num_workers=0, device=CPU)
 
     class NoBar:
         def update(self, n):
@@ -342,7 +347,9 @@ def validation_worker(rank: int, world_size: int, n_samples: int, batch_size: in
 def bf16_worker(rank: int, world_size: int, steps: int) -> dict:
     """bf16 (bfSixteen) per-step losses of both backends."""
     return {
-        version: fsdp_run(_fsdp_config({"fsdp_version": version}), rank, world_size, steps, "bfSixteen")[0]
+        version: fsdp_run(
+            _fsdp_config({"fsdp_version": version}), rank, world_size, steps, Precision("bfSixteen")
+        )[0]
         for version in (1, 2)
     }
 
@@ -353,7 +360,7 @@ def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> d
     config = _fsdp_config({"fsdp_version": fsdp_version, "cpu_ram_efficient_loading": True})
     if fsdp_version == 2:
         reference = tiny_t5(seed=123)  # what rank 0 "loaded"
-        model = wrap_model(tiny_t5(seed=123) if rank == 0 else tiny_t5(on_meta=True), config, CPU, FP32)
+        model = shard_model(tiny_t5(seed=123) if rank == 0 else tiny_t5(on_meta=True), config, FP32, CPU)
         held = None
     else:
         held = []  # live host tensor bytes each time FSDP1 materialises a module, before the reference exists
@@ -369,7 +376,7 @@ def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> d
 
         Rank0Materializer.__call__ = measured
         try:
-            model = wrap_model(tiny_t5(on_meta=True), config, CPU, FP32, weights_source=str(EMBEDDED_MODEL_DIR))
+            model = shard_model(tiny_t5(on_meta=True), config, FP32, CPU, weights_source=str(EMBEDDED_MODEL_DIR))
         finally:
             Rank0Materializer.__call__ = original
         held = max(held)
@@ -413,25 +420,33 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
     calls whose lengths differ by rank. Rank 0 also returns plain single-process generate on the same model."""
     from transformers import T5Tokenizer
 
+    from configs.data import DataConfig
+    from configs.evaluation import EvalConfig
     from configs.training import TrainConfig
-    from utils.data.loaders import build_eval_set
+    from summarization_dataset import build_eval_set
     from utils.distributed.process_group import DistInfo
     from utils.eval.evaluator import Evaluator
-    from utils.eval.generation import GenerationSettings, generate
+    from utils.eval.generation import generate, generation_kwargs
 
     info = DistInfo(rank, rank, world_size, CPU, "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
-    config = TrainConfig(eval_num_samples=n_samples, val_batch_size=batch_size, max_new_tokens=12)
-    eval_set = build_eval_set(tokenizer, config, info, "validation")
+    data, train = DataConfig(), TrainConfig(val_batch_size=batch_size)
+    evaluation = EvalConfig(eval_num_samples=n_samples, max_new_tokens=12)
+    eval_set = build_eval_set(tokenizer, data, train, evaluation, info, "validation")
+
+    def settings_with(beams: int) -> dict:
+        return generation_kwargs(dataclasses.replace(evaluation, num_beams=beams), data.max_target_length)
+
     out = {"records": {}, "uneven": {}}
     for beams in (1, 2):
-        settings = dataclasses.replace(GenerationSettings.from_config(config), num_beams=beams)
+        settings = settings_with(beams)
+        assert settings["num_beams"] == beams and settings["max_new_tokens"] == 12
         for version in (1, 2):
-            model = wrap_model(tiny_t5(seed=7), _fsdp_config({"fsdp_version": version}), CPU, FP32)
+            model = shard_model(tiny_t5(seed=7), _fsdp_config({"fsdp_version": version}), FP32, CPU)
             folder = f"{output_dir}/fsdp{version}-beams{beams}"
             out["records"][(version, beams)] = Evaluator(eval_set, settings, folder, info).evaluate(model, 1, 5)
             # Lengths that differ by rank: rank r stops after 3 + 6 r new tokens, the others keep stepping.
-            uneven = dataclasses.replace(settings, max_new_tokens=3 + 6 * rank)
+            uneven = {**settings, "max_new_tokens": 3 + 6 * rank}
             ids = generate(model, make_batch(rank, rows=2), uneven)
             out["uneven"][(version, beams)] = ids.shape[1]
     if rank == 0:
@@ -439,14 +454,14 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
         dataset = eval_set.dataset
         out["plain"] = {}
         for beams in (1, 2):
-            settings = dataclasses.replace(GenerationSettings.from_config(config), num_beams=beams)
+            settings = settings_with(beams)
             texts = []
             for index in range(len(dataset)):
                 item = dataset[index]
                 source, mask = item["source_ids"][None], item["source_mask"][None]
                 with torch.no_grad():
                     ids = plain.generate(input_ids=source, attention_mask=mask, use_cache=True,
-                                         **settings.generate_kwargs())  # fmt: skip
+                                         **settings)  # fmt: skip
                 texts.append(tokenizer.decode(ids[0], skip_special_tokens=True).strip())
             out["plain"][beams] = texts
         out["references"] = [dataset.reference(i) for i in range(len(dataset))]
@@ -487,7 +502,7 @@ def accumulation_worker(rank: int, world_size: int, steps: int) -> dict:
             out["references"][max_norm] = accumulation_reference(steps, world_size, max_norm)
         for version in (1, 2):
             for sync in (True, False):
-                model = wrap_model(tiny_t5(), _fsdp_config({"fsdp_version": version}), CPU, FP32)
+                model = shard_model(tiny_t5(), _fsdp_config({"fsdp_version": version}), FP32, CPU)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
                 settings = StepSettings(max_norm, sync_each_micro_batch=sync)
                 records: list[dict] = []
@@ -508,15 +523,16 @@ def accumulation_worker(rank: int, world_size: int, steps: int) -> dict:
 
 def decay_groups_worker(rank: int, world_size: int) -> dict:
     """Names of the parameters in each AdamW group, with weight decay, for FSDP2 and FSDP1 (orig params)."""
-    from utils.train.trainables import build_trainables
-
     from configs.training import TrainConfig
+    from utils.train import optim
 
     out = {}
+    train = TrainConfig(weight_decay=0.1)
     for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
-        model = wrap_model(tiny_t5(), _fsdp_config(overrides), CPU, FP32)
+        model = shard_model(tiny_t5(), _fsdp_config(overrides), FP32, CPU)
         names = {id(p): n for n, p in model.named_parameters()}
-        optimizer = build_trainables(model, TrainConfig(weight_decay=0.1), FP32, CPU, total_steps=1).optimizer
+        # As T5_training.fsdp_main builds it.
+        optimizer = torch.optim.AdamW(optim.parameter_groups(model, train.weight_decay), lr=train.lr)
         out[version] = [(group["weight_decay"], sorted(names[id(p)] for p in group["params"]))
                         for group in optimizer.param_groups]  # fmt: skip
     return out
@@ -526,7 +542,7 @@ def _reduced_gradients(version: int, policy: str, batch: dict, all_tokens: torch
     """name -> full fp64 gradient after one backward of train_step's per-rank loss (the token sum over the
     all-ranks token count, x world size) and FSDP's gradient reduction. Collective."""
     config = _fsdp_config({"fsdp_version": version, "use_orig_params": version == 1})
-    model = wrap_model(tiny_t5(), config, CPU, policy)
+    model = shard_model(tiny_t5(), config, Precision(policy), CPU)
     token_losses, _ = forward_token_losses(model, batch)
     (token_losses.sum() * world_size / all_tokens).backward()
     if isinstance(model, FSDP):
@@ -575,7 +591,7 @@ def _nan_loss(enabled: bool):
 def _guarded_run(version: int, rank: int, world_size: int, steps: list[int], bad_step: int, stop: bool) -> dict:
     """train_step over `steps` with rank 1's loss NaN at `bad_step`: the step records, the final weights (rank
     0), and the error a stopping step log raised (None if none)."""
-    model = wrap_model(tiny_t5(), _fsdp_config({"fsdp_version": version}), CPU, FP32)
+    model = shard_model(tiny_t5(), _fsdp_config({"fsdp_version": version}), FP32, CPU)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     settings = step_module.StepSettings(skip_nonfinite=not stop)
     records: list[dict] = []
@@ -613,14 +629,14 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
     FSDP1 (original parameters) and FSDP2; the unsharded, uncompiled reference on rank 0."""
     import torch._dynamo
 
-    from utils.fsdp import wrap as wrap_module
+    from utils.fsdp import shard as shard_module
 
     def compile_with_backend(model):
         for module in model.modules():
             if isinstance(module, T5Block):
                 module.compile(backend=backend)
 
-    wrap_module.compile_blocks, original = compile_with_backend, wrap_module.compile_blocks
+    shard_module.compile_blocks, original = compile_with_backend, shard_module.compile_blocks
     out = {"reference": reference_run(steps, world_size) if rank == 0 else None}
     try:
         for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
@@ -628,18 +644,21 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
             losses, state = fsdp_run(_fsdp_config({**overrides, "compile": True}), rank, world_size, steps)
             out[version] = {"losses": losses, "state": state if rank == 0 else None}
     finally:
-        wrap_module.compile_blocks = original
+        shard_module.compile_blocks = original
     return out
 
 
-LORA = LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=("q", "v"), base_model="", merge=False)
+LORA = LoraConfig(
+    peft="lora", lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="q,v", merge_lora=False
+)
+LORA_BASE = ""  # what the adapter's config names as its base (no export here)
 
 
 def lora_t5() -> nn.Module:
     """tiny_t5 with LoRA on q and v; the adapters' random A drawn from one seed, as every rank does."""
     model = tiny_t5()
     torch.manual_seed(7)
-    return apply_lora(model, LORA)
+    return apply_lora(model, LORA, LORA_BASE)
 
 
 LORA_VARIANTS = {
@@ -656,7 +675,7 @@ def lora_worker(rank: int, world_size: int, steps: int) -> dict:
     this rank holds. Rank 0 also returns the unsharded reference and the initial weights."""
     out = {}
     for name, overrides in LORA_VARIANTS.items():
-        model = wrap_model(lora_t5(), _fsdp_config(overrides), CPU, FP32)
+        model = shard_model(lora_t5(), _fsdp_config(overrides), FP32, CPU)
         # As reference_run: AdamW (its default weight decay) over what trains. parameter_groups keeps the
         # same parameters (the torchrun LoRA runs of tests/test_lora.py use it).
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)

@@ -26,9 +26,8 @@ from configs.accelerate_env import (
 )
 from configs.cli import field_specs, fields_from_accelerate, parse_args
 from configs.errors import ConfigError
-from configs.fsdp import FSDPConfig
 from configs.paths import REPO_ROOT
-from configs.training import TrainConfig
+from configs.run import RunConfig
 from tests.launch import Run, offline_env, program_tracebacks
 from utils.distributed.process_group import free_port
 
@@ -36,7 +35,7 @@ accelerate_launch = pytest.importorskip("accelerate.commands.launch")
 accelerate_utils_launch = pytest.importorskip("accelerate.utils.launch")
 
 CONFIG_FILE = REPO_ROOT / "configs" / "accelerate_fsdp.yaml"
-DEFAULTS = (TrainConfig(), FSDPConfig())
+DEFAULTS = RunConfig()
 # Every field the shipped config file sets (its sync_module_states false included).
 YAML_FIELDS = {
     "mixed_precision": "ACCELERATE_MIXED_PRECISION",
@@ -178,9 +177,9 @@ def test_variables_accelerate_would_set_otherwise_are_refused_too(extra, variabl
 def test_explicit_flags_win_and_are_not_recorded_as_taken_from_accelerate(tmp_path):
     env = launch_environment(config_file(tmp_path, {"fsdp_state_dict_type": "LOCAL_STATE_DICT"}))
     flags = ["--checkpoint_type", "SHARDED_STATE_DICT", "--fsdp_activation_checkpointing", "false"]
-    train_config, fsdp_config = parse_args(flags, env)
-    assert fsdp_config.checkpoint_type == "SHARDED_STATE_DICT" and not fsdp_config.fsdp_activation_checkpointing
-    assert (train_config, fsdp_config) == parse_args(flags, {})
+    config = parse_args(flags, env)
+    assert config.fsdp.checkpoint_type == "SHARDED_STATE_DICT" and not config.fsdp.fsdp_activation_checkpointing
+    assert config == parse_args(flags, {})
     taken = fields_from_accelerate(flags, env)
     assert taken == {
         k: v for k, v in YAML_FIELDS.items() if k not in ("checkpoint_type", "fsdp_activation_checkpointing")

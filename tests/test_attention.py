@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from configs.paths import EMBEDDED_MODEL_DIR
-from configs.training import TrainConfig
+from configs.recipe import RecipeConfig
 from tests.dist_workers import make_batch
 from utils.model.loading import load_model_for_run, load_tokenizer, model_config_overrides
 from utils.train.step import forward_token_losses
@@ -14,7 +14,7 @@ KERNELS = ["eager", "sdpa"]  # flex_attention has no backward on CPU (refused th
 
 def train_losses(attn_implementation: str, steps: int = 3) -> list[float]:
     """fp32 token-mean losses of AdamW steps on padded random batches, dropout off."""
-    config = TrainConfig(attn_implementation=attn_implementation, dropout_rate=0.0)
+    config = RecipeConfig(attn_implementation=attn_implementation, dropout_rate=0.0)
     tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
     loaded = load_model_for_run(EMBEDDED_MODEL_DIR, False, None, model_config_overrides(config), tokenizer)
     assert loaded.model.config._attn_implementation == attn_implementation

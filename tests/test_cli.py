@@ -19,6 +19,7 @@ from dataclasses import fields, replace
 import pytest
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
+from configs.checkpointing import CheckpointConfig
 from configs.cli import (
     ALIASES,
     NO_CUDA_FLAG,
@@ -29,10 +30,28 @@ from configs.cli import (
     format_value,
     parse_args,
 )
+from configs.data import DataConfig
 from configs.errors import ConfigError, UserError
+from configs.evaluation import EvalConfig
 from configs.fsdp import FSDPConfig
+from configs.lora import LoraConfig
+from configs.observability import ObserveConfig
 from configs.paths import REPO_ROOT
+from configs.recipe import RecipeConfig
+from configs.run import RECORD_KEYS, RunConfig
 from configs.training import TrainConfig
+
+# The sections of a RunConfig, in order: (attribute, dataclass, key in config.json).
+SECTIONS = [
+    ("train", TrainConfig, "train_config"),
+    ("fsdp", FSDPConfig, "fsdp_config"),
+    ("data", DataConfig, "data_config"),
+    ("recipe", RecipeConfig, "recipe_config"),
+    ("evaluation", EvalConfig, "evaluation_config"),
+    ("checkpointing", CheckpointConfig, "checkpointing_config"),
+    ("lora", LoraConfig, "lora_config"),
+    ("observe", ObserveConfig, "observability_config"),
+]
 
 # The names the issue fixes (the README, the tutorial's flags and the run record use them).
 REQUIRED_FIELDS = [
@@ -77,12 +96,17 @@ TUTORIAL_FLAGS = [
 
 
 def all_fields() -> list[tuple[str, str]]:
-    """(section, name) of every field of both config dataclasses."""
-    return [("train", f.name) for f in fields(TrainConfig)] + [("fsdp", f.name) for f in fields(FSDPConfig)]
+    """(section, name) of every field of every config section, in RunConfig's order."""
+    return [(section, f.name) for section, cls, _ in SECTIONS for f in fields(cls)]
 
 
-def value_of(configs: tuple[TrainConfig, FSDPConfig], section: str, name: str):
-    return getattr(configs[0] if section == "train" else configs[1], name)
+def value_of(config: RunConfig, section: str, name: str):
+    return getattr(getattr(config, section), name)
+
+
+def with_field(config: RunConfig, section: str, name: str, value) -> RunConfig:
+    """`config` with one field of one section changed."""
+    return replace(config, **{section: replace(getattr(config, section), **{name: value})})
 
 
 def expect_config_error(argv: list[str]) -> str:
@@ -135,9 +159,12 @@ def non_default_value(spec, default):
 
 
 def test_no_arguments_give_the_dataclass_defaults():
-    train_config, fsdp_config = parse_args([])
-    assert train_config == TrainConfig()
-    assert fsdp_config == FSDPConfig()
+    config = parse_args([])
+    assert isinstance(config, RunConfig)
+    assert config == RunConfig()
+    assert [f.name for f in fields(RunConfig)] == [section for section, _, _ in SECTIONS]
+    for section, cls, _ in SECTIONS:
+        assert getattr(config, section) == cls()
 
 
 def test_the_issue_field_names_exist():
@@ -167,7 +194,8 @@ def test_every_field_is_a_flag_in_help():
 @pytest.mark.parametrize("section,name", all_fields())
 def test_every_field_is_accepted_as_a_flag(section, name):
     spec = next(s for s in field_specs() if s.name == name)
-    defaults = (TrainConfig(), FSDPConfig())
+    assert spec.section == section
+    defaults = RunConfig()
     default = value_of(defaults, section, name)
 
     # Its default, spelled as the CLI spells it, changes nothing.
@@ -176,29 +204,27 @@ def test_every_field_is_accepted_as_a_flag(section, name):
     # Another value changes that field and nothing else.
     other = non_default_value(spec, default)
     parsed = parse_args([f"--{name}", format_value(other)])
-    expected_train = replace(defaults[0], **{name: other}) if section == "train" else defaults[0]
-    expected_fsdp = replace(defaults[1], **{name: other}) if section == "fsdp" else defaults[1]
-    assert parsed == (expected_train, expected_fsdp)
+    assert parsed == with_field(defaults, section, name, other)
 
 
 # ------------------------------------------------------------------------------------------------ types
 
 
 def test_int_and_float_values_are_typed():
-    train_config, fsdp_config = parse_args(
+    config = parse_args(
         ["--epochs", "3", "--lr", "1", "--gamma", "5e-1", "--seed", "-5", "--min_num_params", "2000"]
     )
-    assert train_config.epochs == 3 and type(train_config.epochs) is int
-    assert train_config.lr == 1.0 and type(train_config.lr) is float
-    assert train_config.gamma == 0.5
-    assert train_config.seed == -5  # a negative number is a value, not a flag
-    assert fsdp_config.min_num_params == 2000 and type(fsdp_config.min_num_params) is int
+    assert config.train.epochs == 3 and type(config.train.epochs) is int
+    assert config.train.lr == 1.0 and type(config.train.lr) is float
+    assert config.train.gamma == 0.5
+    assert config.train.seed == -5  # a negative number is a value, not a flag
+    assert config.fsdp.min_num_params == 2000 and type(config.fsdp.min_num_params) is int
 
 
 def test_str_values_are_kept_verbatim():
-    train_config, _ = parse_args(["--model_name", "t5-base", "--source_prefix", "summarize: "])
-    assert train_config.model_name == "t5-base"
-    assert train_config.source_prefix == "summarize: "
+    config = parse_args(["--model_name", "t5-base", "--source_prefix", "summarize: "])
+    assert config.train.model_name == "t5-base"
+    assert config.data.source_prefix == "summarize: "
 
 
 @pytest.mark.parametrize(
@@ -206,34 +232,32 @@ def test_str_values_are_kept_verbatim():
     [("true", True), ("false", False), ("True", True), ("FALSE", False)],
 )
 def test_bool_words(text, expected):
-    train_config, fsdp_config = parse_args(["--save_model", text, "--mixed_precision", text])
-    assert train_config.save_model is expected
+    config = parse_args(["--save_model", text, "--mixed_precision", text])
+    assert config.train.save_model is expected
     # use_fp16 stays false, so mixed_precision false is a valid combination.
-    assert fsdp_config.mixed_precision is expected
+    assert config.fsdp.mixed_precision is expected
 
 
 def test_bare_bool_flag_means_true():
-    train_config, fsdp_config = parse_args(["--save_model", "--epochs", "3", "--limit_all_gathers"])
-    assert train_config.save_model is True
-    assert train_config.epochs == 3  # the next flag is not eaten as the bool's value
-    assert fsdp_config.limit_all_gathers is True
+    config = parse_args(["--save_model", "--epochs", "3", "--limit_all_gathers"])
+    assert config.train.save_model is True
+    assert config.train.epochs == 3  # the next flag is not eaten as the bool's value
+    assert config.fsdp.limit_all_gathers is True
 
-    train_config, _ = parse_args(["--track_memory", "false", "--print_text"])
-    assert train_config.track_memory is False
-    assert train_config.print_text is True
+    config = parse_args(["--track_memory", "false", "--print_text"])
+    assert config.train.track_memory is False
+    assert config.data.print_text is True
 
 
 def test_bool_false_turns_a_true_default_off():
-    train_config, fsdp_config = parse_args(
-        ["--run_validation", "false", "--fsdp_activation_checkpointing", "false"]
-    )
-    assert TrainConfig().run_validation is True and train_config.run_validation is False
+    config = parse_args(["--run_validation", "false", "--fsdp_activation_checkpointing", "false"])
+    assert TrainConfig().run_validation is True and config.train.run_validation is False
     assert FSDPConfig().fsdp_activation_checkpointing is True
-    assert fsdp_config.fsdp_activation_checkpointing is False
+    assert config.fsdp.fsdp_activation_checkpointing is False
 
 
 def test_flag_equals_value_form():
-    train_config, fsdp_config = parse_args(
+    config = parse_args(
         [
             "--epochs=4",
             "--lr=0.5",
@@ -245,20 +269,19 @@ def test_flag_equals_value_form():
             "--source_prefix=--not-a-flag",
         ]
     )
-    assert train_config.epochs == 4
-    assert train_config.lr == 0.5
-    assert train_config.save_model is True
-    assert train_config.run_validation is False
-    assert fsdp_config.backward_prefetch is None
-    assert fsdp_config.sharding_strategy is ShardingStrategy.NO_SHARD
-    assert train_config.device == "cpu"
-    assert train_config.source_prefix == "--not-a-flag"
+    assert config.train.epochs == 4
+    assert config.train.lr == 0.5
+    assert config.train.save_model is True
+    assert config.train.run_validation is False
+    assert config.fsdp.backward_prefetch is None
+    assert config.fsdp.sharding_strategy is ShardingStrategy.NO_SHARD
+    assert config.train.device == "cpu"
+    assert config.data.source_prefix == "--not-a-flag"
 
 
 @pytest.mark.parametrize("member", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_sharding_strategy_by_name(member):
-    _, fsdp_config = parse_args(["--sharding_strategy", member])
-    assert fsdp_config.sharding_strategy is ShardingStrategy[member]
+    assert parse_args(["--sharding_strategy", member]).fsdp.sharding_strategy is ShardingStrategy[member]
 
 
 @pytest.mark.parametrize(
@@ -270,23 +293,19 @@ def test_sharding_strategy_by_name(member):
     ],
 )
 def test_optional_enum_backward_prefetch(text, expected):
-    _, fsdp_config = parse_args(["--backward_prefetch", text])
-    assert fsdp_config.backward_prefetch is expected
+    assert parse_args(["--backward_prefetch", text]).fsdp.backward_prefetch is expected
 
 
 def test_literal_fields():
-    train_config, fsdp_config = parse_args(
-        ["--device", "cuda", "--bf16_policy", "bfSixteen_working", "--wrap_policy", "size_based"]
-    )
+    config = parse_args(["--device", "cuda", "--bf16_policy", "bfSixteen_working", "--wrap_policy", "size_based"])
     # Parsing does not check that CUDA exists: that is resolved at run time.
-    assert train_config.device == "cuda"
-    assert fsdp_config.bf16_policy == "bfSixteen_working"
-    assert fsdp_config.wrap_policy == "size_based"
+    assert config.train.device == "cuda"
+    assert config.fsdp.bf16_policy == "bfSixteen_working"
+    assert config.fsdp.wrap_policy == "size_based"
 
 
 def test_last_occurrence_wins():
-    train_config, _ = parse_args(["--epochs", "3", "--epochs", "5"])
-    assert train_config.epochs == 5
+    assert parse_args(["--epochs", "3", "--epochs", "5"]).train.epochs == 5
 
 
 # ---------------------------------------------------------------------------------------------- aliases
@@ -294,13 +313,13 @@ def test_last_occurrence_wins():
 
 @pytest.mark.parametrize("argv,section,name,expected", TUTORIAL_FLAGS, ids=lambda x: str(x))
 def test_tutorial_flags(argv, section, name, expected):
-    configs = parse_args(argv)
-    assert value_of(configs, section, name) == expected
+    config = parse_args(argv)
+    assert value_of(config, section, name) == expected
     # Nothing else changes.
-    defaults = (TrainConfig(), FSDPConfig())
+    defaults = RunConfig()
     for other_section, other_name in all_fields():
         if (other_section, other_name) != (section, name):
-            assert value_of(configs, other_section, other_name) == value_of(defaults, other_section, other_name)
+            assert value_of(config, other_section, other_name) == value_of(defaults, other_section, other_name)
 
 
 def test_alias_and_field_name_set_the_same_field():
@@ -337,8 +356,7 @@ def test_help_states_the_meaning_of_each_alias():
 
 
 def test_no_cuda_means_device_cpu():
-    train_config, _ = parse_args([NO_CUDA_FLAG])
-    assert train_config.device == "cpu"
+    assert parse_args([NO_CUDA_FLAG]).train.device == "cpu"
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -450,8 +468,8 @@ def test_bounds(argv, flag):
 
 
 def test_bounds_allow_the_edge_values():
-    train_config, _ = parse_args(["--epochs", "1", "--num_train_samples", "0", "--weight_decay", "0"])
-    assert train_config.epochs == 1 and train_config.num_train_samples == 0 and train_config.weight_decay == 0.0
+    config = parse_args(["--epochs", "1", "--num_train_samples", "0", "--weight_decay", "0"])
+    assert config.train.epochs == 1 and config.data.num_train_samples == 0 and config.train.weight_decay == 0.0
 
 
 @pytest.mark.parametrize(
@@ -509,37 +527,39 @@ NON_DEFAULT_ARGV = [
 
 @pytest.mark.parametrize("argv", [[], NON_DEFAULT_ARGV], ids=["defaults", "non_default"])
 def test_config_to_dict_is_json_and_round_trips(argv):
-    train_config, fsdp_config = parse_args(argv)
-    dicts = []
-    for config in (train_config, fsdp_config):
-        as_dict = config_to_dict(config)
-        assert list(as_dict) == [f.name for f in fields(config)]
-        for name, value in as_dict.items():
+    config = parse_args(argv)
+    as_dict = config_to_dict(config)
+    # One key per section, as output_dir/config.json has them.
+    assert list(as_dict) == [key for _, _, key in SECTIONS]
+    assert RECORD_KEYS == {section: key for section, _, key in SECTIONS}
+    for section, _, key in SECTIONS:
+        assert list(as_dict[key]) == [f.name for f in fields(getattr(config, section))]
+        for name, value in as_dict[key].items():
             assert not isinstance(value, enum.Enum), f"{name} is not JSON-ready: {value!r}"
-        dicts.append(json.loads(json.dumps(as_dict)))  # raises if not serialisable
+    dicts = list(json.loads(json.dumps(as_dict)).values())  # raises if not serialisable
 
     # Every value back to CLI text, parsed again: the same configs.
     for form in ("space", "equals"):
         rebuilt = []
-        for as_dict in dicts:
-            for name, value in as_dict.items():
+        for section_dict in dicts:
+            for name, value in section_dict.items():
                 text = format_value(value)
                 rebuilt += [f"--{name}={text}"] if form == "equals" else [f"--{name}", text]
-        assert parse_args(rebuilt) == (train_config, fsdp_config), form
+        assert parse_args(rebuilt) == config, form
 
 
 def test_config_to_dict_spells_enums_as_the_cli_does():
-    _, fsdp_config = parse_args(["--backward_prefetch", "NONE", "--sharding_strategy", "NO_SHARD"])
-    as_dict = config_to_dict(fsdp_config)
+    config = parse_args(["--backward_prefetch", "NONE", "--sharding_strategy", "NO_SHARD"])
+    as_dict = config_to_dict(config)["fsdp_config"]
     assert as_dict["backward_prefetch"] == "NONE"
     assert as_dict["sharding_strategy"] == "NO_SHARD"
     assert as_dict["mixed_precision"] is True
 
 
 def test_format_value_round_trips_every_field():
-    for configs in ((TrainConfig(), FSDPConfig()), parse_args(NON_DEFAULT_ARGV)):
+    for config in (RunConfig(), parse_args(NON_DEFAULT_ARGV)):
         for spec in field_specs():
-            value = value_of(configs, spec.section, spec.name)
+            value = value_of(config, spec.section, spec.name)
             parsed = value_of(parse_args([f"--{spec.name}", format_value(value)]), spec.section, spec.name)
             if isinstance(value, float):
                 assert parsed == value and not math.isnan(parsed)
@@ -602,8 +622,8 @@ def test_script_help_in_subprocess():
 
 
 def test_optional_number_takes_none_or_a_bounded_number():
-    assert parse_args(["--dropout_rate", "0"])[0].dropout_rate == 0.0
-    assert parse_args(["--dropout_rate", "NONE"])[0].dropout_rate is None
+    assert parse_args(["--dropout_rate", "0"]).recipe.dropout_rate == 0.0
+    assert parse_args(["--dropout_rate", "NONE"]).recipe.dropout_rate is None
     assert format_value(None) == "NONE"
     for text, words in (("2", "<= 1"), ("x", "a number")):
         with pytest.raises(ConfigError, match=words):

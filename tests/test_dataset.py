@@ -20,19 +20,26 @@ import pandas as pd
 import pytest
 import torch
 
+from configs.data import DataConfig
 from configs.errors import ConfigError, DataError, DataFileNotFoundError
 from configs.paths import REPO_ROOT
 from summarization_dataset import (
     ITEM_KEYS,
-    WikihowOptions,
     clean_text,
     hash_split,
-    labels_for_loss,
     load_wikihow,
     pad_collate,
     wikihow,
 )
 from utils.log import get_logger
+from utils.train.step import labels_for_loss
+
+
+def data_options(**fields) -> DataConfig:
+    """The wikihow Dataset's options: a DataConfig padded to the max lengths unless told otherwise, as the
+    Dataset pads without options (what the former WikihowOptions defaulted to)."""
+    return DataConfig(**{"pad_to_max_length": True, **fields})
+
 
 # The real file's quirks: a quoted multi-line headline whose bold lines are joined by ".,\n"; a text
 # whose paragraphs are joined by ".\n,", by ";\n," and by "..\n\n,"; a title with surrounding spaces;
@@ -350,8 +357,20 @@ def test_clean_text_keeps_words_apart():
     assert clean_text(text) == "He said hi then left. Bye."
 
 
+def test_without_options_the_embedded_sample_is_padded_to_max_length(tokenizer):
+    """options=None: the embedded sample with the tutorial's fixed shapes (a DataConfig defaults to dynamic
+    padding, so None is not DataConfig())."""
+    from configs.paths import EMBEDDED_DATA_DIR
+
+    dataset = wikihow(tokenizer, "train", 2, 16, 8)
+    assert dataset.dataset["title"].tolist() == load_wikihow(EMBEDDED_DATA_DIR, "train")["title"].tolist()[:2]
+    assert all(
+        dataset[i]["source_ids"].shape == (16,) and dataset[i]["target_ids"].shape == (8,) for i in range(2)
+    )
+
+
 def test_items_padded_to_max_length(tokenizer, data_dir):
-    dataset = wikihow(tokenizer, "train", None, 16, 8, WikihowOptions(data_dir=data_dir))
+    dataset = wikihow(tokenizer, "train", None, 16, 8, data_options(data_dir=data_dir))
     assert len(dataset) == 4
     for index in range(len(dataset)):
         item = dataset[index]
@@ -371,9 +390,7 @@ def test_items_padded_to_max_length(tokenizer, data_dir):
 
 
 def test_items_without_padding(tokenizer, data_dir):
-    dataset = wikihow(
-        tokenizer, "train", None, 512, 512, WikihowOptions(data_dir=data_dir, pad_to_max_length=False)
-    )
+    dataset = wikihow(tokenizer, "train", None, 512, 512, data_options(data_dir=data_dir, pad_to_max_length=False))
     item = dataset[0]
     assert item["source_ids"].tolist() == tokenizer(BREAD_SOURCE)["input_ids"]
     assert item["target_ids"].tolist() == tokenizer(BREAD_TARGET)["input_ids"]
@@ -391,7 +408,7 @@ def test_source_prefix(tokenizer, data_dir):
         None,
         512,
         512,
-        WikihowOptions(data_dir=data_dir, source_prefix="summarize: ", pad_to_max_length=False),
+        data_options(data_dir=data_dir, source_prefix="summarize: ", pad_to_max_length=False),
     )
     assert dataset[0]["source_ids"].tolist() == tokenizer("summarize: " + BREAD_SOURCE)["input_ids"]
     assert dataset[0]["target_ids"].tolist() == tokenizer(BREAD_TARGET)["input_ids"]
@@ -399,7 +416,7 @@ def test_source_prefix(tokenizer, data_dir):
 
 def test_truncation_keeps_eos(tokenizer, data_dir):
     for pad in (True, False):
-        dataset = wikihow(tokenizer, "train", None, 6, 4, WikihowOptions(data_dir=data_dir, pad_to_max_length=pad))
+        dataset = wikihow(tokenizer, "train", None, 6, 4, data_options(data_dir=data_dir, pad_to_max_length=pad))
         item = dataset[0]
         assert item["source_ids"].shape == (6,) and item["target_ids"].shape == (4,)
         assert item["source_ids"][-1] == tokenizer.eos_token_id
@@ -408,8 +425,8 @@ def test_truncation_keeps_eos(tokenizer, data_dir):
 
 
 def test_num_samples_takes_the_first_rows(tokenizer, data_dir, log_records):
-    every = wikihow(tokenizer, "train", None, 16, 8, WikihowOptions(data_dir=data_dir))
-    first_two = wikihow(tokenizer, "train", 2, 16, 8, WikihowOptions(data_dir=data_dir))
+    every = wikihow(tokenizer, "train", None, 16, 8, data_options(data_dir=data_dir))
+    first_two = wikihow(tokenizer, "train", 2, 16, 8, data_options(data_dir=data_dir))
     assert len(first_two) == 2
     assert first_two.dataset["title"].tolist() == ["How to Bake Bread", "Zebra Care"]
     for index in range(2):
@@ -419,7 +436,7 @@ def test_num_samples_takes_the_first_rows(tokenizer, data_dir, log_records):
 
 
 def test_num_samples_more_than_available_warns(tokenizer, data_dir, log_records):
-    dataset = wikihow(tokenizer, "train", 100, 16, 8, WikihowOptions(data_dir=data_dir))
+    dataset = wikihow(tokenizer, "train", 100, 16, 8, data_options(data_dir=data_dir))
     assert len(dataset) == 4
     warnings = _warnings(log_records)
     assert len(warnings) == 1
@@ -429,19 +446,19 @@ def test_num_samples_more_than_available_warns(tokenizer, data_dir, log_records)
 @pytest.mark.parametrize("num_samples", [0, -3])
 def test_num_samples_below_one_is_a_config_error(tokenizer, data_dir, num_samples):
     with pytest.raises(ConfigError, match="num_samples"):
-        wikihow(tokenizer, "train", num_samples, 16, 8, WikihowOptions(data_dir=data_dir))
+        wikihow(tokenizer, "train", num_samples, 16, 8, data_options(data_dir=data_dir))
 
 
 def test_print_text_logs_the_input(tokenizer, data_dir, log_records):
-    wikihow(tokenizer, "train", None, 16, 8, WikihowOptions(print_text=True, data_dir=data_dir))[0]
+    wikihow(tokenizer, "train", None, 16, 8, data_options(print_text=True, data_dir=data_dir))[0]
     infos = [r.getMessage() for r in log_records if r.levelno == logging.INFO]
     assert any(BREAD_SOURCE in message for message in infos)
 
 
 def test_dataset_split_and_errors_pass_through(tokenizer, data_dir):
-    assert len(wikihow(tokenizer, "validation", None, 16, 8, WikihowOptions(data_dir=data_dir))) == 1
+    assert len(wikihow(tokenizer, "validation", None, 16, 8, data_options(data_dir=data_dir))) == 1
     with pytest.raises(ConfigError):
-        wikihow(tokenizer, "dev", None, 16, 8, WikihowOptions(data_dir=data_dir))
+        wikihow(tokenizer, "dev", None, 16, 8, data_options(data_dir=data_dir))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -469,7 +486,7 @@ def test_pad_collate_right_pads_to_the_longest():
 
 
 def test_pad_collate_in_a_dataloader(tokenizer, data_dir):
-    dataset = wikihow(tokenizer, "train", None, 64, 16, WikihowOptions(data_dir=data_dir, pad_to_max_length=False))
+    dataset = wikihow(tokenizer, "train", None, 64, 16, data_options(data_dir=data_dir, pad_to_max_length=False))
     collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)
     pickle.dumps(collate)  # DataLoader workers receive it pickled
     loader = torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=collate)
@@ -549,7 +566,7 @@ def test_each_item_is_tokenized_once_per_run(tokenizer, data_dir):
 
     for pad in (True, False):
         calls.clear()
-        options = WikihowOptions(data_dir=data_dir, pad_to_max_length=pad)
+        options = data_options(data_dir=data_dir, pad_to_max_length=pad)
         dataset = wikihow(CountingTokenizer(), "train", None, 16, 8, options)
         first = [dataset[i] for i in range(len(dataset))]
         second = [dataset[i] for i in range(len(dataset))]

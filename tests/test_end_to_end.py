@@ -21,6 +21,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 from configs.cli import format_value, parse_args
 from configs.fsdp import FSDPConfig
 from configs.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
+from configs.run import RECORD_KEYS, RunConfig
 from configs.training import TrainConfig
 from tests.launch import Run, program_tracebacks, torchrun
 
@@ -162,8 +163,8 @@ def test_memory_planner_predicts_the_measured_state_and_activations(records, run
     the state held and the bytes autograd kept for backward through FSDP (bf16, checkpointing, sdpa)."""
     from scripts.estimate_memory import estimate, load_shape
 
-    train, fsdp = run_config["train_config"], run_config["fsdp_config"]
-    assert train["dropout_rate"] in (None, "NONE")
+    recipe, fsdp = run_config["recipe_config"], run_config["fsdp_config"]
+    assert recipe["dropout_rate"] in (None, "NONE")
     for record in (r for r in records if r["type"] == "memory"):
         rows, source_length, target_length = record["saved_activation_batch"]
         predicted = estimate(
@@ -176,7 +177,7 @@ def test_memory_planner_predicts_the_measured_state_and_activations(records, run
             max_source_length=source_length,
             max_target_length=target_length,
             device="cpu",
-            attn_implementation=train["attn_implementation"],
+            attn_implementation=recipe["attn_implementation"],
             dropout_rate=T5Config.from_pretrained(EMBEDDED_MODEL).dropout_rate,  # the run keeps the model's
         )
         assert record["param_numel_total"] == predicted.param_numel_total
@@ -255,6 +256,9 @@ def test_each_epoch_is_evaluated_with_rouge_and_its_predictions_kept(records, fi
 
 def test_config_json(run_config, finished):
     _, output_dir = finished
+    # One key per config section, each with exactly that section's fields.
+    for section in fields(RunConfig):
+        assert set(run_config[RECORD_KEYS[section.name]]) == {f.name for f in fields(section.default_factory)}
     assert set(run_config["train_config"]) == {f.name for f in fields(TrainConfig)}
     assert set(run_config["fsdp_config"]) == {f.name for f in fields(FSDPConfig)}
     assert run_config["world_size"] == NPROC
@@ -264,24 +268,27 @@ def test_config_json(run_config, finished):
     assert versions["torch"] == torch.__version__
     assert versions["transformers"] == transformers.__version__
 
-    train = run_config["train_config"]
+    train, data = run_config["train_config"], run_config["data_config"]
     assert train["epochs"] == EPOCHS
-    assert train["num_train_samples"] == NUM_TRAIN
-    assert train["num_val_samples"] == NUM_VAL
+    assert data["num_train_samples"] == NUM_TRAIN
+    assert data["num_val_samples"] == NUM_VAL
+    assert run_config["evaluation_config"]["eval_num_samples"] == NUM_EVAL
     assert train["save_model"] is True
-    assert train["log_every_n_steps"] == 5
+    assert run_config["observability_config"]["log_every_n_steps"] == 5
+    assert run_config["observability_config"]["tensorboard"] is True
     assert Path(train["output_dir"]) == output_dir
 
 
 def test_config_json_parses_back_to_the_run_configs(run_config):
     # The record uses the CLI's spelling: feeding it back as flags reproduces the run's configs.
     argv = []
-    for section in ("train_config", "fsdp_config"):
+    for section in RECORD_KEYS.values():
         for name, value in run_config[section].items():
             argv += [f"--{name}", format_value(value)]
-    train_config, fsdp_config = parse_args(argv)
-    assert train_config.epochs == EPOCHS and train_config.save_model is True
-    assert fsdp_config == FSDPConfig()
+    config = parse_args(argv)
+    assert config.train.epochs == EPOCHS and config.train.save_model is True
+    assert config.fsdp == FSDPConfig()
+    assert config.data.num_train_samples == NUM_TRAIN and config.evaluation.eval_num_samples == NUM_EVAL
 
 
 def test_checkpoint_loads_into_a_fresh_unwrapped_model(finished):

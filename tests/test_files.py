@@ -39,7 +39,7 @@ def test_a_leftover_temporary_of_a_crashed_write_is_replaced(tmp_path):
 
 def test_a_checkpoint_written_before_metric_for_best_still_reads(tmp_path):
     """train_state.json of the previous format kept the best validation loss as best_val_loss."""
-    from utils.checkpoint.layout import read_train_state
+    from utils.checkpoint.start import read_train_state
 
     progress = {"epoch": 2, "samples_consumed": 0, "global_step": 12, "best_val_loss": 2.5,
                 "epoch_totals": None, "epoch_train_seconds": 0.0}  # fmt: skip

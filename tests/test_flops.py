@@ -103,12 +103,12 @@ def test_lora_training_flops_against_torchs_flop_counter():
     which autograd skips (nothing below it trains): within 5% of torch's count at this tiny shape, where
     the adapters weigh most; and well below the full fine-tuning count."""
     pytest.importorskip("peft")
-    from tests.dist_workers import LORA
+    from tests.dist_workers import LORA, LORA_BASE
     from utils.model.lora import apply_lora
 
     config = embedded_config(dropout_rate=0.0, attn_implementation="eager")
     torch.manual_seed(0)
-    model = apply_lora(T5ForConditionalGeneration(config), LORA)
+    model = apply_lora(T5ForConditionalGeneration(config), LORA, LORA_BASE)
     batch = unpadded_batch()
     counted = counted_training_flops(model, batch)
     lora_flops, _ = T5Flops.from_config(config, frozen_weights=True).training(batch, recompute=False)

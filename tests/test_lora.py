@@ -10,13 +10,14 @@ from transformers import T5ForConditionalGeneration, T5Tokenizer
 
 from configs.errors import ConfigError
 from configs.fsdp import FSDPConfig
+from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR
-from configs.training import TrainConfig
 from configs.validate import check_lora
 from tests.dist_harness import run_ranks
-from tests.dist_workers import LORA, LORA_VARIANTS, lora_worker, make_batch
+from tests.dist_workers import LORA, LORA_BASE, LORA_VARIANTS, lora_worker, make_batch
 from tests.launch import torchrun
-from utils.model.lora import apply_lora, write_lora_folders
+from utils.checkpoint.hf_export import write_lora_folders
+from utils.model.lora import adapter_base, apply_lora
 
 pytest.importorskip("peft")
 STEPS = 4
@@ -57,23 +58,28 @@ def test_adapter_and_merged_exports_load_and_agree(tmp_path):
     from_pretrained; both give the trained PEFT model's logits."""
     from peft import PeftModel
 
-    settings = replace(LORA, base_model=str(EMBEDDED_MODEL_DIR), merge=True)
+    settings = replace(LORA, merge_lora=True)
+    base_model = adapter_base(str(EMBEDDED_MODEL_DIR))
+    assert base_model == str(EMBEDDED_MODEL_DIR)  # a local folder, named by its absolute path
     torch.manual_seed(7)
-    trained = apply_lora(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR), settings)
+    trained = apply_lora(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR), settings, base_model)
     with torch.no_grad():  # stand-in for training: non-zero adapters
         for name, param in trained.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.05)
     tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     folders = (str(tmp_path / "hf_adapter"), str(tmp_path / "hf_model"))
-    write_lora_folders(trained.state_dict(), trained.get_base_model().config, tokenizer, settings, folders)
+    write_lora_folders(
+        trained.state_dict(), trained.get_base_model().config, tokenizer, settings, base_model, folders
+    )
 
     batch = make_batch(0, rows=2)
     inputs = {"input_ids": batch["source_ids"], "attention_mask": batch["source_mask"],
               "decoder_input_ids": batch["target_ids"]}  # fmt: skip
     expected = trained.eval()(**inputs).logits
     adapter_config = json.loads((tmp_path / "hf_adapter" / "adapter_config.json").read_text())
-    assert (adapter_config["r"], adapter_config["base_model_name_or_path"]) == (LORA.r, str(EMBEDDED_MODEL_DIR))
+    assert adapter_config["r"] == LORA.lora_r
+    assert adapter_config["base_model_name_or_path"] == str(EMBEDDED_MODEL_DIR)
     base = T5ForConditionalGeneration.from_pretrained(adapter_config["base_model_name_or_path"])
     adapter = PeftModel.from_pretrained(base, folders[0]).eval()
     torch.testing.assert_close(adapter(**inputs).logits, expected)
@@ -82,7 +88,7 @@ def test_adapter_and_merged_exports_load_and_agree(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "train, fsdp, message",
+    "lora, fsdp, message",
     [
         ({"peft": "lora"}, {"fsdp_version": 2, "cpu_ram_efficient_loading": True}, "--cpu_ram_efficient_loading"),
         ({"peft": "lora", "lora_target_modules": " , "}, {"fsdp_version": 2}, "--lora_target_modules is empty"),
@@ -92,9 +98,9 @@ def test_adapter_and_merged_exports_load_and_agree(tmp_path):
         ({"peft": "lora"}, {"fsdp_version": 2, "compile": True}, "--compile true is not supported"),
     ],
 )
-def test_lora_settings_that_cannot_run_are_refused(train, fsdp, message):
+def test_lora_settings_that_cannot_run_are_refused(lora, fsdp, message):
     with pytest.raises(ConfigError, match=message):
-        check_lora(TrainConfig(**train), FSDPConfig(**fsdp))
+        check_lora(LoraConfig(**lora), FSDPConfig(**fsdp))
 
 
 LORA_RUN = ("--peft", "lora", "--lr", "0.01", "--epochs", "1", "--eval_rouge", "false")  # one short epoch
@@ -134,12 +140,13 @@ def test_target_names_that_adapt_nothing_are_refused():
     with pytest.raises(ConfigError, match="--lora_target_modules zz: no such layer.*q,"):
         apply_lora(
             T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR),
-            replace(LORA, target_modules=("q", "zz")),
+            replace(LORA, lora_target_modules="q,zz"),
+            LORA_BASE,
         )
     gated = T5Config(vocab_size=1100, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1,
                      feed_forward_proj="gated-gelu", decoder_start_token_id=0)  # fmt: skip
     with pytest.raises(ConfigError, match="--lora_target_modules wi: .*wi_0,wi_1"):
-        apply_lora(T5ForConditionalGeneration(gated), replace(LORA, target_modules=("wi",)))
+        apply_lora(T5ForConditionalGeneration(gated), replace(LORA, lora_target_modules="wi"), LORA_BASE)
 
 
 def test_a_full_state_file_says_whether_it_holds_adapters(tmp_path):
@@ -147,7 +154,7 @@ def test_a_full_state_file_says_whether_it_holds_adapters(tmp_path):
     from utils.model.lora import holds_adapters
 
     torch.manual_seed(7)
-    peft_model = apply_lora(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR), LORA)
+    peft_model = apply_lora(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR), LORA, LORA_BASE)
     torch.save(peft_model.state_dict(), tmp_path / "lora.pt")
     torch.save(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR).state_dict(), tmp_path / "plain.pt")
     assert holds_adapters(str(tmp_path / "lora.pt"))

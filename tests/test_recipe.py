@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from utils.train.trainables import build_scheduler, lr_factor
 
+from configs.evaluation import EvalConfig
+from configs.recipe import RecipeConfig
 from configs.training import TrainConfig
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
-from tests.dist_workers import accumulation_worker
+from tests.dist_workers import LR, accumulation_worker
 from tests.launch import torchrun
+from utils.train.optim import lr_factor, lr_scheduler
 
 STEPS = 3
 
@@ -39,19 +41,27 @@ def test_accumulated_micro_batches_equal_the_unsharded_full_batch(accumulated, m
         assert run["losses"] == rank1["runs"][(norm_setting, version, sync)]["losses"], where
         for got, want in zip(run["losses"], losses, strict=True):
             assert got == pytest.approx(want, rel=1e-5), where
-        for got, want in zip(run["norms"], norms, strict=True):
-            assert got == pytest.approx(want, rel=1e-4), where
-        diff = max((run["state"][k] - v).abs().max().item() for k, v in state.items())
-        # Accumulation sums the gradient in another order than the full batch; AdamW's normalisation lets
-        # float32 rounding of near-zero gradients reach about 1e-5 after 3 steps (measured 0.5-1.2e-5).
-        assert diff < 3e-5, (where, diff)
+        # The first step's norm is of the same weights: equal up to the summation order. Later steps' norms are
+        # of weights that AdamW already moved apart by float32 rounding (the state check below): measured up
+        # to 2.5e-4 relative at step 3 under FSDP1 without clipping (torch 2.13 CPU), so 1e-3 there.
+        assert run["norms"][0] == pytest.approx(norms[0], rel=1e-5), where
+        for got, want in zip(run["norms"][1:], norms[1:], strict=True):
+            assert got == pytest.approx(want, rel=1e-3), where
+        deltas = torch.cat([(run["state"][k] - v).abs().flatten() for k, v in state.items()])
+        # Accumulation sums the gradient in another order than the full batch. AdamW divides each gradient by
+        # its own running magnitude, so where a gradient is near zero, float32 rounding can change the sign
+        # of that element's update: up to 2 x LR per step for that element (measured 7.5e-4 after 3 steps
+        # under FSDP1 on this project's CPU; 0.5-1.2e-5 on another). Losses and the first norm above are the
+        # tight checks; here no element moves more than those flips allow, and the mean moves far less.
+        assert deltas.max().item() < 2 * STEPS * LR, (where, deltas.max().item())
+        assert deltas.mean().item() < 1e-6, (where, deltas.mean().item())
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
 def test_each_schedule_follows_its_formula(schedule):
-    config = TrainConfig(lr=1.0, lr_scheduler=schedule, warmup_steps=3)
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)
-    scheduler = build_scheduler(optimizer, config, total_steps=10)
+    train, recipe = TrainConfig(lr=1.0), RecipeConfig(lr_scheduler=schedule, warmup_steps=3)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=train.lr)
+    scheduler = lr_scheduler(optimizer, train.gamma, recipe, total_steps=10)
     seen = []
     for _ in range(10):
         seen.append(optimizer.param_groups[0]["lr"])
@@ -135,9 +145,9 @@ def test_early_stopping_counts_the_epochs_since_the_best(next_epoch, best_epoch,
     from utils.train.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)  # the rule needs no model, loaders or process group
-    trainer.config = TrainConfig(early_stopping_patience=patience)
-    trainer.progress = TrainProgress(epoch=next_epoch, global_step=100, best_epoch=best_epoch)
-    assert trainer._done_early() is stops
+    trainer.recipe, trainer.evaluation = RecipeConfig(early_stopping_patience=patience), EvalConfig()
+    progress = TrainProgress(epoch=next_epoch, global_step=100, best_epoch=best_epoch)
+    assert trainer._ends_before_epoch(progress) is stops
 
 
 def test_early_stopping_ends_a_run_that_got_worse_and_keeps_the_best(tmp_path):

@@ -3,7 +3,7 @@
 One uninterrupted SHARDED_STATE_DICT run (module scope) is the reference: runs killed with SIGKILL and
 resumed, for both checkpoint types, must reproduce its per-step losses; its checkpoints are the material
 of the world-size, interrupted-save and bad-input tests. A 2-rank gloo group (tests/dist_harness.py) checks
-the optimizer state's round trip through Checkpointer.save / Checkpointer.restore directly.
+the optimizer state's round trip through CheckpointManager.save / CheckpointManager.load directly.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -26,21 +26,26 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration, T5Tokenizer
-from utils.checkpoint.checkpointer import Checkpointer, CheckpointSettings
-from utils.checkpoint.layout import MODEL_FILE
-from utils.fsdp.wrap import wrap_model
-from utils.train.trainables import build_trainables
 
+from configs.checkpointing import CheckpointConfig
 from configs.fsdp import FSDPConfig
+from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_DATA_DIR as SAMPLE_DATA
 from configs.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
+from configs.recipe import RecipeConfig
 from configs.training import TrainConfig
+from policies.mixed_precision import Precision
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
 from tests.launch import Background, Run, program_tracebacks, torchrun
+from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
-from utils.checkpoint.state_dicts import load_full_model_weights
+from utils.checkpoint.start import StartPoint, resolve_start
 from utils.distributed.process_group import DistInfo
+from utils.fsdp.shard import shard_model
+from utils.layout import MODEL_FILE
+from utils.model.loading import load_full_model_weights
+from utils.train import optim
 from utils.train.step import train_step
 
 SHARDED = "SHARDED_STATE_DICT"
@@ -466,19 +471,27 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL))
     fsdp_config = FSDPConfig(mixed_precision=False, fsdp_activation_checkpointing=False)
     train_config = TrainConfig(lr=1e-3, weight_decay=0.01, gamma=0.5)
+    checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=2)
 
-    def checkpointer(plain, checkpoint_type: str, save_optimizer: bool = True) -> Checkpointer:
-        model = wrap_model(plain, fsdp_config, cpu, "fp32_policy")
-        trainables = build_trainables(model, train_config, "fp32_policy", cpu, total_steps=10)
+    def checkpointer(plain, checkpoint_type: str, save_optimizer: bool = True) -> CheckpointManager:
+        """As T5_training.fsdp_main builds them: the sharded model, AdamW, its schedule, their manager."""
+        fsdp = replace(fsdp_config, checkpoint_type=checkpoint_type, save_optimizer=save_optimizer)
+        model = shard_model(plain, fsdp, Precision("fp32_policy"), cpu)
+        parameter_groups = optim.parameter_groups(model, train_config.weight_decay)
+        optimizer = torch.optim.AdamW(parameter_groups, lr=train_config.lr)
+        scheduler = optim.lr_scheduler(optimizer, train_config.gamma, RecipeConfig(), total_steps=10)
         folder = os.path.join(output_root, f"{checkpoint_type}-{save_optimizer}")
-        settings = CheckpointSettings(folder, checkpoint_type, save_optimizer, 2, 0)
-        return Checkpointer(settings, trainables, plain.config, tokenizer, info)
+        return CheckpointManager(checkpointing, fsdp, folder, model, optimizer, scheduler, None, plain.config,
+                                 tokenizer, info, LoraConfig(), str(EMBEDDED_MODEL))  # fmt: skip
+
+    def start_of(path: str) -> StartPoint:
+        """Where a run resuming from `path` starts (as --resume PATH resolves it)."""
+        return resolve_start(path, os.path.dirname(os.path.dirname(path)))
 
     out = {}
     for checkpoint_type in (SHARDED, FULL):
         saver = checkpointer(_tiny_t5(seed=0), checkpoint_type)
-        model, optimizer, scheduler = (saver.trainables.model, saver.trainables.optimizer,
-                                       saver.trainables.scheduler)  # fmt: skip
+        model, optimizer, scheduler = saver.model, saver.optimizer, saver.scheduler
         for step in range(2):
             train_step(model, _random_batch(100 * step + rank), optimizer, None, world_size)
         scheduler.step()  # the saved learning rate differs from a fresh optimizer's
@@ -487,16 +500,20 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
         original_model, original_optim = _full_states(model, optimizer)
 
         fresh = _tiny_t5(seed=1)  # other initial weights: everything must come from the checkpoint
+        start = start_of(path)
+        # A full checkpoint's weights go into the unwrapped model before sharding; a sharded one's after.
+        weights_file = os.path.join(path, MODEL_FILE) if checkpoint_type == FULL else None
+        start_ok = start == StartPoint(path, checkpoint_type) and start.weights_file == weights_file
         if checkpoint_type == FULL:
-            load_full_model_weights(fresh, os.path.join(path, MODEL_FILE))
+            load_full_model_weights(fresh, start.weights_file)
         loader = checkpointer(fresh, checkpoint_type)
-        loaded_progress = loader.restore(path)
-        model2, optimizer2, scheduler2 = (loader.trainables.model, loader.trainables.optimizer,
-                                          loader.trainables.scheduler)  # fmt: skip
+        loaded_progress = loader.load(start)
+        model2, optimizer2, scheduler2 = loader.model, loader.optimizer, loader.scheduler
         reloaded_model, reloaded_optim = _full_states(model2, optimizer2)
 
         result = {
             "path": path,
+            "start_ok": start_ok and start.is_checkpoint,
             "progress_equal": loaded_progress == progress,
             "lr": (optimizer.param_groups[0]["lr"], optimizer2.param_groups[0]["lr"]),
             "scheduler": (scheduler.state_dict(), scheduler2.state_dict()),
@@ -518,20 +535,22 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
 
         # Without optimizer state the weights come back and AdamW starts afresh: no state, not even a step.
         without = checkpointer(_tiny_t5(seed=0), checkpoint_type, save_optimizer=False)
-        train_step(without.trainables.model, _random_batch(rank), without.trainables.optimizer, None, world_size)
+        train_step(without.model, _random_batch(rank), without.optimizer, None, world_size)
         path = without.save(progress)
         fresh = _tiny_t5(seed=1)
+        start = start_of(path)
         if checkpoint_type == FULL:
-            load_full_model_weights(fresh, os.path.join(path, MODEL_FILE))
+            load_full_model_weights(fresh, start.weights_file)
         restored = checkpointer(fresh, checkpoint_type, save_optimizer=False)
-        restored.restore(path)
-        entries = len(restored.trainables.optimizer.state)  # before _full_states, which initialises the state
+        restored.load(start)
+        entries = len(restored.optimizer.state)  # before _full_states, which initialises the state
         result["no_optimizer"] = {
-            "model_diff": max(_max_diffs(_full_states(without.trainables.model, without.trainables.optimizer)[0],
-                                         _full_states(restored.trainables.model, restored.trainables.optimizer)[0]
-                                         ).values()),
+            "model_diff": max(_max_diffs(_full_states(without.model, without.optimizer)[0],
+                                         _full_states(restored.model, restored.optimizer)[0]).values()),
             "optimizer_state_entries": entries,
         }  # fmt: skip
+        # A start that is not a checkpoint (a new run) restores nothing: the progress of a new run.
+        result["new_run_progress"] = restored.load(StartPoint()) == TrainProgress()
         out[checkpoint_type] = result
     return out
 
@@ -547,6 +566,7 @@ def test_optimizer_state_survives_the_round_trip(round_trip, checkpoint_type):
     for rank, per_type in enumerate(round_trip):
         result = per_type[checkpoint_type]
         where = f"rank {rank}, {checkpoint_type}"
+        assert result["start_ok"], where
         assert result["progress_equal"], where
         assert result["lr"][0] == result["lr"][1] == pytest.approx(5e-4), (where, result["lr"])
         assert result["scheduler"][0] == result["scheduler"][1], where
@@ -559,6 +579,7 @@ def test_optimizer_state_survives_the_round_trip(round_trip, checkpoint_type):
         assert result["next_step_changed_weights"], where
         assert result["model_diff_after_next_step"] == 0, (where, result["model_diff_after_next_step"])
         assert result["no_optimizer"] == {"model_diff": 0, "optimizer_state_entries": 0}, (where, result)
+        assert result["new_run_progress"], where
 
 
 # --------------------------------------------------------------------------------- 6. hf_model export

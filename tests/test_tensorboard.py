@@ -3,11 +3,12 @@ from the event files with tensorboard's own reader; a missing package is refused
 
 import pytest
 
+from configs import validate
 from configs.errors import ConfigError
-from configs.training import TrainConfig
-from configs.validate import check_optional_packages
+from configs.lora import LoraConfig
+from configs.observability import ObserveConfig
+from configs.validate import TENSORBOARD_HINT, check_optional_packages
 from utils.layout import TENSORBOARD_DIR
-from utils.observe import tensorboard as tensorboard_module
 from utils.observe.metrics import open_metrics
 from utils.observe.tensorboard import scalars_of
 
@@ -65,7 +66,11 @@ def test_event_files_hold_the_records_and_a_resume_purges_the_steps_it_writes_ag
 
 
 def test_a_missing_tensorboard_package_is_refused_with_the_pip_line(monkeypatch):
-    monkeypatch.setattr(tensorboard_module.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match="pip install tensorboard"):
-        check_optional_packages(TrainConfig(tensorboard=True))
-    check_optional_packages(TrainConfig(tensorboard=False))  # not asked for: nothing needed
+    find_spec = validate.importlib.util.find_spec
+    monkeypatch.setattr(
+        validate.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else find_spec(name)
+    )
+    with pytest.raises(ConfigError, match="pip install tensorboard") as refused:
+        check_optional_packages(ObserveConfig(tensorboard=True), LoraConfig())
+    assert str(refused.value) == TENSORBOARD_HINT
+    check_optional_packages(ObserveConfig(tensorboard=False), LoraConfig())  # not asked for: nothing needed

@@ -1,20 +1,18 @@
 """configs/validate.py: every cross-field rule, each refused with a message that names the flags and the fix,
 and the defaults (and the nearest valid neighbours) accepted."""
 
-import dataclasses
-
 import pytest
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
 from configs.errors import ConfigError
-from configs.fsdp import FSDPConfig
-from configs.training import TrainConfig
+from configs.run import RunConfig
 from configs.validate import check_settings
+from tests.run_configs import run_config
 
 HYBRID = ShardingStrategy.HYBRID_SHARD
 ZERO2_HYBRID = ShardingStrategy._HYBRID_SHARD_ZERO2
 
-# (train overrides, fsdp overrides, world size, device type, phrase of the message)
+# (overrides of the other sections' fields, fsdp overrides, world size, device type, phrase of the message)
 REFUSED = {
     "fp16 without mixed precision": (
         {},
@@ -107,6 +105,21 @@ REFUSED = {
         "cpu",
         "--eval_every_n_steps",
     ),
+    # --run_validation false switches all evaluation off, ROUGE included.
+    "periodic ROUGE with all evaluation off": (
+        {"run_validation": False, "eval_every_n_steps": 5},
+        {},
+        2,
+        "cpu",
+        "--run_validation true",
+    ),
+    "best by ROUGE with all evaluation off": (
+        {"run_validation": False, "metric_for_best": "rouge2"},
+        {},
+        2,
+        "cpu",
+        "--run_validation true",
+    ),
     "warmup with the per-epoch schedule": ({"warmup_steps": 5}, {}, 2, "cpu", "--lr_scheduler constant"),
     "two warmups": ({"lr_scheduler": "cosine", "warmup_steps": 5, "warmup_ratio": 0.1}, {}, 2, "cpu", "not both"),
     "FSDP1 weight decay without original parameters": (
@@ -152,37 +165,41 @@ ACCEPTED = {
     "FSDP1 weight decay with original parameters": ({"weight_decay": 0.01}, {"use_orig_params": True}, 2, "cpu"),
     "FSDP2 weight decay": ({"weight_decay": 0.01}, {"fsdp_version": 2}, 2, "cpu"),
     "periodic validation loss without ROUGE": ({"eval_rouge": False, "eval_every_n_steps": 5}, {}, 2, "cpu"),
+    "no evaluation at all": ({"run_validation": False}, {}, 2, "cpu"),
+    "best by ROUGE": ({"metric_for_best": "rougeLsum"}, {}, 2, "cpu"),
+    "evaluate-only needs ROUGE alone": ({"evaluate_only": True, "run_validation": False}, {}, 2, "cpu"),
     "cosine with warmup ratio": ({"lr_scheduler": "cosine", "warmup_ratio": 0.1}, {}, 2, "cpu"),
 }
 
 
-def configs(train_overrides: dict, fsdp_overrides: dict) -> tuple[TrainConfig, FSDPConfig]:
-    return dataclasses.replace(TrainConfig(), **train_overrides), dataclasses.replace(
-        FSDPConfig(), **fsdp_overrides
-    )
+def configs(other_overrides: dict, fsdp_overrides: dict) -> RunConfig:
+    config = run_config(**other_overrides, **fsdp_overrides)
+    assert set(fsdp_overrides) == {
+        name for name in [*other_overrides, *fsdp_overrides] if hasattr(config.fsdp, name)
+    }, "an FSDP field among the other sections' overrides, or the reverse"
+    return config
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_refused_combinations(case):
-    train_overrides, fsdp_overrides, world_size, device_type, phrase = REFUSED[case]
-    train_config, fsdp_config = configs(train_overrides, fsdp_overrides)
+    other_overrides, fsdp_overrides, world_size, device_type, phrase = REFUSED[case]
     with pytest.raises(ConfigError, match=phrase):
-        check_settings(train_config, fsdp_config, world_size, device_type)
+        check_settings(configs(other_overrides, fsdp_overrides), world_size, device_type)
 
 
 @pytest.mark.parametrize("case", list(ACCEPTED))
 def test_accepted_combinations(case):
-    train_overrides, fsdp_overrides, world_size, device_type = ACCEPTED[case]
-    check_settings(*configs(train_overrides, fsdp_overrides), world_size, device_type)
+    other_overrides, fsdp_overrides, world_size, device_type = ACCEPTED[case]
+    check_settings(configs(other_overrides, fsdp_overrides), world_size, device_type)
 
 
 def test_hybrid_group_defaults_to_the_ranks_of_one_node(monkeypatch):
-    _, fsdp_config = configs({}, {"sharding_strategy": HYBRID})
+    config = configs({}, {"sharding_strategy": HYBRID})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per node: one-rank shard groups
     with pytest.raises(ConfigError, match="shard group of 1 rank"):
-        check_settings(TrainConfig(), fsdp_config, 2, "cpu")
+        check_settings(config, 2, "cpu")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    check_settings(TrainConfig(), fsdp_config, 4, "cpu")
+    check_settings(config, 4, "cpu")
 
 
 @pytest.mark.parametrize(
