@@ -46,7 +46,10 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     train, recipe, evaluation = config.train, config.recipe, config.evaluation
     torch.manual_seed(train.seed)
     # Where the run starts from (afresh, a .pt, a checkpoint folder): rank 0 looks at output_dir once.
-    start = process_group.rank0_decides(lambda: resolve_start(config.checkpointing.resume, train.output_dir))
+    # A torchrun restart of this run continues from its newest checkpoint (utils/checkpoint/start.py).
+    job, attempt = process_group.torchrun_attempt()
+    resume = config.checkpointing.resume
+    start = process_group.rank0_decides(lambda: resolve_start(resume, train.output_dir, job, attempt))
     precision = resolve_precision(config.fsdp, info.device)
     if precision.fallback:
         get_logger().warning("%s", precision.fallback)
@@ -96,7 +99,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
         evaluate_saved_model(model, tokenizer, config, info, progress)
     else:
         if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
-            record_ = run_record.run_record(config, from_accelerate, info, precision, throughput)
+            record_ = run_record.run_record(config, from_accelerate, info, precision, throughput, job)
             run_record.write_run_record(os.path.join(train.output_dir, layout.CONFIG_FILE), record_, start.path)
         evaluator = None
         if loaders.evaluation is not None:

@@ -6,10 +6,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from configs.paths import REPO_ROOT
 from scripts.benchmark import GPU_ONLY, PEERS_OF_SUITE, SUITES
 
 
+@pytest.mark.slow
 def test_gpu_suite_runs_at_tiny_scale_on_cpu(tmp_path):
     command = [sys.executable, "scripts/benchmark.py", "--suite", "gpu", "--steps", "3",
                "--max_source_length", "32", "--max_target_length", "8", "--out", str(tmp_path)]  # fmt: skip

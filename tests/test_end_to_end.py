@@ -122,6 +122,7 @@ def is_finite_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+@pytest.mark.slow
 def test_training_exits_zero(training):
     run, output_dir = training
     assert run.returncode == 0, run.describe()
@@ -129,6 +130,7 @@ def test_training_exits_zero(training):
     assert (output_dir / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_metrics_records_have_exactly_the_documented_keys(records, run_config):
     on_cuda = str(run_config.get("device", "")).startswith("cuda")
     for record in records:
@@ -146,6 +148,7 @@ def test_metrics_records_have_exactly_the_documented_keys(records, run_config):
             assert extra <= (CUDA_ONLY_EPOCH_KEYS if on_cuda else set()), record
 
 
+@pytest.mark.slow
 def test_memory_account_has_one_record_per_rank_and_full_shard_halves_the_state(records):
     memory = [r for r in records if r["type"] == "memory"]
     assert [r["rank"] for r in memory] == list(range(NPROC))
@@ -158,6 +161,7 @@ def test_memory_account_has_one_record_per_rank_and_full_shard_halves_the_state(
         assert record["cuda_peak_allocated_bytes"] is None
 
 
+@pytest.mark.slow
 def test_memory_planner_predicts_the_measured_state_and_activations(records, run_config):
     """The planner, given the run's settings and the shape of the micro-batch the account counted, predicts
     the state held and the bytes autograd kept for backward through FSDP (bf16, checkpointing, sdpa)."""
@@ -186,6 +190,7 @@ def test_memory_planner_predicts_the_measured_state_and_activations(records, run
         assert predicted.activations_bytes == pytest.approx(record["saved_activation_bytes"], rel=0.01), record
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_the_metrics_records(records, finished):
     """--tensorboard true: the run's event files carry the step, epoch, ROUGE and memory figures."""
     from tests.test_tensorboard import read_scalars
@@ -202,12 +207,14 @@ def test_tensorboard_holds_the_metrics_records(records, finished):
         assert tag in scalars, (tag, sorted(scalars))
 
 
+@pytest.mark.slow
 def test_step_numbers_are_global_and_consecutive(records):
     steps = steps_of(records)
     assert [r["step"] for r in steps] == list(range(1, TOTAL_STEPS + 1))
     assert [r["epoch"] for r in steps] == [1] * STEPS_PER_EPOCH + [2] * STEPS_PER_EPOCH
 
 
+@pytest.mark.slow
 def test_records_are_in_order(records):
     # Each epoch's steps come before its epoch record, which comes before the next epoch's steps.
     order = [(r["epoch"], 0 if r["type"] == "step" else 1) for r in records if r["type"] in ("step", "epoch")]
@@ -215,6 +222,7 @@ def test_records_are_in_order(records):
     assert [r["epoch"] for r in epochs_of(records)] == list(range(1, EPOCHS + 1))
 
 
+@pytest.mark.slow
 def test_lr_steps_once_per_epoch(records):
     lr, gamma = TrainConfig().lr, TrainConfig().gamma
     for record in steps_of(records):
@@ -222,12 +230,14 @@ def test_lr_steps_once_per_epoch(records):
         assert record["lr"] == pytest.approx(expected, rel=1e-9), record
 
 
+@pytest.mark.slow
 def test_step_losses_and_times_are_finite(records):
     for record in steps_of(records):
         assert is_finite_number(record["loss"]) and record["loss"] > 0, record
         assert is_finite_number(record["seconds"]) and record["seconds"] > 0, record
 
 
+@pytest.mark.slow
 def test_epoch_records(records):
     epochs = epochs_of(records)
     assert len(epochs) == EPOCHS
@@ -241,6 +251,7 @@ def test_epoch_records(records):
     assert epochs[1]["val_loss"] < epochs[0]["val_loss"], epochs
 
 
+@pytest.mark.slow
 def test_each_epoch_is_evaluated_with_rouge_and_its_predictions_kept(records, finished):
     _, output_dir = finished
     evals = [r for r in records if r["type"] == "eval"]
@@ -254,6 +265,7 @@ def test_each_epoch_is_evaluated_with_rouge_and_its_predictions_kept(records, fi
     assert evals[0]["baselines"] == evals[-1]["baselines"]
 
 
+@pytest.mark.slow
 def test_config_json(run_config, finished):
     _, output_dir = finished
     # One key per config section, each with exactly that section's fields.
@@ -279,6 +291,7 @@ def test_config_json(run_config, finished):
     assert Path(train["output_dir"]) == output_dir
 
 
+@pytest.mark.slow
 def test_config_json_parses_back_to_the_run_configs(run_config):
     # The record uses the CLI's spelling: feeding it back as flags reproduces the run's configs.
     argv = []
@@ -291,6 +304,7 @@ def test_config_json_parses_back_to_the_run_configs(run_config):
     assert config.data.num_train_samples == NUM_TRAIN and config.evaluation.eval_num_samples == NUM_EVAL
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_into_a_fresh_unwrapped_model(finished):
     _, output_dir = finished
     checkpoints = sorted(output_dir.glob("*.pt"), key=lambda p: p.stat().st_mtime)
@@ -326,6 +340,7 @@ def test_checkpoint_loads_into_a_fresh_unwrapped_model(finished):
     assert not torch.equal(state["shared.weight"], pretrained["shared.weight"])
 
 
+@pytest.mark.slow
 def test_progress_is_logged_by_rank_zero_only_once(finished):
     run, _ = finished
     for epoch in range(1, EPOCHS + 1):
@@ -334,6 +349,7 @@ def test_progress_is_logged_by_rank_zero_only_once(finished):
     assert "Traceback" not in run.output, run.describe()
 
 
+@pytest.mark.slow
 def test_console_has_no_library_noise_and_the_bar_shows_loss_and_throughput(finished):
     run, _ = finished
     warnings = [line for line in run.output.splitlines() if "Warning" in line]
@@ -399,6 +415,7 @@ def test_output_dir_not_writable(tmp_path):
     assert regular_file.read_text() == "not a folder"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, phrase",
     [

@@ -129,6 +129,7 @@ def shape_config(name: str, attn_implementation: str, **overrides) -> T5Config:
     return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("lengths", [(64, 16), (256, 64)])
 @pytest.mark.parametrize("name", ["embedded", "t5-small"])

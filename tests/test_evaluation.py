@@ -86,6 +86,7 @@ def final_model(output_dir: Path) -> Path:
     return last if last.is_dir() else output_dir / "hf_model"
 
 
+@pytest.mark.slow
 def test_eval_records_and_predictions_files_agree(trained):
     records = eval_records(trained)
     assert [r["step"] for r in records] == STEPS
@@ -99,6 +100,7 @@ def test_eval_records_and_predictions_files_agree(trained):
             assert record[key] == pytest.approx(recomputed[key], abs=1e-6), (record["step"], key)
 
 
+@pytest.mark.slow
 def test_validation_loss_is_recorded_every_n_steps_inside_the_epochs(trained):
     records = [r for r in read_jsonl(trained / "metrics.jsonl") if r["type"] == "validation"]
     # Inside the epochs only: at their ends (steps 12, 24) the validation loss is in the epoch record.
@@ -107,6 +109,7 @@ def test_validation_loss_is_recorded_every_n_steps_inside_the_epochs(trained):
     assert all(0 < loss < 20 for loss in losses) and len(set(losses)) == len(losses), losses
 
 
+@pytest.mark.slow
 def test_best_epoch_by_rouge_is_hf_model_and_survives_in_the_checkpoint(trained):
     at_epoch_end = {r["epoch"]: r["rougeL"] for r in eval_records(trained) if r["step"] in (12, 24)}
     best_epoch = max(at_epoch_end, key=lambda epoch: (at_epoch_end[epoch], -epoch))  # the first of equals
@@ -126,6 +129,7 @@ def summarize(model: Path, args: list[str], stdin: str | None = None) -> list[st
     return done.stdout.splitlines()
 
 
+@pytest.mark.slow
 def test_summarize_reproduces_the_last_evaluation_from_a_file_and_from_stdin(trained, tmp_path):
     """fp32: a single process with plain generate on hf_model gives the predictions of the FSDP run."""
     lines = read_jsonl(trained / "predictions" / "validation_step_00000024.jsonl")
@@ -137,6 +141,7 @@ def test_summarize_reproduces_the_last_evaluation_from_a_file_and_from_stdin(tra
     assert summarize(final_model(trained), [], stdin=one_line_each) == [line["prediction"] for line in lines[:2]]
 
 
+@pytest.mark.slow
 def test_evaluate_only_scores_a_saved_model_on_the_test_split(trained, tmp_path):
     output_dir = tmp_path / "eval_only"
     args = ["--evaluate_only", "true", "--model_name", str(final_model(trained)), "--eval_split", "test",
@@ -157,6 +162,7 @@ def test_evaluate_only_scores_a_saved_model_on_the_test_split(trained, tmp_path)
     assert read_scalars(output_dir / "tensorboard")["rouge/test/rougeL"] == [(0, pytest.approx(record["rougeL"]))]
 
 
+@pytest.mark.slow
 def test_hf_model_generates_like_the_evaluation(trained):
     model = T5ForConditionalGeneration.from_pretrained(final_model(trained)).eval()
     tokenizer = AutoTokenizer.from_pretrained(final_model(trained))

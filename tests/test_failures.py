@@ -9,6 +9,7 @@ from tests.launch import torchrun
 LIMIT_S = 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fail_rank", ["0", "1"])
 def test_exception_on_one_rank_ends_all_ranks_with_one_traceback(tmp_path, fail_rank):
     args = ["--output_dir", str(tmp_path / "run"), "--num_train_samples", "96", "--num_val_samples", "24"]

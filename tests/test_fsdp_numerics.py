@@ -102,6 +102,7 @@ def test_each_policy_computes_in_its_dtype():
     assert got["bfSixteen_fp32_reduce"]["reduce"] == "torch.float32"
 
 
+@pytest.mark.slow
 def test_hybrid_sharding_on_four_ranks_matches_the_reference():
     """2x2 (and, for FSDP2, 4x1) replicate x shard meshes on 4 gloo ranks train like an unsharded model."""
     rank0 = run_ranks(parity_worker, 3, "hybrid4", world_size=4)[0]
@@ -144,6 +145,7 @@ def test_full_state_checkpoint_round_trip(tmp_path):
     assert rank0["max_logit_diff"] <= 1e-5 * max(1.0, rank0["logit_scale"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_samples, batch_size", [(5, 2), (7, 3)])
 def test_validation_loss_is_the_unbiased_token_mean(n_samples, batch_size):
     rank0, rank1 = run_ranks(validation_worker, n_samples, batch_size)

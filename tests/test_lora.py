@@ -117,6 +117,7 @@ def lora_reference(tmp_path_factory):
     return reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
 def test_kill_and_resume_with_lora_equals_the_uninterrupted_run(tmp_path_factory, lora_reference, checkpoint_type):
     """Through torchrun (FSDP1, adapters wrapped apart): the adapters and their AdamW state come back from

@@ -83,6 +83,7 @@ COMMON = ["--mixed_precision", "false", "--dropout_rate", "0", "--num_train_samp
           "8", "--eval_rouge", "false", "--epochs", "1"]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fsdp_version", ["1", "2"])
 def test_two_micro_batches_of_two_equal_one_batch_of_four(tmp_path, fsdp_version):
     runs = {}
@@ -210,6 +211,7 @@ def test_a_nan_on_one_rank_stops_both(nonfinite, version):
         assert not any(r.get("skipped") for r in stopped["records"])
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(tmp_path):
     """lr 1e30 turns the first update into weights of ~1e30, and every later step's gradient norm infinite.
     stop: the run fails at step 2's flush, before step 2's checkpoint; step 1's stays. skip: the run ends

@@ -58,11 +58,24 @@ def read_train_state(checkpoint: str) -> dict:
         ) from None
 
 
-def resolve_start(resume: str, output_dir: str) -> StartPoint:
+def resolve_start(resume: str, output_dir: str, job: str | None = None, attempt: int = 0) -> StartPoint:
     """`--resume`: 'false' -> a new run (refused if output_dir already holds one); 'true' -> the newest
     complete checkpoint (a new run if there is none); otherwise a checkpoint folder or a full-model .pt
-    file, which must exist. Creates output_dir and checks that it is writable."""
+    file, which must exist. Creates output_dir and checks that it is writable.
+
+    A torchrun restart (`attempt` > 0) of the torchrun job `job` (utils/distributed/process_group.py:
+    torchrun_attempt) whose earlier attempt started the run in output_dir continues it, as 'true' would,
+    whatever --resume says: the restarted attempt has the first attempt's arguments. An attempt whose
+    earlier attempts never started (a refusal, a crash before the run record) decides as the first did."""
     prepare_output_dir(output_dir)
+    if attempt > 0 and job is not None and recorded_job(output_dir) == job:
+        found = layout.complete_checkpoints(output_dir)
+        get_logger().warning(
+            "torchrun restart %d of this run: continuing from %s", attempt, found[-1] if found else "the start"
+        )
+        if not found:
+            return StartPoint()
+        return StartPoint(found[-1], read_train_state(found[-1])["checkpoint_type"])
     if resume.lower() == "false":
         metrics_file = os.path.join(output_dir, layout.METRICS_FILE)
         if os.path.isfile(metrics_file) or layout.complete_checkpoints(output_dir):
@@ -92,6 +105,15 @@ def resolve_start(resume: str, output_dir: str) -> StartPoint:
             "interrupted before it finished?). Resume from an older one."
         )
     return StartPoint(resume, read_train_state(resume)["checkpoint_type"])
+
+
+def recorded_job(output_dir: str) -> str | None:
+    """The torchrun job that started the run in output_dir (its config.json's "torchrun_job"), if known."""
+    try:
+        with open(os.path.join(output_dir, layout.CONFIG_FILE), encoding="utf-8") as f:
+            return json.load(f).get("torchrun_job")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def prepare_output_dir(output_dir: str) -> None:

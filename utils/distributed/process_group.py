@@ -66,9 +66,40 @@ def describe_launch(device_choice: str) -> DistInfo:
     """This process's place in the job, from the launcher's environment; no process group yet. The
     settings are checked against it before anything is created or read."""
     rank, local_rank, world_size = launcher_ranks()
+    check_restarts(os.environ)
     device = resolve_device(device_choice, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL between GPUs, gloo between CPU processes
     return DistInfo(rank, local_rank, world_size, device, backend)
+
+
+def torchrun_attempt(environ=os.environ) -> tuple[str | None, int]:
+    """(the torchrun job this process belongs to, its restart count): the job as its rendezvous id and, where
+    that id is torchrun's default "none", the address of the agent's store, which every attempt of one job
+    shares. (None, 0) outside torchrun, or where neither tells one job from another."""
+    run_id = environ.get("TORCHELASTIC_RUN_ID")
+    attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if run_id is None:
+        return None, 0
+    if run_id == "none":
+        if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return None, attempt
+        run_id = f"none@{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+    return run_id, attempt
+
+
+def check_restarts(environ) -> None:
+    """torchrun --max_restarts on several nodes with the agents' shared store: each node counts its own
+    restarts (a node restarted because another failed does not count one), so the per-attempt prefixes of
+    attempt_store would differ between nodes and the group would never form. Without the shared store
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) every attempt gets a new store, hosted by its rank 0."""
+    restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+    nodes = int(environ.get("GROUP_WORLD_SIZE", 1))
+    if restarts and nodes > 1 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigError(
+            f"torchrun --max_restarts {restarts} on {nodes} nodes needs a rendezvous store per attempt: launch "
+            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment and --rdzv_backend c10d (README: "
+            "multi-node), or without --max_restarts"
+        )
 
 
 def init_distributed(info: DistInfo, timeout_s: int) -> None:
@@ -83,16 +114,37 @@ def init_distributed(info: DistInfo, timeout_s: int) -> None:
         # A plain `python T5_training.py`: a one-process group, so the code path is the same as torchrun's.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=info.backend,
+        store=attempt_store(info.world_size, timeout),
         rank=info.rank,
         world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=info.device if info.device.type == "cuda" else None,
     )
     get_logger().info(
         "process group: backend=%s world_size=%d device=%s", info.backend, info.world_size, info.device
     )
+
+
+def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the rendezvous store of this attempt: the agent's store, its keys under a prefix of
+    this attempt's own. None outside torchrun's agent store (init_process_group then makes its own).
+
+    torchrun's agent keeps one TCPStore at MASTER_ADDR:MASTER_PORT for the whole job, across restarts of
+    the workers, and init_process_group writes each rank's gloo/NCCL address under the same keys in every
+    attempt: a restarted rank can read the address its peer had in the killed attempt, and then connect to
+    a dead port ("Connection refused") or wait, both ranks listening, until the process-group timeout
+    (docs/pitfalls.md #35). A prefix per attempt (TORCHELASTIC_RESTART_COUNT, the same for every rank of one
+    agent) keeps the attempts apart. Several nodes count restarts each on their own, so there the launch
+    must not share the store (check_restarts)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
 
 
 def destroy_distributed() -> None:

@@ -16,7 +16,12 @@ from utils.observe.flops import Throughput
 
 
 def run_record(
-    config: RunConfig, from_accelerate: dict, info: DistInfo, precision: Precision, throughput: Throughput
+    config: RunConfig,
+    from_accelerate: dict,
+    info: DistInfo,
+    precision: Precision,
+    throughput: Throughput,
+    torchrun_job: str | None = None,
 ) -> dict:
     """The resolved configs (CLI spelling: feeding them back as flags reproduces the run), the fields taken
     from `accelerate launch`'s environment ({field: variables}; {} without it), and the setting, with the peak
@@ -25,6 +30,7 @@ def run_record(
         **config_to_dict(config),  # one key per section: train_config, fsdp_config, data_config, ...
         "from_accelerate": from_accelerate,
         "world_size": info.world_size,
+        "torchrun_job": torchrun_job,  # a torchrun restart of this job continues this run (checkpoint/start.py)
         "backend": info.backend,
         "device": str(info.device),
         "mixed_precision_policy": precision.name,
