@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -434,6 +435,39 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     assert logged_steps(output_dir) == list(range(1, last_step + 1))
     assert [r["epoch"] for r in epoch_records(output_dir)] == list(range(1, epochs + 1))
     assert (output_dir / "hf_model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_during_the_rouge_evaluation_saves_the_epoch_and_the_resume_evaluates_it(tmp_path):
+    # One epoch of 4 steps, then a ROUGE evaluation of 60 articles one by one (long: about 1 s a batch);
+    # torchrun's own SIGTERM (as SLURM or Kubernetes send it) arrives after its first batches.
+    output_dir = tmp_path / "out"
+    args = ["--epochs", "1", "--num_train_samples", "32", "--num_val_samples", "8", "--eval_num_samples", "60",
+            "--val_batch_size", "1", "--mixed_precision", "false", "--output_dir", str(output_dir)]  # fmt: skip
+    log = tmp_path / "first.log"
+    background = Background(args, log)
+    try:
+        background.wait_for(lambda: re.search(r"ROUGE evaluation:\s+\d+%\S* +[1-9]\d*/", log.read_text()), "ROUGE")
+        signalled = time.monotonic()
+        background.proc.send_signal(signal.SIGTERM)
+        stopped = background.finish(timeout=120)
+        seconds = time.monotonic() - signalled
+    finally:
+        if background.proc.poll() is None:
+            background.kill()
+    # torchrun SIGKILLs its workers 30 s after forwarding SIGTERM: the stop came well inside that.
+    assert seconds < 20, (seconds, stopped.describe())
+    assert "stopped during epoch 1's evaluation on SIGTERM" in stopped.output, stopped.describe()
+    assert complete_checkpoint_steps(output_dir) == [4], stopped.describe()
+    assert not [r for r in read_records(output_dir) if r["type"] in ("eval", "epoch")]
+
+    run = torchrun([*args, "--resume", "true"])
+    assert run.returncode == 0, run.describe()
+    assert resumed_from(run)[1:] == (1, 4), run.describe()
+    records = read_records(output_dir)
+    evaluated = [(r["type"], r["epoch"]) for r in records if r["type"] in ("eval", "epoch")]
+    assert evaluated == [("eval", 1), ("epoch", 1)]  # the evaluation once, after the resume
+    assert logged_steps(output_dir) == [1, 2, 3, 4]
 
 
 # ------------------------------------------------------------------ 5. optimizer state, round trip

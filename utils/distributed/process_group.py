@@ -189,6 +189,17 @@ def rank0_decides(decide: Callable[[], object]) -> object:
     return outcome[0]
 
 
+class StopAgreed(Exception):  # noqa: N818 - a signal between the loops, not an error
+    """Every rank agreed, inside an evaluation pass, to stop (SIGTERM on one of them): the pass is abandoned."""
+
+
+def stop_if_any_rank(stop_requested: Callable[[], bool] | None, device: torch.device) -> None:
+    """Raise StopAgreed on every rank if `stop_requested()` is true on any. Collective (one scalar
+    all-reduce): called once per evaluation batch, so a stop is honoured within one batch everywhere."""
+    if stop_requested is not None and any_rank(stop_requested(), device):
+        raise StopAgreed
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if `flag` is True on any. Collective."""
     value = torch.tensor([float(flag)], device=device)

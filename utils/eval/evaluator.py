@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from utils import layout
 from utils.data.loaders import EvalSet, move_batch
-from utils.distributed.process_group import DistInfo
+from utils.distributed.process_group import DistInfo, stop_if_any_rank
 from utils.eval.generation import generate
 from utils.eval.rouge import lead_sentences, lead_steps, mean_scores, rouge_scores
 from utils.files import atomic_path
@@ -37,11 +37,13 @@ class Evaluator:
         self.info = info
         self._baselines: dict | None = None  # computed once, on rank 0
 
-    def evaluate(self, model: nn.Module, epoch: int, step: int) -> dict:
-        """Generate and score every article of the set; the eval record, on every rank. Collective."""
+    def evaluate(self, model: nn.Module, epoch: int, step: int, stop_requested=None) -> dict:
+        """Generate and score every article of the set; the eval record, on every rank. Collective.
+        `stop_requested` (a callable): when it is true on any rank, every rank abandons the pass at the next
+        batch (StopAgreed), writing nothing."""
         started = time.perf_counter()
         model.eval()
-        rows = self._generate_share(model)
+        rows = self._generate_share(model, stop_requested)
         gathered = [None] * self.info.world_size if self.info.is_main else None
         dist.gather_object(rows, gathered, dst=0)
         outcome = [None]
@@ -54,7 +56,7 @@ class Evaluator:
         dist.broadcast_object_list(outcome, src=0)
         return outcome[0]
 
-    def _generate_share(self, model: nn.Module) -> list[dict]:
+    def _generate_share(self, model: nn.Module, stop_requested) -> list[dict]:
         """This rank's real samples: index, prediction, generated length and ROUGE scores."""
         dataset, sampler = self.eval_set.dataset, self.eval_set.sampler
         pad_id = dataset.tokenizer.pad_token_id
@@ -63,6 +65,7 @@ class Evaluator:
                    disable=not self.info.is_main, dynamic_ncols=True)  # fmt: skip
         with bar:
             for batch in self.eval_set.loader:
+                stop_if_any_rank(stop_requested, self.info.device)
                 ids = generate(model, move_batch(batch, self.info.device), self.generation).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
                 for text, length in zip(texts, (ids != pad_id).sum(dim=1).tolist(), strict=True):

@@ -21,7 +21,7 @@ class StopRequest:
     def _handle(self, signum, _frame) -> None:
         if not self.requested:
             get_logger().warning(
-                "received %s: saving a checkpoint at the next step boundary, then stopping",
+                "received %s: saving a checkpoint at the next step boundary (or evaluation batch), then stopping",
                 signal.Signals(signum).name,
             )
         self.requested = True

@@ -8,7 +8,7 @@ ratio. The gradient is that of the same global token mean.
 
 import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from utils.data.loaders import move_batch
+from utils.distributed.process_group import stop_if_any_rank
 from utils.observe.flops import T5Flops
 from utils.observe.memory import SavedTensorCounter
 
@@ -174,18 +175,28 @@ def clip_gradients(model: nn.Module, optimizer, scaler, max_norm: float) -> torc
 
 
 @torch.no_grad()
-def validate(model: nn.Module, loader: Iterable, *, device: torch.device, num_real_samples: int, progress: tqdm):
+def validate(
+    model: nn.Module,
+    loader: Iterable,
+    *,
+    device: torch.device,
+    num_real_samples: int,
+    progress: tqdm,
+    stop_requested: Callable[[], bool] | None = None,
+):
     """Token-mean validation loss over the real samples of every rank.
 
     The evaluation sampler pads each rank's share with repeated samples so that every rank runs the same
     number of forward passes (FSDP's all-gathers are collectives). Rows past this rank's
     `num_real_samples` are those repeats: they run, but are masked out of the sums, so the loss is not
-    biased by duplicates (docs/pitfalls.md #14). One all-reduce and one host sync at the end.
+    biased by duplicates (docs/pitfalls.md #14). One all-reduce and one host sync at the end. With
+    `stop_requested`, every rank abandons the pass at the next batch once it is true on any (StopAgreed).
     """
     model.eval()
     sums = torch.zeros(2, dtype=STAT_DTYPE, device=device)  # loss sum, target tokens
     position = 0
     for batch in loader:
+        stop_if_any_rank(stop_requested, device)
         batch = move_batch(batch, device)
         token_losses, labels = forward_token_losses(model, batch)
         rows = labels.shape[0]

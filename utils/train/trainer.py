@@ -30,7 +30,7 @@ from utils import layout
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
 from utils.data.loaders import Loaders, move_batch
-from utils.distributed.process_group import DistInfo, any_rank
+from utils.distributed.process_group import DistInfo, StopAgreed, any_rank
 from utils.eval.evaluator import Evaluator
 from utils.log import get_logger
 from utils.observe.flops import Throughput
@@ -163,7 +163,10 @@ class Trainer:
                                 break  # the epoch then ends as usual, and the run after it
                             if every_eval and step % every_eval == 0:
                                 with clock.paused(step_log):
-                                    self._evaluate_midway(epoch, step, step_log)
+                                    try:
+                                        self._evaluate_midway(epoch, step, step_log, stop)
+                                    except StopAgreed:  # SIGTERM during it: abandoned, save and stop below
+                                        step_log.stop_requested = True
                             if self.checkpoints.due(step, step_log.stop_requested):
                                 step_log.flush()  # collective; metrics.jsonl then holds every step saved
                                 progress = dataclasses.replace(
@@ -184,9 +187,25 @@ class Trainer:
                         get_logger().info("stopped at step %d on SIGTERM; continue with --resume true", step)
                         return False
 
-                    # ---- validation, ROUGE, and the tutorial's scheduler.step() after each epoch
-                    val_loss = self._validation(epoch)
-                    scores = self._evaluate(epoch, step)
+                    # ---- validation, ROUGE, and the tutorial's scheduler.step() after each epoch. SIGTERM
+                    # during them abandons them at the next batch on every rank; the checkpoint then holds the
+                    # trained epoch, and the resumed run evaluates it.
+                    try:
+                        val_loss = self._validation(epoch, stop)
+                        scores = self._evaluate(epoch, step, stop)
+                    except StopAgreed:
+                        progress = dataclasses.replace(
+                            progress,
+                            samples_consumed=start_consumed + batches_done * samples_per_batch,
+                            global_step=step,
+                            epoch_totals=step_log.totals.tolist(),
+                            epoch_train_seconds=train_seconds,
+                        )
+                        self.checkpoints.save(progress)
+                        get_logger().info(
+                            "stopped during epoch %d's evaluation on SIGTERM; --resume true evaluates it", epoch
+                        )
+                        return False
                     if not per_step_schedule:
                         scheduler.step()
 
@@ -254,8 +273,9 @@ class Trainer:
             return True
         return False
 
-    def _validation(self, epoch: int) -> float | None:
-        """The tutorial's validation(): the token-mean loss over the validation articles of every rank."""
+    def _validation(self, epoch: int, stop: StopRequest) -> float | None:
+        """The tutorial's validation(): the token-mean loss over the validation articles of every rank.
+        Abandoned on every rank at the next batch after a SIGTERM on any (StopAgreed)."""
         if self.loaders.val is None:
             return None
         with _bar(len(self.loaders.val), f"Validation epoch {epoch}", "green", self.info) as bar:
@@ -265,25 +285,27 @@ class Trainer:
                 device=self.info.device,
                 num_real_samples=self.loaders.val_num_real_samples,
                 progress=bar,
+                stop_requested=lambda: stop.requested,
             )
 
-    def _evaluate(self, epoch: int, step: int) -> dict | None:
-        """ROUGE of the evaluation set (collective): the eval record, also written to metrics.jsonl."""
+    def _evaluate(self, epoch: int, step: int, stop: StopRequest) -> dict | None:
+        """ROUGE of the evaluation set (collective): the eval record, also written to metrics.jsonl.
+        Abandoned on every rank at the next batch after a SIGTERM on any (StopAgreed)."""
         if self.evaluator is None:
             return None
-        record = self.evaluator.evaluate(self.model, epoch, step)
+        record = self.evaluator.evaluate(self.model, epoch, step, lambda: stop.requested)
         self.metrics.write(record)
         return record
 
-    def _evaluate_midway(self, epoch: int, step: int, step_log: StepLog) -> None:
+    def _evaluate_midway(self, epoch: int, step: int, step_log: StepLog, stop: StopRequest) -> None:
         """--eval_every_n_steps: the validation loss (a validation record) and ROUGE (an eval record) inside
         an epoch. Collective; flushes the step log first, so a NaN step stops the run before it is evaluated."""
         step_log.flush()
-        val_loss = self._validation(epoch)
+        val_loss = self._validation(epoch, stop)
         if val_loss is not None:
             get_logger().info("step %d: val_loss %.4f", step, val_loss)
             self.metrics.write({"type": "validation", "epoch": epoch, "step": step, "val_loss": val_loss})
-        self._evaluate(epoch, step)
+        self._evaluate(epoch, step, stop)
         self.model.train()
 
     def _write_memory_account(self, first_batch: dict, saved_activation_bytes: int) -> None:

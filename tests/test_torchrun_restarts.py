@@ -1,0 +1,67 @@
+"""What a torchrun restart decides before any process group exists: which job and attempt this is, whether
+the launch can restart at all, and where a restarted attempt starts from (the runs themselves are in
+tests/test_resume.py: a SIGKILLed rank under --max_restarts 1)."""
+
+import json
+
+import pytest
+
+from configs.errors import ConfigError
+from utils import layout
+from utils.checkpoint.start import resolve_start
+from utils.distributed.process_group import check_restarts, torchrun_attempt
+
+AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "localhost", "MASTER_PORT": "29400"}
+
+
+def test_the_job_is_its_rendezvous_id_or_else_the_agent_store_address():
+    assert torchrun_attempt({}) == (None, 0)  # a plain `python T5_training.py`
+    assert torchrun_attempt({**AGENT, "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "2"}) == (
+        "job7",
+        2,
+    )
+    assert torchrun_attempt({**AGENT, "TORCHELASTIC_RUN_ID": "none"}) == ("none@localhost:29400", 0)
+    no_store = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert torchrun_attempt({**no_store, "TORCHELASTIC_RESTART_COUNT": "1"}) == (None, 1)
+
+
+def test_restarts_on_several_nodes_need_a_store_per_attempt():
+    several = {**AGENT, "TORCHELASTIC_MAX_RESTARTS": "3", "GROUP_WORLD_SIZE": "2"}
+    with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        check_restarts(several)
+    check_restarts({**several, "TORCHELASTIC_USE_AGENT_STORE": "False"})  # a new store per attempt
+    check_restarts({**several, "GROUP_WORLD_SIZE": "1"})  # one node: the attempt prefix keeps them apart
+    check_restarts({**several, "TORCHELASTIC_MAX_RESTARTS": "0"})
+
+
+def _started_run(output_dir, job: str, steps: list[int]) -> None:
+    """An output_dir as a run of torchrun job `job` leaves it: its record, metrics and checkpoints."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / layout.CONFIG_FILE).write_text(json.dumps({"torchrun_job": job}))
+    (output_dir / layout.METRICS_FILE).write_text("{}\n")
+    for step in steps:
+        folder = output_dir / layout.CHECKPOINTS_DIR / layout.step_dir_name(step)
+        folder.mkdir(parents=True)
+        state = {"format_version": layout.FORMAT_VERSION, "checkpoint_type": layout.FULL, "progress": {}}
+        (folder / layout.STATE_FILE).write_text(json.dumps(state))
+
+
+def test_a_restart_of_the_job_continues_from_its_newest_checkpoint(tmp_path):
+    _started_run(tmp_path, "job7", [5, 10])
+    start = resolve_start("false", str(tmp_path), job="job7", attempt=1)
+    assert start.path == str(tmp_path / "checkpoints" / "step_00000010") and start.is_checkpoint
+
+
+def test_a_restart_before_any_checkpoint_starts_afresh(tmp_path):
+    _started_run(tmp_path, "job7", [])
+    start = resolve_start("false", str(tmp_path), job="job7", attempt=1)
+    assert start.path is None and not start.is_checkpoint
+
+
+def test_a_restart_of_another_job_decides_as_its_first_attempt_did(tmp_path):
+    # The first attempt was refused (an older run is there): every attempt is, with the same message, and
+    # the older run is not continued.
+    _started_run(tmp_path, "an-older-job", [5])
+    for attempt in (0, 1):
+        with pytest.raises(ConfigError, match="already holds a run"):
+            resolve_start("false", str(tmp_path), job="job7", attempt=attempt)
