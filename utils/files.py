@@ -5,7 +5,7 @@ hf_model/, a cut-back metrics.jsonl, a download) goes through `atomic_path`: a c
 most a temporary sibling (`<name>.tmp`, or `<name>.old` while a folder is being swapped), never a truncated
 file under the final name, and an existing file or folder of that name stays intact until the new one is
 complete. A checkpoint is assembled by every rank in one temporary folder and renamed whole by
-utils/checkpoint/checkpointer.py.
+utils/checkpoint/manager.py.
 """
 
 import json

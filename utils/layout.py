@@ -3,7 +3,7 @@
     output_dir/
       config.json                         the run record (utils/observe/run_record.py)
       metrics.jsonl                       one JSON record per line (utils/observe/metrics.py)
-      checkpoints/step_00000123/          a resumable checkpoint (utils/checkpoint/checkpointer.py):
+      checkpoints/step_00000123/          a resumable checkpoint (utils/checkpoint/manager.py):
         train_state.json                    progress, scheduler, scaler, format; written last
         optimizer_param_groups.json         the optimizer's hyper-parameters
         rng/rank_<r>.pt                     each rank's RNG state

@@ -62,7 +62,7 @@ def generate(model: nn.Module, batch: dict, generation: dict) -> torch.Tensor:
         if isinstance(model, FSDP):
             with FSDP.summon_full_params(model, recurse=False, writeback=False), _fsdp1_compute_dtype(model):
                 return model.module.generate(**kwargs)
-        return model.generate(**kwargs)  # FSDP2: a registered forward method (utils/fsdp/fsdp2.py)
+        return model.generate(**kwargs)  # FSDP2: a registered forward method (utils/fsdp/shard.py)
 
 
 def _fsdp1_compute_dtype(model: FSDP):

@@ -140,15 +140,6 @@ def shard_model(
     return model
 
 
-RESHARD_AFTER_FORWARD = {
-    ShardingStrategy.FULL_SHARD: True,
-    ShardingStrategy.SHARD_GRAD_OP: False,
-    ShardingStrategy.NO_SHARD: True,  # one rank per shard group: nothing to reshard either way
-    ShardingStrategy.HYBRID_SHARD: True,
-    ShardingStrategy._HYBRID_SHARD_ZERO2: False,
-}
-
-
 def t5_units(model: nn.Module) -> list[nn.Module]:
     """The modules that become FSDP2 units, in forward order: each T5Block, or its checkpoint wrapper."""
     wrapped = {
