@@ -84,19 +84,24 @@ COMMON = ["--mixed_precision", "false", "--dropout_rate", "0", "--num_train_samp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp_version", ["1", "2"])
-def test_two_micro_batches_of_two_equal_one_batch_of_four(tmp_path, fsdp_version):
+def test_two_micro_batches_of_two_equal_one_batch_of_four(tmp_path):
+    """Through torchrun, on each backend: 2 micro-batches of 2 give the losses of one FSDP1 batch of 4 (fp32
+    FSDP1 and FSDP2 train identically, tests/test_fsdp2.py)."""
     runs = {}
-    for name, flags in (("accumulated", ["--batch_size_training", "2", "--gradient_accumulation_steps", "2"]),
-                        ("whole", ["--batch_size_training", "4"])):  # fmt: skip
+    cases = (("whole", "1", ["--batch_size_training", "4"]),
+             *((f"accumulated{v}", v, ["--batch_size_training", "2", "--gradient_accumulation_steps", "2"])
+               for v in ("1", "2")))  # fmt: skip
+    for name, fsdp_version, flags in cases:
         output_dir = tmp_path / name
         run = torchrun([*COMMON, *flags, "--fsdp_version", fsdp_version, "--output_dir", str(output_dir)])
         assert run.returncode == 0, run.describe()
         runs[name] = step_losses(output_dir)
         assert_epoch_flops_count_every_real_token(output_dir, num_samples=48)
-    assert sorted(runs["accumulated"]) == sorted(runs["whole"]) == list(range(1, 7))  # 24 samples a rank / 4
-    for step, loss in runs["whole"].items():
-        assert runs["accumulated"][step] == pytest.approx(loss, rel=1e-5), step
+    for version in ("1", "2"):
+        accumulated = runs[f"accumulated{version}"]
+        assert sorted(accumulated) == sorted(runs["whole"]) == list(range(1, 7))  # 24 samples a rank / 4
+        for step, loss in runs["whole"].items():
+            assert accumulated[step] == pytest.approx(loss, rel=1e-5), (version, step)
 
 
 def assert_epoch_flops_count_every_real_token(output_dir: Path, num_samples: int, world_size: int = 2):
