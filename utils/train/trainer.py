@@ -169,13 +169,8 @@ class Trainer:
                                         step_log.stop_requested = True
                             if self.checkpoints.due(step, step_log.stop_requested):
                                 step_log.flush()  # collective; metrics.jsonl then holds every step saved
-                                progress = dataclasses.replace(
-                                    progress,
-                                    samples_consumed=start_consumed + batches_done * samples_per_batch,
-                                    global_step=step,
-                                    epoch_totals=step_log.totals.tolist(),
-                                    epoch_train_seconds=clock.train_seconds(),
-                                )
+                                consumed = start_consumed + batches_done * samples_per_batch
+                                progress = inside_epoch(progress, consumed, step, step_log, clock.train_seconds())
                                 with clock.paused(step_log):
                                     self.checkpoints.save(progress)
                             if step_log.stop_requested:
@@ -194,13 +189,8 @@ class Trainer:
                         val_loss = self._validation(epoch, stop)
                         scores = self._evaluate(epoch, step, stop)
                     except StopAgreed:
-                        progress = dataclasses.replace(
-                            progress,
-                            samples_consumed=start_consumed + batches_done * samples_per_batch,
-                            global_step=step,
-                            epoch_totals=step_log.totals.tolist(),
-                            epoch_train_seconds=train_seconds,
-                        )
+                        consumed = start_consumed + batches_done * samples_per_batch
+                        progress = inside_epoch(progress, consumed, step, step_log, train_seconds)
                         self.checkpoints.save(progress)
                         get_logger().info(
                             "stopped during epoch %d's evaluation on SIGTERM; --resume true evaluates it", epoch
@@ -233,15 +223,9 @@ class Trainer:
                             epoch=epoch + 1, global_step=step, best_metric=best_metric, best_epoch=best_epoch
                         )
                     else:  # --max_steps ended the epoch early: the checkpoint resumes inside it
-                        progress = dataclasses.replace(
-                            progress,
-                            samples_consumed=start_consumed + batches_done * samples_per_batch,
-                            global_step=step,
-                            best_metric=best_metric,
-                            best_epoch=best_epoch,
-                            epoch_totals=step_log.totals.tolist(),
-                            epoch_train_seconds=train_seconds,
-                        )
+                        consumed = start_consumed + batches_done * samples_per_batch
+                        progress = inside_epoch(progress, consumed, step, step_log, train_seconds)
+                        progress = dataclasses.replace(progress, best_metric=best_metric, best_epoch=best_epoch)
                     self.checkpoints.save(progress)
                     if any_rank(stop.requested, info.device):
                         get_logger().info("stopped after epoch %d on SIGTERM; continue with --resume true", epoch)
@@ -344,6 +328,20 @@ class Trainer:
     def _write_steps(self, epoch: int, records: list[dict]) -> None:
         for record in records:
             self.metrics.write({"type": "step", "epoch": epoch, **record})
+
+
+def inside_epoch(
+    progress: TrainProgress, samples_consumed: int, step: int, step_log: StepLog, train_seconds: float
+) -> TrainProgress:
+    """The position inside an epoch that a checkpoint resumes from: the samples of the epoch's order trained
+    so far, the step, the epoch's flushed statistics and training seconds (the step log must be flushed)."""
+    return dataclasses.replace(
+        progress,
+        samples_consumed=samples_consumed,
+        global_step=step,
+        epoch_totals=step_log.totals.tolist(),
+        epoch_train_seconds=train_seconds,
+    )
 
 
 class EpochClock:
