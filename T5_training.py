@@ -48,6 +48,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # Where the run starts from (afresh, a .pt, a checkpoint folder): rank 0 looks at output_dir once.
     # A torchrun restart of this run continues from its newest checkpoint (utils/checkpoint/start.py).
     job, attempt = process_group.torchrun_attempt()
+    attempt = process_group.group_attempt(attempt, info.device)
     resume = config.checkpointing.resume
     start = process_group.rank0_decides(lambda: resolve_start(resume, train.output_dir, job, attempt))
     precision = resolve_precision(config.fsdp, info.device)

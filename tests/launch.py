@@ -35,10 +35,22 @@ class Run:
         )
 
 
-def torchrun_command(args: list[str], nproc: int = 2, script: str = "T5_training.py") -> list[str]:
-    port = str(free_port())
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
-            script, *args]  # fmt: skip
+def torchrun_command(
+    args: list[str], nproc: int = 2, script: str = "T5_training.py", launcher: list[str] | None = None
+) -> list[str]:
+    """torchrun's command line: `launcher` (torchrun's own options) replaces the default one-node static
+    rendezvous on a free port, e.g. ["--standalone", "--max_restarts", "1"]."""
+    launcher = ["--master_port", str(free_port())] if launcher is None else launcher
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        *launcher,
+        script,
+        *args,
+    ]
 
 
 def offline_env(extra: dict | None = None) -> dict:
@@ -52,11 +64,12 @@ def torchrun(
     script: str = "T5_training.py",
     timeout: float = DEFAULT_TIMEOUT_S,
     env: dict | None = None,
+    launcher: list[str] | None = None,
 ) -> Run:
     """Run `script` on nproc CPU ranks, offline, one thread per rank, and wait for it to end."""
     start = time.monotonic()
     done = subprocess.run(
-        torchrun_command(args, nproc, script),
+        torchrun_command(args, nproc, script, launcher),
         cwd=REPO_ROOT,
         env=offline_env(env),
         capture_output=True,
@@ -107,16 +120,24 @@ class Background:
     group is ended by its id, so nothing else on the machine is touched.
     """
 
-    def __init__(self, args: list[str], log_path: Path, nproc: int = 2):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        nproc: int = 2,
+        script: str = "T5_training.py",
+        launcher: list[str] | None = None,
+        env: dict | None = None,
+    ):
         self.log_path = log_path
         self.log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in finish()
         self.start = time.monotonic()
         self.proc = subprocess.Popen(
-            torchrun_command(args, nproc),
+            torchrun_command(args, nproc, script, launcher),
             cwd=REPO_ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env=offline_env(),
+            env=offline_env(env),
             start_new_session=True,
         )
 

@@ -1,6 +1,8 @@
-"""T5_training.py with one rank SIGKILLed in torchrun's first attempt: on rank KILL_RANK, right after its
-KILL_STEP-th optimizer step (as an OOM kill or a node failure would end it), when TORCHELASTIC_RESTART_COUNT
-is 0. Restarted attempts run the plain training. Used by tests/test_restarts.py; the product has no test hooks.
+"""T5_training.py with one rank SIGKILLed once: on rank KILL_RANK, right after its KILL_STEP-th optimizer
+step in this process (as an OOM kill or a node failure would end it), if the file KILL_MARKER does not exist
+yet (it is created just before). Restarted attempts run the plain training: the marker, not the restart
+count, says so, because on several nodes only the failed node counts a restart and ranks may move between
+nodes. Used by tests/test_resume.py; the product has no test hooks.
 """
 
 import os
@@ -19,9 +21,10 @@ _calls = {"n": 0}
 def _train_step_then_die(*args, **kwargs):
     stats = _real_train_step(*args, **kwargs)
     _calls["n"] += 1
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    marker = Path(os.environ["KILL_MARKER"])
     chosen = os.environ["RANK"] == os.environ["KILL_RANK"] and _calls["n"] == int(os.environ["KILL_STEP"])
-    if first_attempt and chosen:
+    if chosen and not marker.exists():
+        marker.touch()
         os.kill(os.getpid(), signal.SIGKILL)
     return stats
 

@@ -12,6 +12,7 @@ from tests.dist_workers import (
     rank0_loading_worker,
 )
 from tests.launch import torchrun
+from tests.reference_run import SHARDED, SMALL_RUN, TOTAL_STEPS, checkpoint_dir, complete_checkpoint_steps
 
 STEPS = 4
 
@@ -68,40 +69,33 @@ def test_rank0_only_loading_gives_every_rank_rank0s_weights(fsdp_version):
             assert result["held_bytes"] < 0.9 * result["model_bytes"], result
 
 
-CROSS_ARGS = [
-    "--num_train_samples",
-    "96",
-    "--num_val_samples",
-    "24",
-    "--eval_num_samples",
-    "8",
-    "--mixed_precision",
-    "false",
-    "--checkpoint_type",
-    "SHARDED_STATE_DICT",
-]
-
-
 @pytest.mark.slow
-def test_sharded_checkpoint_crosses_backends_with_identical_continued_losses(tmp_path):
-    """One epoch on FSDP1, the next on FSDP2 from its checkpoint, the third on FSDP1 again from FSDP2's: the
-    losses of an uninterrupted FSDP1 run, both ways across."""
-
-    def train(output_dir, epochs, version, *extra):
-        args = ["--output_dir", str(output_dir), "--epochs", str(epochs), "--fsdp_version", str(version)]
-        done = torchrun([*CROSS_ARGS, *args, *extra])
+def test_sharded_checkpoint_crosses_backends_with_identical_continued_losses(tmp_path, reference):
+    """FSDP2 continues the FSDP1 reference run's step-20 checkpoint to step 22 (--max_steps), FSDP1 continues
+    FSDP2's step-22 checkpoint to the end: the losses of the uninterrupted FSDP1 run, both ways across. (The
+    checkpoint of a --max_steps end resumes exactly too: the epoch's StepLR step waits for its real end.)"""
+    crossed = tmp_path / "crossed"
+    for version, resume, extra in (
+        (2, str(checkpoint_dir(reference, 20)), ["--max_steps", "22"]),
+        (1, "true", []),
+    ):
+        args = [
+            *SMALL_RUN,
+            "--checkpoint_type",
+            SHARDED,
+            "--output_dir",
+            str(crossed),
+            "--fsdp_version",
+            str(version),
+        ]
+        done = torchrun([*args, "--resume", resume, *extra])
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        return done
-
-    train(tmp_path / "reference", 3, 1)
-    train(tmp_path / "crossed", 1, 1)  # its epoch-end checkpoint is step 12
-    for epochs, version in ((2, 2), (3, 1)):  # FSDP2 resumes FSDP1's checkpoint, then FSDP1 FSDP2's
-        resumed = train(tmp_path / "crossed", epochs, version, "--resume", "true")
-        assert "resumed from" in resumed.stdout and f"FSDP{version}:" in resumed.stdout
-    reference, crossed = step_losses(tmp_path / "reference"), step_losses(tmp_path / "crossed")
-    assert sorted(crossed) == list(range(1, 37)) and crossed.keys() == reference.keys()
-    for step in range(13, 37):  # the steps trained after crossing
-        assert relative_diff(crossed[step], reference[step]) < 1e-5, step
+        assert "resumed from" in done.stdout and f"FSDP{version}:" in done.stdout
+    assert complete_checkpoint_steps(crossed)[-1] == TOTAL_STEPS
+    losses, expected = step_losses(crossed), step_losses(reference)
+    assert sorted(losses) == list(range(21, TOTAL_STEPS + 1)), sorted(losses)
+    for step in losses:  # every step trained after crossing
+        assert relative_diff(losses[step], expected[step]) < 1e-5, step
 
 
 @pytest.mark.slow

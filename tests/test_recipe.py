@@ -219,14 +219,23 @@ def test_a_nan_on_one_rank_stops_both(nonfinite, version):
 @pytest.mark.slow
 def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(tmp_path):
     """lr 1e30 turns the first update into weights of ~1e30, and every later step's gradient norm infinite.
-    stop: the run fails at step 2's flush, before step 2's checkpoint; step 1's stays. skip: the run ends
-    normally over 2 epochs, steps 2-12 skipped; epoch 1's train_loss is step 1's loss (the only step that
-    trained), epoch 2's is null (none trained)."""
+    stop, under torchrun --max_restarts 1: the restart continues from step 1's checkpoint and fails at step
+    2's flush with the same one message as the first attempt, before step 2's checkpoint; torchrun gives up,
+    the run exits non-zero, and step 1's checkpoint is as the first attempt wrote it. skip: the run ends normally
+    over 2 epochs, steps 2-12 skipped; epoch 1's train_loss is step 1's loss (the only step that trained),
+    epoch 2's is null (none trained)."""
     flags = [*COMMON, "--lr", "1e30", "--save_every_n_steps", "1", "--log_every_n_steps", "3"]
     stopped = tmp_path / "stopped"
-    run = torchrun([*flags, "--output_dir", str(stopped)])
-    assert run.returncode != 0 and "step 2: NaN or infinite loss or gradient norm" in run.output, run.describe()
+    restarts = ["--standalone", "--max_restarts", "1", "--monitor_interval", "1"]
+    run = torchrun([*flags, "--output_dir", str(stopped)], launcher=restarts)
+    assert run.returncode != 0, run.describe()
+    messages = [line for line in run.output.splitlines() if "NaN or infinite loss or gradient norm" in line]
+    assert len(messages) == 2 and len(set(messages)) == 1, messages  # once per attempt, rank 0's
+    assert "step 2: NaN or infinite loss or gradient norm" in messages[0]
+    assert run.output.count("torchrun restart 1 of this run") == 1, run.describe()  # it continued step 1's
     assert [p.name for p in (stopped / "checkpoints").iterdir()] == ["step_00000001"]
+    first_state = (stopped / "checkpoints" / "step_00000001" / "train_state.json").stat().st_mtime_ns
+    assert first_state < (stopped / "metrics.jsonl").stat().st_mtime_ns  # not rewritten by a later attempt
     assert not (stopped / "hf_model").exists()
 
     skipped = tmp_path / "skipped"

@@ -15,7 +15,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,13 +33,28 @@ from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_DATA_DIR as SAMPLE_DATA
 from configs.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
-from configs.paths import REPO_ROOT
 from configs.recipe import RecipeConfig
 from configs.training import TrainConfig
 from policies.mixed_precision import Precision
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
-from tests.launch import Background, Run, offline_env, program_tracebacks, torchrun
+from tests.launch import Background, Run, program_tracebacks, torchrun
+from tests.reference_run import (
+    BATCH,
+    EPOCHS,
+    FULL,
+    NPROC,
+    NUM_TRAIN,
+    RESTART_CASES,
+    SAVE_EVERY,
+    SHARDED,
+    SMALL_RUN,
+    TOTAL_STEPS,
+    checkpoint_dir,
+    complete_checkpoint_steps,
+    logged_steps,
+    restart_run,
+)
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.start import StartPoint, resolve_start
@@ -51,33 +65,6 @@ from utils.model.loading import load_full_model_weights
 from utils.train import optim
 from utils.train.step import train_step
 
-SHARDED = "SHARDED_STATE_DICT"
-FULL = "FULL_STATE_DICT"
-
-NPROC = 2
-EPOCHS = 2
-NUM_TRAIN = 96
-NUM_VAL = 24
-BATCH = 4  # the default --batch_size_training
-SAVE_EVERY = 5
-STEPS_PER_EPOCH = math.ceil(math.ceil(NUM_TRAIN / NPROC) / BATCH)  # 12
-TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 24
-SMALL_RUN = [
-    "--epochs",
-    str(EPOCHS),
-    "--num_train_samples",
-    str(NUM_TRAIN),
-    "--num_val_samples",
-    str(NUM_VAL),
-    "--eval_num_samples",  # ROUGE on: evaluation must not disturb the training's random streams
-    "8",
-    "--mixed_precision",
-    "false",
-    "--save_every_n_steps",
-    str(SAVE_EVERY),
-    "--log_every_n_steps",
-    "1",
-]
 RTOL = 1e-5
 RUN_TIMEOUT_S = 240
 FAIL_FAST_S = 90  # a user error must end every rank within this
@@ -107,39 +94,8 @@ def read_records(output_dir: Path) -> list[dict]:
     return records
 
 
-def logged_steps(output_dir: Path) -> list[int]:
-    """Step numbers of metrics.jsonl in file order (duplicates kept)."""
-    path = output_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    steps = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        if record.get("type") == "step":
-            steps.append(record["step"])
-    return steps
-
-
 def epoch_records(output_dir: Path) -> list[dict]:
     return [r for r in read_records(output_dir) if r["type"] == "epoch"]
-
-
-def checkpoint_dir(output_dir: Path, step: int) -> Path:
-    return output_dir / "checkpoints" / f"step_{step:08d}"
-
-
-def complete_checkpoint_steps(output_dir: Path) -> list[int]:
-    root = output_dir / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(
-        int(p.name[len("step_") :])
-        for p in root.iterdir()
-        if re.fullmatch(r"step_\d{8}", p.name) and (p / "train_state.json").is_file()
-    )
 
 
 def resumed_from(run: Run) -> tuple[Path, int, int]:
@@ -218,18 +174,6 @@ def remaining_steps(samples: int, consumed: int, world_size: int) -> int:
 # ------------------------------------------------------------------------------- shared training runs
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted 2-rank SHARDED run: 24 steps, checkpoints every 5 steps and at epoch ends."""
-    output_dir = tmp_path_factory.mktemp("reference") / "out"
-    run = torchrun([*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir)])
-    assert run.returncode == 0, run.describe()
-    assert logged_steps(output_dir) == list(range(1, TOTAL_STEPS + 1))
-    # keep_last_n=2 (default): the periodic step 20 and the end of epoch 2.
-    assert complete_checkpoint_steps(output_dir) == [20, TOTAL_STEPS], run.describe()
-    return output_dir
-
-
 @dataclass
 class Resumed:
     output_dir: Path
@@ -256,48 +200,7 @@ def kill_and_resume(tmp_path_factory, checkpoint_type: str, extra: tuple[str, ..
     return Resumed(output_dir, steps_at_kill, checkpoints_at_kill, killed, resumed)
 
 
-@pytest.fixture(scope="module")
-def resumed_sharded(tmp_path_factory) -> Resumed:
-    return kill_and_resume(tmp_path_factory, SHARDED)
-
-
 # ----------------------------------------------------------------------- 1. kill, resume, same losses
-
-
-# The whole job killed, then resumed by hand (--resume true): SHARDED here; FULL_STATE_DICT's exact resume is
-# tested through torchrun's own restart (test_a_killed_rank_restarts_the_group_which_continues_exactly).
-@pytest.mark.slow
-def test_kill_and_resume_equals_uninterrupted(resumed_sharded, reference):
-    result: Resumed = resumed_sharded
-    checkpoint_type = SHARDED
-    output_dir = result.output_dir
-
-    # The kill hit the run early: at most half of the steps were logged, and it left no final model.
-    assert result.killed.returncode != 0, result.killed.describe()
-    assert SAVE_EVERY <= len(result.steps_at_kill) <= TOTAL_STEPS // 2, result.steps_at_kill
-    assert result.checkpoints_at_kill and result.checkpoints_at_kill[-1] < TOTAL_STEPS // 2, (
-        result.checkpoints_at_kill
-    )
-    assert "epoch 2:" not in result.killed.output
-
-    run = result.resumed
-    assert run.returncode == 0, run.describe()
-    path, epoch, step = resumed_from(run)
-    assert path == checkpoint_dir(output_dir, result.checkpoints_at_kill[-1]), run.describe()
-    assert (epoch, step) == (1, result.checkpoints_at_kill[-1]), run.describe()
-    state = json.loads((checkpoint_dir(output_dir, TOTAL_STEPS) / "train_state.json").read_text())
-    assert state["checkpoint_type"] == checkpoint_type
-
-    # Each step exactly once, in order, and the losses of the uninterrupted run.
-    assert logged_steps(output_dir) == list(range(1, TOTAL_STEPS + 1))
-    assert_losses_match(output_dir, reference)
-    epochs, reference_epochs = epoch_records(output_dir), epoch_records(reference)
-    assert [r["epoch"] for r in epochs] == list(range(1, EPOCHS + 1)), epochs
-    for got, expected in zip(epochs, reference_epochs, strict=True):
-        for key in ("train_loss", "val_loss"):
-            assert got[key] == pytest.approx(expected[key], rel=RTOL), (key, got, expected)
-    assert (output_dir / "hf_model" / "model.safetensors").is_file()
-
 
 RECIPE = ("--lr_scheduler", "cosine", "--warmup_steps", "5", "--gradient_accumulation_steps", "2",
           "--max_grad_norm", "1.0", "--group_by_length", "true")  # fmt: skip
@@ -307,33 +210,62 @@ def step_lrs(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in read_records(output_dir) if r["type"] == "step"}
 
 
+# The whole job SIGKILLed after its first checkpoint, then resumed by hand (--resume true), with the recipe
+# that touches most state: accumulation, clipping, a per-step cosine schedule with warmup, length grouping.
+# FULL_STATE_DICT's and FSDP2's exact resume are tested through torchrun's own restart
+# (test_a_killed_rank_restarts_the_group_which_continues_exactly).
 @pytest.mark.slow
 def test_kill_and_resume_with_accumulation_clipping_a_cosine_schedule_and_length_grouping(tmp_path_factory):
     reference = tmp_path_factory.mktemp("recipe_reference") / "out"
     run = torchrun([*SMALL_RUN, *RECIPE, "--checkpoint_type", SHARDED, "--output_dir", str(reference)])
     assert run.returncode == 0, run.describe()
     result = kill_and_resume(tmp_path_factory, SHARDED, RECIPE)
-    assert result.resumed.returncode == 0, result.resumed.describe()
-    assert result.checkpoints_at_kill and resumed_from(result.resumed)[2] == result.checkpoints_at_kill[-1]
     steps = TOTAL_STEPS // 2  # two micro-batches per optimizer step
-    assert logged_steps(result.output_dir) == logged_steps(reference) == list(range(1, steps + 1))
-    assert_losses_match(result.output_dir, reference)
-    assert step_lrs(result.output_dir) == step_lrs(reference)  # the schedule continues exactly
+    output_dir = result.output_dir
+
+    # The kill hit the run in its first epoch, after a checkpoint, and left no final model.
+    assert result.killed.returncode != 0, result.killed.describe()
+    assert SAVE_EVERY <= len(result.steps_at_kill) < steps, result.steps_at_kill
+    assert result.checkpoints_at_kill and result.checkpoints_at_kill[-1] <= steps // 2, result.checkpoints_at_kill
+    assert "epoch 2:" not in result.killed.output
+
+    run = result.resumed
+    assert run.returncode == 0, run.describe()
+    path, _, step = resumed_from(run)
+    assert path == checkpoint_dir(output_dir, result.checkpoints_at_kill[-1]), run.describe()
+    assert step == result.checkpoints_at_kill[-1], run.describe()
+    state = json.loads((checkpoint_dir(output_dir, steps) / "train_state.json").read_text())
+    assert state["checkpoint_type"] == SHARDED
+
+    # Each step exactly once, in order, with the uninterrupted run's losses, learning rates and epochs.
+    assert logged_steps(output_dir) == logged_steps(reference) == list(range(1, steps + 1))
+    assert_losses_match(output_dir, reference)
+    assert step_lrs(output_dir) == step_lrs(reference)  # the schedule continues exactly
     lrs = step_lrs(reference)
     assert lrs[1] < lrs[5] and lrs[6] > lrs[steps], lrs  # warmup, then the cosine decay
+    epochs, reference_epochs = epoch_records(output_dir), epoch_records(reference)
+    assert [r["epoch"] for r in epochs] == list(range(1, EPOCHS + 1)), epochs
+    for got, expected in zip(epochs, reference_epochs, strict=True):
+        for key in ("train_loss", "val_loss"):
+            assert got[key] == pytest.approx(expected[key], rel=RTOL), (key, got, expected)
+    assert (output_dir / "hf_model" / "model.safetensors").is_file()
 
 
 # --------------------------------------------------------------------------- 2. another world size
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_of_two_ranks_resumes_on_one(tmp_path, reference):
-    source = checkpoint_dir(reference, 20)
+@pytest.mark.parametrize("checkpoint_type", [SHARDED, FULL])
+def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path, request, checkpoint_type):
+    # The step-20 checkpoints of the reference run (SHARDED) and of the restarted FSDP1 FULL_STATE_DICT run.
+    two_ranks = request.getfixturevalue("reference" if checkpoint_type == SHARDED else "restarted_full")
+    source = checkpoint_dir(two_ranks, 20)
     state = json.loads((source / "train_state.json").read_text())
     assert state["world_size"] == 2 and state["progress"]["epoch"] == 2
+    assert state["checkpoint_type"] == checkpoint_type
     consumed = state["progress"]["samples_consumed"]
     output_dir = tmp_path / "out"
-    run = torchrun([*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir),
+    run = torchrun([*SMALL_RUN, "--checkpoint_type", checkpoint_type, "--output_dir", str(output_dir),
                     "--resume", str(source)], nproc=1)  # fmt: skip
     assert run.returncode == 0, run.describe()
     assert resumed_from(run) == (source, 2, 20)
@@ -437,17 +369,28 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     assert (output_dir / "hf_model" / "model.safetensors").is_file()
 
 
+# One epoch of 4 steps; ROUGE of 60 articles one by one (about 1 s a batch) at its end, or also after step 2
+# (--eval_every_n_steps). torchrun's own SIGTERM (as SLURM or Kubernetes send it) arrives after the first
+# ROUGE batches; the resumed run scores 4 articles (the evaluation redone, not its length, is the point).
+ROUGE_BATCH_DONE = re.compile(r"ROUGE evaluation:[^\n]*\| *[1-9]\d*/\d+ \[")  # the bar: "| 1/30 ["
+ROUGE_STOPS = {  # case: (extra flags, the line of the stop, the checkpoint it leaves)
+    "at the epoch end": ([], "stopped during epoch 1's evaluation on SIGTERM", 4),
+    "inside the epoch": (["--eval_every_n_steps", "2"], "stopped at step 2 on SIGTERM", 2),
+}
+
+
 @pytest.mark.slow
-def test_sigterm_to_torchrun_during_the_rouge_evaluation_saves_the_epoch_and_the_resume_evaluates_it(tmp_path):
-    # One epoch of 4 steps, then a ROUGE evaluation of 60 articles one by one (long: about 1 s a batch);
-    # torchrun's own SIGTERM (as SLURM or Kubernetes send it) arrives after its first batches.
+@pytest.mark.parametrize("case", list(ROUGE_STOPS))
+def test_sigterm_to_torchrun_during_the_rouge_evaluation_saves_and_the_resume_evaluates_once(tmp_path, case):
+    extra, stop_line, saved_step = ROUGE_STOPS[case]
     output_dir = tmp_path / "out"
     args = ["--epochs", "1", "--num_train_samples", "32", "--num_val_samples", "8", "--eval_num_samples", "60",
-            "--val_batch_size", "1", "--mixed_precision", "false", "--output_dir", str(output_dir)]  # fmt: skip
+            "--val_batch_size", "1", "--mixed_precision", "false", *extra,
+            "--output_dir", str(output_dir)]  # fmt: skip
     log = tmp_path / "first.log"
     background = Background(args, log)
     try:
-        background.wait_for(lambda: re.search(r"ROUGE evaluation:\s+\d+%\S* +[1-9]\d*/", log.read_text()), "ROUGE")
+        background.wait_for(lambda: ROUGE_BATCH_DONE.search(log.read_text()), "a ROUGE batch")
         signalled = time.monotonic()
         background.proc.send_signal(signal.SIGTERM)
         stopped = background.finish(timeout=120)
@@ -457,17 +400,22 @@ def test_sigterm_to_torchrun_during_the_rouge_evaluation_saves_the_epoch_and_the
             background.kill()
     # torchrun SIGKILLs its workers 30 s after forwarding SIGTERM: the stop came well inside that.
     assert seconds < 20, (seconds, stopped.describe())
-    assert "stopped during epoch 1's evaluation on SIGTERM" in stopped.output, stopped.describe()
-    assert complete_checkpoint_steps(output_dir) == [4], stopped.describe()
-    assert not [r for r in read_records(output_dir) if r["type"] in ("eval", "epoch")]
+    assert stop_line in stopped.output, stopped.describe()
+    assert complete_checkpoint_steps(output_dir) == [saved_step], stopped.describe()
+    assert logged_steps(output_dir) == list(range(1, saved_step + 1))
+    assert not [r for r in read_records(output_dir) if r["type"] in ("eval", "validation", "epoch")]
 
-    run = torchrun([*args, "--resume", "true"])
+    run = torchrun(with_overrides(args, ["--eval_num_samples", "4"]) + ["--resume", "true"])
     assert run.returncode == 0, run.describe()
-    assert resumed_from(run)[1:] == (1, 4), run.describe()
-    records = read_records(output_dir)
-    evaluated = [(r["type"], r["epoch"]) for r in records if r["type"] in ("eval", "epoch")]
-    assert evaluated == [("eval", 1), ("epoch", 1)]  # the evaluation once, after the resume
+    assert resumed_from(run)[1:] == (1, saved_step), run.describe()
+    evaluated = [(r["type"], r["step"] if r["type"] != "epoch" else None) for r in read_records(output_dir)
+                 if r["type"] in ("eval", "validation", "epoch")]  # fmt: skip
+    # Each evaluation once, the abandoned one right after the resume, before the next step.
+    midway = [("eval", 2), ("validation", 2)] if extra else []
+    assert evaluated == [*midway, ("eval", 4), ("epoch", None)], evaluated
     assert logged_steps(output_dir) == [1, 2, 3, 4]
+    state = json.loads((checkpoint_dir(output_dir, 4) / "train_state.json").read_text())
+    assert state["progress"]["evaluation_due"] is False
 
 
 # ------------------------------------------------------------------ 5. optimizer state, round trip
@@ -692,10 +640,6 @@ def _fewer_val_samples_than_ranks(tmp_path, out):
     return ["--num_val_samples", "1"], "fewer than the 2 ranks", ["validation"]
 
 
-def _batch_size_zero(tmp_path, out):
-    return ["--batch_size_training", "0"], "--batch_size_training", [">= 1"]
-
-
 def _fp16_on_cpu(tmp_path, out):
     return ["--use_fp16", "true", "--mixed_precision", "true"], "--use_fp16", ["CUDA"]
 
@@ -738,7 +682,6 @@ BAD_INPUTS = {
     "wrong_csv_header": _wrong_header,
     "csv_without_usable_rows": _no_usable_rows,
     "fewer_val_samples_than_ranks": _fewer_val_samples_than_ranks,
-    "batch_size_zero": _batch_size_zero,
     "fp16_on_cpu": _fp16_on_cpu,
     "resume_path_missing": _resume_path_missing,
     "truncated_distcp": _truncated_distcp,
@@ -781,35 +724,19 @@ def test_bad_input_stops_every_rank_with_one_message(case, tmp_path, reference):
 # ------------------------------------------------------- torchrun --max_restarts: a killed rank, a restart
 # A rank SIGKILLed mid-run (as by the OOM killer); torchrun restarts the group with the same arguments, and
 # the run continues from its newest checkpoint by itself, with the uninterrupted run's per-step losses and
-# a metrics.jsonl that reads as if nothing had happened (tests/restart_entry.py kills the rank).
-
-KILL_STEP = 7  # after the checkpoint of step 5: the restart continues from it, redoing steps 6 and 7
-RESTART_TIMEOUT_S = 240
-
-
-def restart_run(output_dir, checkpoint_type: str, fsdp_version: int, kill_rank: int):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "--max_restarts", "1", "--monitor_interval", "1", "tests/restart_entry.py", *SMALL_RUN,
-               "--checkpoint_type", checkpoint_type, "--fsdp_version", str(fsdp_version),
-               "--dist_timeout_s", "60", "--output_dir", str(output_dir)]  # fmt: skip
-    env = offline_env({"KILL_RANK": str(kill_rank), "KILL_STEP": str(KILL_STEP)})
-    return subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=RESTART_TIMEOUT_S
-    )
-
-
-RESTART_CASES = {"fsdp1-full": (FULL, 1, 1), "fsdp2-sharded": (SHARDED, 2, 0)}  # type, backend, rank killed
+# a metrics.jsonl that reads as if nothing had happened (tests/reference_run.py: restart_run).
 
 
 @pytest.fixture(scope="module")
 def restarts(tmp_path_factory) -> dict:
-    """{case: (output_dir, torchrun's output)} of one restarted run per case."""
+    """{case: (output_dir, every agent's output)} of one restarted run per case."""
     runs = {}
-    for case, (checkpoint_type, fsdp_version, kill_rank) in RESTART_CASES.items():
+    for case in RESTART_CASES:
         output_dir = tmp_path_factory.mktemp(case) / "out"
-        done = restart_run(output_dir, checkpoint_type, fsdp_version, kill_rank)
-        output = done.stdout + done.stderr
-        assert done.returncode == 0, output[-6000:]
+        agents, killed = restart_run(output_dir, case)
+        output = "".join(agent.output for agent in agents)
+        assert all(agent.returncode == 0 for agent in agents), "\n".join(agent.describe() for agent in agents)
+        assert killed, output[-4000:]
         runs[case] = (output_dir, output)
     return runs
 
@@ -823,7 +750,7 @@ def restarted_full(restarts) -> Path:
 @pytest.mark.parametrize("case", list(RESTART_CASES))
 def test_a_killed_rank_restarts_the_group_which_continues_exactly(restarts, reference, case):
     output_dir, output = restarts[case]
-    checkpoint_type, fsdp_version, _ = RESTART_CASES[case]
+    checkpoint_type, fsdp_version, _, _ = RESTART_CASES[case]
     restarted = "torchrun restart 1 of this run: continuing from"
     assert restarted in output and "step_00000005" in output, output[-4000:]
     # Each step once, in order, with the uninterrupted run's losses; each epoch once.

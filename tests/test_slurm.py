@@ -106,9 +106,11 @@ def test_dry_run_prints_one_torchrun_per_node_with_the_arguments_passed_through(
         assert prefix == f"node {host}"
         # The line is shell-quoted: splitting it gives back every argument, "/shared/my run" in one piece.
         assert shlex.split(command) == [
+            "env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",  # a rendezvous store per attempt: restarts work
             "torchrun",
             "--nnodes", "2",
             "--nproc_per_node", "4",  # SLURM_GPUS_ON_NODE
+            "--max_restarts", "3",  # MAX_RESTARTS's default
             "--rdzv_id", JOB_ID,
             "--rdzv_backend", "c10d",
             "--rdzv_endpoint", f"{HOSTS[0]}:29500",  # the first host, MASTER_PORT's default
@@ -127,12 +129,13 @@ def dry_run_commands(env, *args, script=SCRIPT) -> dict[str, list[str]]:
     return {line.split(": ", 1)[0]: shlex.split(line.split(": ", 1)[1]) for line in result.stdout.splitlines()}
 
 
-def test_dry_run_takes_the_port_and_a_comma_host_list_from_the_environment(fake_slurm):
+def test_dry_run_takes_the_port_the_restarts_and_a_comma_host_list_from_the_environment(fake_slurm):
     env, _ = fake_slurm
-    commands = dry_run_commands({**env, "SLURM_JOB_NODELIST": "a,b", "MASTER_PORT": "31000"})
+    commands = dry_run_commands({**env, "SLURM_JOB_NODELIST": "a,b", "MASTER_PORT": "31000", "MAX_RESTARTS": "0"})
     assert list(commands) == ["node a", "node b"]
     for command in commands.values():
         assert command[command.index("--rdzv_endpoint") + 1] == "a:31000"
+        assert command[command.index("--max_restarts") + 1] == "0"
         assert command[-2:] == ["--resume", "true"]
 
 

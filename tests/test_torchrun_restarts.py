@@ -26,12 +26,25 @@ def test_the_job_is_its_rendezvous_id_or_else_the_agent_store_address():
 
 
 def test_restarts_on_several_nodes_need_a_store_per_attempt():
-    several = {**AGENT, "TORCHELASTIC_MAX_RESTARTS": "3", "GROUP_WORLD_SIZE": "2"}
+    several = {**AGENT, "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_MAX_RESTARTS": "3", "GROUP_WORLD_SIZE": "2"}
     with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         check_restarts(several)
     check_restarts({**several, "TORCHELASTIC_USE_AGENT_STORE": "False"})  # a new store per attempt
     check_restarts({**several, "GROUP_WORLD_SIZE": "1"})  # one node: the attempt prefix keeps them apart
     check_restarts({**several, "TORCHELASTIC_MAX_RESTARTS": "0"})
+
+
+def test_restarts_without_a_job_to_recognise_are_refused():
+    # Rendezvous id "none" (no --rdzv_id) and no shared store: nothing tells a restart of this run from a new one.
+    no_id = {
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_MAX_RESTARTS": "2",
+    }
+    with pytest.raises(ConfigError, match="--rdzv_id NAME"):
+        check_restarts(no_id)
+    check_restarts({**no_id, "TORCHELASTIC_RUN_ID": "job7"})
+    check_restarts({**no_id, "TORCHELASTIC_MAX_RESTARTS": "0"})
 
 
 def _started_run(output_dir, job: str, steps: list[int]) -> None:

@@ -16,3 +16,6 @@ class TrainProgress:
     # resumed epoch reports the same train_loss and throughput as an uninterrupted one.
     epoch_totals: list[float] | None = None
     epoch_train_seconds: float = 0.0
+    # A stop (SIGTERM) abandoned the evaluation of --eval_every_n_steps at global_step: the resumed run does
+    # it before training on, so metrics.jsonl holds it once, as an uninterrupted run's does.
+    evaluation_due: bool = False

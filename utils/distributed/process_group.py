@@ -88,10 +88,14 @@ def torchrun_attempt(environ=os.environ) -> tuple[str | None, int]:
 
 
 def check_restarts(environ) -> None:
-    """torchrun --max_restarts on several nodes with the agents' shared store: each node counts its own
-    restarts (a node restarted because another failed does not count one), so the per-attempt prefixes of
-    attempt_store would differ between nodes and the group would never form. Without the shared store
-    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) every attempt gets a new store, hosted by its rank 0."""
+    """Refuse a torchrun --max_restarts launch whose restarts could not continue the run.
+
+    - Several nodes with the agents' shared store: each node counts its own restarts (a node restarted
+      because another failed does not count one), so the per-attempt prefixes of attempt_store would differ
+      between nodes and the group would never form. Without the shared store
+      (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) every attempt gets a new store, hosted by its rank 0.
+    - No job to recognise (rendezvous id "none" and no shared store): a restarted attempt could not tell its
+      own run in output_dir from an older one."""
     restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
     nodes = int(environ.get("GROUP_WORLD_SIZE", 1))
     if restarts and nodes > 1 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -100,6 +104,20 @@ def check_restarts(environ) -> None:
             "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment and --rdzv_backend c10d (README: "
             "multi-node), or without --max_restarts"
         )
+    if restarts and torchrun_attempt(environ)[0] is None:
+        raise ConfigError(
+            f"torchrun --max_restarts {restarts} without a rendezvous id: a restart could not tell this run "
+            "from an older one in --output_dir. Give torchrun --rdzv_id NAME (one per job, e.g. the SLURM "
+            "job id), or launch without --max_restarts"
+        )
+
+
+def group_attempt(attempt: int, device: torch.device) -> int:
+    """The highest torchrun restart count of any rank. Collective. On several nodes only the node whose
+    worker failed counts a restart; the others restart their workers with the count they had."""
+    value = torch.tensor([attempt], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 def init_distributed(info: DistInfo, timeout_s: int) -> None:

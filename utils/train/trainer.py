@@ -135,7 +135,17 @@ class Trainer:
                     samples_per_batch = train.batch_size_training * info.world_size
                     start_consumed = progress.samples_consumed  # of the epoch's order, before this pass
                     done_before = start_consumed // samples_per_batch
-                    batches_done, step, stopped = 0, progress.global_step, False
+                    batches_done, step, stopped, evaluation_abandoned = 0, progress.global_step, False, False
+                    if progress.evaluation_due:  # a stop abandoned this step's evaluation: it comes first
+                        with clock.paused(step_log):
+                            try:
+                                self._evaluate_midway(epoch, step, step_log, stop)
+                            except StopAgreed:  # stopped again: the checkpoint still says to redo it
+                                get_logger().info(
+                                    "stopped at step %d on SIGTERM; continue with --resume true", step
+                                )
+                                return False
+                        progress = dataclasses.replace(progress, evaluation_due=False)
                     model.train()
                     bar = _bar(total_batches + done_before, f"Training epoch {epoch}", "blue", info, done_before)
                     with bar:
@@ -166,11 +176,12 @@ class Trainer:
                                     try:
                                         self._evaluate_midway(epoch, step, step_log, stop)
                                     except StopAgreed:  # SIGTERM during it: abandoned, save and stop below
-                                        step_log.stop_requested = True
+                                        step_log.stop_requested = evaluation_abandoned = True
                             if self.checkpoints.due(step, step_log.stop_requested):
                                 step_log.flush()  # collective; metrics.jsonl then holds every step saved
                                 consumed = start_consumed + batches_done * samples_per_batch
                                 progress = inside_epoch(progress, consumed, step, step_log, clock.train_seconds())
+                                progress = dataclasses.replace(progress, evaluation_due=evaluation_abandoned)
                                 with clock.paused(step_log):
                                     self.checkpoints.save(progress)
                             if step_log.stop_requested:
@@ -196,8 +207,9 @@ class Trainer:
                             "stopped during epoch %d's evaluation on SIGTERM; --resume true evaluates it", epoch
                         )
                         return False
-                    if not per_step_schedule:
-                        scheduler.step()
+                    epoch_finished = batches_done == total_batches  # else --max_steps ended it early
+                    if not per_step_schedule and epoch_finished:  # a checkpoint inside the epoch resumes it
+                        scheduler.step()  # at its learning rate: the step comes at its real end
 
                     # ---- the epoch record, the best model (.pt, hf_model/), then the epoch's checkpoint
                     peaks, reserved = gather_peaks(info.device) if train.track_memory else (None, None)
@@ -218,7 +230,7 @@ class Trainer:
                     if improved:
                         get_logger().info("new best %s %.4f (epoch %d)", metric_name, metric, epoch)
                         self.checkpoints.export_hf()
-                    if batches_done == total_batches:  # the next epoch starts at its beginning
+                    if epoch_finished:  # the next epoch starts at its beginning
                         progress = TrainProgress(
                             epoch=epoch + 1, global_step=step, best_metric=best_metric, best_epoch=best_epoch
                         )
@@ -283,13 +295,15 @@ class Trainer:
 
     def _evaluate_midway(self, epoch: int, step: int, step_log: StepLog, stop: StopRequest) -> None:
         """--eval_every_n_steps: the validation loss (a validation record) and ROUGE (an eval record) inside
-        an epoch. Collective; flushes the step log first, so a NaN step stops the run before it is evaluated."""
+        an epoch. Collective; flushes the step log first, so a NaN step stops the run before it is evaluated.
+        The validation record is written after ROUGE: a stop during either leaves neither in metrics.jsonl,
+        and the resumed run writes both (TrainProgress.evaluation_due)."""
         step_log.flush()
         val_loss = self._validation(epoch, stop)
+        self._evaluate(epoch, step, stop)
         if val_loss is not None:
             get_logger().info("step %d: val_loss %.4f", step, val_loss)
             self.metrics.write({"type": "validation", "epoch": epoch, "step": step, "val_loss": val_loss})
-        self._evaluate(epoch, step, stop)
         self.model.train()
 
     def _write_memory_account(self, first_batch: dict, saved_activation_bytes: int) -> None:
