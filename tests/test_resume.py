@@ -1,8 +1,9 @@
 """Resumable checkpoints, through torchrun on the embedded tiny T5 and sample (2 CPU processes, gloo).
 
-One uninterrupted SHARDED_STATE_DICT run (module scope) is the reference: runs killed with SIGKILL and
-resumed, for both checkpoint types, must reproduce its per-step losses; its checkpoints are the material
-of the world-size, interrupted-save and bad-input tests. A 2-rank gloo group (tests/dist_harness.py) checks
+One uninterrupted SHARDED_STATE_DICT run (tests/reference_run.py, trained once per session) is the
+reference: runs with a rank SIGKILLed under torchrun --max_restarts, for both checkpoint types, both
+backends and two agents, must reproduce its per-step losses; its checkpoints are the material of the
+world-size, interrupted-save and bad-input tests. A 2-rank gloo group (tests/dist_harness.py) checks
 the optimizer state's round trip through CheckpointManager.save / CheckpointManager.load directly.
 """
 
@@ -329,8 +330,8 @@ def test_interrupted_save_leaves_the_previous_checkpoint_usable(tmp_path, refere
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     # Long enough that SIGTERM, sent once 4 steps are logged, arrives well before the end; no periodic saves.
-    epochs, samples = 2, 200
-    last_step = epochs * math.ceil(math.ceil(samples / NPROC) / BATCH)  # 50
+    epochs, samples = 2, 120
+    last_step = epochs * math.ceil(math.ceil(samples / NPROC) / BATCH)  # 30
     output_dir = tmp_path / "out"
     args = with_overrides(SMALL_RUN, [
         "--epochs", str(epochs),
@@ -626,27 +627,12 @@ def _wrong_header(tmp_path, out):
     return ["--data_dir", str(data)], "has the header", ["title,headline,text"]
 
 
-def _no_usable_rows(tmp_path, out):
-    # Header right, but every summary is longer than its article: the builder's filter drops every row.
-    rows = "".join(
-        f'"A summary much longer than its article, number {i}.",How to Sand a Favorite Desk,"Short {i}."\n'
-        for i in range(5)
-    )
-    data = _data_dir(tmp_path, "headline,title,text\n" + rows)
-    return ["--data_dir", str(data)], "no usable rows", ["wikihowAll.csv"]
-
-
 def _fewer_val_samples_than_ranks(tmp_path, out):
     return ["--num_val_samples", "1"], "fewer than the 2 ranks", ["validation"]
 
 
 def _fp16_on_cpu(tmp_path, out):
     return ["--use_fp16", "true", "--mixed_precision", "true"], "--use_fp16", ["CUDA"]
-
-
-def _resume_path_missing(tmp_path, out):
-    missing = tmp_path / "nonexistent" / "step_00000005"
-    return ["--resume", str(missing)], "no such checkpoint", [str(missing)]
 
 
 def _truncated_distcp(tmp_path, out):
@@ -678,12 +664,13 @@ def _fresh_run_over_a_run(tmp_path, out):
     return ["--resume", "false"], "already holds a run", ["--resume true"]
 
 
+# One torchrun run per way a bad input is found: a settings refusal, a data error, rank 0's decision on
+# output_dir, each kind of unusable checkpoint. Other messages of the same paths are unit-tested
+# (tests/test_cli.py, test_validate.py, test_dataset.py, test_torchrun_restarts.py).
 BAD_INPUTS = {
     "wrong_csv_header": _wrong_header,
-    "csv_without_usable_rows": _no_usable_rows,
     "fewer_val_samples_than_ranks": _fewer_val_samples_than_ranks,
     "fp16_on_cpu": _fp16_on_cpu,
-    "resume_path_missing": _resume_path_missing,
     "truncated_distcp": _truncated_distcp,
     "corrupt_train_state": _corrupt_train_state,
     "incompatible_model_shape": _incompatible_model_shape,

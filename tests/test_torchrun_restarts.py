@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from configs.errors import ConfigError
+from configs.errors import CheckpointError, ConfigError
 from utils import layout
 from utils.checkpoint.start import resolve_start
 from utils.distributed.process_group import check_restarts, torchrun_attempt
@@ -78,3 +78,10 @@ def test_a_restart_of_another_job_decides_as_its_first_attempt_did(tmp_path):
     for attempt in (0, 1):
         with pytest.raises(ConfigError, match="already holds a run"):
             resolve_start("false", str(tmp_path), job="job7", attempt=attempt)
+
+
+def test_a_resume_path_that_does_not_exist_is_refused_with_the_forms_that_work(tmp_path):
+    missing = tmp_path / "nonexistent" / "step_00000005"
+    with pytest.raises(CheckpointError, match="no such checkpoint") as refused:
+        resolve_start(str(missing), str(tmp_path / "out"))
+    assert str(missing) in str(refused.value) and "--resume true" in str(refused.value)
