@@ -328,7 +328,13 @@ def main() -> int:
     )
     parser.add_argument("--mixed_precision", choices=["true", "false"], default="false")
     parser.add_argument("--out", default="bench", help="folder for results.json and results.md")
+    parser.add_argument(
+        "--cases", nargs="+", metavar="CASE", help="only these cases of the suite, by name (default: all)"
+    )
     args = parser.parse_args()
+    unknown = sorted(set(args.cases or []) - set(SUITES[args.suite]))
+    if unknown:
+        parser.error(f"--suite {args.suite} has no case {unknown}; its cases: {list(SUITES[args.suite])}")
     args.nproc = args.nproc or (1 if args.suite == "gpu" else 2)
     args.data = args.data or ("full_lengths" if args.suite in PEERS_OF_SUITE else "embedded")
     if args.suite in PEERS_OF_SUITE and args.data != "full_lengths":
@@ -368,6 +374,8 @@ def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
     folder = model_folder(model, work)
     results = []
     for case, case_args in SUITES[args.suite].items():
+        if args.cases and case not in args.cases:
+            continue
         if GPU_ONLY & set(case_args) and not torch.cuda.is_available():
             print(f"{model} | {case} | skipped: needs a GPU", flush=True)
             continue

@@ -1,6 +1,7 @@
 """scripts/benchmark.py --suite gpu at tiny scale on CPU, so the GPU measurement cannot rot unseen: every
-case that can run on CPU runs through torchrun, the GPU-only ones are skipped with a note, and every row
-has a step time, a rate, an MFU and a planner figure."""
+case of every suite is a valid command line for a GPU run; two cases of the gpu suite (one per backend)
+and its peer run through torchrun, a GPU-only case is skipped with a note, and every row has a step time, a
+rate, an MFU and a planner figure."""
 
 import json
 import subprocess
@@ -8,18 +9,29 @@ import sys
 
 import pytest
 
+from configs.cli import parse_args
 from configs.paths import REPO_ROOT
+from configs.validate import check_settings
 from scripts.benchmark import GPU_ONLY, PEERS_OF_SUITE, SUITES
+
+RUN_CASES = ["fp32, FSDP1", "bf16, FSDP2", "fp16 + scaler, FSDP1"]  # the last needs a GPU: skipped on CPU
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_every_case_is_a_valid_gpu_run(suite):
+    for flags in SUITES[suite].values():
+        check_settings(parse_args(flags), 1 if suite == "gpu" else 2, "cuda")  # ConfigError if refused
 
 
 @pytest.mark.slow
 def test_gpu_suite_runs_at_tiny_scale_on_cpu(tmp_path):
-    command = [sys.executable, "scripts/benchmark.py", "--suite", "gpu", "--steps", "3",
+    command = [sys.executable, "scripts/benchmark.py", "--suite", "gpu", "--steps", "3", "--cases", *RUN_CASES,
                "--max_source_length", "32", "--max_target_length", "8", "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    runnable = [case for case, flags in SUITES["gpu"].items() if not GPU_ONLY & set(flags)]
-    skipped = [case for case in SUITES["gpu"] if case not in runnable]
+    chosen = [case for case in SUITES["gpu"] if case in RUN_CASES]  # in the suite's order
+    runnable = [case for case in chosen if not GPU_ONLY & set(SUITES["gpu"][case])]
+    skipped = [case for case in chosen if case not in runnable]
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     assert [r["case"] for r in results] == runnable + list(PEERS_OF_SUITE["gpu"])
     assert skipped and all(f"{case} | skipped: needs a GPU" in done.stdout for case in skipped)
@@ -29,3 +41,9 @@ def test_gpu_suite_runs_at_tiny_scale_on_cpu(tmp_path):
     assert all("planner_bytes" in r for r in results if r["case"] in runnable)
     table = (tmp_path / "results.md").read_text()
     assert all(f"| {r['case']} |" in table for r in results)
+
+
+def test_an_unknown_case_is_refused_with_the_suites_cases():
+    command = [sys.executable, "scripts/benchmark.py", "--suite", "gpu", "--cases", "bf16, FSDP3"]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "bf16, FSDP3" in done.stderr and "bf16, FSDP2" in done.stderr, done.stderr

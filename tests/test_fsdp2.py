@@ -1,5 +1,7 @@
 """FSDP2 (fully_shard) against the unsharded reference and against FSDP1, on a 2-process gloo CPU group."""
 
+import json
+
 import pytest
 
 from scripts.compare_step_losses import step_losses
@@ -75,22 +77,20 @@ def test_sharded_checkpoint_crosses_backends_with_identical_continued_losses(tmp
     FSDP2's step-22 checkpoint to the end: the losses of the uninterrupted FSDP1 run, both ways across. (The
     checkpoint of a --max_steps end resumes exactly too: the epoch's StepLR step waits for its real end.)"""
     crossed = tmp_path / "crossed"
-    for version, resume, extra in (
-        (2, str(checkpoint_dir(reference, 20)), ["--max_steps", "22"]),
-        (1, "true", []),
-    ):
-        args = [
-            *SMALL_RUN,
-            "--checkpoint_type",
-            SHARDED,
-            "--output_dir",
-            str(crossed),
-            "--fsdp_version",
-            str(version),
-        ]
-        done = torchrun([*args, "--resume", resume, *extra])
+    steps = [(2, str(checkpoint_dir(reference, 20)), ["--max_steps", "22"]), (1, "true", [])]
+    for version, resume, extra in steps:
+        args = [*SMALL_RUN, "--checkpoint_type", SHARDED, "--fsdp_version", str(version),
+                "--output_dir", str(crossed), "--resume", resume, *extra]  # fmt: skip
+        done = torchrun(args)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert "resumed from" in done.stdout and f"FSDP{version}:" in done.stdout
+        if extra:  # --max_steps 22 stopped inside epoch 2 (of 2), ended the epoch as usual, saved, exported
+            assert sorted(step_losses(crossed)) == [21, 22]
+            state = json.loads((checkpoint_dir(crossed, 22) / "train_state.json").read_text())
+            assert state["progress"]["global_step"] == 22 and state["progress"]["epoch"] == 2
+            assert (crossed / "hf_model" / "model.safetensors").is_file()
+            records = [json.loads(line) for line in (crossed / "metrics.jsonl").read_text().splitlines()]
+            assert [r["epoch"] for r in records if r["type"] == "epoch"] == [2]
     assert complete_checkpoint_steps(crossed)[-1] == TOTAL_STEPS
     losses, expected = step_losses(crossed), step_losses(reference)
     assert sorted(losses) == list(range(21, TOTAL_STEPS + 1)), sorted(losses)

@@ -109,7 +109,7 @@ LORA_RUN = ("--peft", "lora", "--lr", "0.01", "--epochs", "1", "--eval_rouge", "
 @pytest.fixture(scope="module")
 def lora_reference(tmp_path_factory):
     """One uninterrupted LoRA run (the checkpoint format does not change its losses)."""
-    from tests.test_resume import SMALL_RUN
+    from tests.reference_run import SMALL_RUN
 
     reference = tmp_path_factory.mktemp("lora_reference") / "out"
     run = torchrun([*SMALL_RUN, *LORA_RUN, "--output_dir", str(reference)])

@@ -129,18 +129,6 @@ def assert_epoch_flops_count_every_real_token(output_dir: Path, num_samples: int
     assert epoch["mfu"] == pytest.approx(epoch["model_tflops_per_s"] / config["mfu_peak_tflops"], rel=1e-9)
 
 
-def test_max_steps_stops_saves_and_exports(tmp_path):
-    output_dir = tmp_path / "budget"
-    run = torchrun([*COMMON, "--epochs", "3", "--max_steps", "5", "--output_dir", str(output_dir)])
-    assert run.returncode == 0, run.describe()
-    assert sorted(step_losses(output_dir)) == [1, 2, 3, 4, 5]
-    state = json.loads((output_dir / "checkpoints" / "step_00000005" / "train_state.json").read_text())
-    assert state["progress"]["global_step"] == 5
-    assert (output_dir / "hf_model" / "model.safetensors").is_file()
-    records = [json.loads(line) for line in Path(output_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records if r["type"] == "epoch"] == [1]
-
-
 @pytest.mark.parametrize(
     "next_epoch, best_epoch, patience, stops",
     [(3, 1, 2, False), (4, 1, 2, True), (4, 2, 2, False), (5, None, 2, False), (9, 1, 0, False)],
