@@ -233,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(RANK0_MESSAGE_GRACE_S)
         return 2 if isinstance(err, ConfigError) else 1
+    except process_group.GroupNotFormed as err:
+        # Every rank that waited says so: the rank that never joined may be hanging, silent.
+        get_logger().error("%s", err)
+        return 1
     except FAILURES as err:  # Exception, and DCP's CheckpointException (a BaseException)
         if process_group.is_peer_failure(err):
             # Another rank failed first and printed why; N copies of "connection closed" would bury it.

@@ -93,16 +93,16 @@ def check_header(header: Sequence[str] | None, csv_path: str | os.PathLike) -> N
         )
 
 
-def read_header(csv_path: str | os.PathLike) -> list[str] | None:
-    """The first CSV row of ``csv_path`` (None for an empty file)."""
-    csv.field_size_limit(_CSV_FIELD_SIZE_LIMIT)
-    with open(csv_path, encoding="utf-8", newline="") as f:
-        return next(csv.reader(f), None)
-
-
 def check_csv_header(csv_path: str | os.PathLike) -> None:
-    """Check the header of a wikihowAll.csv on disk (used by scripts/download_wikihow.py)."""
-    check_header(read_header(csv_path), csv_path)
+    """Check the header of a wikihowAll.csv on disk (used by scripts/download_wikihow.py). The decoder reads
+    a block ahead, so a bad byte near the start is a DataError here too, not a UnicodeDecodeError."""
+    csv.field_size_limit(_CSV_FIELD_SIZE_LIMIT)
+    try:
+        with open(csv_path, encoding="utf-8", newline="") as f:
+            header = next(csv.reader(f), None)
+    except UnicodeDecodeError:
+        raise _not_utf8(Path(csv_path)) from None
+    check_header(header, csv_path)
 
 
 def filter_and_clean(headline: str, text: str) -> tuple[str, str]:
@@ -191,10 +191,15 @@ def _csv_rows(csv_path: Path) -> Iterator[list[str]]:
                 if len(fields) == len(EXPECTED_HEADER):
                     yield fields
         except UnicodeDecodeError:
-            raise DataError(
-                f"{csv_path} is not UTF-8 text (line {_first_undecodable_line(csv_path)}): the file is damaged "
-                f"or not the original {CSV_NAME}. {_how_to_get_data(csv_path.parent)}"
-            ) from None
+            raise _not_utf8(csv_path) from None
+
+
+def _not_utf8(csv_path: Path) -> DataError:
+    """The error for a wikihowAll.csv that does not decode, naming its first bad line and the fix."""
+    return DataError(
+        f"{csv_path} is not UTF-8 text (line {_first_undecodable_line(csv_path)}): the file is damaged or not "
+        f"the original {CSV_NAME}. {_how_to_get_data(csv_path.parent)}"
+    )
 
 
 def _first_undecodable_line(path: Path) -> int:

@@ -335,6 +335,9 @@ def main() -> int:
     unknown = sorted(set(args.cases or []) - set(SUITES[args.suite]))
     if unknown:
         parser.error(f"--suite {args.suite} has no case {unknown}; its cases: {list(SUITES[args.suite])}")
+    first_case = next(iter(SUITES[args.suite]))
+    if args.cases and args.suite in PEERS_OF_SUITE and first_case not in args.cases:
+        parser.error(f"--suite {args.suite} rates its peers against its first case: add {first_case!r} to --cases")
     args.nproc = args.nproc or (1 if args.suite == "gpu" else 2)
     args.data = args.data or ("full_lengths" if args.suite in PEERS_OF_SUITE else "embedded")
     if args.suite in PEERS_OF_SUITE and args.data != "full_lengths":

@@ -119,4 +119,9 @@ def restart_run(output_dir: Path, case: str) -> tuple[list[Run], bool]:
         )  # fmt: skip
         for index in range(agents)
     ]
-    return [agent.finish(RESTART_TIMEOUT_S) for agent in started], marker.exists()
+    try:
+        return [agent.finish(RESTART_TIMEOUT_S) for agent in started], marker.exists()
+    finally:  # one agent's timeout must not leave the other running
+        for agent in started:
+            if agent.proc.poll() is None:
+                agent.kill()

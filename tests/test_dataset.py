@@ -574,3 +574,53 @@ def test_each_item_is_tokenized_once_per_run(tokenizer, data_dir):
         for a, b in zip(first, second, strict=True):
             assert all(torch.equal(a[key], b[key]) for key in a)
         assert all(item["source_ids"].shape == ((16,) if pad else item["source_mask"].shape) for item in first)
+
+
+@pytest.mark.parametrize("where", ["in the header's block", "half-way through"])
+def test_a_bad_byte_anywhere_in_the_real_sized_sample_is_one_data_error(tmp_path, where):
+    """A 0xFF byte at offset 2000 (inside the first block the reader decodes, with the header) or half-way
+    through the embedded 1 MB sample: a DataError naming the file and the line, never a raw
+    UnicodeDecodeError."""
+    from configs.paths import EMBEDDED_DATA_DIR
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    for name in ("all_train.txt", "all_val.txt", "all_test.txt"):
+        (data_dir / name).write_bytes((EMBEDDED_DATA_DIR / name).read_bytes())
+    content = bytearray((EMBEDDED_DATA_DIR / "wikihowAll.csv").read_bytes())
+    offset = 2000 if where == "in the header's block" else len(content) // 2
+    content[offset] = 0xFF
+    (data_dir / "wikihowAll.csv").write_bytes(bytes(content))
+    with pytest.raises(DataError) as caught:
+        load_wikihow(data_dir, "train")
+    bad_line = content[:offset].count(b"\n") + 1
+    message = str(caught.value)
+    assert "not UTF-8" in message and f"line {bad_line})" in message, message
+    assert str(data_dir / "wikihowAll.csv") in message
+
+
+def test_the_download_scripts_header_check_reports_a_bad_byte_in_the_first_block(tmp_path):
+    from summarization_dataset import check_csv_header
+
+    path = write_data(tmp_path / "data") / "wikihowAll.csv"
+    content = bytearray(path.read_bytes())
+    offset = len("headline,title,text\n") + 5
+    content[offset] = 0xFF
+    path.write_bytes(bytes(content))
+    bad_line = content[:offset].count(b"\n") + 1
+    with pytest.raises(DataError, match=rf"not UTF-8 text \(line {bad_line}\)"):
+        check_csv_header(path)
+
+
+def test_a_split_with_fewer_samples_than_ranks_is_refused():
+    from transformers import T5Tokenizer
+
+    from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR
+    from summarization_dataset import build_dataset
+
+    tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    data = DataConfig(data_dir=str(EMBEDDED_DATA_DIR))
+    assert len(build_dataset(tokenizer, "validation", 2, data, world_size=2)) == 2
+    with pytest.raises(DataError, match="has 1 usable samples, fewer than the 2 ranks") as refused:
+        build_dataset(tokenizer, "validation", 1, data, world_size=2)
+    assert "validation" in str(refused.value) and "fewer processes" in str(refused.value)

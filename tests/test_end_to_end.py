@@ -74,7 +74,7 @@ def training(tmp_path_factory) -> tuple[Run, Path]:
     output_dir = tmp_path_factory.mktemp("e2e_run") / "out"  # does not exist yet: rank 0 creates it
     run = torchrun(
         ["--epochs", str(EPOCHS), "--num_train_samples", str(NUM_TRAIN), "--num_val_samples", str(NUM_VAL),
-         "--eval_num_samples", str(NUM_EVAL),
+         "--eval_num_samples", str(NUM_EVAL), "--max_new_tokens", "16",
          "--save_model", "true", "--log_every_n_steps", "5", "--tensorboard", "true",
          "--output_dir", str(output_dir)],
         timeout=300,

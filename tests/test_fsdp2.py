@@ -97,6 +97,12 @@ def test_sharded_checkpoint_crosses_backends_with_identical_continued_losses(tmp
     for step in losses:  # every step trained after crossing
         assert relative_diff(losses[step], expected[step]) < 1e-5, step
 
+    def step_lrs(output_dir):
+        lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["lr"] for r in map(json.loads, lines) if r["type"] == "step"}
+
+    assert step_lrs(crossed) == {step: lr for step, lr in step_lrs(reference).items() if step > 20}
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager"])

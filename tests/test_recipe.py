@@ -144,6 +144,17 @@ def test_early_stopping_counts_the_epochs_since_the_best(next_epoch, best_epoch,
     assert trainer._ends_before_epoch(progress) is stops
 
 
+@pytest.mark.parametrize("global_step, stops", [(4, False), (5, True), (6, True)])
+def test_max_steps_ends_the_run_before_the_next_epoch_whatever_epochs_says(global_step, stops):
+    """The step budget at an epoch boundary (tests/test_fsdp2.py's cross-backend run stops inside one)."""
+    from utils.checkpoint.progress import TrainProgress
+    from utils.train.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.recipe, trainer.evaluation = RecipeConfig(max_steps=5), EvalConfig()
+    assert trainer._ends_before_epoch(TrainProgress(epoch=2, global_step=global_step)) is stops
+
+
 def test_early_stopping_ends_a_run_that_got_worse_and_keeps_the_best(tmp_path):
     # gamma 1000 takes the LR from 0.002 to 2 after epoch 1, so the second epoch is far worse than the first
     # (val_loss measured 5.73 -> 9.13): patience 1 ends the run there, of 3 epochs.
@@ -222,8 +233,8 @@ def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(t
     assert "step 2: NaN or infinite loss or gradient norm" in messages[0]
     assert run.output.count("torchrun restart 1 of this run") == 1, run.describe()  # it continued step 1's
     assert [p.name for p in (stopped / "checkpoints").iterdir()] == ["step_00000001"]
-    first_state = (stopped / "checkpoints" / "step_00000001" / "train_state.json").stat().st_mtime_ns
-    assert first_state < (stopped / "metrics.jsonl").stat().st_mtime_ns  # not rewritten by a later attempt
+    state = json.loads((stopped / "checkpoints" / "step_00000001" / "train_state.json").read_text())
+    assert state["progress"]["global_step"] == 1  # still step 1's state: no later step was saved over it
     assert not (stopped / "hf_model").exists()
 
     skipped = tmp_path / "skipped"

@@ -232,9 +232,10 @@ def test_kill_and_resume_with_accumulation_clipping_a_cosine_schedule_and_length
 
     run = result.resumed
     assert run.returncode == 0, run.describe()
-    path, _, step = resumed_from(run)
+    path, epoch, step = resumed_from(run)
     assert path == checkpoint_dir(output_dir, result.checkpoints_at_kill[-1]), run.describe()
     assert step == result.checkpoints_at_kill[-1], run.describe()
+    assert epoch == (1 if step < steps // 2 else 2), run.describe()  # the epoch's end (step 6) starts epoch 2
     state = json.loads((checkpoint_dir(output_dir, steps) / "train_state.json").read_text())
     assert state["checkpoint_type"] == SHARDED
 
@@ -280,24 +281,25 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path, request, checkpoint_
 def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path):
     samples = 48
     overrides = ["--num_train_samples", str(samples), "--checkpoint_type", SHARDED, "--keep_last_n", "10",
-                 "--epochs", "1"]  # fmt: skip
+                 "--max_steps", str(SAVE_EVERY)]  # fmt: skip
     args = with_overrides(SMALL_RUN, overrides)
     single = tmp_path / "single"
     run = torchrun([*args, "--output_dir", str(single)], nproc=1)
     assert run.returncode == 0, run.describe()
-    assert logged_steps(single) == list(range(1, math.ceil(samples / BATCH) + 1))
+    assert logged_steps(single) == list(range(1, SAVE_EVERY + 1))
     source = checkpoint_dir(single, SAVE_EVERY)
     state = json.loads((source / "train_state.json").read_text())
     assert state["world_size"] == 1 and state["progress"]["global_step"] == SAVE_EVERY
 
     output_dir = tmp_path / "out"
-    run = torchrun([*args, "--output_dir", str(output_dir), "--resume", str(source)], nproc=2)
+    run = torchrun([*with_overrides(args, ["--max_steps", "0"]), "--output_dir", str(output_dir),
+                    "--resume", str(source)], nproc=2)  # fmt: skip
     assert run.returncode == 0, run.describe()
     assert resumed_from(run) == (source, 1, SAVE_EVERY)
     assert world_size_warnings(run, saved=1, now=2), run.describe()
     rest = remaining_steps(samples, state["progress"]["samples_consumed"], 2)
-    assert_finite_run(output_dir, SAVE_EVERY + 1, rest)
-    assert [r["epoch"] for r in epoch_records(output_dir)] == [1]
+    assert_finite_run(output_dir, SAVE_EVERY + 1, rest + remaining_steps(samples, 0, 2))
+    assert [r["epoch"] for r in epoch_records(output_dir)] == [1, 2]  # and a whole epoch on 2 ranks
 
 
 # ---------------------------------------------------------------- 3. a save interrupted half-way
@@ -405,6 +407,10 @@ def test_sigterm_to_torchrun_during_the_rouge_evaluation_saves_and_the_resume_ev
     assert complete_checkpoint_steps(output_dir) == [saved_step], stopped.describe()
     assert logged_steps(output_dir) == list(range(1, saved_step + 1))
     assert not [r for r in read_records(output_dir) if r["type"] in ("eval", "validation", "epoch")]
+    saved = json.loads((checkpoint_dir(output_dir, saved_step) / "train_state.json").read_text())
+    # Inside the epoch the checkpoint says the evaluation is due; at its end, the position says it (the
+    # epoch's batches all consumed: the resumed pass trains nothing and evaluates).
+    assert saved["progress"]["evaluation_due"] is bool(extra), saved["progress"]
 
     run = torchrun(with_overrides(args, ["--eval_num_samples", "4"]) + ["--resume", "true"])
     assert run.returncode == 0, run.describe()
@@ -627,14 +633,6 @@ def _wrong_header(tmp_path, out):
     return ["--data_dir", str(data)], "has the header", ["title,headline,text"]
 
 
-def _fewer_val_samples_than_ranks(tmp_path, out):
-    return ["--num_val_samples", "1"], "fewer than the 2 ranks", ["validation"]
-
-
-def _fp16_on_cpu(tmp_path, out):
-    return ["--use_fp16", "true", "--mixed_precision", "true"], "--use_fp16", ["CUDA"]
-
-
 def _truncated_distcp(tmp_path, out):
     shard = checkpoint_dir(out, TOTAL_STEPS) / "__0_0.distcp"
     data = shard.read_bytes()
@@ -664,13 +662,12 @@ def _fresh_run_over_a_run(tmp_path, out):
     return ["--resume", "false"], "already holds a run", ["--resume true"]
 
 
-# One torchrun run per way a bad input is found: a settings refusal, a data error, rank 0's decision on
-# output_dir, each kind of unusable checkpoint. Other messages of the same paths are unit-tested
+# One torchrun run per way a bad input is found over an existing run: a data error, rank 0's decision on
+# output_dir, each kind of unusable checkpoint. A settings refusal comes before output_dir is touched
+# (tests/test_end_to_end.py: nothing is created). Other messages of the same paths are unit-tested
 # (tests/test_cli.py, test_validate.py, test_dataset.py, test_torchrun_restarts.py).
 BAD_INPUTS = {
     "wrong_csv_header": _wrong_header,
-    "fewer_val_samples_than_ranks": _fewer_val_samples_than_ranks,
-    "fp16_on_cpu": _fp16_on_cpu,
     "truncated_distcp": _truncated_distcp,
     "corrupt_train_state": _corrupt_train_state,
     "incompatible_model_shape": _incompatible_model_shape,

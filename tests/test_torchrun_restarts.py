@@ -3,26 +3,37 @@ the launch can restart at all, and where a restarted attempt starts from (the ru
 tests/test_resume.py: a SIGKILLed rank under --max_restarts 1)."""
 
 import json
+import os
+import time
 
 import pytest
+import torch
 
 from configs.errors import CheckpointError, ConfigError
+from tests.dist_harness import run_ranks
 from utils import layout
 from utils.checkpoint.start import resolve_start
-from utils.distributed.process_group import check_restarts, torchrun_attempt
+from utils.distributed.process_group import agent_process, check_restarts, torchrun_attempt
 
 AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "localhost", "MASTER_PORT": "29400"}
 
 
-def test_the_job_is_its_rendezvous_id_or_else_the_agent_store_address():
+def test_the_launch_is_its_rendezvous_id_or_store_address_and_its_agent():
     assert torchrun_attempt({}) == (None, 0)  # a plain `python T5_training.py`
-    assert torchrun_attempt({**AGENT, "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "2"}) == (
-        "job7",
-        2,
+    job7 = {**AGENT, "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert torchrun_attempt(job7, agent="41/900") == ("job7 agent 41/900", 2)
+    assert torchrun_attempt({**AGENT, "TORCHELASTIC_RUN_ID": "none"}, agent="41/900") == (
+        "none@localhost:29400 agent 41/900",
+        0,
     )
-    assert torchrun_attempt({**AGENT, "TORCHELASTIC_RUN_ID": "none"}) == ("none@localhost:29400", 0)
     no_store = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False"}
     assert torchrun_attempt({**no_store, "TORCHELASTIC_RESTART_COUNT": "1"}) == (None, 1)
+    # A later launch with the same id (or port) has another agent process: another launch.
+    assert (
+        torchrun_attempt(job7)[0] == f"job7 agent {agent_process()}" != torchrun_attempt(job7, agent="41/900")[0]
+    )
+    pid, start_time = agent_process().split("/")
+    assert int(pid) == os.getppid() and int(start_time) > 0
 
 
 def test_restarts_on_several_nodes_need_a_store_per_attempt():
@@ -85,3 +96,27 @@ def test_a_resume_path_that_does_not_exist_is_refused_with_the_forms_that_work(t
     with pytest.raises(CheckpointError, match="no such checkpoint") as refused:
         resolve_start(str(missing), str(tmp_path / "out"))
     assert str(missing) in str(refused.value) and "--resume true" in str(refused.value)
+
+
+def _group_attempt_worker(rank: int, world_size: int) -> int:
+    from utils.distributed.process_group import group_attempt
+
+    return group_attempt([1, 0][rank], torch.device("cpu"))  # only rank 0's node counted a restart
+
+
+def test_the_attempt_is_the_highest_restart_count_of_any_rank():
+    assert run_ranks(_group_attempt_worker, world_size=2, timeout_s=60) == [1, 1]
+
+
+def test_a_group_that_does_not_form_fails_within_the_timeout_with_one_message(monkeypatch):
+    """Rank 0 of 2, and rank 1 never comes (died or hangs before joining, as in a restart that cannot form):
+    init_distributed gives up after --dist_timeout_s with a message that says so."""
+    from utils.distributed.process_group import DistInfo, GroupNotFormed, free_port, init_distributed
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    start = time.monotonic()
+    with pytest.raises(GroupNotFormed, match=r"of 2 ranks did not form within 2 s \(--dist_timeout_s\)"):
+        init_distributed(DistInfo(0, 0, 2, torch.device("cpu"), "gloo"), timeout_s=2)
+    assert time.monotonic() - start < 10

@@ -11,6 +11,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -72,10 +73,12 @@ def describe_launch(device_choice: str) -> DistInfo:
     return DistInfo(rank, local_rank, world_size, device, backend)
 
 
-def torchrun_attempt(environ=os.environ) -> tuple[str | None, int]:
-    """(the torchrun job this process belongs to, its restart count): the job as its rendezvous id and, where
-    that id is torchrun's default "none", the address of the agent's store, which every attempt of one job
-    shares. (None, 0) outside torchrun, or where neither tells one job from another."""
+def torchrun_attempt(environ=os.environ, agent: str | None = None) -> tuple[str | None, int]:
+    """(the torchrun launch this process belongs to, its restart count). The launch is its rendezvous id
+    (where that is torchrun's default "none", the address of the agent's store) and the agent process that
+    starts this node's workers, `agent` or else agent_process(): every attempt of one launch shares both,
+    while a later launch with the same id or port has another agent. (None, 0) outside torchrun, or where
+    nothing tells one launch from another."""
     run_id = environ.get("TORCHELASTIC_RUN_ID")
     attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if run_id is None:
@@ -84,7 +87,18 @@ def torchrun_attempt(environ=os.environ) -> tuple[str | None, int]:
         if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             return None, attempt
         run_id = f"none@{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
-    return run_id, attempt
+    return f"{run_id} agent {agent or agent_process()}", attempt
+
+
+def agent_process() -> str:
+    """The parent process (under torchrun, its agent) as "pid/start time" (the start time from Linux's /proc,
+    so that a reused pid is another process; the pid alone elsewhere)."""
+    pid = os.getppid()
+    try:
+        start_time = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return str(pid)
+    return f"{pid}/{start_time}"
 
 
 def check_restarts(environ) -> None:
@@ -133,17 +147,28 @@ def init_distributed(info: DistInfo, timeout_s: int) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend=info.backend,
-        store=attempt_store(info.world_size, timeout),
-        rank=info.rank,
-        world_size=info.world_size,
-        timeout=timeout,
-        device_id=info.device if info.device.type == "cuda" else None,
-    )
+    try:
+        dist.init_process_group(
+            backend=info.backend,
+            store=attempt_store(info.world_size, timeout),
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+            device_id=info.device if info.device.type == "cuda" else None,
+        )
+    except dist.DistError as err:  # the store's wait for a rank's address timed out, or a peer was unreachable
+        raise GroupNotFormed(
+            f"the process group of {info.world_size} ranks did not form within {timeout_s} s (--dist_timeout_s): "
+            f"a rank died or hangs before joining (its output is above), or the ranks cannot reach each other "
+            f"({str(err).splitlines()[0]})"
+        ) from None
     get_logger().info(
         "process group: backend=%s world_size=%d device=%s", info.backend, info.world_size, info.device
     )
+
+
+class GroupNotFormed(RuntimeError):
+    """init_distributed gave up: not every rank joined within --dist_timeout_s."""
 
 
 def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:

@@ -140,9 +140,11 @@ class Trainer:
                         with clock.paused(step_log):
                             try:
                                 self._evaluate_midway(epoch, step, step_log, stop)
-                            except StopAgreed:  # stopped again: the checkpoint still says to redo it
+                            except StopAgreed:  # stopped again: the checkpoint resumed from still says to redo it
                                 get_logger().info(
-                                    "stopped at step %d on SIGTERM; continue with --resume true", step
+                                    "stopped at step %d on SIGTERM before the evaluation was redone; the same "
+                                    "command continues from the same checkpoint",
+                                    step,
                                 )
                                 return False
                         progress = dataclasses.replace(progress, evaluation_due=False)
