@@ -69,13 +69,10 @@ def resolve_start(resume: str, output_dir: str, job: str | None = None, attempt:
     earlier attempts never started (a refusal, a crash before the run record) decides as the first did."""
     prepare_output_dir(output_dir)
     if attempt > 0 and job is not None and recorded_job(output_dir) == job:
-        found = layout.complete_checkpoints(output_dir)
-        get_logger().warning(
-            "torchrun restart %d of this run: continuing from %s", attempt, found[-1] if found else "the start"
-        )
-        if not found:
-            return StartPoint()
-        return StartPoint(found[-1], read_train_state(found[-1])["checkpoint_type"])
+        newest = newest_checkpoint(output_dir)
+        where = newest.path if newest is not None else "the start"
+        get_logger().warning("torchrun restart %d of this run: continuing from %s", attempt, where)
+        return newest if newest is not None else StartPoint()
     if resume.lower() == "false":
         metrics_file = os.path.join(output_dir, layout.METRICS_FILE)
         if os.path.isfile(metrics_file) or layout.complete_checkpoints(output_dir):
@@ -86,11 +83,11 @@ def resolve_start(resume: str, output_dir: str, job: str | None = None, attempt:
             )
         return StartPoint()
     if resume.lower() == "true":
-        found = layout.complete_checkpoints(output_dir)
-        if not found:
+        newest = newest_checkpoint(output_dir)
+        if newest is None:
             get_logger().warning("--resume true: no complete checkpoint in %s; starting from scratch", output_dir)
             return StartPoint()
-        return StartPoint(found[-1], read_train_state(found[-1])["checkpoint_type"])
+        return newest
     if not os.path.exists(resume):
         example = os.path.join(layout.checkpoint_root(output_dir), layout.step_dir_name(100))
         raise CheckpointError(
@@ -105,6 +102,12 @@ def resolve_start(resume: str, output_dir: str, job: str | None = None, attempt:
             "interrupted before it finished?). Resume from an older one."
         )
     return StartPoint(resume, read_train_state(resume)["checkpoint_type"])
+
+
+def newest_checkpoint(output_dir: str) -> StartPoint | None:
+    """The newest complete checkpoint in output_dir (None if there is none)."""
+    found = layout.complete_checkpoints(output_dir)
+    return StartPoint(found[-1], read_train_state(found[-1])["checkpoint_type"]) if found else None
 
 
 def recorded_job(output_dir: str) -> str | None:
