@@ -15,6 +15,8 @@ from configs.paths import REPO_ROOT
 from utils.distributed.process_group import free_port
 
 DEFAULT_TIMEOUT_S = 300
+# torchrun options for one restart of the whole group after a rank fails, noticed within a second.
+RESTARTING = ["--max_restarts", "1", "--monitor_interval", "1"]
 
 
 @dataclass

@@ -10,7 +10,9 @@ import math
 import re
 from pathlib import Path
 
-from tests.launch import Background, Run, torchrun
+import pytest
+
+from tests.launch import RESTARTING, Background, Run, torchrun
 from utils.distributed.process_group import free_port
 
 SHARDED = "SHARDED_STATE_DICT"
@@ -60,6 +62,21 @@ def logged_steps(output_dir: Path) -> list[int]:
     return steps
 
 
+def read_records(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            pytest.fail(f"{path} line {number} is not JSON ({err}): {line!r}")
+    return records
+
+
+def step_lrs(output_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_records(output_dir) if r["type"] == "step"}
+
+
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / "checkpoints" / f"step_{step:08d}"
 
@@ -105,13 +122,12 @@ def restart_run(output_dir: Path, case: str) -> tuple[list[Run], bool]:
             "--dist_timeout_s", "60", "--output_dir", str(output_dir)]  # fmt: skip
     marker = output_dir.parent / "killed"
     env = {"KILL_RANK": str(kill_rank), "KILL_STEP": str(KILL_STEP), "KILL_MARKER": str(marker)}
-    restarts = ["--max_restarts", "1", "--monitor_interval", "1"]
     if agents == 1:
-        launcher = ["--standalone", *restarts]
+        launcher = ["--standalone", *RESTARTING]
     else:
         port = free_port()
         launcher = ["--nnodes", str(agents), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-                    "--rdzv_id", f"restart-{port}", *restarts]  # fmt: skip
+                    "--rdzv_id", f"restart-{port}", *RESTARTING]  # fmt: skip
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     started = [
         Background(

@@ -14,7 +14,15 @@ from tests.dist_workers import (
     rank0_loading_worker,
 )
 from tests.launch import torchrun
-from tests.reference_run import SHARDED, SMALL_RUN, TOTAL_STEPS, checkpoint_dir, complete_checkpoint_steps
+from tests.reference_run import (
+    SHARDED,
+    SMALL_RUN,
+    TOTAL_STEPS,
+    checkpoint_dir,
+    complete_checkpoint_steps,
+    read_records,
+    step_lrs,
+)
 
 STEPS = 4
 
@@ -89,18 +97,12 @@ def test_sharded_checkpoint_crosses_backends_with_identical_continued_losses(tmp
             state = json.loads((checkpoint_dir(crossed, 22) / "train_state.json").read_text())
             assert state["progress"]["global_step"] == 22 and state["progress"]["epoch"] == 2
             assert (crossed / "hf_model" / "model.safetensors").is_file()
-            records = [json.loads(line) for line in (crossed / "metrics.jsonl").read_text().splitlines()]
-            assert [r["epoch"] for r in records if r["type"] == "epoch"] == [2]
+            assert [r["epoch"] for r in read_records(crossed) if r["type"] == "epoch"] == [2]
     assert complete_checkpoint_steps(crossed)[-1] == TOTAL_STEPS
     losses, expected = step_losses(crossed), step_losses(reference)
     assert sorted(losses) == list(range(21, TOTAL_STEPS + 1)), sorted(losses)
     for step in losses:  # every step trained after crossing
         assert relative_diff(losses[step], expected[step]) < 1e-5, step
-
-    def step_lrs(output_dir):
-        lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-        return {r["step"]: r["lr"] for r in map(json.loads, lines) if r["type"] == "step"}
-
     assert step_lrs(crossed) == {step: lr for step, lr in step_lrs(reference).items() if step > 20}
 
 

@@ -14,7 +14,7 @@ from configs.training import TrainConfig
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
 from tests.dist_workers import LR, accumulation_worker
-from tests.launch import torchrun
+from tests.launch import RESTARTING, torchrun
 from utils.train.optim import lr_factor, lr_scheduler
 
 STEPS = 3
@@ -225,8 +225,7 @@ def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(t
     epoch 2's is null (none trained)."""
     flags = [*COMMON, "--lr", "1e30", "--save_every_n_steps", "1", "--log_every_n_steps", "3"]
     stopped = tmp_path / "stopped"
-    restarts = ["--standalone", "--max_restarts", "1", "--monitor_interval", "1"]
-    run = torchrun([*flags, "--output_dir", str(stopped)], launcher=restarts)
+    run = torchrun([*flags, "--output_dir", str(stopped)], launcher=["--standalone", *RESTARTING])
     assert run.returncode != 0, run.describe()
     messages = [line for line in run.output.splitlines() if "NaN or infinite loss or gradient norm" in line]
     assert len(messages) == 2 and len(set(messages)) == 1, messages  # once per attempt, rank 0's

@@ -54,7 +54,9 @@ from tests.reference_run import (
     checkpoint_dir,
     complete_checkpoint_steps,
     logged_steps,
+    read_records,
     restart_run,
+    step_lrs,
 )
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
@@ -82,17 +84,6 @@ def processes_of(output_dir: Path) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------- reading outputs
-
-
-def read_records(output_dir: Path) -> list[dict]:
-    path = output_dir / "metrics.jsonl"
-    records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            pytest.fail(f"{path} line {number} is not JSON ({err}): {line!r}")
-    return records
 
 
 def epoch_records(output_dir: Path) -> list[dict]:
@@ -205,10 +196,6 @@ def kill_and_resume(tmp_path_factory, checkpoint_type: str, extra: tuple[str, ..
 
 RECIPE = ("--lr_scheduler", "cosine", "--warmup_steps", "5", "--gradient_accumulation_steps", "2",
           "--max_grad_norm", "1.0", "--group_by_length", "true")  # fmt: skip
-
-
-def step_lrs(output_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["lr"] for r in read_records(output_dir) if r["type"] == "step"}
 
 
 # The whole job SIGKILLed after its first checkpoint, then resumed by hand (--resume true), with the recipe
