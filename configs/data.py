@@ -15,6 +15,14 @@ class DataConfig:
             "Default: the embedded sample; the real data goes in data/ (scripts/download_wikihow.py)."
         ),
     )
+    cache_dir: str = option(
+        default="",
+        help=(
+            "Folder for the memory-mapped Arrow cache of the cleaned splits and their token ids, built once "
+            "per machine and shared by every rank and later run (rebuilt when the file, the split lists, "
+            "the tokenizer or the lengths change). Default: <data_dir>/cache."
+        ),
+    )
     num_train_samples: int = option(
         default=1500,
         help="Use the first N training articles (tutorial: 1500); 0 = all.",
@@ -50,4 +58,4 @@ class DataConfig:
             "and exactly resumable, also on another number of ranks."
         ),
     )
-    print_text: bool = option(default=False, help="Log every source text as it is tokenized (debug).")
+    print_text: bool = option(default=False, help="Log every source text when its item is read (debug).")

@@ -51,8 +51,8 @@ class TrainConfig:
     num_workers_dataloader: int = option(
         default=0,
         help=(
-            "DataLoader worker processes per rank (tutorial: 2 on GPU). 0 tokenizes in the training "
-            "process, which is best on a CPU with few cores."
+            "DataLoader worker processes per rank (tutorial: 2 on GPU). 0 pads and batches the cached "
+            "token ids in the training process, which is best on a CPU with few cores."
         ),
         minimum=0,
     )

@@ -9,6 +9,7 @@
         --max_target_length 64 --out bench/lora
     python scripts/benchmark.py --suite loading --models t5-base --steps 4 --max_source_length 64 \
         --max_target_length 16 --out bench/loading
+    python scripts/benchmark.py --suite data --ranks 2 8 --out bench/data [--repo OTHER_CHECKOUT]
 
 Each case is one short run of T5_training.py (one epoch, no validation, no checkpoints) on the embedded
 sample, or on a generated one (--data). Step time is the median of the logged step windows after the
@@ -16,16 +17,28 @@ first (warm-up) window; peak memory is each rank's peak from the epoch record (p
 allocated on GPU). Models other than `embedded` are random-weight folders of the published shapes, made by
 scripts/make_random_t5.py. The peers suite also runs scripts/peers.py (bare FSDP1, bare DDP, HF
 Seq2SeqTrainer) on the same shapes, and rates every row with the same FLOP count and peak.
+
+The data suite measures the data path at the real file's size instead: it generates a WikiHow-format file
+of wikihowAll.csv's size (214,544 rows, CRLF line ends inside quoted fields, log-normal lengths around the
+published means; kept in --wikihow_dir for later invocations) and, for each --ranks, runs the embedded
+model for 3 steps (fixed 512/150 shapes) on the embedded sample, then on the full-size file with a cold
+cache and a warm one: time to the first step, peak RSS per rank and above the embedded sample's, and the
+CPU seconds of all ranks above the embedded sample's (parsing and tokenising). --repo runs another
+checkout's T5_training.py on the same file: the control.
 """
 
 import argparse
+import csv
 import json
 import math
 import random
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -99,6 +112,11 @@ SUITES = {
         "LoRA, FSDP1, use_orig_params": ["--fsdp_version", "1", "--peft", "lora", "--use_orig_params", "true"],
         "full fine-tuning, FSDP2": ["--fsdp_version", "2"],
         "LoRA, FSDP2": ["--fsdp_version", "2", "--peft", "lora"],
+    },
+    # The data path at the real file's size (run_data_suite): the tutorial's subset, and the whole train split.
+    "data": {
+        "tutorial subset (1,500 train, 16 validation)": ["--num_train_samples", "1500", "--num_val_samples", "16"],
+        "whole train split": ["--num_train_samples", "0", "--num_val_samples", "16"],
     },
     "strategies": {
         "FULL_SHARD": ["--sharding_strategy", "FULL_SHARD"],
@@ -239,7 +257,7 @@ def wikihow_length_sample(
     the cost, match WikiHow's under t5. No published lists: the reader splits by title hash.
     """
     frame = load_wikihow(EMBEDDED_DATA_DIR, "train")  # the package's reader: the file has malformed rows
-    texts, headlines = frame["text"].tolist(), frame["headline"].tolist()
+    texts, headlines = list(frame["text"]), list(frame["headline"])
     rng = random.Random(seed)
 
     def grown(pieces: list[str], words: int, separator: str) -> str:
@@ -264,6 +282,130 @@ def wikihow_length_sample(
     folder.mkdir(parents=True, exist_ok=True)
     sample.to_csv(folder / "wikihowAll.csv", index=False)
     return str(folder)
+
+
+# wikihowAll.csv: 214,544 rows; the published split sizes (the rest of the rows are in no list).
+FULL_SIZE_ROWS = 214_544
+PUBLISHED_SPLITS = {"all_train.txt": 157_252, "all_val.txt": 5_599, "all_test.txt": 5_577}
+# WikiHow's published mean lengths in words (articles, summaries); log-normal spread.
+FULL_SIZE_MEANS, FULL_SIZE_SIGMA = (580, 60), 0.7
+
+
+def full_size_wikihow(folder: Path, rows: int = FULL_SIZE_ROWS, seed: int = 0) -> Path:
+    """A data folder with a wikihowAll.csv of the real file's size and format, and split lists of the
+    published sizes (scaled to `rows`); made from the embedded sample's paragraphs, and reused when a
+    previous invocation made the same one."""
+    made = {"rows": rows, "seed": seed, "means": list(FULL_SIZE_MEANS), "sigma": FULL_SIZE_SIGMA, "version": 1}
+    marker = folder / "generated.json"
+    if marker.exists() and json.loads(marker.read_text()) == made:
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    sample = load_wikihow(EMBEDDED_DATA_DIR, "train")
+    paragraphs = [p.strip() for text in sample["text"] for p in text.split("\n") if p.strip()]
+    bold_lines = [line.strip() for headline in sample["headline"] for line in headline.split("\n") if line.strip()]
+    rng = random.Random(seed)
+
+    def grown(pieces: list[str], mean_words: float, separator: str) -> str:
+        target = rng.lognormvariate(math.log(mean_words) - FULL_SIZE_SIGMA**2 / 2, FULL_SIZE_SIGMA)
+        out, count = [], 0
+        while count < target:
+            out.append(rng.choice(pieces))
+            count += len(out[-1].split())
+        return separator.join(out)
+
+    titles = [f"How to Do Thing {i}" for i in range(rows)]
+    # The published file's line ends are CRLF, inside quoted fields too; its bold lines are joined by ".,\n"
+    # and its paragraphs by "\n,".
+    with open(folder / "wikihowAll.csv", "w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f, lineterminator="\r\n")
+        writer.writerow(["headline", "title", "text"])
+        for title in titles:
+            headline = grown(bold_lines, FULL_SIZE_MEANS[1], ",\r\n")
+            writer.writerow([headline, title, grown(paragraphs, FULL_SIZE_MEANS[0], "\r\n,")])
+    order = rng.sample(range(rows), rows)
+    start = 0
+    for name, size in PUBLISHED_SPLITS.items():
+        size = size * rows // FULL_SIZE_ROWS
+        listed = sorted(order[start : start + size])
+        (folder / name).write_text("".join(titles[i].replace(" ", "") + "\n" for i in listed), encoding="utf-8")
+        start += size
+    marker.write_text(json.dumps(made))
+    return folder
+
+
+def first_step_run(repo: Path, nproc: int, args: list[str], out: Path) -> dict:
+    """One torchrun launch of `repo`'s T5_training.py: seconds to its first step record, the wall time, the
+    CPU seconds of every process (ranks and agent), and each rank's peak RSS from its epoch record."""
+    metrics = out / "metrics.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+               str(repo / "T5_training.py"), "--output_dir", str(out), *args]  # fmt: skip
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    first_step = None
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        process = subprocess.Popen(command, cwd=repo, stdout=log, stderr=subprocess.STDOUT)
+        while process.poll() is None:
+            if first_step is None and metrics.exists() and '"type": "step"' in metrics.read_text():
+                first_step = time.perf_counter() - started
+            time.sleep(0.05)
+    wall = time.perf_counter() - started
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if process.returncode != 0:
+        raise SystemExit(f"run failed ({command}): see {out.parent / f'{out.name}.log'}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    epoch = next(r for r in records if r["type"] == "epoch")
+    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    return {"first_step_s": first_step, "wall_s": wall, "cpu_s": cpu, "peak_rss_bytes": epoch["peak_memory_bytes"]}
+
+
+def run_data_suite(args, work: Path) -> list[dict]:
+    """For each --ranks and case: the embedded sample, then the full-size file with a cold and a warm cache."""
+    data_dir = full_size_wikihow(Path(args.wikihow_dir or Path(args.out) / "wikihow_full"), args.rows)
+    csv_path = data_dir / "wikihowAll.csv"
+    print(f"full-size file: {csv_path} ({csv_path.stat().st_size / 1e6:.0f} MB)", flush=True)
+    repo = Path(args.repo).resolve() if args.repo else REPO_ROOT
+    # Fixed 512/150 shapes (the tutorial's padding): the embedded sample's articles are shorter than the
+    # generated ones, and per-batch padding would make the full-size steps' activations larger, which
+    # would count as "data" memory. So the runs differ only in the data.
+    common = ["--max_steps", "3", "--log_every_n_steps", "1", "--keep_last_n", "0", "--eval_rouge", "false",
+              "--pad_to_max_length", "true"]  # fmt: skip
+    results = []
+    for nproc in args.ranks:
+        for case, case_args in SUITES["data"].items():
+            if args.cases and case not in args.cases:
+                continue
+            runs = {}
+            for data in ("embedded sample", "full size, cold cache", "full size, warm cache"):
+                if data == "full size, cold cache":
+                    shutil.rmtree(data_dir / "cache", ignore_errors=True)
+                folder = str(EMBEDDED_DATA_DIR) if data == "embedded sample" else str(data_dir)
+                out = work / f"run{len(list(work.iterdir()))}"
+                runs[data] = first_step_run(repo, nproc, [*common, *case_args, "--data_dir", folder], out)
+                embedded = runs["embedded sample"]
+                result = {"ranks": nproc, "case": case, "data": data, **runs[data]}
+                result["data_rss_bytes"] = max(result["peak_rss_bytes"]) - max(embedded["peak_rss_bytes"])
+                result["data_cpu_s"] = result["cpu_s"] - embedded["cpu_s"]
+                result["first_step_vs_embedded"] = result["first_step_s"] / embedded["first_step_s"]
+                results.append(result)
+                print(f"{nproc} ranks | {case} | {data} | first step {result['first_step_s']:.1f} s", flush=True)
+    return results
+
+
+def data_markdown(results: list[dict]) -> str:
+    lines = [
+        "| ranks | case | data | time to first step (s) | vs embedded | peak RSS per rank (MiB) "
+        "| data RSS per rank (MiB, max rank) | CPU s, all ranks | data CPU s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_rss_bytes"])
+        lines.append(
+            f"| {r['ranks']} | {r['case']} | {r['data']} | {r['first_step_s']:.1f} "
+            f"| {r['first_step_vs_embedded']:.2f}x "
+            f"| {peaks} | {r['data_rss_bytes'] / 2**20:.0f} | {r['cpu_s']:.1f} | {r['data_cpu_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def model_folder(name: str, work: Path) -> str:
@@ -312,6 +454,13 @@ def main() -> int:
     parser.add_argument("--suite", choices=sorted(SUITES), default="backends")
     parser.add_argument("--models", nargs="+", default=["embedded"], choices=["embedded", *sorted(SHAPES)])
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: 1 for the gpu suite, else 2)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8], help="data suite: the numbers of ranks")
+    parser.add_argument("--rows", type=int, default=FULL_SIZE_ROWS, help="data suite: rows of the generated file")
+    parser.add_argument(
+        "--wikihow_dir",
+        help="data suite: where the full-size file is generated, or reused (default <out>/wikihow_full)",
+    )
+    parser.add_argument("--repo", help="data suite: run this checkout's T5_training.py instead (the control)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per case")
     parser.add_argument("--max_source_length", type=int, default=128)
     parser.add_argument("--max_target_length", type=int, default=32)
@@ -344,6 +493,10 @@ def main() -> int:
         parser.error(f"--suite {args.suite} rates fixed shapes: it needs --data full_lengths")
     if args.suite == "gpu" and args.nproc != 1:
         parser.error("--suite gpu measures one device: --nproc 1")
+    if args.suite == "data":
+        with tempfile.TemporaryDirectory() as tmp:
+            results = run_data_suite(args, Path(tmp))
+        return write_results(args, results, data_markdown(results))
     common = [
         "--max_source_length",
         str(args.max_source_length),
@@ -364,6 +517,10 @@ def main() -> int:
     table = {"peers": peers_markdown, "gpu": gpu_markdown, "loading": loading_markdown}.get(args.suite, markdown)(
         results
     )
+    return write_results(args, results, table)
+
+
+def write_results(args, results: list[dict], table: str) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=1))

@@ -55,3 +55,25 @@ def test_cases_that_are_unknown_or_leave_the_peers_without_their_baseline_are_re
     with pytest.raises(SystemExit) as stopped:
         benchmark.main()
     assert stopped.value.code == 2 and phrase in capsys.readouterr().err
+
+
+def test_the_data_suites_full_size_file_has_the_real_files_format_and_is_reused(tmp_path):
+    """scripts/benchmark.py --suite data's generator at 2,000 rows: the real header, CRLF line ends inside
+    quoted fields, split lists of the published proportions that the reader accepts; a second call reuses
+    the file."""
+    from summarization_dataset import load_wikihow
+
+    folder = benchmark.full_size_wikihow(tmp_path / "wikihow", rows=2000)
+    content = (folder / "wikihowAll.csv").read_bytes()
+    assert content.startswith(b"headline,title,text\r\n")
+    assert content.count(b"\r\n") > 10 * 2000 and b"\r\n," in content  # paragraphs joined by "\r\n," inside quotes
+    listed = {name: (folder / name).read_text().split() for name in benchmark.PUBLISHED_SPLITS}
+    assert {name: len(titles) for name, titles in listed.items()} == {
+        name: size * 2000 // benchmark.FULL_SIZE_ROWS for name, size in benchmark.PUBLISHED_SPLITS.items()
+    }
+    train = load_wikihow(folder, "train")
+    assert 0.9 * len(listed["all_train.txt"]) < len(train) <= len(listed["all_train.txt"])
+    assert not any("\r" in text for text in train["text"])
+    mtime = (folder / "wikihowAll.csv").stat().st_mtime_ns
+    benchmark.full_size_wikihow(tmp_path / "wikihow", rows=2000)
+    assert (folder / "wikihowAll.csv").stat().st_mtime_ns == mtime

@@ -11,12 +11,10 @@ import json
 import logging
 import os
 import pickle
-import random
 import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 
@@ -31,7 +29,6 @@ from summarization_dataset import (
     pad_collate,
     wikihow,
 )
-from utils.log import get_logger
 from utils.train.step import labels_for_loss
 
 
@@ -109,27 +106,6 @@ def write_data(data_dir: Path, csv_text: str = FIXTURE_CSV, lists: dict[str, str
     return data_dir
 
 
-class _ListHandler(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def log_records():
-    """Records of the package logger. Its own handler: setup_logging() turns propagation (caplog) off."""
-    logger = get_logger()
-    handler, old_level = _ListHandler(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler.records
-    logger.removeHandler(handler)
-    logger.setLevel(old_level)
-
-
 def _warnings(records: list[logging.LogRecord]) -> list[str]:
     return [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
@@ -141,15 +117,14 @@ def _warnings(records: list[logging.LogRecord]) -> list[str]:
 
 @pytest.mark.parametrize("split", ["train", "validation", "test"])
 def test_split_rows_exactly_as_the_builder(tmp_path, split):
-    frame = load_wikihow(write_data(tmp_path), split)
-    assert list(frame.columns) == ["title", "headline", "text"]
-    assert frame.index.equals(pd.RangeIndex(len(EXPECTED[split])))
-    assert frame.to_dict("records") == EXPECTED[split]
+    rows = load_wikihow(write_data(tmp_path), split)
+    assert rows.column_names == ["title", "headline", "text"]
+    assert rows.to_list() == EXPECTED[split]
 
 
 def test_file_order_not_list_order(tmp_path):
     # The train list starts with ApplePicking, the last train row of the file.
-    titles = load_wikihow(write_data(tmp_path), "train")["title"].tolist()
+    titles = list(load_wikihow(write_data(tmp_path), "train")["title"])
     assert titles == ["How to Bake Bread", "Zebra Care", "Boundary Keep", "Apple Picking"]
 
 
@@ -178,7 +153,7 @@ def _hash_fixture_csv() -> str:
 
 
 def _titles_by_split(data_dir: Path) -> dict[str, list[str]]:
-    return {split: load_wikihow(data_dir, split)["title"].tolist() for split in ("train", "validation", "test")}
+    return {split: list(load_wikihow(data_dir, split)["title"]) for split in ("train", "validation", "test")}
 
 
 def test_hash_split_deterministic_disjoint_complete(tmp_path):
@@ -214,7 +189,7 @@ def test_hash_split_independent_of_pythonhashseed(tmp_path):
     code = (
         "import json, sys\n"
         "from summarization_dataset import load_wikihow\n"
-        "print(json.dumps({s: load_wikihow(sys.argv[1], s)['title'].tolist()\n"
+        "print(json.dumps({s: list(load_wikihow(sys.argv[1], s)['title'])\n"
         "                  for s in ('train', 'validation', 'test')}))\n"
     )
     procs = []
@@ -283,7 +258,7 @@ def test_no_usable_rows(tmp_path):
         load_wikihow(data_dir, "train")
     with pytest.raises(DataError, match="no usable rows for split 'validation'"):
         load_wikihow(data_dir, "validation")
-    assert load_wikihow(data_dir, "test")["title"].tolist() == ["How to Zip"]
+    assert list(load_wikihow(data_dir, "test")["title"]) == ["How to Zip"]
 
 
 def test_partial_split_lists(tmp_path):
@@ -305,39 +280,6 @@ def test_bad_split_name(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # The tutorial's Dataset on a tiny real T5 tokenizer
 # ---------------------------------------------------------------------------------------------------
-
-_WORDS = (
-    "the a to and it of in for is pour flour into bowl add water knead ten minutes put oven wait enjoy "
-    "mix bake loaf zebra hay every morning give feed pick ripe apples look branch easily come off "
-    "summarize step one two text summary"
-).split()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    """A real T5Tokenizer on a sentencepiece model of ~200 pieces trained on generated sentences."""
-    sentencepiece = pytest.importorskip("sentencepiece")
-    transformers = pytest.importorskip("transformers")
-    rng = random.Random(0)
-    sentences = [
-        " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))) + rng.choice([".", ",", ";", ":"])
-        for _ in range(400)
-    ]
-    folder = tmp_path_factory.mktemp("t5_tokenizer")
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
-        model_prefix=str(folder / "spiece"),
-        vocab_size=200,
-        hard_vocab_limit=False,  # the corpus may not support 200 pieces; fewer is fine
-        character_coverage=1.0,
-        pad_id=0,
-        eos_id=1,
-        unk_id=2,
-        bos_id=-1,
-        minloglevel=2,
-    )
-    # From the folder: T5Tokenizer(vocab_file=...) does not load the vocabulary in transformers 5.
-    return transformers.T5Tokenizer.from_pretrained(str(folder))
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +305,7 @@ def test_without_options_the_embedded_sample_is_padded_to_max_length(tokenizer):
     from configs.paths import EMBEDDED_DATA_DIR
 
     dataset = wikihow(tokenizer, "train", 2, 16, 8)
-    assert dataset.dataset["title"].tolist() == load_wikihow(EMBEDDED_DATA_DIR, "train")["title"].tolist()[:2]
+    assert list(dataset.dataset["title"]) == list(load_wikihow(EMBEDDED_DATA_DIR, "train")["title"])[:2]
     assert all(
         dataset[i]["source_ids"].shape == (16,) and dataset[i]["target_ids"].shape == (8,) for i in range(2)
     )
@@ -428,7 +370,7 @@ def test_num_samples_takes_the_first_rows(tokenizer, data_dir, log_records):
     every = wikihow(tokenizer, "train", None, 16, 8, data_options(data_dir=data_dir))
     first_two = wikihow(tokenizer, "train", 2, 16, 8, data_options(data_dir=data_dir))
     assert len(first_two) == 2
-    assert first_two.dataset["title"].tolist() == ["How to Bake Bread", "Zebra Care"]
+    assert list(first_two.dataset["title"]) == ["How to Bake Bread", "Zebra Care"]
     for index in range(2):
         for key in ITEM_KEYS:
             assert torch.equal(first_two[index][key], every[index][key])
@@ -525,9 +467,9 @@ def test_crlf_file_gives_the_builders_rows_and_no_carriage_return(tmp_path):
     assert crlf.count("\r\n") > 20  # line ends inside quoted fields too
     data_dir = write_data(tmp_path / "crlf", crlf, lists)
     for split, expected in EXPECTED.items():
-        frame = load_wikihow(data_dir, split)
-        assert frame.to_dict("records") == expected, split
-        assert not any("\r" in value for column in frame for value in frame[column]), split
+        rows = load_wikihow(data_dir, split).to_list()
+        assert rows == expected, split
+        assert not any("\r" in value for row in rows for value in row.values()), split
 
 
 def test_non_utf8_csv_names_the_file_the_line_and_the_fix(tmp_path):
@@ -552,28 +494,39 @@ def test_a_csv_cut_inside_a_quoted_field_is_reported_as_truncated(tmp_path, log_
     assert [w for w in _warnings(log_records) if "looks truncated" in w and "wikihowAll.csv" in w]
 
 
-def test_each_item_is_tokenized_once_per_run(tokenizer, data_dir):
-    """Later epochs index the kept token ids: two passes call the tokenizer once per text, and give the
-    same items (padded or not) as the first."""
-    calls = []
+class CountingTokenizer:
+    """A tokenizer that records the texts it is asked to encode; the same fingerprint as the one it wraps."""
 
-    class CountingTokenizer:
-        pad_token_id = tokenizer.pad_token_id
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.texts = tokenizer, []
+        self.pad_token_id = tokenizer.pad_token_id
+        self.backend_tokenizer = tokenizer.backend_tokenizer
 
-        def __call__(self, text, **kwargs):
-            calls.append(text)
-            return tokenizer(text, **kwargs)
+    def __call__(self, texts, **kwargs):
+        self.texts += texts
+        return self.tokenizer(texts, **kwargs)
 
+
+def test_each_item_is_tokenized_once_per_machine(tokenizer, tmp_path):
+    """The token ids are cached beside the text: a second Dataset (a later epoch's, another rank's, a later
+    run's) tokenises nothing and gives the same items, padded or not; other lengths tokenise again."""
+    data_dir = write_data(tmp_path)
     for pad in (True, False):
-        calls.clear()
+        counting = CountingTokenizer(tokenizer)
         options = data_options(data_dir=data_dir, pad_to_max_length=pad)
-        dataset = wikihow(CountingTokenizer(), "train", None, 16, 8, options)
-        first = [dataset[i] for i in range(len(dataset))]
-        second = [dataset[i] for i in range(len(dataset))]
-        assert len(calls) == 2 * len(dataset)  # a source and a target per sample, in the first pass only
-        for a, b in zip(first, second, strict=True):
+        first = wikihow(counting, "train", None, 16, 8, options)
+        # A source and a target per sample, once: padding is applied to the cached ids, so pad=False reuses them.
+        tokenised = 2 * len(first) if pad else 0
+        assert len(counting.texts) == tokenised
+        second = wikihow(counting, "train", None, 16, 8, options)
+        assert len(counting.texts) == tokenised
+        for index in range(len(first)):
+            a, b = first[index], second[index]
             assert all(torch.equal(a[key], b[key]) for key in a)
-        assert all(item["source_ids"].shape == ((16,) if pad else item["source_mask"].shape) for item in first)
+            assert a["source_ids"].shape == ((16,) if pad else a["source_mask"].shape)
+    counting = CountingTokenizer(tokenizer)
+    wikihow(counting, "train", None, 12, 8, data_options(data_dir=data_dir))
+    assert len(counting.texts) == 8
 
 
 @pytest.mark.parametrize("where", ["in the header's block", "half-way through"])

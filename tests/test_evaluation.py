@@ -91,7 +91,7 @@ def final_model(output_dir: Path) -> Path:
 def test_eval_records_and_predictions_files_agree(trained):
     records = eval_records(trained)
     assert [r["step"] for r in records] == STEPS
-    titles = load_wikihow(EMBEDDED_DATA_DIR, "validation")["title"].tolist()[:EVAL_NUM]
+    titles = list(load_wikihow(EMBEDDED_DATA_DIR, "validation")["title"])[:EVAL_NUM]
     for record in records:
         assert set(record) == EVAL_KEYS and record["split"] == "validation" and record["num_samples"] == EVAL_NUM
         lines = read_jsonl(trained / "predictions" / f"validation_step_{record['step']:08d}.jsonl")
@@ -134,7 +134,7 @@ def summarize(model: Path, args: list[str], stdin: str | None = None) -> list[st
 def test_summarize_reproduces_the_last_evaluation_from_a_file_and_from_stdin(trained, tmp_path):
     """fp32: a single process with plain generate on hf_model gives the predictions of the FSDP run."""
     lines = read_jsonl(trained / "predictions" / "validation_step_00000024.jsonl")
-    articles = load_wikihow(EMBEDDED_DATA_DIR, "validation")["text"].tolist()[:EVAL_NUM]
+    articles = list(load_wikihow(EMBEDDED_DATA_DIR, "validation")["text"])[:EVAL_NUM]
     csv = tmp_path / "articles.csv"
     pd.DataFrame({"text": articles}).to_csv(csv, index=False)
     assert summarize(final_model(trained), ["--input", str(csv)]) == [line["prediction"] for line in lines]
@@ -154,7 +154,7 @@ def test_evaluate_only_scores_a_saved_model_on_the_test_split(trained, tmp_path)
     [record] = eval_records(output_dir)
     assert record["split"] == "test" and record["num_samples"] == 8 and record["step"] == 0
     lines = read_jsonl(output_dir / "predictions" / "test_step_00000000.jsonl")
-    assert [line["title"] for line in lines] == load_wikihow(EMBEDDED_DATA_DIR, "test")["title"].tolist()[:8]
+    assert [line["title"] for line in lines] == list(load_wikihow(EMBEDDED_DATA_DIR, "test")["title"])[:8]
     recomputed = mean_scores([rouge_scores(line["reference"], line["prediction"]) for line in lines])
     assert all(record[key] == pytest.approx(recomputed[key], abs=1e-6) for key in ROUGE_KEYS)
     assert sorted(p.name for p in output_dir.iterdir()) == ["metrics.jsonl", "predictions", "tensorboard"]

@@ -48,7 +48,7 @@ class LengthGrouping:
     (the usual trade-off of length grouping).
     """
 
-    lengths: list[int]  # a length per sample (characters of the article: a free, exact-enough proxy for tokens)
+    lengths: list[int]  # a length per sample: its source tokens, read from the cached token ids
     batch_size: int  # per rank
 
     MEGA_BATCHES = 256

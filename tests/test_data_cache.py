@@ -1,0 +1,232 @@
+"""The memory-mapped WikiHow cache (utils/data/shared_cache.py, summarization_dataset.py): what it is keyed
+by, what happens to a damaged or half-built cache, and several processes asking for it at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs.data import DataConfig
+from configs.errors import DataError
+from configs.paths import REPO_ROOT
+from summarization_dataset import load_wikihow, wikihow
+from tests.test_dataset import EXPECTED, FIXTURE_CSV, FIXTURE_LISTS, CountingTokenizer, write_data
+from utils.data import shared_cache
+
+ADDED_ROW = "Sow it.,How to Sow,Put the seeds in the soil in spring.\n"
+
+
+def _folders(cache: Path, name: str) -> list[str]:
+    return sorted(path.name for path in cache.glob(f"{name}-*") if path.is_dir())
+
+
+def _warnings(records) -> list[str]:
+    return [record.getMessage() for record in records if record.levelname == "WARNING"]
+
+
+def test_the_cache_is_under_data_dir_and_keyed_by_the_file_and_the_lists(tmp_path):
+    data_dir = write_data(tmp_path / "data")
+    assert load_wikihow(data_dir, "train").to_list() == EXPECTED["train"]
+    cache = data_dir / "cache"
+    first = _folders(cache, "wikihow-text")
+    assert len(first) == 1
+    assert load_wikihow(data_dir, "train").to_list() == EXPECTED["train"]
+    assert _folders(cache, "wikihow-text") == first  # reused
+    # A changed file: a new cache with the new row.
+    write_data(data_dir, FIXTURE_CSV + ADDED_ROW, {**FIXTURE_LISTS, "all_train.txt": "HowtoSow\n"})
+    titles = list(load_wikihow(data_dir, "train")["title"])
+    assert titles == ["How to Sow"]
+    assert len(_folders(cache, "wikihow-text")) == 2
+    # A changed split list alone: another.
+    write_data(data_dir, FIXTURE_CSV + ADDED_ROW, {**FIXTURE_LISTS, "all_train.txt": "HowtoSow\nZebraCare\n"})
+    assert list(load_wikihow(data_dir, "train")["title"]) == ["Zebra Care", "How to Sow"]
+    assert len(_folders(cache, "wikihow-text")) == 3
+
+
+def test_cache_dir_moves_the_cache_and_an_unwritable_one_is_named(tmp_path):
+    data_dir = write_data(tmp_path / "data")
+    elsewhere = tmp_path / "elsewhere"
+    assert load_wikihow(data_dir, "test", cache_dir=elsewhere).to_list() == EXPECTED["test"]
+    assert _folders(elsewhere, "wikihow-text") and not (data_dir / "cache").exists()
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a folder")
+    with pytest.raises(DataError, match=r"cannot create the data cache folder .*a_file/cache.*--cache_dir"):
+        load_wikihow(data_dir, "test", cache_dir=blocked / "cache")
+
+
+def test_the_token_cache_is_keyed_by_tokenizer_and_lengths_and_serves_fewer_rows(tokenizer, tmp_path):
+    from transformers import T5Tokenizer
+
+    from configs.paths import EMBEDDED_MODEL_DIR
+
+    data = DataConfig(data_dir=str(write_data(tmp_path / "data")))
+    counting = CountingTokenizer(tokenizer)
+    wikihow(counting, "train", None, 16, 8, data)
+    assert len(counting.texts) == 8
+    wikihow(counting, "train", 2, 16, 8, data)  # fewer rows: the cache of all four serves them
+    wikihow(counting, "train", None, 16, 8, DataConfig(data_dir=data.data_dir, pad_to_max_length=True))
+    assert len(counting.texts) == 8
+    wikihow(counting, "train", None, 16, 9, data)  # another target length
+    assert len(counting.texts) == 16
+    wikihow(counting, "train", None, 16, 8, DataConfig(data_dir=data.data_dir, source_prefix="summarize: "))
+    assert len(counting.texts) == 24
+    other = CountingTokenizer(T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR)))  # another vocabulary
+    wikihow(other, "train", None, 16, 8, data)
+    assert len(other.texts) == 8
+    # Two rows first, then all four: the two-row cache does not serve them, so a second one is made (a
+    # complete cache is never changed: another rank or run may be reading it); then both sizes reuse one.
+    fresh = DataConfig(data_dir=str(write_data(tmp_path / "fresh")))
+    counting = CountingTokenizer(tokenizer)
+    wikihow(counting, "train", 2, 16, 8, fresh)
+    assert len(counting.texts) == 4
+    assert len(wikihow(counting, "train", None, 16, 8, fresh)) == 4
+    assert len(counting.texts) == 12
+    wikihow(counting, "train", 3, 16, 8, fresh)
+    wikihow(counting, "train", 2, 16, 8, fresh)
+    assert len(counting.texts) == 12
+    assert len(_folders(Path(fresh.data_dir) / "cache", "wikihow-tokens")) == 2
+
+
+def test_tokenising_in_worker_processes_gives_the_same_ids(tokenizer, tmp_path, monkeypatch):
+    import summarization_dataset
+
+    data = DataConfig(data_dir=str(write_data(tmp_path / "data")), pad_to_max_length=False)
+    in_process = wikihow(tokenizer, "train", None, 16, 8, data)
+    monkeypatch.setattr(summarization_dataset, "_ROWS_PER_TOKENISING_PROCESS", 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    elsewhere = dataclasses.replace(data, cache_dir=str(tmp_path / "elsewhere"))
+    workers = wikihow(tokenizer, "train", None, 16, 8, elsewhere)  # a new cache, tokenised in 2 processes
+    (folder,) = (tmp_path / "elsewhere").glob("wikihow-tokens-*[0-9a-f]")
+    assert sorted(path.name for path in folder.glob("*.arrow")) == [
+        "ids_00000_of_00002.arrow",
+        "ids_00001_of_00002.arrow",
+    ]
+    assert len(workers) == len(in_process) == 4
+    for index in range(4):
+        assert torch.equal(workers[index]["source_ids"], in_process[index]["source_ids"])
+        assert torch.equal(workers[index]["target_ids"], in_process[index]["target_ids"])
+
+
+@pytest.mark.parametrize("damage", ["a truncated Arrow file", "a missing manifest", "a deleted Arrow file"])
+def test_a_damaged_cache_is_rebuilt_and_says_so(tmp_path, log_records, damage):
+    data_dir = write_data(tmp_path / "data")
+    load_wikihow(data_dir, "train")
+    (folder,) = (data_dir / "cache").glob("wikihow-text-*[0-9a-f]")
+    if damage == "a truncated Arrow file":
+        content = (folder / "train.arrow").read_bytes()
+        (folder / "train.arrow").write_bytes(content[: len(content) // 2])
+        expected = "damaged: train.arrow has"
+    elif damage == "a missing manifest":
+        (folder / shared_cache.MANIFEST).unlink()
+        expected = "damaged: it has no readable manifest"
+    else:
+        (folder / "validation.arrow").unlink()
+        expected = "damaged: validation.arrow is missing"
+    assert load_wikihow(data_dir, "train").to_list() == EXPECTED["train"]
+    assert load_wikihow(data_dir, "validation").to_list() == EXPECTED["validation"]
+    (warning,) = [w for w in _warnings(log_records) if "building it again" in w]
+    assert expected in warning and str(folder) in warning
+
+
+# A build that sleeps in the middle of reading the CSV, so that the test can kill it there.
+SLOW_BUILD = """
+import sys, time
+import summarization_dataset
+clean = summarization_dataset.filter_and_clean
+def slow(headline, text):
+    time.sleep(60)
+    return clean(headline, text)
+summarization_dataset.filter_and_clean = slow
+summarization_dataset.load_wikihow(sys.argv[1], "train")
+"""
+
+
+def _python(code: str, *args: str, local_rank: int = 0) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "LOCAL_RANK": str(local_rank)}
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_build_killed_half_way_is_never_used_and_the_next_run_rebuilds_and_says_so(tmp_path, log_records):
+    data_dir = write_data(tmp_path / "data")
+    cache = data_dir / "cache"
+    builder = _python(SLOW_BUILD, str(data_dir))
+    try:
+        _wait_for(lambda: any(cache.glob("wikihow-text-*.partial")))
+        builder.send_signal(signal.SIGKILL)
+        builder.wait(timeout=30)
+    finally:
+        builder.kill()
+    left = _folders(cache, "wikihow-text")
+    assert left and all(name.endswith(".partial") for name in left)
+    assert load_wikihow(data_dir, "train").to_list() == EXPECTED["train"]
+    (warning,) = [w for w in _warnings(log_records) if "did not finish" in w]
+    assert ".partial" in warning and "removing it and building again" in warning
+    assert not any(cache.glob("*.partial"))
+
+
+PRINT_TITLES = """
+import json, sys
+from summarization_dataset import load_wikihow
+print("TITLES", json.dumps(list(load_wikihow(sys.argv[1], "train")["title"])))
+"""
+
+
+def test_two_runs_and_a_waiting_rank_at_once_build_the_cache_once(tmp_path):
+    """Two LOCAL_RANK 0 processes (two runs started together) and a LOCAL_RANK 1 process (a rank waiting for
+    its node's builder) start on an empty cache: one build, the same rows for all three."""
+    data_dir = write_data(tmp_path / "data")
+    processes = [_python(PRINT_TITLES, str(data_dir), local_rank=rank) for rank in (1, 0, 0)]
+    outputs = [process.communicate(timeout=120)[0] for process in processes]
+    for process, output in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, output
+        titles = next(line for line in output.splitlines() if line.startswith("TITLES"))
+        assert titles == 'TITLES ["How to Bake Bread", "Zebra Care", "Boundary Keep", "Apple Picking"]'
+    assert len(_folders(data_dir / "cache", "wikihow-text")) == 1
+
+
+def test_a_waiting_rank_ends_with_the_builders_data_error(tmp_path, monkeypatch):
+    """The builder's DataError (a bad header here) reaches the ranks that wait for its cache: they stop with
+    the same message instead of waiting for a cache that will not come."""
+    data_dir = write_data(tmp_path / "data", "title,headline,text\nA.,How to A,Some long text.\n")
+    waiting = threading.Event()
+    monkeypatch.setattr(shared_cache, "is_folder_builder", lambda: threading.current_thread().name != "waiter")
+    errors = []
+
+    def wait() -> None:
+        waiting.set()
+        try:
+            load_wikihow(data_dir, "train")
+        except DataError as err:
+            errors.append(str(err))
+
+    waiter = threading.Thread(target=wait, name="waiter")
+    waiter.start()
+    waiting.wait()
+    with pytest.raises(DataError) as built:
+        load_wikihow(data_dir, "train")
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert errors == [str(built.value)] and "headline,title,text" in errors[0]
