@@ -111,6 +111,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
             train, recipe, evaluation, config.observe, throughput, memory_baseline,
         )  # fmt: skip
         trainer.train(progress, resumed=start.is_checkpoint)
+        checkpoints.finish_pending()  # a checkpoint still being written in the background
     # No rank tears its process group down while another still communicates (seen once as an abort,
     # "terminate called without an active exception", on a loaded 2-core machine).
     dist.barrier()

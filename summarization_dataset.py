@@ -61,7 +61,7 @@ from configs.evaluation import EvalConfig
 from configs.training import TrainConfig
 from utils.data.loaders import EvalSet, Loaders, build_loader
 from utils.data.samplers import LengthGrouping, PaddedEvalSampler, train_sampler_for
-from utils.data.shared_cache import problem_with, read_manifest, shared_folder
+from utils.data.shared_cache import complete_folders, shared_folder
 from utils.distributed.process_group import DistInfo
 from utils.log import get_logger
 
@@ -258,8 +258,13 @@ _TOKEN_FEATURES = datasets.Features(
 _ROWS_PER_BATCH = 2048
 # Starting a tokenising process (a fork, the tokenizer pickled) pays off from about this many articles.
 _ROWS_PER_TOKENISING_PROCESS = 10_000
+# Each is a fork of a rank (after its process group is set up) holding a tokenizer: a few suffice.
+_MAX_TOKENISING_PROCESSES = 8
 # The file's identity without reading it all: its size, modification time and first and last MiB.
 _FINGERPRINT_BYTES = 1 << 20
+
+
+_WARNED_TRUNCATED: set[Path] = set()
 
 
 def cache_root(data: DataConfig) -> Path:
@@ -340,12 +345,13 @@ def _cached_split(data: DataConfig, split: str) -> tuple[datasets.Dataset, str]:
     lists = _split_lists(data_dir)
     key = {
         "csv": _file_fingerprint(csv_path),
-        "split_lists": {split: _file_sha256(path) for split, path in lists.items()} if lists else "hash split",
+        "split_lists": {name: _file_sha256(path) for name, path in lists.items()} if lists else "hash split",
         "cleaning": CLEANING_VERSION,
     }
     build = functools.partial(_write_text_cache, csv_path, lists)
     folder, manifest = shared_folder(cache_root(data), "wikihow-text", key, build, "the WikiHow text cache")
-    if manifest["truncated"]:
+    if manifest["truncated"] and folder not in _WARNED_TRUNCATED:  # once per process, not once per split
+        _WARNED_TRUNCATED.add(folder)
         get_logger().warning(
             "%s ends inside a quoted field: it looks truncated (an interrupted download?). Its last row is "
             "incomplete; download it again. %s",
@@ -405,7 +411,7 @@ def _tokenising_processes(rows: int) -> int | None:
     cpus = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )  # macOS: no affinity
-    processes = min(cpus, rows // _ROWS_PER_TOKENISING_PROCESS)
+    processes = min(cpus, rows // _ROWS_PER_TOKENISING_PROCESS, _MAX_TOKENISING_PROCESSES)
     return processes if processes >= 2 else None
 
 
@@ -419,12 +425,12 @@ def _write_token_cache(rows: datasets.Dataset, split: str, encode: functools.par
         num_proc=_tokenising_processes(len(rows)),
         remove_columns=rows.column_names,
         features=_TOKEN_FEATURES,
-        cache_file_name=str(folder / "ids.arrow"),
+        cache_file_name=str(folder / "ids.arrow"),  # with worker processes: ids_0000i_of_0000n.arrow
         load_from_cache_file=False,
-        new_fingerprint=folder.name.removesuffix(".partial"),  # the cache is this folder, not datasets' own
+        new_fingerprint=folder.name.split(".partial")[0],  # the cache is this folder, not datasets' own
         desc=f"Tokenising {len(rows)} {split} articles",
     )
-    return {"rows": len(rows), "parts": sorted(path.name for path in folder.glob("*.arrow"))}
+    return {}
 
 
 def _cached_token_ids(
@@ -438,37 +444,32 @@ def _cached_token_ids(
         "text_cache": text_cache,
         "split": split,
         "tokenizer": tokenizer_fingerprint(tokenizer),
+        "truncation_side": getattr(tokenizer, "truncation_side", "right"),
         "source_prefix": data.source_prefix,
         "input_length": input_length,
         "output_length": output_length,
         "encoding": ENCODING_VERSION,
     }
-    folder, manifest = _larger_token_cache(cache_root(data), key, len(rows))
-    if folder is None:
-        encode = functools.partial(
-            _encode_batch, tokenizer=tokenizer, source_prefix=data.source_prefix, input_length=input_length,
-            output_length=output_length,
-        )  # fmt: skip
-        build = functools.partial(_write_token_cache, rows, split, encode)
-        what = f"the token ids of {len(rows)} {split} articles"
-        folder, manifest = shared_folder(
-            cache_root(data), "wikihow-tokens", {**key, "rows": len(rows)}, build, what
-        )
-    parts = [datasets.Dataset.from_file(str(folder / part)) for part in manifest["parts"]]
+
+    def larger_cache() -> tuple[Path, dict] | None:
+        for folder, manifest in complete_folders(cache_root(data), "wikihow-tokens"):
+            if {**manifest["key"], "rows": len(rows)} == {**key, "rows": len(rows)} and manifest["key"][
+                "rows"
+            ] > len(rows):
+                return folder, manifest
+        return None
+
+    encode = functools.partial(
+        _encode_batch, tokenizer=tokenizer, source_prefix=data.source_prefix, input_length=input_length,
+        output_length=output_length,
+    )  # fmt: skip
+    build = functools.partial(_write_token_cache, rows, split, encode)
+    what = f"the token ids of {len(rows)} {split} articles"
+    folder, manifest = shared_folder(
+        cache_root(data), "wikihow-tokens", {**key, "rows": len(rows)}, build, what, reuse=larger_cache
+    )
+    parts = [datasets.Dataset.from_file(str(folder / part)) for part in sorted(manifest["files"])]
     return datasets.concatenate_datasets(parts).select(range(len(rows)))
-
-
-def _larger_token_cache(cache: Path, key: dict, rows: int) -> tuple[Path | None, dict | None]:
-    """A complete token cache of `key` with more than `rows` rows, if one exists."""
-    for folder in sorted(cache.glob("wikihow-tokens-*[0-9a-f]")):
-        manifest = read_manifest(folder)
-        if (
-            manifest
-            and manifest.get("rows", 0) > rows
-            and problem_with(folder, {**key, "rows": manifest["rows"]}) is None
-        ):
-            return folder, manifest
-    return None, None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -547,16 +548,19 @@ class wikihow(Dataset):  # noqa: N801 - the tutorial's name, kept so that its co
     def clean_text(self, text: str) -> str:
         return clean_text(text)
 
+    def _field(self, column: str, index: int) -> str:
+        return self.dataset.data.column(column)[index].as_py()  # one field, not the whole row
+
     def title(self, index: int) -> str:
-        return self.dataset[index]["title"]
+        return self._field("title", index)
 
     def article(self, index: int) -> str:
         """The article as the builder left it: one paragraph (step) per line, not yet cleaned."""
-        return self.dataset[index]["text"]
+        return self._field("text", index)
 
     def reference(self, index: int) -> str:
         """The summary as the model is trained to write it (cleaned, untruncated): what ROUGE scores against."""
-        return self.clean_text(self.dataset[index]["headline"])
+        return self.clean_text(self._field("headline", index))
 
     def source_lengths(self) -> list[int]:
         """The number of source tokens of every sample (after truncation), read from the cached ids."""

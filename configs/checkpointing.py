@@ -27,6 +27,15 @@ class CheckpointConfig:
         ),
         minimum=0,
     )
+    async_checkpoint: bool = option(
+        default=False,
+        help=(
+            "true: training continues while a SHARDED_STATE_DICT checkpoint is written; it stops only while "
+            "the state is copied to host memory, and a background thread writes it (the checkpoint counts "
+            "as complete once every rank's part is on disk; the next save, the export and the end of the "
+            "run wait for it; a SIGTERM save is written at once). Needs --checkpoint_type SHARDED_STATE_DICT."
+        ),
+    )
     resume: str = option(
         default="false",
         help=(

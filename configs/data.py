@@ -19,8 +19,9 @@ class DataConfig:
         default="",
         help=(
             "Folder for the memory-mapped Arrow cache of the cleaned splits and their token ids, built once "
-            "per machine and shared by every rank and later run (rebuilt when the file, the split lists, "
-            "the tokenizer or the lengths change). Default: <data_dir>/cache."
+            "per machine and shared by every rank and later run. A changed file, split list, tokenizer, "
+            "length or prefix gets a new cache folder beside the old ones, which are never removed: delete "
+            "them when no run is starting. Default: <data_dir>/cache."
         ),
     )
     num_train_samples: int = option(

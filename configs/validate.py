@@ -34,7 +34,7 @@ def check_settings(config: RunConfig, world_size: int, device_type: str) -> None
     if fsdp.fsdp_version == 2:
         check_fsdp2_settings(fsdp)
     check_hybrid_sharding(fsdp, world_size)
-    check_checkpointing(config.checkpointing)
+    check_checkpointing(config.checkpointing, config.fsdp)
     check_evaluation(config.evaluation, config.train)
     check_schedule(config.recipe)
     check_optional_packages(config.observe, config.lora)
@@ -140,11 +140,17 @@ def check_hybrid_sharding(fsdp_config: FSDPConfig, world_size: int) -> None:
         )
 
 
-def check_checkpointing(checkpointing: CheckpointConfig) -> None:
+def check_checkpointing(checkpointing: CheckpointConfig, fsdp_config: FSDPConfig) -> None:
     if checkpointing.save_every_n_steps and not checkpointing.keep_last_n:
         raise ConfigError(
             f"--save_every_n_steps {checkpointing.save_every_n_steps} with --keep_last_n 0: no checkpoint "
             "would be written. Keep at least one (--keep_last_n 1) or drop --save_every_n_steps."
+        )
+    if checkpointing.async_checkpoint and fsdp_config.checkpoint_type != "SHARDED_STATE_DICT":
+        raise ConfigError(
+            f"--async_checkpoint true writes sharded checkpoints in the background; --checkpoint_type "
+            f"{fsdp_config.checkpoint_type} gathers the model on rank 0 and writes it at once. Add "
+            "--checkpoint_type SHARDED_STATE_DICT, or drop --async_checkpoint."
         )
 
 

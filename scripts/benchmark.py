@@ -32,6 +32,7 @@ import csv
 import json
 import math
 import random
+import re
 import resource
 import shutil
 import statistics
@@ -50,6 +51,9 @@ from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT  # no
 from scripts.make_random_t5 import SHAPES, make  # noqa: E402
 from summarization_dataset import load_wikihow  # noqa: E402
 
+# Every step its own record: the steps right after a save are the ones a background write overlaps.
+CHECKPOINT_EVERY_3 = ["--checkpoint_type", "SHARDED_STATE_DICT", "--keep_last_n", "2", "--save_every_n_steps", "3",
+                      "--log_every_n_steps", "1"]  # fmt: skip
 SUITES = {
     "backends": {
         "FSDP1 FULL_SHARD": ["--fsdp_version", "1"],
@@ -117,6 +121,17 @@ SUITES = {
     "data": {
         "tutorial subset (1,500 train, 16 validation)": ["--num_train_samples", "1500", "--num_val_samples", "16"],
         "whole train split": ["--num_train_samples", "0", "--num_val_samples", "16"],
+    },
+    # Checkpoints every 3 steps (SHARDED_STATE_DICT, with the optimizer), per backend: synchronous against
+    # written in the background, and the same run without checkpoints (a step with no write running).
+    "checkpoint": {
+        f"FSDP{version}, {case}": ["--fsdp_version", str(version), *case_args]
+        for version in (1, 2)
+        for case, case_args in {
+            "no checkpoints": ["--checkpoint_type", "SHARDED_STATE_DICT", "--log_every_n_steps", "1"],
+            "synchronous": CHECKPOINT_EVERY_3,
+            "async": [*CHECKPOINT_EVERY_3, "--async_checkpoint", "true"],
+        }.items()
     },
     "strategies": {
         "FULL_SHARD": ["--sharding_strategy", "FULL_SHARD"],
@@ -231,6 +246,8 @@ def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, commo
     memory = [r for r in records if r["type"] == "memory"]
     total = memory[0]["param_numel_total"]
     return {
+        "step_times": {r["step"]: r["seconds"] for r in records if r["type"] == "step"},
+        "saves": checkpoint_saves(done.stdout),
         "step_seconds": statistics.median(windows),
         "samples_per_s": epoch["samples_per_s"],
         "tokens_per_s": epoch["tokens_per_s"],  # real (non-padding) source + target tokens, all ranks
@@ -243,6 +260,19 @@ def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, commo
         "param_numel_total": total,
         "load_rss_delta_bytes": [r["load_rss_delta_bytes"] for r in memory],  # by rank
     }
+
+
+def checkpoint_saves(log: str) -> list[dict]:
+    """Rank 0's checkpoint lines: for each save, its step, the seconds training stopped, the seconds until it
+    was complete, and its size."""
+    saves = {}
+    for match in re.finditer(r"checkpoint \S+step_(\d+): training resumes after ([\d.]+) s", log):
+        saves[int(match[1])] = {"step": int(match[1]), "stalled_s": float(match[2])}
+    complete = r"checkpoint \S+step_(\d+) \(\w+\): ([\d.]+) MB (?:in the background )?in ([\d.]+) s"
+    for match in re.finditer(complete, log):
+        save = saves.setdefault(int(match[1]), {"step": int(match[1]), "stalled_s": float(match[3])})
+        save.update(megabytes=float(match[2]), complete_s=float(match[3]))
+    return sorted(saves.values(), key=lambda save: save["step"])
 
 
 def wikihow_length_sample(
@@ -434,6 +464,35 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def checkpoint_markdown(results: list[dict]) -> str:
+    """Per save: the seconds training stopped and until the checkpoint was complete; the step after each save
+    (a background write running) against the median step of the run without checkpoints."""
+    lines = [
+        "| model | case | saves | MB per save | training stopped per save (s) | complete after (s) "
+        "| step after a save (s) | step without checkpoints (s) | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        backend = r["case"].split(",")[0]
+        baseline = next(
+            x for x in results if x["model"] == r["model"] and x["case"] == f"{backend}, no checkpoints"
+        )
+        plain = statistics.median(list(baseline["step_times"].values())[1:])  # the first step: warm-up
+        saves = [save for save in r["saves"] if save["step"] + 1 in r["step_times"]]  # not the epoch's end
+        if not saves:
+            lines.append(f"| {r['model']} | {r['case']} | 0 | - | - | - | - | {plain:.3f} | - |")
+            continue
+        after = statistics.median(r["step_times"][save["step"] + 1] for save in saves)
+        megabytes, stalled, complete = (
+            statistics.median(s[key] for s in saves) for key in ("megabytes", "stalled_s", "complete_s")
+        )
+        lines.append(
+            f"| {r['model']} | {r['case']} | {len(saves)} | {megabytes:.0f} | {stalled:.3f} | {complete:.3f} "
+            f"| {after:.3f} | {plain:.3f} | {after / plain:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def loading_markdown(results: list[dict]) -> str:
     lines = [
         "| model | case | loading high-water mark per rank (MiB) | / fp32 model | peak RSS per rank (MiB) |",
@@ -514,9 +573,13 @@ def main() -> int:
             means, sigma = ((500, 46), 0.6) if args.data == "wikihow_lengths" else ((300, 80), 0.0)
             common += ["--data_dir", wikihow_length_sample(work / "data", means, sigma)]
         results = [result for model in args.models for result in run_suite(model, args, common, work)]
-    table = {"peers": peers_markdown, "gpu": gpu_markdown, "loading": loading_markdown}.get(args.suite, markdown)(
-        results
-    )
+    tables = {
+        "peers": peers_markdown,
+        "gpu": gpu_markdown,
+        "loading": loading_markdown,
+        "checkpoint": checkpoint_markdown,
+    }
+    table = tables.get(args.suite, markdown)(results)
     return write_results(args, results, table)
 
 

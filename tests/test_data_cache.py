@@ -174,17 +174,17 @@ def test_a_build_killed_half_way_is_never_used_and_the_next_run_rebuilds_and_say
     cache = data_dir / "cache"
     builder = _python(SLOW_BUILD, str(data_dir))
     try:
-        _wait_for(lambda: any(cache.glob("wikihow-text-*.partial")))
+        _wait_for(lambda: any(cache.glob("wikihow-text-*.partial-*")))
         builder.send_signal(signal.SIGKILL)
         builder.wait(timeout=30)
     finally:
         builder.kill()
     left = _folders(cache, "wikihow-text")
-    assert left and all(name.endswith(".partial") for name in left)
+    assert left and all(".partial-" in name for name in left)
     assert load_wikihow(data_dir, "train").to_list() == EXPECTED["train"]
     (warning,) = [w for w in _warnings(log_records) if "did not finish" in w]
     assert ".partial" in warning and "removing it and building again" in warning
-    assert not any(cache.glob("*.partial"))
+    assert not any(cache.glob("*.partial-*"))
 
 
 PRINT_TITLES = """
@@ -205,6 +205,20 @@ def test_two_runs_and_a_waiting_rank_at_once_build_the_cache_once(tmp_path):
         titles = next(line for line in output.splitlines() if line.startswith("TITLES"))
         assert titles == 'TITLES ["How to Bake Bread", "Zebra Care", "Boundary Keep", "Apple Picking"]'
     assert len(_folders(data_dir / "cache", "wikihow-text")) == 1
+
+
+def test_a_waiting_rank_takes_a_larger_token_cache_as_its_builder_does(tokenizer, tmp_path, monkeypatch):
+    """A rank that waits for the token ids of 2 articles while a cache of 4 exists uses that one, as LOCAL_RANK
+    0 does (it builds no 2-article cache, so waiting for one would never end)."""
+    data = DataConfig(data_dir=str(write_data(tmp_path / "data")))
+    wikihow(tokenizer, "train", None, 16, 8, data)
+    monkeypatch.setattr(shared_cache, "is_folder_builder", lambda: False)
+    done = []
+    waiter = threading.Thread(target=lambda: done.append(wikihow(tokenizer, "train", 2, 16, 8, data)), daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and len(done[0]) == 2
+    assert len(_folders(Path(data.data_dir) / "cache", "wikihow-tokens")) == 1
 
 
 def test_a_waiting_rank_ends_with_the_builders_data_error(tmp_path, monkeypatch):

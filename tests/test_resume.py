@@ -290,27 +290,7 @@ def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path):
 
 
 # ---------------------------------------------------------------- 3. a save interrupted half-way
-
-
-@pytest.mark.slow
-def test_interrupted_save_leaves_the_previous_checkpoint_usable(tmp_path, reference):
-    output_dir = copy_run(reference, tmp_path / "out")
-    root = output_dir / "checkpoints"
-    shutil.rmtree(root / f"step_{TOTAL_STEPS:08d}")  # the newest complete one is now step 20
-    # A save that died before the rename (some shards written) ...
-    tmp = shutil.copytree(root / "step_00000020", root / ".tmp_step_00000099")
-    for name in ("train_state.json", "__1_0.distcp", ".metadata"):
-        (tmp / name).unlink()
-    # ... and a folder with the final name but without train_state.json (written last).
-    half = shutil.copytree(root / "step_00000020", root / "step_00000099")
-    (half / "train_state.json").unlink()
-
-    run = torchrun([*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir), "--resume", "true"])
-    assert run.returncode == 0, run.describe()
-    assert resumed_from(run) == (root / "step_00000020", 2, 20), run.describe()
-    assert logged_steps(output_dir) == list(range(1, TOTAL_STEPS + 1))
-    assert_losses_match(output_dir, reference)
-    assert complete_checkpoint_steps(output_dir) == [20, TOTAL_STEPS]
+# tests/test_async_checkpoint.py: a SIGKILL during a background write, then --resume true.
 
 
 # ------------------------------------------------------------------------- 4. SIGTERM: save, then stop

@@ -5,22 +5,32 @@ The layout of a checkpoint folder is in utils/layout.py. A checkpoint is written
 an ignored temporary folder, and the previous checkpoints stay loadable; old ones are pruned only after a
 newer one is complete.
 
+With --async_checkpoint the shards are written by a background thread (DCP's `async_save`, on a gloo group
+of its own so that its collectives never interleave with training's): training stops only while they are
+copied to host memory. DCP's last save step gathers every rank's write result on rank 0 before rank 0
+writes `.metadata`, so when rank 0's write has finished every rank's has; rank 0 then completes the
+checkpoint (train_state.json, rename, prune) without another collective, as soon as it sees that between
+two steps. At most one save is in flight: the next save, the exports and the end of the run wait for it.
+
 Nothing here unpickles arbitrary objects: .pt files load with weights_only=True, the DCP payload holds
 tensors only (the optimizer's non-tensor hyper-parameters are JSON), and DCP's `.metadata` file, a pickle,
 is read by utils/checkpoint/safe_dcp.py.
 """
 
+import copy
 import json
 import os
 import shutil
 import time
-from dataclasses import asdict
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
 from datetime import datetime
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim.lr_scheduler import LRScheduler
@@ -46,6 +56,18 @@ from utils.checkpoint.state_dicts import (
 from utils.distributed.process_group import DistInfo
 from utils.files import disk_bytes, write_json
 from utils.log import get_logger
+
+
+@dataclass
+class BackgroundSave:
+    """A checkpoint whose shards a background thread is writing."""
+
+    future: Future  # this rank's part of DCP's async_save
+    tmp: str
+    final: str
+    train_state: dict  # taken when the save started (training has moved on since); rank 0 writes it last
+    started: float
+    stalled_s: float  # how long training stopped for it
 
 
 class CheckpointManager:
@@ -82,6 +104,16 @@ class CheckpointManager:
         self.lora = lora if lora.peft == "lora" else None  # the export writes the adapter (and merged model)
         self.base_model = base_model  # what the adapter names as its base (utils/model/lora.py: adapter_base)
         self.run_id = datetime.now().strftime("%Y%m%d-%H%M%S")  # names this run's .pt files
+        # Background writes talk over a gloo group of their own (collective: every rank creates it). Their
+        # writer also stages: it copies FSDP1's ShardedTensors and FSDP2's DTensors alike (DCP's default
+        # stager cannot copy ShardedTensors), and on GPU into pinned host buffers kept for the next save.
+        self.background_group, self.background_writer = None, None
+        if checkpointing.async_checkpoint:
+            self.background_group = dist.new_group(backend="gloo")
+            self.background_writer = FileSystemWriter(
+                layout.checkpoint_root(output_dir), cache_staged_state_dict=info.device.type == "cuda"
+            )
+        self.pending: BackgroundSave | None = None
 
     # ------------------------------------------------------------------------------------ resumable
 
@@ -90,10 +122,14 @@ class CheckpointManager:
         periodic = self.checkpointing.save_every_n_steps > 0 and step % self.checkpointing.save_every_n_steps == 0
         return self.checkpointing.keep_last_n > 0 and (periodic or stop_requested)
 
-    def save(self, progress: TrainProgress) -> str | None:
-        """Write a checkpoint of the current state (nothing with --keep_last_n 0). Returns its folder."""
+    def save(self, progress: TrainProgress, blocking: bool = False) -> str | None:
+        """Write a checkpoint of the current state (nothing with --keep_last_n 0). Returns its folder.
+
+        With --async_checkpoint and not `blocking` (a SIGTERM save is), it returns once the shards are staged
+        in host memory; the folder appears when their background write has finished (see `poll`)."""
         if self.checkpointing.keep_last_n == 0:
             return None
+        self.finish_pending()  # at most one save in flight
         started = time.perf_counter()
         root = layout.checkpoint_root(self.output_dir)
         name = layout.step_dir_name(progress.global_step)
@@ -103,41 +139,69 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             os.makedirs(os.path.join(tmp, layout.RNG_DIR))
         dist.barrier()
-        self._write_state(tmp)
-        dist.barrier()  # every rank's files are on disk
-        if self.info.is_main:
-            self._write_train_state(tmp, progress)
-            if os.path.exists(final):  # the same step saved again (SIGTERM right after a periodic save)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            get_logger().info(
-                "checkpoint %s (%s): %.1f MB in %.2f s",
-                final,
-                self.checkpoint_type,
-                disk_bytes(final) / 1e6,
-                time.perf_counter() - started,
-            )
-            self._prune()
-        dist.barrier()
-        return final
-
-    def _write_state(self, folder: str) -> None:
-        """Model and optimizer (full on rank 0, or every rank's shards), RNG, config and tokenizer."""
+        train_state = self._train_state(progress)
         full = self.checkpoint_type == layout.FULL
         model_state, optim_state = model_and_optimizer_state(self.model, self.optimizer, full, self.info.device)
-        save_optimizer = self.save_optimizer
+        self._write_small_files(tmp, optim_state)
         if full:
             # With CPU offload (GPU runs) only rank 0 receives the gathered state; the others get {}.
             if self.info.is_main:
-                torch.save(model_state, os.path.join(folder, layout.MODEL_FILE))
-                if save_optimizer:
-                    optimizer_file = os.path.join(folder, layout.OPTIMIZER_FILE)
+                torch.save(model_state, os.path.join(tmp, layout.MODEL_FILE))
+                if self.save_optimizer:
+                    optimizer_file = os.path.join(tmp, layout.OPTIMIZER_FILE)
                     torch.save(tensor_only_optimizer_state(optim_state), optimizer_file)
         else:
             payload = {"model": model_state}
-            if save_optimizer:
+            if self.save_optimizer:
                 payload["optim"] = tensor_only_optimizer_state(optim_state)
-            dcp.save(payload, checkpoint_id=folder)  # collective; each rank writes its own shards
+            if self.background_group is not None and not blocking:
+                dist.barrier()  # every rank's small files are on disk before rank 0 may complete the folder
+                # Staged (copied to host memory) before it returns; written by a thread on the gloo group.
+                future = dcp.async_save(
+                    payload,
+                    checkpoint_id=tmp,
+                    storage_writer=self.background_writer,
+                    process_group=self.background_group,
+                )
+                stalled = time.perf_counter() - started
+                self.pending = BackgroundSave(future, tmp, final, train_state, started, stalled)
+                get_logger().info(
+                    "checkpoint %s: training resumes after %.2f s; written in the background", final, stalled
+                )
+                return final
+            dcp.save(payload, checkpoint_id=tmp)  # collective; each rank writes its own shards
+        dist.barrier()  # every rank's files are on disk
+        if self.info.is_main:
+            self._complete(tmp, final, train_state, f"in {time.perf_counter() - started:.2f} s")
+        dist.barrier()
+        return final
+
+    def poll(self) -> None:
+        """Between steps: complete a background save whose write has finished (rank 0 renames it; no
+        collective, so ranks may see it finish at different steps)."""
+        if self.pending is not None and self.pending.future.done():
+            self.finish_pending()
+
+    def finish_pending(self) -> None:
+        """Wait for the background save, if any, and complete it (rank 0). Before the next save, the exports
+        and the end of the run."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+        except FAILURES as err:
+            raise CheckpointError(
+                f"the background write of {pending.final} failed: {error_summary(err)}. The previous checkpoint "
+                "stays the newest complete one."
+            ) from None
+        if self.info.is_main:
+            written = time.perf_counter() - pending.started
+            detail = f"in the background in {written:.2f} s; training stopped {pending.stalled_s:.2f} s"
+            self._complete(pending.tmp, pending.final, pending.train_state, detail)
+
+    def _write_small_files(self, folder: str, optim_state: dict) -> None:
+        """Every rank's RNG state; on rank 0 the optimizer's parameter groups, the model config, the tokenizer."""
         torch.save(_rng_state(self.info.device), layout.rng_file(folder, self.info.rank))
         if self.info.is_main:
             if self.save_optimizer:
@@ -145,10 +209,10 @@ class CheckpointManager:
             self.model_config.save_pretrained(folder)
             self.tokenizer.save_pretrained(os.path.join(folder, layout.TOKENIZER_DIR))
 
-    def _write_train_state(self, folder: str, progress: TrainProgress) -> None:
-        """train_state.json, written last: its presence marks the checkpoint complete."""
+    def _train_state(self, progress: TrainProgress) -> dict:
+        """What train_state.json holds, as of now (a copy: a background save writes it steps later)."""
         scaler = self.scaler
-        state = {
+        return copy.deepcopy({
             "format_version": layout.FORMAT_VERSION,
             "checkpoint_type": self.checkpoint_type,
             "has_optimizer": self.save_optimizer,
@@ -156,8 +220,19 @@ class CheckpointManager:
             "progress": asdict(progress),
             "scheduler": self.scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,
-        }
-        write_json(os.path.join(folder, layout.STATE_FILE), state)
+        })  # fmt: skip
+
+    def _complete(self, tmp: str, final: str, train_state: dict, how: str) -> None:
+        """Rank 0, once every rank's files are on disk: train_state.json last (its presence marks the checkpoint
+        complete), the rename, then the pruning of older ones."""
+        write_json(os.path.join(tmp, layout.STATE_FILE), train_state)
+        if os.path.exists(final):  # the same step saved again (SIGTERM right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        get_logger().info(
+            "checkpoint %s (%s): %.1f MB %s", final, self.checkpoint_type, disk_bytes(final) / 1e6, how
+        )
+        self._prune()
 
     def _prune(self) -> None:
         """Delete all but the newest keep_last_n complete checkpoints (only after a new one is complete)."""
@@ -238,6 +313,7 @@ class CheckpointManager:
 
     def save_full_model(self, epoch: int, val_loss: float | None) -> str | None:
         """The tutorial's full state dict .pt, named by run, epoch and loss (rank 0 writes it)."""
+        self.finish_pending()
         name = layout.best_model_filename(self.run_id, epoch, val_loss)
         return save_full_model(
             self.model,
@@ -249,6 +325,7 @@ class CheckpointManager:
     def export_hf(self, last: bool = False) -> str | None:
         """Gather the full model (collective) and write output_dir/hf_model (or, `last`, hf_model_last) on
         rank 0. Returns its path there."""
+        self.finish_pending()
         state = gather_full_state_dict(self.model, self.info.device)
         if not self.info.is_main:
             return None

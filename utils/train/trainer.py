@@ -159,6 +159,7 @@ class Trainer:
                                 settings = dataclasses.replace(step_settings, saved_counter=SavedTensorCounter())
                             stats = train_step(model, batches, optimizer, self.scaler, info.world_size, settings)
                             step_log.add(step, optimizer.param_groups[0]["lr"], stats)
+                            self.checkpoints.poll()  # a background save whose write has finished is completed
                             batches_done += len(micro_batches)
                             if per_step_schedule:
                                 scheduler.step()
@@ -184,8 +185,8 @@ class Trainer:
                                 consumed = start_consumed + batches_done * samples_per_batch
                                 progress = inside_epoch(progress, consumed, step, step_log, clock.train_seconds())
                                 progress = dataclasses.replace(progress, evaluation_due=evaluation_abandoned)
-                                with clock.paused(step_log):
-                                    self.checkpoints.save(progress)
+                                with clock.paused(step_log):  # a SIGTERM save is written before the run stops
+                                    self.checkpoints.save(progress, blocking=step_log.stop_requested)
                             if step_log.stop_requested:
                                 stopped = True
                                 break
@@ -204,7 +205,7 @@ class Trainer:
                     except StopAgreed:
                         consumed = start_consumed + batches_done * samples_per_batch
                         progress = inside_epoch(progress, consumed, step, step_log, train_seconds)
-                        self.checkpoints.save(progress)
+                        self.checkpoints.save(progress, blocking=True)
                         get_logger().info(
                             "stopped during epoch %d's evaluation on SIGTERM; --resume true evaluates it", epoch
                         )

@@ -1,0 +1,69 @@
+"""--async_checkpoint true: SHARDED_STATE_DICT checkpoints written by a background thread while training
+goes on, with every guarantee of a synchronous save (tests/reference_run.py's run, 2 ranks, gloo)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from scripts.compare_step_losses import step_losses
+from tests.launch import Background, torchrun
+from tests.reference_run import (
+    SHARDED,
+    SMALL_RUN,
+    TOTAL_STEPS,
+    checkpoint_dir,
+    complete_checkpoint_steps,
+    logged_steps,
+)
+
+ASYNC = ["--checkpoint_type", SHARDED, "--async_checkpoint", "true"]
+SLOW_STEP = 10  # its write stalls (tests/slow_write_entry.py); the complete checkpoint before it is step 5
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint_exactly(tmp_path, reference):
+    """SIGKILL while step 10's shards are being written in the background: step 5 stays the newest complete
+    checkpoint (step 10 is a temporary folder without train_state.json), `--resume true` continues from it
+    (also past a folder with a final name but no train_state.json), and every step's loss equals the
+    uninterrupted synchronous run's, bit for bit."""
+    output_dir = tmp_path / "out"
+    marker = tmp_path / "writing"
+    args = [*SMALL_RUN, *ASYNC, "--output_dir", str(output_dir)]
+    env = {"SLOW_STEP": str(SLOW_STEP), "WRITE_MARKER": str(marker)}
+    run = Background(args, tmp_path / "killed.log", script="tests/slow_write_entry.py", env=env)
+    try:
+        run.wait_for(marker.exists, "the background write of step 10")
+        # Training goes on while the write stalls (until the epoch's end at step 12, whose save waits for it).
+        run.wait_for(lambda: len(logged_steps(output_dir)) > SLOW_STEP, "training past the save")
+    finally:
+        run.kill()
+    assert complete_checkpoint_steps(output_dir) == [5]
+    partial = output_dir / "checkpoints" / f".tmp_step_{SLOW_STEP:08d}"
+    assert partial.is_dir() and not (partial / "train_state.json").exists()
+    assert not checkpoint_dir(output_dir, SLOW_STEP).exists()
+    # A folder with a final name but without train_state.json (written last) is not complete either.
+    shutil.copytree(checkpoint_dir(output_dir, 5), checkpoint_dir(output_dir, 99))
+    (checkpoint_dir(output_dir, 99) / "train_state.json").unlink()
+
+    resumed = torchrun([*args, "--resume", "true"])
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"resumed from {checkpoint_dir(output_dir, 5)}: epoch 1, step 5" in resumed.output, resumed.describe()
+    losses, expected = step_losses(str(output_dir)), step_losses(str(reference))
+    assert sorted(losses) == list(range(1, TOTAL_STEPS + 1))
+    assert {step: losses[step] for step in expected} == expected  # exact: the same arithmetic, resumed
+    # Saved in the background, completed, and pruned as a synchronous run would have: steps 20 and 24 kept.
+    assert complete_checkpoint_steps(output_dir) == [20, TOTAL_STEPS]
+    assert "written in the background" in resumed.output
+    assert not any(path.name.startswith(".tmp") for path in (output_dir / "checkpoints").iterdir())
+
+
+def test_async_checkpoint_needs_sharded_checkpoints():
+    from configs.cli import parse_args
+    from configs.errors import ConfigError
+    from configs.validate import check_settings
+
+    with pytest.raises(ConfigError, match="--async_checkpoint true .* Add --checkpoint_type SHARDED_STATE_DICT"):
+        check_settings(parse_args(["--async_checkpoint", "true"]), 2, "cpu")
+    check_settings(parse_args(ASYNC), 2, "cpu")
