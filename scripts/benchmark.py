@@ -10,6 +10,7 @@
     python scripts/benchmark.py --suite loading --models t5-base --steps 4 --max_source_length 64 \
         --max_target_length 16 --out bench/loading
     python scripts/benchmark.py --suite data --ranks 2 8 --out bench/data [--repo OTHER_CHECKOUT]
+    python scripts/benchmark.py --suite checkpoint --models t5-base --steps 12 --out bench/checkpoint
 
 Each case is one short run of T5_training.py (one epoch, no validation, no checkpoints) on the embedded
 sample, or on a generated one (--data). Step time is the median of the logged step windows after the
