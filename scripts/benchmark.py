@@ -130,6 +130,7 @@ SUITES = {
         for version in (1, 2)
         for case, case_args in {
             "no checkpoints": ["--checkpoint_type", "SHARDED_STATE_DICT", "--log_every_n_steps", "1"],
+            "FULL_STATE_DICT (the tutorial's)": [*CHECKPOINT_EVERY_3, "--checkpoint_type", "FULL_STATE_DICT"],
             "synchronous": CHECKPOINT_EVERY_3,
             "async": [*CHECKPOINT_EVERY_3, "--async_checkpoint", "true"],
         }.items()
