@@ -408,9 +408,8 @@ def _tokenising_processes(rows: int) -> int | None:
     CPU this process may use; None (in this process) below two. The fast tokenizer already encodes a batch
     on several threads, but the cleaning and the Arrow conversion around it are Python, one core each: on
     2 CPUs, two processes tokenise 152k articles in 95 s instead of 113 s."""
-    cpus = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    )  # macOS: no affinity
+    # The CPUs this process may use; macOS has no affinity call.
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     processes = min(cpus, rows // _ROWS_PER_TOKENISING_PROCESS, _MAX_TOKENISING_PROCESSES)
     return processes if processes >= 2 else None
 
@@ -453,9 +452,8 @@ def _cached_token_ids(
 
     def larger_cache() -> tuple[Path, dict] | None:
         for folder, manifest in complete_folders(cache_root(data), "wikihow-tokens"):
-            if {**manifest["key"], "rows": len(rows)} == {**key, "rows": len(rows)} and manifest["key"][
-                "rows"
-            ] > len(rows):
+            saved = dict(manifest["key"])
+            if saved.pop("rows") > len(rows) and saved == key:
                 return folder, manifest
         return None
 
