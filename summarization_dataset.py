@@ -453,7 +453,8 @@ def _cached_token_ids(
     def larger_cache() -> tuple[Path, dict] | None:
         for folder, manifest in complete_folders(cache_root(data), "wikihow-tokens"):
             saved = dict(manifest["key"])
-            if saved.pop("rows") > len(rows) and saved == key:
+            # A folder written by another version of this key (no row count) never matches.
+            if saved.pop("rows", -1) > len(rows) and saved == key:
                 return folder, manifest
         return None
 

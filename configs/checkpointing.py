@@ -36,6 +36,16 @@ class CheckpointConfig:
             "run wait for it; a SIGTERM save is written at once). Needs --checkpoint_type SHARDED_STATE_DICT."
         ),
     )
+    export_max_file_gb: float = option(
+        default=5.0,
+        help=(
+            "hf_model/ (hf_model_last/, the merged LoRA model) is written from the shards, each rank its own "
+            "part, in safetensors files of at most this many GB (a larger tensor gets a file of its own), with "
+            "model.safetensors.index.json when there are several, as save_pretrained's max_shard_size does "
+            "(also the default of convert_checkpoint_to_hf.py's --max_file_gb)."
+        ),
+        above=0,
+    )
     resume: str = option(
         default="false",
         help=(

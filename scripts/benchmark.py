@@ -26,6 +26,10 @@ model for 3 steps (fixed 512/150 shapes) on the embedded sample, then on the ful
 cache and a warm one: time to the first step, peak RSS per rank and above the embedded sample's, and the
 CPU seconds of all ranks above the embedded sample's (parsing and tokenising). --repo runs another
 checkout's T5_training.py on the same file: the control.
+
+The checkpoint suite adds scripts/export_memory.py's measurements for each model: rank 0's host memory while
+hf_model/ is exported from the shards against the gather it replaced (plain and LoRA merged, per backend),
+and each checkpoint type's bytes, save and resume load seconds.
 """
 
 import argparse
@@ -49,6 +53,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT  # noqa: E402
+from scripts.export_memory import EXPORT_CASE_NAMES  # noqa: E402
+from scripts.export_memory import measure as measure_exports  # noqa: E402
 from scripts.make_random_t5 import SHAPES, make  # noqa: E402
 from summarization_dataset import load_wikihow  # noqa: E402
 
@@ -467,6 +473,35 @@ def markdown(results: list[dict]) -> str:
 
 
 def checkpoint_markdown(results: list[dict]) -> str:
+    """The saves' table (saves_markdown), then the exports' and the resume loads' (scripts/export_memory.py)."""
+    saves = [r for r in results if not r.get("export")]
+    exports = [r for r in results if r.get("export") and "peak_above_bytes" in r]
+    loads = [r for r in results if r.get("export") and "load_s" in r]
+    tables = [saves_markdown(saves)] if saves else []
+    if exports:
+        lines = [
+            "| model | export | rank 0 peak above its RSS before (MiB) | / fp32 model | any rank's (MiB) "
+            "| seconds | files |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in exports:
+            peak, model = r["peak_above_bytes"], r["model_bytes"]
+            lines.append(
+                f"| {r['model']} | {r['case']} | {peak / 2**20:.0f} | {peak / model:.2f}x "
+                f"| {r['highest_peak_above_bytes'] / 2**20:.0f} | {r['seconds']:.1f} | {r['files']} |"
+            )
+        tables.append("\n".join(lines) + "\n")
+    if loads:
+        lines = ["| model | checkpoint | MB written | save (s) | load for resume (s) |", "| --- " * 5 + "|"]
+        for r in loads:
+            lines.append(
+                f"| {r['model']} | {r['case']} | {r['bytes'] / 1e6:.0f} | {r['save_s']:.1f} | {r['load_s']:.1f} |"
+            )
+        tables.append("\n".join(lines) + "\n")
+    return "\n".join(tables)
+
+
+def saves_markdown(results: list[dict]) -> str:
     """Per save: the seconds training stopped and until the checkpoint was complete; the step after each save
     (a background write running) against the median step of the run without checkpoints."""
     lines = [
@@ -542,9 +577,10 @@ def main() -> int:
         "--cases", nargs="+", metavar="CASE", help="only these cases of the suite, by name (default: all)"
     )
     args = parser.parse_args()
-    unknown = sorted(set(args.cases or []) - set(SUITES[args.suite]))
+    known = set(SUITES[args.suite]) | (set(EXPORT_CASE_NAMES) if args.suite == "checkpoint" else set())
+    unknown = sorted(set(args.cases or []) - known)
     if unknown:
-        parser.error(f"--suite {args.suite} has no case {unknown}; its cases: {list(SUITES[args.suite])}")
+        parser.error(f"--suite {args.suite} has no case {unknown}; its cases: {sorted(known)}")
     first_case = next(iter(SUITES[args.suite]))
     if args.cases and args.suite in PEERS_OF_SUITE and first_case not in args.cases:
         parser.error(f"--suite {args.suite} rates its peers against its first case: add {first_case!r} to --cases")
@@ -575,6 +611,10 @@ def main() -> int:
             means, sigma = ((500, 46), 0.6) if args.data == "wikihow_lengths" else ((300, 80), 0.0)
             common += ["--data_dir", wikihow_length_sample(work / "data", means, sigma)]
         results = [result for model in args.models for result in run_suite(model, args, common, work)]
+        if args.suite == "checkpoint":
+            for model in args.models:
+                exported = measure_exports(model_folder(model, work), args.nproc, work, args.cases)
+                results += [{"model": model, "export": True, **result} for result in exported]
     tables = {
         "peers": peers_markdown,
         "gpu": gpu_markdown,

@@ -4,8 +4,11 @@
 
 The folder loads with `T5ForConditionalGeneration.from_pretrained(my_model)` and
 `AutoTokenizer.from_pretrained(my_model)`. A SHARDED_STATE_DICT checkpoint written by any number of ranks
-is read whole by torch.distributed.checkpoint (no process group needed); the model config and tokenizer are
-taken from the checkpoint itself. Needs about the model's size in host memory.
+is read by torch.distributed.checkpoint (no process group needed), one output file's tensors at a time; a
+FULL_STATE_DICT model.pt is memory-mapped. The folder is the one a run's end writes (utils/checkpoint/
+hf_export.py): safetensors files of at most --max_file_gb, with model.safetensors.index.json when there are
+several. The model config and tokenizer are taken from the checkpoint itself. Host memory: about one output
+file (--max_file_gb), not the model.
 """
 
 import argparse
@@ -14,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from configs.checkpointing import CheckpointConfig  # noqa: E402
 from configs.errors import UserError  # noqa: E402
 from utils.checkpoint.hf_export import convert_checkpoint  # noqa: E402
 from utils.log import get_logger, setup_logging  # noqa: E402
@@ -23,10 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a folder such as output_dir/checkpoints/step_00000120")
     parser.add_argument("--output", required=True, help="the Hugging Face folder to write (replaced atomically)")
+    parser.add_argument(
+        "--max_file_gb",
+        type=float,
+        default=CheckpointConfig.export_max_file_gb,
+        help="split the weights over safetensors files of at most this many GB (default: %(default)s, as a run's "
+        "--export_max_file_gb)",
+    )
     args = parser.parse_args(argv)
+    if args.max_file_gb <= 0:
+        parser.error(f"--max_file_gb must be > 0, got {args.max_file_gb}")
     setup_logging(rank=0)
     try:
-        get_logger().info("wrote %s", convert_checkpoint(args.checkpoint, args.output))
+        convert_checkpoint(args.checkpoint, args.output, int(args.max_file_gb * 1e9))
     except UserError as err:
         get_logger().error("%s", err)
         return 1

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.data import Dataset
-from transformers import T5Config, T5ForConditionalGeneration
+from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 from transformers.models.t5.modeling_t5 import T5Attention, T5Block
 
 from configs.errors import TrainingDivergedError
@@ -26,7 +26,8 @@ from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR
 from policies.mixed_precision import POLICIES, Precision
 from summarization_dataset import pad_collate
-from utils.checkpoint.state_dicts import gather_full_state_dict, save_full_model
+from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
+from utils.checkpoint.state_dicts import gather_full_state_dict, save_full_model, sharded_model_state
 from utils.data.loaders import build_loader
 from utils.data.samplers import PaddedEvalSampler
 from utils.fsdp.shard import shard_model
@@ -253,19 +254,30 @@ def precision_worker(rank: int, world_size: int) -> dict:
     return out
 
 
+EXPORT_FILE_BYTES = 100_000  # the tiny model's 1.2 MB over several files, as --export_max_file_gb splits
+
+
 def checkpoint_worker(rank: int, world_size: int, path: str, fsdp_version: int = 1) -> dict:
-    """Train 2 steps, save the rank-0 full state dict, reload it into a plain model, compare logits."""
+    """Train 2 steps, save the rank-0 full state dict, reload it into a plain model, compare logits. Then
+    export the model from the shards to `path`.hf in files of at most EXPORT_FILE_BYTES; rank 0 returns the
+    gathered state dict to compare it with."""
     config = _fsdp_config({"fsdp_activation_checkpointing": True, "fsdp_version": fsdp_version})
     model = shard_model(tiny_t5(), config, FP32, CPU)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(2):
         train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
     saved = save_full_model(model, CPU, rank == 0, path)
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    model_config = tiny_t5(on_meta=True).config
+    files = write_model_folder(
+        sharded_model_state(model), model_config, tokenizer, f"{path}.hf", EXPORT_FILE_BYTES, rank == 0
+    )
+    gathered = gather_full_state_dict(model, CPU)
     probe = make_batch(seed=777)
     model.eval()
     with torch.no_grad():
         fsdp_logits = forward_logits(model, probe)
-    out = {"saved": saved}
+    out = {"saved": saved, "export_files": files, "gathered": gathered}
     if rank == 0:
         plain = T5ForConditionalGeneration(T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0))
         result = plain.load_state_dict(load_full_model_state(path), strict=True)
@@ -648,10 +660,12 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
     return out
 
 
+# r=1: an adapter's A (1 x d_model) has its one row on rank 0 and none on rank 1, the uneven and empty
+# shards the export's gather of the adapters must handle.
 LORA = LoraConfig(
-    peft="lora", lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="q,v", merge_lora=False
+    peft="lora", lora_r=1, lora_alpha=8, lora_dropout=0.0, lora_target_modules="q,v", merge_lora=False
 )
-LORA_BASE = ""  # what the adapter's config names as its base (no export here)
+LORA_BASE = str(EMBEDDED_MODEL_DIR)  # what the adapter's config names as its base
 
 
 def lora_t5() -> nn.Module:
@@ -665,15 +679,22 @@ LORA_VARIANTS = {
     "FSDP1": {},
     "FSDP1 + checkpointing": {"fsdp_activation_checkpointing": True},
     "FSDP1 use_orig_params": {"use_orig_params": True},
+    "FSDP1 NO_SHARD": {"sharding_strategy": ShardingStrategy.NO_SHARD},
     "FSDP2": {"fsdp_version": 2},
     "FSDP2 + checkpointing": {"fsdp_version": 2, "fsdp_activation_checkpointing": True},
 }
 
 
-def lora_worker(rank: int, world_size: int, steps: int) -> dict:
+# The exports lora_worker writes: {variant: merged too}. NO_SHARD's state dict holds plain tensors.
+LORA_EXPORTS = {"FSDP1": True, "FSDP2": True, "FSDP1 use_orig_params": False, "FSDP1 NO_SHARD": True}
+
+
+def lora_worker(rank: int, world_size: int, steps: int, export_dir: str) -> dict:
     """LoRA under each backend: per-step losses, the full state dict (rank 0), and the AdamW state elements
-    this rank holds. Rank 0 also returns the unsharded reference and the initial weights."""
+    this rank holds; for LORA_EXPORTS, the adapter (and merged model) exported from the shards to
+    export_dir/<variant>/. Rank 0 also returns the unsharded reference and the initial weights."""
     out = {}
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     for name, overrides in LORA_VARIANTS.items():
         model = shard_model(lora_t5(), _fsdp_config(overrides), FP32, CPU)
         # As reference_run: AdamW (its default weight decay) over what trains. parameter_groups keeps the
@@ -682,6 +703,18 @@ def lora_worker(rank: int, world_size: int, steps: int) -> dict:
         losses = train_wrapped(model, optimizer, rank, world_size, steps)
         state = gather_full_state_dict(model, CPU)
         out[name] = {"losses": losses, "state": state, "optim": optim_state_numel_local(optimizer)}
+        if name in LORA_EXPORTS:
+            settings = dataclasses.replace(LORA, merge_lora=LORA_EXPORTS[name])
+            adapters, merged = lora_exports(sharded_model_state(model), settings, CPU)
+            if rank == 0:
+                model_config = tiny_t5(on_meta=True).config
+                folder = f"{export_dir}/{name}/hf_adapter"
+                write_adapter_folder(adapters, model_config, settings, LORA_BASE, tokenizer, folder)
+            if merged is not None:
+                model_config = tiny_t5(on_meta=True).config
+                write_model_folder(
+                    merged, model_config, tokenizer, f"{export_dir}/{name}/hf_model", 10**9, rank == 0
+                )
     if rank == 0:
         out["reference"] = reference_run(steps, world_size, lora_t5())
         out["initial"] = {k: v.clone() for k, v in lora_t5().state_dict().items()}

@@ -4,6 +4,7 @@ by, what happens to a damaged or half-built cache, and several processes asking 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -94,6 +95,13 @@ def test_the_token_cache_is_keyed_by_tokenizer_and_lengths_and_serves_fewer_rows
     wikihow(counting, "train", 2, 16, 8, fresh)
     assert len(counting.texts) == 12
     assert len(_folders(Path(fresh.data_dir) / "cache", "wikihow-tokens")) == 2
+    # A folder whose key has another shape (an older version's: no row count) is passed over, not misread.
+    older = Path(fresh.data_dir) / "cache" / _folders(Path(fresh.data_dir) / "cache", "wikihow-tokens")[0]
+    manifest = json.loads((older / shared_cache.MANIFEST).read_text(encoding="utf-8"))
+    del manifest["key"]["rows"]
+    (older / shared_cache.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+    assert len(wikihow(counting, "train", 1, 16, 8, fresh)) == 1
+    assert len(counting.texts) == 12
 
 
 def test_tokenising_in_worker_processes_gives_the_same_ids(tokenizer, tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """FSDP2 (fully_shard) against the unsharded reference and against FSDP1, on a 2-process gloo CPU group."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from tests.dist_workers import (
     parity_worker,
     rank0_loading_worker,
 )
+from tests.hf_folders import assert_folder_is_save_pretrained_of
 from tests.launch import torchrun
 from tests.reference_run import (
     SHARDED,
@@ -59,12 +61,15 @@ def test_bf16_losses_of_both_backends_agree_within_bf16_tolerance():
         assert relative_diff(fsdp2, fsdp1) < 1e-2, f"step {step + 1}: {fsdp2} vs {fsdp1}"
 
 
-def test_fsdp2_full_state_checkpoint_loads_strict_into_a_plain_model(tmp_path):
+def test_fsdp2_full_state_checkpoint_and_the_shard_written_export_hold_the_trained_model(tmp_path):
     path = str(tmp_path / "model.pt")
     rank0, rank1 = run_ranks(checkpoint_worker, path, 2)
     assert rank0["saved"] == path and rank1["saved"] is None
     assert rank0["missing"] == [] and rank0["unexpected"] == [] and rank0["tied"]
     assert rank0["max_logit_diff"] <= 1e-5 * max(1.0, rank0["logit_scale"])
+    # The export written from the shards: several files (EXPORT_FILE_BYTES), equal to the gathered model.
+    assert rank0["export_files"] == rank1["export_files"] > 1
+    assert_folder_is_save_pretrained_of(Path(f"{path}.hf"), rank0["gathered"], tmp_path / "save_pretrained")
 
 
 @pytest.mark.slow

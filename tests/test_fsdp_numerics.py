@@ -2,6 +2,7 @@
 checkpoint round trip, and the reported losses. fp32, dropout off, so differences come from FSDP alone."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from tests.dist_workers import (
     tiny_t5,
     validation_worker,
 )
+from tests.hf_folders import assert_folder_is_save_pretrained_of
 
 STEPS = 4
 RTOL = 1e-5  # the acceptance bound is 1e-4 relative; fp32 on CPU does much better
@@ -136,13 +138,16 @@ def test_policy_selection(mixed, fp16, policy, reduce, bf16_ok, expected):
     assert select_policy_name(config, bf16_ok) == expected
 
 
-def test_full_state_checkpoint_round_trip(tmp_path):
+def test_full_state_checkpoint_and_the_shard_written_export_hold_the_trained_model(tmp_path):
     path = str(tmp_path / "model.pt")
     rank0, rank1 = run_ranks(checkpoint_worker, path)
     assert rank0["saved"] == path and rank1["saved"] is None
     assert rank0["missing"] == [] and rank0["unexpected"] == []
     assert rank0["tied"]
     assert rank0["max_logit_diff"] <= 1e-5 * max(1.0, rank0["logit_scale"])
+    # The export written from the shards: several files (EXPORT_FILE_BYTES), equal to the gathered model.
+    assert rank0["export_files"] == rank1["export_files"] > 1
+    assert_folder_is_save_pretrained_of(Path(f"{path}.hf"), rank0["gathered"], tmp_path / "save_pretrained")
 
 
 @pytest.mark.slow

@@ -2,11 +2,14 @@
 PEFT model; the adapter and merged exports; the run through torchrun, killed and resumed."""
 
 import json
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import T5ForConditionalGeneration, T5Tokenizer
+from safetensors.torch import load_file
+from transformers import T5ForConditionalGeneration
 
 from configs.errors import ConfigError
 from configs.fsdp import FSDPConfig
@@ -14,9 +17,18 @@ from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR
 from configs.validate import check_lora
 from tests.dist_harness import run_ranks
-from tests.dist_workers import LORA, LORA_BASE, LORA_VARIANTS, lora_worker, make_batch
+from tests.dist_workers import (
+    LORA,
+    LORA_BASE,
+    LORA_EXPORTS,
+    LORA_VARIANTS,
+    lora_t5,
+    lora_worker,
+    make_batch,
+    tiny_t5,
+)
+from tests.hf_folders import assert_folder_is_save_pretrained_of
 from tests.launch import torchrun
-from utils.checkpoint.hf_export import write_lora_folders
 from utils.model.lora import adapter_base, apply_lora
 
 pytest.importorskip("peft")
@@ -24,8 +36,13 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def lora_runs():
-    return run_ranks(lora_worker, STEPS)
+def lora_export_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lora_exports")
+
+
+@pytest.fixture(scope="module")
+def lora_runs(lora_export_dir):
+    return run_ranks(lora_worker, STEPS, str(lora_export_dir))
 
 
 def test_lora_under_fsdp_matches_the_unsharded_peft_model(lora_runs):
@@ -50,41 +67,64 @@ def test_only_the_adapters_train_and_only_they_hold_optimizer_state(lora_runs):
         assert changed and all("lora_B" in key or "lora_A" in key for key in changed), (name, changed)
         assert any("lora_B" in key for key in changed)  # B starts at zero: the update has happened
         # AdamW's two moments of the adapters, over the ranks together, and nothing for the frozen model.
-        assert rank0[name]["optim"] + rank1[name]["optim"] == 2 * adapter_numel, name
+        copies = 2 if "NO_SHARD" in name else 1  # NO_SHARD: both ranks hold all of it
+        assert rank0[name]["optim"] + rank1[name]["optim"] == 2 * adapter_numel * copies, name
 
 
-def test_adapter_and_merged_exports_load_and_agree(tmp_path):
-    """The adapter loads with PeftModel.from_pretrained onto the base; the merged folder loads with plain
-    from_pretrained; both give the trained PEFT model's logits."""
+def test_shard_written_adapter_and_merged_model_are_what_peft_writes_from_the_gathered_model(
+    lora_runs, lora_export_dir, tmp_path
+):
+    """For FSDP1, FSDP1 NO_SHARD (plain tensors) and FSDP2, and the adapter alone without --merge_lora
+    (FSDP1 use_orig_params): the adapter folder and the merged hf_model/ written from the shards hold, tensor
+    for tensor, what PEFT writes from the gathered trained model (save_pretrained; merge_and_unload then
+    save_pretrained). The adapter loads with PeftModel.from_pretrained onto the base its config names, the
+    merged folder with plain from_pretrained, and both give the trained model's logits."""
     from peft import PeftModel
 
-    settings = replace(LORA, merge_lora=True)
-    base_model = adapter_base(str(EMBEDDED_MODEL_DIR))
-    assert base_model == str(EMBEDDED_MODEL_DIR)  # a local folder, named by its absolute path
-    torch.manual_seed(7)
-    trained = apply_lora(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR), settings, base_model)
-    with torch.no_grad():  # stand-in for training: non-zero adapters
-        for name, param in trained.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
-    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
-    folders = (str(tmp_path / "hf_adapter"), str(tmp_path / "hf_model"))
-    write_lora_folders(
-        trained.state_dict(), trained.get_base_model().config, tokenizer, settings, base_model, folders
-    )
-
+    rank0 = lora_runs[0]
     batch = make_batch(0, rows=2)
     inputs = {"input_ids": batch["source_ids"], "attention_mask": batch["source_mask"],
               "decoder_input_ids": batch["target_ids"]}  # fmt: skip
-    expected = trained.eval()(**inputs).logits
-    adapter_config = json.loads((tmp_path / "hf_adapter" / "adapter_config.json").read_text())
-    assert adapter_config["r"] == LORA.lora_r
-    assert adapter_config["base_model_name_or_path"] == str(EMBEDDED_MODEL_DIR)
-    base = T5ForConditionalGeneration.from_pretrained(adapter_config["base_model_name_or_path"])
-    adapter = PeftModel.from_pretrained(base, folders[0]).eval()
-    torch.testing.assert_close(adapter(**inputs).logits, expected)
-    merged = T5ForConditionalGeneration.from_pretrained(folders[1]).eval()
-    torch.testing.assert_close(merged(**inputs).logits, expected, rtol=1e-4, atol=1e-5)
+    for name, merged in LORA_EXPORTS.items():
+        exported, scratch = lora_export_dir / name, tmp_path / name
+        reference = lora_t5()
+        reference.load_state_dict(rank0[name]["state"], strict=True)
+        reference.eval()
+        with torch.no_grad():
+            expected_logits = reference(**inputs).logits
+
+        reference.save_pretrained(scratch / "adapter")
+        expected = load_file(scratch / "adapter" / "adapter_model.safetensors")
+        written = load_file(exported / "hf_adapter" / "adapter_model.safetensors")
+        assert written.keys() == expected.keys() and expected, name
+        assert all(torch.equal(written[key], expected[key]) for key in expected), name
+        adapter_config = json.loads((exported / "hf_adapter" / "adapter_config.json").read_text())
+        expected_config = json.loads((scratch / "adapter" / "adapter_config.json").read_text())
+        for config in (adapter_config, expected_config):  # a set in PEFT: its order varies
+            config["target_modules"] = sorted(config["target_modules"])
+        assert adapter_config == expected_config
+        assert adapter_config["base_model_name_or_path"] == str(EMBEDDED_MODEL_DIR)
+        # The workers' base is tiny_t5(): the embedded model's shape with its own seeded weights.
+        adapter = PeftModel.from_pretrained(tiny_t5(), exported / "hf_adapter").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(adapter(**inputs).logits, expected_logits)
+
+        if not merged:
+            assert not (exported / "hf_model").exists(), name
+            continue
+        assert_folder_is_save_pretrained_of(
+            exported / "hf_model", reference.merge_and_unload().state_dict(), scratch / "merged"
+        )
+        plain = T5ForConditionalGeneration.from_pretrained(exported / "hf_model").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(plain(**inputs).logits, expected_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_the_adapter_names_its_base_as_from_pretrained_finds_it():
+    """adapter_config.json's base: a local folder by its absolute path (found from any working directory), a
+    hub name as it is."""
+    assert adapter_base(os.path.relpath(EMBEDDED_MODEL_DIR)) == str(EMBEDDED_MODEL_DIR)
+    assert adapter_base("t5-small") == "t5-small"
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,9 @@ from configs.recipe import RecipeConfig
 from configs.training import TrainConfig
 from policies.mixed_precision import Precision
 from scripts.compare_step_losses import step_losses
+from scripts.convert_checkpoint_to_hf import main as convert_checkpoint_main
 from tests.dist_harness import run_ranks
+from tests.hf_folders import folder_tensors
 from tests.launch import Background, Run, program_tracebacks, torchrun
 from tests.reference_run import (
     BATCH,
@@ -580,6 +582,26 @@ def test_hf_model_loads_and_equals_the_last_full_checkpoint(restarted_full):
         generated = exported.generate(**source, max_new_tokens=8)
     assert generated.dtype == torch.long and generated.shape[0] == 1 and 1 < generated.shape[1] <= 9, generated
     assert isinstance(tokenizer.decode(generated[0], skip_special_tokens=True), str)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fsdp1-full", "fsdp2-sharded"])
+def test_converted_checkpoint_holds_what_the_run_exported(case, restarts, tmp_path):
+    """scripts/convert_checkpoint_to_hf.py on the last checkpoint (FULL_STATE_DICT's model.pt; the DCP
+    shards of SHARDED_STATE_DICT) writes, tensor for tensor, what the run's end exported from the shards for
+    the same weights, split over several files as --max_file_gb asks."""
+    output_dir = restarts[case][0]
+    exported = output_dir / ("hf_model_last" if (output_dir / "hf_model_last").is_dir() else "hf_model")
+    converted = tmp_path / "converted"
+    last = checkpoint_dir(output_dir, TOTAL_STEPS)
+    assert convert_checkpoint_main([str(last), "--output", str(converted), "--max_file_gb", "0.0002"]) == 0
+
+    assert len(list(converted.glob("model-*-of-*.safetensors"))) > 1
+    written, expected = folder_tensors(converted), folder_tensors(exported)
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[name], expected[name]) for name in expected)
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((converted / name).read_text()) == json.loads((exported / name).read_text()), name
 
 
 # ------------------------------------------------------------------------------------ 7. bad inputs

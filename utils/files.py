@@ -35,12 +35,17 @@ def _replace(source: str, destination: str) -> None:
     shutil.rmtree(old)
 
 
+def tmp_path(path: str | os.PathLike) -> str:
+    """Where `atomic_path` writes `path`'s content before it is renamed into place."""
+    return f"{os.fspath(path)}.tmp"
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path to write `path`'s content to (a file, or a folder the caller creates); it
     replaces `path` when the block ends without an error and is removed when it raises."""
     path = os.fspath(path)
-    tmp = f"{path}.tmp"
+    tmp = tmp_path(path)
     _remove(tmp)  # left by a write that crashed
     try:
         yield tmp

@@ -11,7 +11,10 @@
         model.pt, optimizer.pt              FULL_STATE_DICT: full state dicts gathered on rank 0
         .metadata, __<r>_0.distcp           SHARDED_STATE_DICT: torch.distributed.checkpoint shards
       checkpoints/.tmp_step_.../          a save in progress (ignored; replaced by the next save)
-      hf_model/                           the best epoch's model (--metric_for_best), save_pretrained + tokenizer
+      hf_model/                           the best epoch's model (--metric_for_best): config, tokenizer, and
+                                            model.safetensors, or model-00001-of-0000N.safetensors files and
+                                            model.safetensors.index.json (--export_max_file_gb), as
+                                            save_pretrained names them
       hf_model_last/                      the final model, when it is not the best
       predictions/<split>_step_<N>.jsonl  the summaries of each ROUGE evaluation (utils/eval/evaluator.py)
       tensorboard/                        --tensorboard true: the metrics as TensorBoard scalars
@@ -29,6 +32,7 @@ CHECKPOINTS_DIR = "checkpoints"
 HF_DIR = "hf_model"
 HF_LAST_DIR = "hf_model_last"  # the final model, when an earlier epoch was the best
 HF_ADAPTER_DIR = "hf_adapter"  # --peft lora: the adapter (hf_adapter, hf_adapter_last)
+HF_WEIGHTS_INDEX = "model.safetensors.index.json"  # which file holds which tensor, when there are several
 STATE_FILE = "train_state.json"
 PARAM_GROUPS_FILE = "optimizer_param_groups.json"
 MODEL_FILE = "model.pt"
@@ -56,6 +60,11 @@ def step_dir_name(step: int) -> str:
 
 def rng_file(checkpoint: str, rank: int) -> str:
     return os.path.join(checkpoint, RNG_DIR, f"rank_{rank}.pt")
+
+
+def hf_weights_file(index: int, count: int) -> str:
+    """The name of an HF folder's weights file `index` (from 1) of `count`, as save_pretrained spells it."""
+    return "model.safetensors" if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
 def predictions_file(output_dir: str, split: str, step: int) -> str:

@@ -1,96 +1,261 @@
-"""The model as a Hugging Face folder: save_pretrained (safetensors) plus the tokenizer.
+"""The model as a Hugging Face folder, written from the shards: no rank ever holds the whole model.
 
 `T5ForConditionalGeneration.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)` load it;
-no pickles, no remote code. Written at the end of a finished run from the live model, or afterwards from any
-checkpoint by scripts/convert_checkpoint_to_hf.py (one process, no GPU, no process group).
+no pickles, no remote code. The folder holds what save_pretrained writes: config.json,
+generation_config.json, the tokenizer, and the weights in safetensors files of at most
+--export_max_file_gb (`model.safetensors`, or `model-00001-of-0000N.safetensors`... with
+`model.safetensors.index.json`), tied weights once (`tied_names`).
+
+- At the end of a run (`write_model_folder`, collective): every rank writes its own rows of every tensor
+  (torch.distributed.checkpoint's HuggingFaceStorageWriter), then the ranks stitch the rows into the final
+  files, one tensor at a time, each rank its share of the files. A rank's extra memory is its serialized
+  part of one small batch of tensors, then one full tensor; the gather this replaces put the whole model on
+  rank 0 (44 GB for t5-11b in fp32), and save_pretrained's serialization as much again. FSDP1's sharded
+  state dict is a copy of the rank's shards (FSDP2's is not), one per tied name, made while each unit is
+  gathered in turn: with FSDP1 that comes on top (docs/checkpoints.md has the figures).
+- With --peft lora (`lora_exports`): the adapters alone are gathered (they are small) and PEFT writes
+  them (`write_adapter_folder`); the merged model is W + scaling * B @ A, each rank computing its own rows
+  of W, then written as above.
+- Afterwards, from a checkpoint (`convert_checkpoint`, one process, no process group): the same folder,
+  each output file read from the checkpoint and written in turn.
 """
 
 import copy
+import json
+import math
 import os
+import shutil
+import warnings
+from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from tqdm import tqdm
+from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration, T5Tokenizer
 
 from configs.errors import FAILURES, CheckpointError, UserError, error_summary
 from configs.lora import LoraConfig
+from utils import layout
 from utils.checkpoint.safe_dcp import SafeFileSystemReader
 from utils.checkpoint.start import read_train_state
+from utils.checkpoint.state_dicts import full_tensor_everywhere, local_rows, with_local_rows
 from utils.eval.generation import GENERATION_KEYS
-from utils.files import atomic_path
-from utils.layout import FULL, MODEL_FILE, STATE_FILE, TOKENIZER_DIR
-from utils.model.loading import load_full_model_state
-from utils.model.lora import apply_lora
+from utils.files import atomic_path, tmp_path
+from utils.log import get_logger
+from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
+
+# Each rank serializes its rows of a batch of tensors in memory before writing them (DCP's safetensors
+# writer; about twice the batch's bytes while it does): batches of about this many bytes per rank keep that
+# small (a replicated tensor, with NO_SHARD or across HYBRID_SHARD's replicas, is written whole by one
+# rank), at the cost of more files in the intermediate folder: about model size / 32 MiB of them, whatever
+# the number of ranks. Stitching opens every one of them at once, so there are never more than
+# MAX_PART_FILES (the batches grow instead: t5-11b in fp32, 172 MB per rank).
+RANK_PART_BYTES = 32 * 2**20
+MAX_PART_FILES = 256
+# convert_checkpoint reads a checkpoint in one process on purpose (no_dist=True); DCP says so at every read.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+RANK_PARTS_DIR = "rank_parts"  # inside the folder being written, deleted once the final files are stitched
 
 
-def write_hf_folder(state_dict: dict, model_config, tokenizer, folder: str) -> None:
-    """Save a plain state dict as a transformers folder, atomically (an existing folder is replaced whole).
+def file_plan(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:
+    """Which file (numbered from 1) each tensor goes to: in order, a new file whenever the next tensor would
+    overflow the current one (save_pretrained's rule: a tensor larger than the limit gets a file of its own)."""
+    plan, index, used = {}, 1, 0
+    for name, size in sizes.items():
+        if used and used + size > max_file_bytes:
+            index, used = index + 1, 0
+        plan[name] = index
+        used += size
+    return plan
 
-    The model skeleton lives on the meta device: no second copy of the weights is allocated.
-    """
+
+def tensor_bytes(tensor) -> int:
+    """The size of the full tensor (a sharded one's included), in bytes."""
+    return math.prod(tensor.size()) * tensor.dtype.itemsize
+
+
+def tied_names(model_config) -> set[str]:
+    """The names save_pretrained leaves out because they are another parameter: T5's `embed_tokens` (and,
+    with tie_word_embeddings, `lm_head`) are `shared.weight`, and from_pretrained ties them to it again."""
+    with torch.device("meta"):  # the parameters' identities, no memory
+        skeleton = T5ForConditionalGeneration(model_config)
+    seen, tied = set(), set()
+    for name, parameter in skeleton.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            tied.add(name)
+        seen.add(id(parameter))
+    return tied
+
+
+def lora_exports(state: dict, lora: LoraConfig, device: torch.device) -> tuple[dict, dict | None]:
+    """From a PEFT model's sharded state dict: the adapters whole, on every rank (on the CPU), and, with
+    --merge_lora, the merged model's state dict (plain transformers names) as this rank's rows. Collective.
+
+    The merge is PEFT's `merge_and_unload` arithmetic, W + (B @ A) * scaling, done by each rank on its own
+    rows of W: B @ A is computed whole (one layer's weight size at a time) and its rows are sliced, so the
+    result is bit for bit PEFT's."""
+    adapters = {name: full_tensor_everywhere(tensor, device) for name, tensor in state.items() if ".lora_" in name}
+    if not lora.merge_lora:
+        return {name: tensor.cpu() for name, tensor in adapters.items()}, None
+    scaling = lora.lora_alpha / lora.lora_r  # PEFT's scaling without rsLoRA (utils/model/lora.py sets none)
+    merged = {}
+    for name, tensor in state.items():
+        if ".lora_" in name:
+            continue
+        if name.endswith(".base_layer.weight"):
+            layer = name.removesuffix(".base_layer.weight")
+            a = adapters[f"{layer}.lora_A.{ADAPTER_NAME}.weight"]
+            b = adapters[f"{layer}.lora_B.{ADAPTER_NAME}.weight"]
+            local, first_row = local_rows(tensor)
+            if local is not None:
+                delta = (b @ a) * scaling
+                rows = delta[first_row : first_row + local.shape[0]]
+                tensor = with_local_rows(tensor, local + rows.to(local.device))  # FSDP2's CPU offload
+        merged[name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")] = tensor
+    return {name: tensor.cpu() for name, tensor in adapters.items()}, merged
+
+
+def write_model_folder(
+    state: dict, model_config, tokenizer, folder: str, max_file_bytes: int, is_main: bool
+) -> int:
+    """Write the HF folder `folder` from every rank's shards of the model state dict (transformers names).
+    Collective. The folder appears whole or not at all: an existing one is replaced once the new one is
+    complete. Empties `state` once every rank's rows are written. Returns the number of weights files."""
+    tied = tied_names(model_config)
+    parts_state = {name: tensor for name, tensor in state.items() if name not in tied}
+    sizes = {name: tensor_bytes(tensor) for name, tensor in parts_state.items()}
+    dtype = next(iter(parts_state.values())).dtype
+    plan = file_plan(sizes, max_file_bytes)
+    files = max(plan.values())
+    world_size = dist.get_world_size()
+    part_bytes = max(RANK_PART_BYTES * world_size, math.ceil(sum(sizes.values()) * world_size / MAX_PART_FILES))
+    # Rank 0 removes what an export that crashed left behind, and renames the folder into place at the end.
+    with atomic_path(folder) if is_main else nullcontext(tmp_path(folder)) as tmp:
+        dist.barrier()  # nobody writes into the temporary folder before rank 0 has cleared it
+        parts = os.path.join(tmp, RANK_PARTS_DIR)
+        writer = HuggingFaceStorageWriter(
+            parts, fqn_to_index_mapping=file_plan(sizes, part_bytes), save_distributed=True
+        )
+        dcp.save(parts_state, storage_writer=writer)
+        # FSDP1's sharded state dict is a copy of this rank's shards: freed before the files are stitched.
+        parts_state.clear()
+        state.clear()
+        # Each rank stitches the final files whose number modulo the world size is its rank; rank 0 then
+        # writes model.safetensors.index.json.
+        consolidate_safetensors_files_on_every_rank(parts, tmp, plan)
+        if is_main:
+            shutil.rmtree(parts)
+            if files == 1:  # save_pretrained's name for a single file, and no index
+                stitched = os.path.join(tmp, "model-00001-of-00001.safetensors")  # DCP's name
+                os.replace(stitched, os.path.join(tmp, layout.hf_weights_file(1, 1)))
+                os.remove(os.path.join(tmp, layout.HF_WEIGHTS_INDEX))
+            write_model_description(model_config, tokenizer, dtype, tmp)
+    return files
+
+
+def write_model_description(model_config, tokenizer, dtype: torch.dtype, folder: str) -> None:
+    """What save_pretrained writes besides the weights (config.json with the architecture and dtype,
+    generation_config.json), and the tokenizer."""
+    config = copy.deepcopy(model_config)
     # Training runs without the KV cache (activation checkpointing needs that); whoever loads the folder
     # generates, which wants it.
-    model_config = copy.deepcopy(model_config)
-    model_config.use_cache = True
-    with torch.device("meta"):
-        skeleton = T5ForConditionalGeneration(model_config)
+    config.use_cache = True
+    config.architectures = [T5ForConditionalGeneration.__name__]
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(folder)
     # generation_config.json gets the run's generation settings, so `generate()` summarises as evaluated.
-    summarization = (getattr(model_config, "task_specific_params", None) or {}).get("summarization", {})
+    generation_config = GenerationConfig.from_model_config(config)
+    summarization = (getattr(config, "task_specific_params", None) or {}).get("summarization", {})
     generation = {key: summarization[key] for key in GENERATION_KEYS if key in summarization}
     if generation.get("num_beams", 1) == 1:
         generation.pop("length_penalty", None)  # a beam-search setting; transformers refuses it otherwise
-    skeleton.generation_config.update(use_cache=True, **generation)
-    with atomic_path(folder) as tmp:
-        skeleton.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+    generation_config.update(use_cache=True, **generation)
+    generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
-def write_lora_folders(
-    state_dict: dict, model_config, tokenizer, lora: LoraConfig, base_model: str, folders: tuple
+def write_adapter_folder(
+    adapters: dict, model_config, lora: LoraConfig, base_model: str, tokenizer, folder: str
 ) -> None:
-    """Rank 0: the adapter folder (PEFT save_pretrained + tokenizer) and, with --merge_lora, the merged
-    model as a plain transformers folder. `folders`: (adapter folder, merged folder)."""
-    adapter_folder, merged_folder = folders
+    """Rank 0: PEFT's adapter folder (adapter_config.json naming `base_model`, adapter_model.safetensors)
+    from the gathered adapters, and the tokenizer. PEFT's save_pretrained writes it, from a PEFT model on
+    the meta device: its module names and configuration, no weights (the live one's names carry FSDP1's
+    wrappers, which PEFT's key matching does not know)."""
     config = copy.deepcopy(model_config)
     config.use_cache = True
-    with torch.device("meta"):  # no random init of a model about to be overwritten
-        peft_model = apply_lora(T5ForConditionalGeneration(config), lora, base_model)
-    peft_model.to_empty(device="cpu")  # keeps parameter identity: the tied embedding stays one tensor
-    peft_model.load_state_dict(state_dict, strict=True)
-    # PEFT names the base after the skeleton's config, which has no name: PeftModel.from_pretrained reads it.
-    peft_model.peft_config["default"].base_model_name_or_path = base_model
-    with atomic_path(adapter_folder) as tmp:
-        peft_model.save_pretrained(tmp, safe_serialization=True)
+    with torch.device("meta"):
+        skeleton = apply_lora(T5ForConditionalGeneration(config), lora, base_model)
+    with atomic_path(folder) as tmp:
+        skeleton.save_pretrained(tmp, state_dict=adapters, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-    if lora.merge_lora:
-        merged = peft_model.merge_and_unload()
-        write_hf_folder(merged.state_dict(), model_config, tokenizer, merged_folder)
 
 
-def checkpoint_weights(checkpoint: str, model_config: T5Config) -> dict:
-    """A checkpoint's model state dict as plain CPU tensors named like the unwrapped model's parameters.
-
-    A SHARDED_STATE_DICT checkpoint written by any number of ranks is read whole (no process group).
-    """
-    if read_train_state(checkpoint)["checkpoint_type"] == FULL:
-        return load_full_model_state(os.path.join(checkpoint, MODEL_FILE))
-    # A template with the full shapes: DCP reads every rank's shards into it.
-    template = {"model": T5ForConditionalGeneration(model_config).state_dict()}
-    dcp.load(template, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)
-    return template["model"]
-
-
-def convert_checkpoint(checkpoint: str, output: str) -> str:
-    """Write the HF folder `output` from a checkpoint folder (its weights, model config and tokenizer)."""
-    if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
-        raise CheckpointError(f"{checkpoint} is not a complete checkpoint folder (no {STATE_FILE})")
+def convert_checkpoint(checkpoint: str, output: str, max_file_bytes: int) -> str:
+    """Write the HF folder `output` from a checkpoint folder (its weights, model config and tokenizer), one
+    output file at a time: host memory for one file (--max_file_gb), not the model."""
+    if not os.path.isfile(os.path.join(checkpoint, layout.STATE_FILE)):
+        raise CheckpointError(f"{checkpoint} is not a complete checkpoint folder (no {layout.STATE_FILE})")
     config = T5Config.from_pretrained(checkpoint)
-    tokenizer = T5Tokenizer.from_pretrained(os.path.join(checkpoint, TOKENIZER_DIR))
+    tokenizer = T5Tokenizer.from_pretrained(os.path.join(checkpoint, layout.TOKENIZER_DIR))
     try:
-        weights = checkpoint_weights(checkpoint, config)
+        shapes, read = _checkpoint_tensors(checkpoint)
+        if any(name.startswith(PEFT_PREFIX) for name in shapes):
+            raise CheckpointError(
+                f"{checkpoint} was written by a --peft lora run; this script converts plain models. A LoRA run "
+                f"writes its adapter to output_dir/{layout.HF_ADAPTER_DIR}/ and, with --merge_lora true, the "
+                f"merged model to output_dir/{layout.HF_DIR}/ when it ends."
+            )
+        tied = tied_names(config)
+        shapes = {name: shape for name, shape in shapes.items() if name not in tied}
+        sizes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in shapes.items()}
+        plan = file_plan(sizes, max_file_bytes)
+        files = max(plan.values())
+        with atomic_path(output) as tmp:
+            os.makedirs(tmp)
+            weight_map = {}
+            for index in tqdm(range(1, files + 1), desc="writing safetensors files", unit="file"):
+                names = [name for name, number in plan.items() if number == index]
+                file = layout.hf_weights_file(index, files)
+                save_file(read(names), os.path.join(tmp, file), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(names, file))
+            if files > 1:
+                index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+                with open(os.path.join(tmp, layout.HF_WEIGHTS_INDEX), "w", encoding="utf-8") as f:
+                    json.dump(index, f, indent=2)
+            write_model_description(config, tokenizer, next(iter(shapes.values()))[1], tmp)
     except UserError:
         raise
     except FAILURES as err:  # one message naming the checkpoint
-        raise CheckpointError(f"cannot read the weights of {checkpoint}: {error_summary(err)}") from None
-    write_hf_folder(weights, config, tokenizer, output)
+        raise CheckpointError(f"cannot convert {checkpoint}: {error_summary(err)}") from None
+    get_logger().info("wrote %s: %d weights file(s)", output, files)
     return output
+
+
+def _checkpoint_tensors(checkpoint: str):
+    """({name: (shape, dtype)} of a checkpoint's model, and read(names) -> {name: tensor}), without reading
+    the weights yet. A SHARDED_STATE_DICT checkpoint written by any number of ranks is read by DCP, only the
+    tensors asked for; a FULL_STATE_DICT model.pt is memory-mapped."""
+    if read_train_state(checkpoint)["checkpoint_type"] == layout.FULL:
+        file = os.path.join(checkpoint, layout.MODEL_FILE)
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        shapes = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+        return shapes, lambda names: {name: state[name] for name in names}
+    metadata = SafeFileSystemReader(checkpoint).read_metadata()
+    prefix = "model."  # the payload's section (utils/checkpoint/manager.py: save)
+    shapes = {
+        key.removeprefix(prefix): (tuple(entry.size), entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+
+    def read(names: list[str]) -> dict:
+        template = {"model": {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}}
+        dcp.load(template, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)
+        return template["model"]
+
+    return shapes, read

@@ -40,12 +40,11 @@ from configs.errors import FAILURES, CheckpointError, error_summary
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
 from utils import layout
-from utils.checkpoint.hf_export import write_hf_folder, write_lora_folders
+from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
 from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.safe_dcp import SafeFileSystemReader
 from utils.checkpoint.start import StartPoint, read_train_state
 from utils.checkpoint.state_dicts import (
-    gather_full_state_dict,
     model_and_optimizer_state,
     param_groups_from_json,
     save_full_model,
@@ -323,24 +322,32 @@ class CheckpointManager:
         )
 
     def export_hf(self, last: bool = False) -> str | None:
-        """Gather the full model (collective) and write output_dir/hf_model (or, `last`, hf_model_last) on
-        rank 0. Returns its path there."""
+        """Write output_dir/hf_model (or, `last`, hf_model_last) from the shards: every rank writes its own
+        rows, no rank gathers the model (utils/checkpoint/hf_export.py). With --peft lora, the adapter folder
+        (and with --merge_lora the merged model). Collective. Returns the folder on rank 0."""
         self.finish_pending()
-        state = gather_full_state_dict(self.model, self.info.device)
-        if not self.info.is_main:
-            return None
+        started = time.perf_counter()
+        is_main = self.info.is_main
         folder = os.path.join(self.output_dir, layout.HF_LAST_DIR if last else layout.HF_DIR)
-        lora = self.lora
-        if lora is not None:  # the adapter beside where the model goes, and the merged model if asked for
-            adapter = os.path.join(self.output_dir, layout.HF_ADAPTER_DIR + ("_last" if last else ""))
-            write_lora_folders(state, self.model_config, self.tokenizer, lora, self.base_model, (adapter, folder))
-            get_logger().info("LoRA adapter written: %s (PeftModel.from_pretrained-loadable)", adapter)
-            if not lora.merge_lora:
-                return adapter
-        else:
-            write_hf_folder(state, self.model_config, self.tokenizer, folder)
-        get_logger().info("model written: %s (from_pretrained-loadable, safetensors)", folder)
-        return folder
+        state = sharded_model_state(self.model)
+        if self.lora is not None:  # the adapter beside where the model goes, and the merged model if asked for
+            adapters, state = lora_exports(state, self.lora, self.info.device)
+            adapter_folder = os.path.join(self.output_dir, layout.HF_ADAPTER_DIR + ("_last" if last else ""))
+            if is_main:
+                lora, config = self.lora, self.model_config
+                write_adapter_folder(adapters, config, lora, self.base_model, self.tokenizer, adapter_folder)
+                get_logger().info("LoRA adapter written: %s (PeftModel.from_pretrained-loadable)", adapter_folder)
+            if state is None:
+                return adapter_folder if is_main else None
+        max_file_bytes = int(self.checkpointing.export_max_file_gb * 1e9)
+        files = write_model_folder(state, self.model_config, self.tokenizer, folder, max_file_bytes, is_main)
+        get_logger().info(
+            "model written from the shards: %s (%d safetensors file(s), %.1f s; from_pretrained-loadable)",
+            folder,
+            files,
+            time.perf_counter() - started,
+        )
+        return folder if is_main else None
 
 
 def _rng_state(device: torch.device) -> dict:

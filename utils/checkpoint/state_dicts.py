@@ -8,7 +8,9 @@ import re
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -17,13 +19,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from utils.files import atomic_path, disk_bytes
 from utils.log import get_logger
 
-# FSDP1's optimizer-state utilities ask the process group for its device through a deprecated helper on
-# every call, and on a gloo group that helper also warns that it has to guess: two UserWarnings per rank per
-# checkpoint, about torch internals, that nobody can act on. Ignored for that torch module only. (Filters
+# FSDP1's optimizer-state and sharding utilities ask the process group for its device through a deprecated
+# helper on every call, and on a gloo group that helper also warns that it has to guess: UserWarnings per
+# rank per checkpoint, about torch internals, that nobody can act on. Ignored for those torch modules. (Filters
 # set once here, not per call with catch_warnings: leaving a catch_warnings block resets Python's
 # once-per-location memory, and every other warning would then repeat.)
 for _message in (
@@ -34,8 +38,12 @@ for _message in (
         "ignore",
         message=re.escape(_message),
         category=UserWarning,
-        module=r"torch\.distributed\.fsdp\._optim_utils",
+        module=r"torch\.distributed\.fsdp\._(optim|shard)_utils",
     )
+# FSDP1's sharded state dict is made of ShardedTensors, a type torch deprecates in favour of FSDP2's DTensor:
+# every use (FSDP1's own, and the export's reading of shapes) warns. FSDP1 is the tutorial's; FSDP2 is
+# --fsdp_version 2.
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor")
 # torch marks FSDP.state_dict_type as deprecated in favour of get_state_dict (the FSDP2-era API); the
 # tutorial's FSDP1 full-state path uses it on purpose, so the per-call warning is noise.
 warnings.filterwarnings("ignore", message=".*state_dict_type.*", category=FutureWarning)
@@ -54,6 +62,55 @@ def model_and_optimizer_state(model: nn.Module, optimizer, full: bool, device: t
 def sharded_model_state(model: nn.Module) -> dict:
     """This rank's shards of the model state dict (no gather, no optimizer). Collective."""
     return get_model_state_dict(model)
+
+
+def local_rows(tensor) -> tuple[torch.Tensor | None, int]:
+    """This rank's part of a sharded state-dict tensor (FSDP1's ShardedTensor, FSDP2's DTensor), and the
+    index of its first row in the full tensor. Both backends cut parameters into blocks of whole rows (dim
+    0). Where this rank holds no rows (a small tensor on many ranks): None for a ShardedTensor, an empty
+    tensor for a DTensor. A plain tensor (FSDP1's NO_SHARD) is all its rows."""
+    if isinstance(tensor, DTensor):
+        if any(placement.is_shard() and placement.dim != 0 for placement in tensor.placements):
+            raise NotImplementedError(f"a DTensor sharded on another dimension than rows: {tensor.placements}")
+        _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.to_local(), (offsets[0] if offsets else 0)
+    if not isinstance(tensor, ShardedTensor):
+        return tensor, 0
+    shards = tensor.local_shards()
+    if not shards:
+        return None, 0
+    return shards[0].tensor, shards[0].metadata.shard_offsets[0]
+
+
+def with_local_rows(tensor, local: torch.Tensor):
+    """A sharded tensor laid out as `tensor` (same full shape, same ranks' rows) whose part on this rank is
+    `local`. No communication."""
+    if isinstance(tensor, DTensor):
+        layout = {"shape": tensor.shape, "stride": tensor.stride()}
+        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False, **layout)
+    if not isinstance(tensor, ShardedTensor):
+        return local
+    shards = [Shard(local, shard.metadata) for shard in tensor.local_shards()]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, tensor.metadata(), process_group=tensor._process_group
+    )
+
+
+def full_tensor_everywhere(tensor, device: torch.device) -> torch.Tensor:
+    """The whole of a sharded state-dict tensor on every rank, on `device` (the process group's). Collective;
+    meant for small tensors (LoRA's adapters)."""
+    if isinstance(tensor, DTensor):
+        # With FSDP2's CPU offload the rows are in host memory while the mesh is the GPUs': gathered there.
+        return with_local_rows(tensor, tensor.to_local().to(device)).full_tensor()
+    if not isinstance(tensor, ShardedTensor):  # FSDP1's NO_SHARD: every rank holds it whole
+        return tensor.to(device)
+    # Each rank writes its rows into zeros; the sum over the shard group is the full tensor (x + 0 == x).
+    local, first_row = local_rows(tensor)
+    full = torch.zeros(tensor.size(), dtype=tensor.dtype, device=device)
+    if local is not None:
+        full[first_row : first_row + local.shape[0]] = local
+    dist.all_reduce(full, group=tensor._process_group)
+    return full
 
 
 def set_optimizer_state(model: nn.Module, optimizer, optim_state: dict, full: bool) -> None:

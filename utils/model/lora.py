@@ -6,8 +6,8 @@ weights ("FlatParameter requires uniform requires_grad"), so the wrap policy mak
 its own (policies/wrapping.py). With use_orig_params FSDP1 would accept the mix, but a block's flat
 parameter then puts every q/v adapter in rank 0's half. FSDP2 shards parameter by parameter. Checkpoints
 hold the whole model (frozen weights included), so resuming needs nothing else. The export
-(utils/checkpoint/hf_export.py: `write_lora_folders`) rebuilds the PEFT model on rank 0 from the gathered
-state dict: PEFT's `save_pretrained` writes the adapter alone, `merge_and_unload` the merged model.
+(utils/checkpoint/hf_export.py: `lora_exports`) gathers the adapters alone, which PEFT's `save_pretrained`
+writes; the merged model is computed row block by row block on the ranks that hold W, never gathered.
 """
 
 import os
@@ -20,6 +20,7 @@ from configs.lora import LoraConfig
 from utils.model.loading import looks_like_local_path
 
 PEFT_PREFIX = "base_model.model."  # PEFT's names of the wrapped model's parameters
+ADAPTER_NAME = "default"  # PEFT's name of the one adapter (in parameter names: q.lora_A.default.weight)
 
 
 def target_modules(lora: LoraConfig) -> list[str]:
@@ -49,12 +50,14 @@ def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str) -> nn.Module
         lora_alpha=lora.lora_alpha,
         lora_dropout=lora.lora_dropout,
         target_modules=targets,
-        base_model_name_or_path=base_model,
     )
     try:
         model = get_peft_model(model, peft_config)
     except ValueError:  # PEFT's NoMatchingPeftModuleError: not one target matched
         raise ConfigError(_missing_targets(targets, layers)) from None
+    # get_peft_model names the base after the model's name_or_path (maybe relative; and it warns when the
+    # config named another): the export's adapter_config.json must name what PeftModel.from_pretrained finds.
+    model.peft_config[ADAPTER_NAME].base_model_name_or_path = base_model
     adapted = {name.rsplit(".", 1)[-1] for name in model.targeted_module_names}
     missing = [target for target in targets if target not in adapted]
     if missing:  # PEFT adapts what matches and says nothing about the rest
