@@ -43,6 +43,7 @@ CPU = torch.device("cpu")
 VOCAB = 1100
 LR = 1e-3
 FP32 = Precision("fp32_policy")
+EXPORT_FILE_BYTES = 100_000  # the tiny model's 1.2 MB over several files, as --export_max_file_gb splits
 
 
 def tiny_t5(seed: int = 0, on_meta: bool = False) -> T5ForConditionalGeneration:
@@ -96,9 +97,16 @@ def reference_run(steps: int, world_size: int, model: nn.Module | None = None) -
 
 
 def fsdp_run(
-    config: FSDPConfig, rank: int, world_size: int, steps: int, precision: Precision = FP32, weights_file: str = ""
+    config: FSDPConfig,
+    rank: int,
+    world_size: int,
+    steps: int,
+    precision: Precision = FP32,
+    weights_file: str = "",
+    export_folder: str = "",
 ):
-    """Per-step reported losses of train_step under FSDP, and the final full state dict (rank 0).
+    """Per-step reported losses of train_step under FSDP, and the final full state dict (rank 0). With
+    `export_folder`, the trained model is first exported there from the shards (EXPORT_FILE_BYTES files).
 
     With rank-0-only loading the ranks start from a meta-device skeleton: FSDP2's ranks but 0 (rank 0's
     weights are broadcast), FSDP1's every rank (rank 0 reads `weights_file`, a .pt of tiny_t5()'s weights).
@@ -108,6 +116,12 @@ def fsdp_run(
     model = shard_model(tiny_t5(on_meta=skeleton), config, precision, CPU, weights_source=weights_file)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = train_wrapped(model, optimizer, rank, world_size, steps)
+    if export_folder:
+        tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+        model_config = tiny_t5(on_meta=True).config
+        write_model_folder(
+            sharded_model_state(model), model_config, tokenizer, export_folder, EXPORT_FILE_BYTES, rank == 0
+        )
     return losses, gather_full_state_dict(model, CPU)
 
 
@@ -187,18 +201,34 @@ def _fsdp_config(overrides: dict) -> FSDPConfig:
 
 
 def parity_worker(
-    rank: int, world_size: int, steps: int, variant_set: str = "fsdp1", weights_file: str = ""
+    rank: int,
+    world_size: int,
+    steps: int,
+    variant_set: str = "fsdp1",
+    weights_file: str = "",
+    export_dir: str = "",
 ) -> dict:
-    """Losses and final weights of every variant; the unsharded reference on rank 0."""
-    out = {"losses": {}, "max_param_diff": {}}
+    """Losses and final weights of every variant; the unsharded reference on rank 0. With `export_dir`, each
+    variant's model is exported from the shards to export_dir/<variant>, and rank 0 returns its full state."""
+    out = {"losses": {}, "max_param_diff": {}, "states": {}}
     reference_losses, reference_state = reference_run(steps, world_size) if rank == 0 else (None, None)
     for name, overrides in VARIANT_SETS[variant_set].items():
-        losses, state = fsdp_run(_fsdp_config(overrides), rank, world_size, steps, weights_file=weights_file)
+        export_folder = f"{export_dir}/{name}" if export_dir else ""
+        losses, state = fsdp_run(
+            _fsdp_config(overrides),
+            rank,
+            world_size,
+            steps,
+            weights_file=weights_file,
+            export_folder=export_folder,
+        )
         out["losses"][name] = losses
         if rank == 0:
             out["max_param_diff"][name] = max(
                 (state[key] - reference_state[key]).abs().max().item() for key in reference_state
             )
+            if export_dir:
+                out["states"][name] = state
     out["reference_losses"] = reference_losses
     return out
 
@@ -252,9 +282,6 @@ def precision_worker(rank: int, world_size: int) -> dict:
             "reduce": str(POLICIES[name].reduce_dtype),
         }
     return out
-
-
-EXPORT_FILE_BYTES = 100_000  # the tiny model's 1.2 MB over several files, as --export_max_file_gb splits
 
 
 def checkpoint_worker(rank: int, world_size: int, path: str, fsdp_version: int = 1) -> dict:

@@ -105,13 +105,15 @@ def test_each_policy_computes_in_its_dtype():
 
 
 @pytest.mark.slow
-def test_hybrid_sharding_on_four_ranks_matches_the_reference():
-    """2x2 (and, for FSDP2, 4x1) replicate x shard meshes on 4 gloo ranks train like an unsharded model."""
-    rank0 = run_ranks(parity_worker, 3, "hybrid4", world_size=4)[0]
+def test_hybrid_sharding_on_four_ranks_matches_the_reference(tmp_path):
+    """2x2 (and, for FSDP2, 4x1) replicate x shard meshes on 4 gloo ranks train like an unsharded model, and
+    the export written from their shards (replicas written once) holds the gathered model bit for bit."""
+    rank0 = run_ranks(parity_worker, 3, "hybrid4", "", str(tmp_path), world_size=4)[0]
     for name, losses in rank0["losses"].items():
         for step, (got, want) in enumerate(zip(losses, rank0["reference_losses"], strict=True)):
             assert relative_diff(got, want) < RTOL, f"{name} step {step + 1}: {got} vs {want}"
         assert rank0["max_param_diff"][name] < 1e-5, name
+        assert_folder_is_save_pretrained_of(tmp_path / name, rank0["states"][name], tmp_path / f"{name} reference")
 
 
 def test_bf16_check_on_cpu():
