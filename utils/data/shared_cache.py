@@ -72,29 +72,30 @@ def read_manifest(folder: Path) -> dict | None:
         return None
 
 
-def problem_with(folder: Path, key: dict) -> str | None:
-    """Why `folder` cannot be used for `key` (None: it can)."""
+def checked_manifest(folder: Path, key: dict | None) -> tuple[dict | None, str | None]:
+    """(`folder`'s manifest, None) when the folder can be used for `key` (None: whatever its key), else
+    (None, why not). The manifest is read once: what was checked is what is returned."""
     if not folder.is_dir():
-        return "missing"
+        return None, "missing"
     manifest = read_manifest(folder)
     if manifest is None:
-        return "damaged: it has no readable manifest"
-    if manifest.get("key") != key:
-        return "made from other inputs"
+        return None, "damaged: it has no readable manifest"
+    if key is not None and manifest.get("key") != key:
+        return None, "made from other inputs"
     for file_name, size in manifest.get("files", {}).items():
         path = folder / file_name
         if not path.is_file():
-            return f"damaged: {file_name} is missing"
+            return None, f"damaged: {file_name} is missing"
         if path.stat().st_size != size:
-            return f"damaged: {file_name} has {path.stat().st_size} bytes, its manifest says {size}"
-    return None
+            return None, f"damaged: {file_name} has {path.stat().st_size} bytes, its manifest says {size}"
+    return manifest, None
 
 
 def complete_folders(cache_dir: Path, name: str) -> Iterator[tuple[Path, dict]]:
     """Every complete folder of `name` under cache_dir, with its manifest (for a caller's `reuse`)."""
     for folder in sorted(cache_dir.glob(f"{name}-*")):
-        manifest = read_manifest(folder) if folder.is_dir() else None
-        if manifest is not None and problem_with(folder, manifest["key"]) is None:
+        manifest, _ = checked_manifest(folder, None)
+        if manifest is not None:
             yield folder, manifest
 
 
@@ -114,10 +115,9 @@ def shared_folder(
 
 
 def _ready(folder: Path, key: dict, reuse: Reuse | None) -> tuple[Path, dict] | None:
-    if problem_with(folder, key) is None:
-        manifest = read_manifest(folder)
-        if manifest is not None:  # None: removed since the check
-            return folder, manifest
+    manifest, _ = checked_manifest(folder, key)
+    if manifest is not None:
+        return folder, manifest
     return reuse() if reuse is not None else None
 
 
@@ -143,7 +143,7 @@ def _build_locked(folder: Path, key: dict, build: Callable[[Path], dict], what: 
         found = _ready(folder, key, reuse)  # built by another process while this one waited
         if found is not None:
             return found
-        problem = problem_with(folder, key)
+        _, problem = checked_manifest(folder, key)
         if problem != "missing":
             get_logger().warning("%s in %s is %s: building it again", what, folder, problem)
         _remove_unfinished_builds(folder, what)
@@ -167,9 +167,10 @@ def _build_locked(folder: Path, key: dict, build: Callable[[Path], dict], what: 
             os.replace(partial, folder)
         except OSError:  # another builder renamed its own first (locks that do not reach other nodes)
             shutil.rmtree(partial, ignore_errors=True)
-            if problem_with(folder, key) is not None:
+            winner, _ = checked_manifest(folder, key)
+            if winner is None:
                 raise
-            return folder, read_manifest(folder)
+            return folder, winner
         get_logger().info("built %s in %.1f s: %s", what, time.perf_counter() - started, folder)
         return folder, manifest
     finally:
