@@ -191,21 +191,27 @@ def fixed_shape_rates(result: dict, model_dir: str, args, peak_tflops: float) ->
     return {"tokens_per_s": args.nproc * tokens / seconds, "mfu": flops / seconds / (peak_tflops * 1e12)}
 
 
+def markdown_table(header: str, rows: list[str]) -> str:
+    """A markdown table: the `header` line ("| a | b |"), its separator, then `rows`."""
+    columns = header.count("|") - 1
+    return "\n".join([header, "| --- " * columns + "|", *rows]) + "\n"
+
+
 def peers_markdown(results: list[dict]) -> str:
     bare = next((r["step_seconds"] for r in results if r["case"] == "bare torch FSDP1 loop, same wrap"), None)
-    lines = [
+    header = (
         "| model | framework | step time (s) | vs bare FSDP1 | tokens/s (all ranks) | MFU "
-        "| peak memory per rank (MiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
+        "| peak memory per rank (MiB) |"
+    )
+    rows = []
     for r in results:
         ratio = f"{r['step_seconds'] / bare:.3f}x" if bare else "-"
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
-        lines.append(
+        rows.append(
             f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {ratio} | {r['tokens_per_s']:.0f} "
             f"| {r['mfu']:.1%} | {peaks} |"
         )
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, rows)
 
 
 def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, common: list[str], work: Path) -> dict:
@@ -431,19 +437,19 @@ def run_data_suite(args, work: Path) -> list[dict]:
 
 
 def data_markdown(results: list[dict]) -> str:
-    lines = [
+    header = (
         "| ranks | case | data | time to first step (s) | vs embedded | peak RSS per rank (MiB) "
-        "| data RSS per rank (MiB, max rank) | CPU s, all ranks | data CPU s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+        "| data RSS per rank (MiB, max rank) | CPU s, all ranks | data CPU s |"
+    )
+    rows = []
     for r in results:
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_rss_bytes"])
-        lines.append(
+        rows.append(
             f"| {r['ranks']} | {r['case']} | {r['data']} | {r['first_step_s']:.1f} "
             f"| {r['first_step_vs_embedded']:.2f}x "
             f"| {peaks} | {r['data_rss_bytes'] / 2**20:.0f} | {r['cpu_s']:.1f} | {r['data_cpu_s']:.1f} |"
         )
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, rows)
 
 
 def model_folder(name: str, work: Path) -> str:
@@ -456,20 +462,20 @@ def model_folder(name: str, work: Path) -> str:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = [
+    header = (
         "| model | case | step time (s) | samples/s | real tokens/s | MFU | train loss | peak RSS per rank (MiB) "
-        "| params held | AdamW state held |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+        "| params held | AdamW state held |"
+    )
+    rows = []
     for r in results:
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        lines.append(
+        rows.append(
             f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {r['samples_per_s']:.1f} "
             f"| {r['tokens_per_s']:.0f} | {mfu} | {r['train_loss']:.4f} | {peaks} "
             f"| {r['param_share']:.3f} | {r['optim_share']:.3f} |"
         )
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, rows)
 
 
 def checkpoint_markdown(results: list[dict]) -> str:
@@ -479,36 +485,37 @@ def checkpoint_markdown(results: list[dict]) -> str:
     loads = [r for r in results if r.get("export") and "load_s" in r]
     tables = [saves_markdown(saves)] if saves else []
     if exports:
-        lines = [
+        header = (
             "| model | export | rank 0 peak above its RSS before (MiB) | / fp32 model | any rank's (MiB) "
-            "| seconds | files |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
-        ]
+            "| seconds | files |"
+        )
+        rows = []
         for r in exports:
             peak, model = r["peak_above_bytes"], r["model_bytes"]
-            lines.append(
+            rows.append(
                 f"| {r['model']} | {r['case']} | {peak / 2**20:.0f} | {peak / model:.2f}x "
                 f"| {r['highest_peak_above_bytes'] / 2**20:.0f} | {r['seconds']:.1f} | {r['files']} |"
             )
-        tables.append("\n".join(lines) + "\n")
+        tables.append(markdown_table(header, rows))
     if loads:
-        lines = ["| model | checkpoint | MB written | save (s) | load for resume (s) |", "| --- " * 5 + "|"]
+        header = "| model | checkpoint | MB written | save (s) | load for resume (s) |"
+        rows = []
         for r in loads:
-            lines.append(
+            rows.append(
                 f"| {r['model']} | {r['case']} | {r['bytes'] / 1e6:.0f} | {r['save_s']:.1f} | {r['load_s']:.1f} |"
             )
-        tables.append("\n".join(lines) + "\n")
+        tables.append(markdown_table(header, rows))
     return "\n".join(tables)
 
 
 def saves_markdown(results: list[dict]) -> str:
     """Per save: the seconds training stopped and until the checkpoint was complete; the step after each save
     (a background write running) against the median step of the run without checkpoints."""
-    lines = [
+    header = (
         "| model | case | saves | MB per save | training stopped per save (s) | complete after (s) "
-        "| step after a save (s) | step without checkpoints (s) | ratio |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+        "| step after a save (s) | step without checkpoints (s) | ratio |"
+    )
+    rows = []
     for r in results:
         backend = r["case"].split(",")[0]
         baseline = next(
@@ -517,32 +524,30 @@ def saves_markdown(results: list[dict]) -> str:
         plain = statistics.median(list(baseline["step_times"].values())[1:])  # the first step: warm-up
         saves = [save for save in r["saves"] if save["step"] + 1 in r["step_times"]]  # not the epoch's end
         if not saves:
-            lines.append(f"| {r['model']} | {r['case']} | 0 | - | - | - | - | {plain:.3f} | - |")
+            rows.append(f"| {r['model']} | {r['case']} | 0 | - | - | - | - | {plain:.3f} | - |")
             continue
         after = statistics.median(r["step_times"][save["step"] + 1] for save in saves)
         megabytes, stalled, complete = (
             statistics.median(s[key] for s in saves) for key in ("megabytes", "stalled_s", "complete_s")
         )
-        lines.append(
+        rows.append(
             f"| {r['model']} | {r['case']} | {len(saves)} | {megabytes:.0f} | {stalled:.3f} | {complete:.3f} "
             f"| {after:.3f} | {plain:.3f} | {after / plain:.2f}x |"
         )
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, rows)
 
 
 def loading_markdown(results: list[dict]) -> str:
-    lines = [
-        "| model | case | loading high-water mark per rank (MiB) | / fp32 model | peak RSS per rank (MiB) |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    header = "| model | case | loading high-water mark per rank (MiB) | / fp32 model | peak RSS per rank (MiB) |"
+    rows = []
     for r in results:
         model_bytes = 4 * r["param_numel_total"]
-        lines.append(
+        rows.append(
             f"| {r['model']} | {r['case']} | {', '.join(f'{b / 2**20:.0f}' for b in r['load_rss_delta_bytes'])} "
             f"| {', '.join(f'{b / model_bytes:.2f}' for b in r['load_rss_delta_bytes'])} "
             f"| {', '.join(f'{b / 2**20:.0f}' for b in r['peak_memory_bytes'])} |"
         )
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, rows)
 
 
 def main() -> int:
@@ -683,18 +688,16 @@ def planner_bytes(model_dir: str, case_args: list[str], args) -> dict:
 
 
 def gpu_markdown(results: list[dict]) -> str:
-    lines = [
-        "| model | case | step time (s) | tokens/s | MFU | peak memory (MiB) | planner (MiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    header = "| model | case | step time (s) | tokens/s | MFU | peak memory (MiB) | planner (MiB) |"
+    rows = []
     for r in results:
         planner = f"{r['planner_bytes'] / 2**20:.0f}" if "planner_bytes" in r else "-"
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
-        lines.append(
+        rows.append(
             f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} "
             f"| {peaks} | {planner} |"
         )
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, rows)
 
 
 if __name__ == "__main__":

@@ -74,9 +74,9 @@ def file_plan(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:
     return plan
 
 
-def tensor_bytes(tensor) -> int:
-    """The size of the full tensor (a sharded one's included), in bytes."""
-    return math.prod(tensor.size()) * tensor.dtype.itemsize
+def tensor_bytes(shape, dtype: torch.dtype) -> int:
+    """The bytes of a full tensor of this shape and dtype (a sharded tensor's whole, not this rank's part)."""
+    return math.prod(shape) * dtype.itemsize
 
 
 def tied_names(model_config) -> set[str]:
@@ -128,7 +128,7 @@ def write_model_folder(
     complete. Empties `state` once every rank's rows are written. Returns the number of weights files."""
     tied = tied_names(model_config)
     parts_state = {name: tensor for name, tensor in state.items() if name not in tied}
-    sizes = {name: tensor_bytes(tensor) for name, tensor in parts_state.items()}
+    sizes = {name: tensor_bytes(tensor.size(), tensor.dtype) for name, tensor in parts_state.items()}
     dtype = next(iter(parts_state.values())).dtype
     plan = file_plan(sizes, max_file_bytes)
     files = max(plan.values())
@@ -212,7 +212,7 @@ def convert_checkpoint(checkpoint: str, output: str, max_file_bytes: int) -> str
             )
         tied = tied_names(config)
         shapes = {name: shape for name, shape in shapes.items() if name not in tied}
-        sizes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in shapes.items()}
+        sizes = {name: tensor_bytes(shape, dtype) for name, (shape, dtype) in shapes.items()}
         plan = file_plan(sizes, max_file_bytes)
         files = max(plan.values())
         with atomic_path(output) as tmp:
@@ -246,7 +246,7 @@ def _checkpoint_tensors(checkpoint: str):
         shapes = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
         return shapes, lambda names: {name: state[name] for name in names}
     metadata = SafeFileSystemReader(checkpoint).read_metadata()
-    prefix = "model."  # the payload's section (utils/checkpoint/manager.py: save)
+    prefix = f"{layout.MODEL_SECTION}."
     shapes = {
         key.removeprefix(prefix): (tuple(entry.size), entry.properties.dtype)
         for key, entry in metadata.state_dict_metadata.items()
@@ -254,8 +254,8 @@ def _checkpoint_tensors(checkpoint: str):
     }
 
     def read(names: list[str]) -> dict:
-        template = {"model": {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}}
-        dcp.load(template, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)
-        return template["model"]
+        template = {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
+        dcp.load({layout.MODEL_SECTION: template}, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)
+        return template
 
     return shapes, read

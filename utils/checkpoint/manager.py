@@ -150,9 +150,9 @@ class CheckpointManager:
                     optimizer_file = os.path.join(tmp, layout.OPTIMIZER_FILE)
                     torch.save(tensor_only_optimizer_state(optim_state), optimizer_file)
         else:
-            payload = {"model": model_state}
+            payload = {layout.MODEL_SECTION: model_state}
             if self.save_optimizer:
-                payload["optim"] = tensor_only_optimizer_state(optim_state)
+                payload[layout.OPTIMIZER_SECTION] = tensor_only_optimizer_state(optim_state)
             if self.background_group is not None and not blocking:
                 dist.barrier()  # every rank's small files are on disk before rank 0 may complete the folder
                 # Staged (copied to host memory) before it returns; written by a thread on the gloo group.
@@ -280,12 +280,13 @@ class CheckpointManager:
             # AdamW's state with a zero step, and an optimizer that "starts afresh" must not have taken one.
             if has_optimizer:
                 model_state, optim_state = model_and_optimizer_state(model, optimizer, False, self.info.device)
-                payload = {"model": model_state, "optim": tensor_only_optimizer_state(optim_state)}
+                optimizer_state = tensor_only_optimizer_state(optim_state)
+                payload = {layout.MODEL_SECTION: model_state, layout.OPTIMIZER_SECTION: optimizer_state}
             else:
-                payload = {"model": sharded_model_state(model)}
+                payload = {layout.MODEL_SECTION: sharded_model_state(model)}
             dcp.load(payload, storage_reader=SafeFileSystemReader(checkpoint))  # collective
-            set_model_state_dict(model, payload["model"])
-            optim_state = {"state": payload.get("optim")}
+            set_model_state_dict(model, payload[layout.MODEL_SECTION])
+            optim_state = {"state": payload.get(layout.OPTIMIZER_SECTION)}
         if not has_optimizer:
             get_logger().warning("checkpoint %s has no optimizer state: AdamW starts afresh", checkpoint)
             return

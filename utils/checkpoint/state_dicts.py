@@ -71,7 +71,8 @@ def local_rows(tensor) -> tuple[torch.Tensor | None, int]:
     tensor for a DTensor. A plain tensor (FSDP1's NO_SHARD) is all its rows."""
     if isinstance(tensor, DTensor):
         if any(placement.is_shard() and placement.dim != 0 for placement in tensor.placements):
-            raise NotImplementedError(f"a DTensor sharded on another dimension than rows: {tensor.placements}")
+            # FSDP2 shards every parameter by rows (Shard(0)); a column block is not a row block to merge into.
+            raise RuntimeError(f"expected a DTensor sharded by rows, got placements {tensor.placements}")
         _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         return tensor.to_local(), (offsets[0] if offsets else 0)
     if not isinstance(tensor, ShardedTensor):
