@@ -11,6 +11,7 @@ save) -> cleanup. What this package adds (where a run starts from, LoRA, evaluat
 measurement) appears as named steps inside it.
 """
 
+import functools
 import os
 import sys
 import time
@@ -27,12 +28,13 @@ from configs.run import RunConfig
 from policies.mixed_precision import Precision, resolve_precision
 from utils import layout
 from utils.checkpoint.manager import CheckpointManager
-from utils.checkpoint.start import StartPoint, resolve_start
+from utils.checkpoint.run_lock import claimed_output_dir
+from utils.checkpoint.start import StartPoint, recorded_run, resolve_start
 from utils.distributed import process_group
 from utils.eval import generation
 from utils.eval.evaluator import Evaluator
-from utils.fsdp.shard import log_fsdp_layout, shard_model
-from utils.log import get_logger, setup_logging
+from utils.fsdp.shard import forward_warnings_ignored, log_fsdp_layout, shard_model
+from utils.log import get_logger, quiet_helper_process, setup_logging
 from utils.model import loading, lora
 from utils.observe import flops, memory, metrics, run_record, tensorboard
 from utils.train import optim
@@ -40,17 +42,20 @@ from utils.train.trainer import Trainer
 
 RANK0_MESSAGE_GRACE_S = 2.0
 
+if __name__ == "__mp_main__":  # imported by a process torch starts from this one: the background checkpoint
+    quiet_helper_process()  # writer of --async_checkpoint (utils/checkpoint/manager.py)
+
 
 def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: dict) -> None:
     """One run, on every rank (collective): datasets -> model -> FSDP -> optimizer -> train -> export."""
     train, recipe, evaluation = config.train, config.recipe, config.evaluation
     torch.manual_seed(train.seed)
-    # Where the run starts from (afresh, a .pt, a checkpoint folder): rank 0 looks at output_dir once.
-    # A torchrun restart of this run continues from its newest checkpoint (utils/checkpoint/start.py).
+    # Where the run starts from (afresh, a .pt, a checkpoint folder): rank 0 looks at output_dir once, every
+    # rank checks the checkpoint's files. A torchrun restart of this run continues from its newest intact
+    # checkpoint (utils/checkpoint/start.py).
     job, attempt = process_group.torchrun_attempt()
     attempt = process_group.group_attempt(attempt, info.device)
-    resume = config.checkpointing.resume
-    start = process_group.rank0_decides(lambda: resolve_start(resume, train.output_dir, job, attempt))
+    start = resolve_start(config.checkpointing.resume, train.output_dir, job, attempt)
     precision = resolve_precision(config.fsdp, info.device)
     if precision.fallback:
         get_logger().warning("%s", precision.fallback)
@@ -62,7 +67,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     loaders = summarization_dataset.build_loaders(tokenizer, config.data, train, evaluation, info)
 
     # The model: pretrained weights (a skeleton on the meta device where rank-0-only loading fills it
-    # later), the weights a .pt or full checkpoint brings, and LoRA adapters.
+    # later, or where a checkpoint does), the weights of a .pt, and LoRA adapters.
     loaded = build_model(config, info, start, tokenizer)
     model_config = loaded.model.config
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
@@ -73,8 +78,6 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
 
     # FSDP: FullyShardedDataParallel (--fsdp_version 1, the tutorial's) or fully_shard (2).
     model = shard_model(loaded.model, config.fsdp, precision, info.device, loaded.weights_source)
-    memory_baseline = loaded.memory_baseline()  # loading measured until sharded
-    memory.trim_host_heap()  # what loading freed goes back to the OS instead of inflating the run's peak
     log_fsdp_layout(model, precision)
 
     # AdamW and the LR scheduler, built after sharding: the optimizer must hold FSDP's sharded parameters.
@@ -87,34 +90,43 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     total_steps = optim.total_optimizer_steps(recipe, train.epochs, len(loaders.train))
     scheduler = optim.lr_scheduler(optimizer, train.gamma, recipe, total_steps)
 
-    # The checkpoint manager owns every save and load; it continues from where the run starts.
+    # The checkpoint manager owns every save and load; it restores where the run starts from, and is closed
+    # however the run ends (a background save still being written is finished, or said to be abandoned).
     base_model = lora.adapter_base(train.model_name)
     checkpoints = CheckpointManager(
         config.checkpointing, config.fsdp, train.output_dir, model, optimizer, scheduler, scaler,
         model_config, tokenizer, info, config.lora, base_model,
     )  # fmt: skip
-    throughput = build_throughput(model_config, config, info, precision)  # a GEMM probe on CPU: before load
-    progress = checkpoints.load(start)
+    with checkpoints:
+        throughput = build_throughput(model_config, config, info, precision)  # a GEMM probe on CPU: before load
+        progress = checkpoints.load(start)
+        memory_baseline = loaded.memory_baseline()  # loading measured until sharded and restored
+        memory.trim_host_heap()  # what loading freed goes back to the OS instead of inflating the run's peak
 
-    if evaluation.evaluate_only:
-        evaluate_saved_model(model, tokenizer, config, info, progress)
-    else:
-        if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
-            record_ = run_record.run_record(config, from_accelerate, info, precision, throughput, job)
-            run_record.write_run_record(os.path.join(train.output_dir, layout.CONFIG_FILE), record_, start.path)
-        evaluator = None
-        if loaders.evaluation is not None:
-            generate_kwargs = generation.generation_kwargs(evaluation, config.data.max_target_length)
-            evaluator = Evaluator(loaders.evaluation, generate_kwargs, train.output_dir, info)
-        trainer = Trainer(
-            model, optimizer, scheduler, scaler, loaders, checkpoints, evaluator, info,
-            train, recipe, evaluation, config.observe, throughput, memory_baseline,
-        )  # fmt: skip
-        trainer.train(progress, resumed=start.is_checkpoint)
-        checkpoints.finish_pending()  # a checkpoint still being written in the background
-    # No rank tears its process group down while another still communicates (seen once as an abort,
-    # "terminate called without an active exception", on a loaded 2-core machine).
-    dist.barrier()
+        if evaluation.evaluate_only:
+            evaluate_saved_model(model, tokenizer, config, info, progress, start)
+        else:
+            evaluator = None
+            if loaders.evaluation is not None:
+                generate_kwargs = generation.generation_kwargs(evaluation, config.data.max_target_length)
+                predictions_file = functools.partial(layout.predictions_file, train.output_dir)
+                evaluator = Evaluator(loaders.evaluation, generate_kwargs, predictions_file, info)
+            trainer = Trainer(
+                model, optimizer, scheduler, scaler, loaders, checkpoints, evaluator, info,
+                train, recipe, evaluation, config.observe, throughput, memory_baseline,
+            )  # fmt: skip
+            if start.is_checkpoint and trainer.done(progress):
+                trainer.finish_finished_run(progress)  # a resume of a finished run changes nothing
+            else:
+                checkpoints.begin_training(start)  # a rollback's abandoned checkpoints set aside
+                if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
+                    record_ = run_record.run_record(config, from_accelerate, info, precision, throughput, job)
+                    config_file = os.path.join(train.output_dir, layout.CONFIG_FILE)
+                    run_record.write_run_record(config_file, record_, start.path)
+                trainer.train(progress, resumed=start.is_checkpoint)
+        # No rank tears its process group down while another still communicates (seen once as an abort,
+        # "terminate called without an active exception", on a loaded 2-core machine).
+        dist.barrier()
 
 
 def log_evaluation_plan(config: RunConfig) -> None:
@@ -143,12 +155,13 @@ def build_model(
     """The unwrapped model: pretrained (or a skeleton for rank-0-only loading), with the weights a .pt or a
     full checkpoint brings, and LoRA adapters. A LoRA run's own .pt (adapters included) is loaded after the
     adapters are added."""
-    train, lora_config = config.train, config.lora
+    train, lora_config, fsdp = config.train, config.lora, config.fsdp
     uses_lora = lora_config.peft == "lora"
-    on_meta = loading.builds_on_meta(config.fsdp.cpu_ram_efficient_loading, config.fsdp.fsdp_version, info.is_main)
+    restores = start.is_checkpoint
+    on_meta = loading.builds_on_meta(fsdp.cpu_ram_efficient_loading, fsdp.fsdp_version, info.is_main, restores)
     weights_file = start.weights_file
     adapter_weights = weights_file if uses_lora and weights_file and lora.holds_adapters(weights_file) else None
-    plain_pt = weights_file and not adapter_weights and not start.is_checkpoint  # a plain model's .pt file
+    plain_pt = weights_file and not adapter_weights  # a plain model's .pt file
     if uses_lora and plain_pt and not lora_config.merge_lora:
         raise ConfigError(
             f"--peft lora from the weights of {start.path}: the adapter would name {train.model_name} as its "
@@ -156,7 +169,7 @@ def build_model(
         )
     overrides = loading.model_config_overrides(config.recipe)
     weights = None if adapter_weights else weights_file
-    loaded = loading.load_model_for_run(train.model_name, on_meta, weights, overrides, tokenizer)
+    loaded = loading.load_model_for_run(train.model_name, on_meta, weights, overrides, tokenizer, restores)
     if uses_lora:
         loaded.model = lora.apply_lora(loaded.model, lora_config, lora.adapter_base(train.model_name))
         trainable, total = lora.trainable_share(loaded.model)
@@ -165,7 +178,7 @@ def build_model(
             "LoRA r=%d alpha=%d on %s: %d of %d parameters train (%.2f%%)",
             lora_config.lora_r, lora_config.lora_alpha, targets, trainable, total, 100 * trainable / total,
         )  # fmt: skip
-        if adapter_weights:
+        if adapter_weights and not on_meta:
             loading.load_full_model_weights(loaded.model, adapter_weights)
         loaded.param_numel_total = total
     return loaded
@@ -184,23 +197,34 @@ def build_throughput(
     return flops.Throughput(counter, config.fsdp.fsdp_activation_checkpointing, info.world_size, peak, source)
 
 
-def evaluate_saved_model(model, tokenizer, config: RunConfig, info: process_group.DistInfo, progress) -> None:
+def evaluate_saved_model(
+    model, tokenizer, config: RunConfig, info: process_group.DistInfo, progress, start: StartPoint
+) -> None:
     """--evaluate_only: ROUGE of the loaded (or resumed) model on --eval_split, no training. Collective.
 
-    The eval record is appended to output_dir/metrics.jsonl; nothing else of the folder is touched."""
+    Its eval record (appended to output_dir/evaluate_only/metrics.jsonl, naming the model evaluated) and its
+    predictions (a file per evaluation) go apart from what training wrote, which stays as it was."""
     train, evaluation = config.train, config.evaluation
     eval_set = summarization_dataset.build_eval_set(
         tokenizer, config.data, train, evaluation, info, evaluation.eval_split
     )
     generate_kwargs = generation.generation_kwargs(evaluation, config.data.max_target_length)
-    scores = Evaluator(eval_set, generate_kwargs, train.output_dir, info).evaluate(
-        model, progress.epoch - 1, progress.global_step
-    )
-    path = os.path.join(train.output_dir, layout.METRICS_FILE)
+    stamp = layout.time_stamp()
+
+    def predictions_file(split: str, step: int) -> str:
+        return layout.evaluate_only_predictions_file(train.output_dir, split, step, stamp)
+
+    with forward_warnings_ignored():
+        scores = Evaluator(eval_set, generate_kwargs, predictions_file, info).evaluate(
+            model, progress.epoch - 1, progress.global_step
+        )
+    path = os.path.join(train.output_dir, layout.EVALUATE_ONLY_DIR, layout.METRICS_FILE)
+    if info.is_main:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
     sink = tensorboard.tensorboard_sink(path, info.is_main and config.observe.tensorboard)
     writer = metrics.MetricsWriter(path, info.is_main, append=True, tensorboard=sink)
     try:
-        writer.write(scores)
+        writer.write({**scores, "model": start.path or train.model_name})
     finally:
         writer.close()
 
@@ -212,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(rank)
     try:
         config = cli.parse_args(argv)
+        # A resume continues the run that was saved: its recorded settings are the defaults, and a flag given
+        # that differs is taken with one line, or refused where the checkpoints cannot honour it.
+        recorded = recorded_run(config.checkpointing.resume, config.train.output_dir)
+        if recorded is not None:
+            config, changes = cli.continue_run(argv, recorded[1], recorded[0])
+            changed = f"; changed here: {', '.join(changes)}" if changes else ""
+            get_logger().info("resuming with the settings of %s%s", recorded[0], changed)
         from_accelerate = cli.fields_from_accelerate(sys.argv[1:] if argv is None else argv)
         if from_accelerate:
             values = {
@@ -224,7 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         info = process_group.describe_launch(config.train.device)
         validate.check_settings(config, info.world_size, info.device.type)
         process_group.init_distributed(info, config.train.dist_timeout_s)
-        fsdp_main(config, info, from_accelerate)
+        with claimed_output_dir(config.train.output_dir):  # one run per output_dir: a second one stops here
+            fsdp_main(config, info, from_accelerate)
+    except KeyboardInterrupt:
+        # A second Ctrl-C (the first asks for a save, utils/train/preemption.py), or one before training.
+        if rank == 0:
+            get_logger().error("interrupted: stopped at once, without saving (resume from the newest checkpoint)")
+        return 130
     except UserError as err:
         # The same input error happens on every rank: rank 0 says it once, every rank exits non-zero.
         # torchrun stops the other ranks as soon as one exits non-zero; the other ranks wait a moment so

@@ -53,4 +53,5 @@ class CheckpointConfig:
             "none); a checkpoint folder: continue from it; a full-model .pt: start from its weights; "
             "false: a new run (refused if output_dir already holds one)."
         ),
+        on_resume="launch",
     )

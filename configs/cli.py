@@ -46,6 +46,7 @@ class FieldSpec:
     minimum: float | None
     above: float | None
     maximum: float | None
+    on_resume: str  # configs/options.py: keep, fixed or launch
 
 
 def field_specs() -> list[FieldSpec]:
@@ -63,6 +64,7 @@ def field_specs() -> list[FieldSpec]:
                     f.metadata["minimum"],
                     f.metadata["above"],
                     f.metadata["maximum"],
+                    f.metadata["on_resume"],
                 )
             )
     return specs
@@ -159,6 +161,13 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def help_text(spec: FieldSpec) -> str:
+    """A field's documentation, as --help and docs/configuration.md show it."""
+    if spec.on_resume == "fixed":
+        return f"{spec.help} Fixed for a run: a resume keeps the run's value and refuses another."
+    return spec.help
+
+
 def type_label(spec: FieldSpec) -> str:
     choices = choices_of(spec.type_hint)
     if spec.type_hint is bool:
@@ -194,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
             const="true" if spec.type_hint is bool else None,
             default=argparse.SUPPRESS,
             # argparse %-formats help strings: escape the literal % signs of the field docs.
-            help=f"{spec.help}{alias_note}{bool_note} Default: {default}.".replace("%", "%%"),
+            help=f"{help_text(spec)}{alias_note}{bool_note} Default: {default}.".replace("%", "%%"),
         )
     groups["train"].add_argument(
         NO_CUDA_FLAG,
@@ -226,6 +235,65 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
     return RunConfig(
         **{section: replace(getattr(defaults, section), **values) for section, values in overrides.items()}
     )
+
+
+def continue_run(
+    argv: list[str] | None,
+    recorded: Mapping[str, Mapping],
+    record_path: str,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[RunConfig, list[str]]:
+    """The settings of a resume: the run's recorded ones (`recorded`: the sections of its config.json, at
+    `record_path`) wherever the command line (or accelerate launch's environment) gives none; a value given
+    that differs from the record is taken, noted in the returned list ("keep" fields), or refused with a
+    ConfigError naming both values ("fixed" fields: what the run's checkpoints cannot honour). "launch" fields
+    (output_dir, resume, evaluate_only) are this command's alone."""
+    given, _ = _resolve(argv, environ)
+    given_values = {name: value for section in given.values() for name, value in section.items()}
+    run_values = _recorded_values(recorded, record_path)
+    overrides = {section: {} for section in SECTION_TITLES}
+    changes = []
+    for spec in field_specs():
+        if spec.on_resume == "launch" or spec.name not in run_values:
+            if spec.name in given_values:
+                overrides[spec.section][spec.name] = given_values[spec.name]
+            continue
+        run_value = run_values[spec.name]
+        value = given_values.get(spec.name, run_value)
+        if value != run_value:
+            if spec.on_resume == "fixed":
+                raise ConfigError(
+                    f"--{spec.name} {format_value(value)}: the run being resumed was trained with --{spec.name} "
+                    f"{format_value(run_value)} ({record_path}), and its checkpoints hold to it. Leave the flag "
+                    "out to keep the run's value, or start a new run in another --output_dir."
+                )
+            changes.append(f"--{spec.name} {format_value(value)} (the run had {format_value(run_value)})")
+        overrides[spec.section][spec.name] = value
+    defaults = RunConfig()
+    config = RunConfig(
+        **{section: replace(getattr(defaults, section), **values) for section, values in overrides.items()}
+    )
+    return config, changes
+
+
+def _recorded_values(recorded: Mapping[str, Mapping], record_path: str) -> dict:
+    """{field: typed value} of a run record's sections (config_to_dict's spelling); fields this version does
+    not know are left out."""
+    specs = {spec.name: spec for spec in field_specs()}
+    values = {}
+    for section_key in RECORD_KEYS.values():
+        for name, raw in (recorded.get(section_key) or {}).items():
+            if name not in specs:
+                continue
+            text = format_value(raw) if isinstance(raw, bool) or raw is None else str(raw)
+            try:
+                values[name] = parse_value(specs[name], text)
+            except ConfigError as err:
+                raise ConfigError(
+                    f"{record_path} records --{name} {text}, which this version does not take ({err}): give "
+                    f"--{name} on the command line"
+                ) from None
+    return values
 
 
 def fields_from_accelerate(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> dict:

@@ -14,6 +14,7 @@ class DataConfig:
             "Folder with wikihowAll.csv and all_train.txt/all_val.txt/all_test.txt. "
             "Default: the embedded sample; the real data goes in data/ (scripts/download_wikihow.py)."
         ),
+        on_resume="fixed",
     )
     cache_dir: str = option(
         default="",
@@ -28,20 +29,27 @@ class DataConfig:
         default=1500,
         help="Use the first N training articles (tutorial: 1500); 0 = all.",
         minimum=0,
+        on_resume="fixed",
     )
     num_val_samples: int = option(
         default=300,
         help="Use the first N validation articles (tutorial: 300); 0 = all.",
         minimum=0,
+        on_resume="fixed",
     )
-    max_source_length: int = option(default=512, help="Article tokens kept (truncation).", minimum=2)
-    max_target_length: int = option(default=150, help="Summary tokens kept (truncation).", minimum=2)
+    max_source_length: int = option(
+        default=512, help="Article tokens kept (truncation).", minimum=2, on_resume="fixed"
+    )
+    max_target_length: int = option(
+        default=150, help="Summary tokens kept (truncation).", minimum=2, on_resume="fixed"
+    )
     source_prefix: str = option(
         default="",
         help=(
             "Text put before every article. The tutorial uses none; pretrained T5 checkpoints were "
             "trained with 'summarize: '."
         ),
+        on_resume="fixed",
     )
     pad_to_max_length: bool = option(
         default=False,
@@ -58,5 +66,6 @@ class DataConfig:
             "pad_to_max_length false. The order stays a function of seed and epoch, the same on every rank "
             "and exactly resumable, also on another number of ranks."
         ),
+        on_resume="fixed",
     )
     print_text: bool = option(default=False, help="Log every source text when its item is read (debug).")

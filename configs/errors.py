@@ -38,10 +38,15 @@ FAILURES = (Exception, CheckpointException)
 
 
 def error_summary(err: BaseException, limit: int = 400) -> str:
-    """The telling part of a failure: DCP wraps the per-rank causes, state_dict loading lists them."""
+    """The telling part of a failure, as one sentence: DCP wraps the per-rank causes (each an exception, or an
+    (exception, traceback) pair), state_dict loading lists them."""
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    for cause in getattr(err, "failures", {}).values():  # CheckpointException: {rank: exception}
-        text = f"{type(cause).__name__}: {cause}"
-        break
+    for cause in getattr(err, "failures", {}).values():  # CheckpointException: {rank: cause}
+        if isinstance(cause, tuple):  # DCP's (exception, traceback summary)
+            cause = cause[0]
+        if not isinstance(cause, BaseException):
+            return str(cause)[:limit]
+        inner = error_summary(cause, limit)
+        return inner if inner.startswith(type(cause).__name__) else f"{type(cause).__name__}: {inner}"
     text = text or type(err).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."

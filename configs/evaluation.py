@@ -62,6 +62,7 @@ class EvalConfig:
             "Which epoch is the best: lowest val_loss, or highest ROUGE score. The best epoch's model is "
             "hf_model/ (and the --save_model .pt); kept across --resume."
         ),
+        on_resume="fixed",
     )
     evaluate_only: bool = option(
         default=False,
@@ -70,6 +71,7 @@ class EvalConfig:
             "OUTPUT_DIR/hf_model), or the checkpoint or .pt of --resume, on --eval_split, under FSDP on every "
             "rank. Writes the eval record and the predictions file into output_dir."
         ),
+        on_resume="launch",
     )
     eval_split: Literal["validation", "test"] = option(
         default="validation",

@@ -14,10 +14,14 @@ class LoraConfig:
             "lora: train LoRA adapters (PEFT's get_peft_model) on the frozen model; only the adapters get "
             "gradients and AdamW state. Under FSDP1 each adapter is a unit of its own. Needs: pip install peft."
         ),
+        on_resume="fixed",
     )
-    lora_r: int = option(default=8, help="With --peft lora: the adapters' rank.", minimum=1)
+    lora_r: int = option(default=8, help="With --peft lora: the adapters' rank.", minimum=1, on_resume="fixed")
     lora_alpha: int = option(
-        default=32, help="With --peft lora: the scale numerator (the update is alpha/r x BA).", minimum=1
+        default=32,
+        help="With --peft lora: the scale numerator (the update is alpha/r x BA).",
+        minimum=1,
+        on_resume="fixed",
     )
     lora_dropout: float = option(
         default=0.1, help="With --peft lora: dropout on the adapters' input.", minimum=0, maximum=1
@@ -25,6 +29,7 @@ class LoraConfig:
     lora_target_modules: str = option(
         default="q,v",
         help="With --peft lora: comma-separated names of the linear layers that get adapters (T5: q,k,v,o,wi,wo).",
+        on_resume="fixed",
     )
     merge_lora: bool = option(
         default=False,

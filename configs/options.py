@@ -1,10 +1,24 @@
-"""`option()`: a dataclass field with its --help text and the bounds the CLI checks."""
+"""`option()`: a dataclass field with its --help text, the bounds the CLI checks, what a resume does with it."""
 
 from dataclasses import field
+from typing import Literal
+
+# What a resume (--resume true or a checkpoint folder) does with a field (configs/cli.py: continue_run):
+# "keep": the run's recorded value, unless the command line gives another, which is taken with one line;
+# "fixed": the run's recorded value; another one is refused (its checkpoints cannot honour it);
+# "launch": not part of the run (where to write, where to start from, what to do): never taken from the record.
+OnResume = Literal["keep", "fixed", "launch"]
 
 
 def option(
-    default, help: str, *, minimum: float | None = None, above: float | None = None, maximum: float | None = None
+    default,
+    help: str,
+    *,
+    minimum: float | None = None,
+    above: float | None = None,
+    maximum: float | None = None,
+    on_resume: OnResume = "keep",
 ):
     """A config field. `minimum`/`maximum`: value must be >= / <= it; `above`: value must be > it."""
-    return field(default=default, metadata={"help": help, "minimum": minimum, "above": above, "maximum": maximum})
+    metadata = {"help": help, "minimum": minimum, "above": above, "maximum": maximum, "on_resume": on_resume}
+    return field(default=default, metadata=metadata)

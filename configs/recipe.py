@@ -51,6 +51,7 @@ class RecipeConfig:
             "step: the tutorial's StepLR, lr x gamma after each epoch. constant, linear (to 0) and cosine "
             "(to 0): stepped after every optimizer step over the run's optimizer steps, after warmup."
         ),
+        on_resume="fixed",
     )
     warmup_steps: int = option(
         default=0,

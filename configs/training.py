@@ -22,6 +22,7 @@ class TrainConfig:
             "Hub name (t5-small, t5-base, t5-large, t5-3b, t5-11b) or local folder for "
             "T5ForConditionalGeneration/T5Tokenizer.from_pretrained. Default: the embedded tiny T5."
         ),
+        on_resume="fixed",
     )
     output_dir: str = option(
         default="outputs",
@@ -29,6 +30,7 @@ class TrainConfig:
             "Where config.json, metrics.jsonl, checkpoints/, hf_model/ and the --save_model .pt files are "
             "written (docs/checkpoints.md: the output_dir layout)."
         ),
+        on_resume="launch",
     )
     device: Literal["auto", "cuda", "cpu"] = option(
         default="auto",
@@ -68,13 +70,16 @@ class TrainConfig:
             "tutorial). With FSDP1 it needs --use_orig_params true (per-parameter optimizer groups)."
         ),
         minimum=0,
+        on_resume="fixed",
     )
     gamma: float = option(
         default=0.85,
         help="StepLR factor: the learning rate is multiplied by gamma after each epoch.",
         above=0,
     )
-    seed: int = option(default=1, help="Seed for weights of a fresh model, dropout and shuffling.")
+    seed: int = option(
+        default=1, help="Seed for weights of a fresh model, dropout and shuffling.", on_resume="fixed"
+    )
     run_validation: bool = option(
         default=True,
         help=(

@@ -9,12 +9,9 @@ any more and would be forwarded to T5Block.forward (docs/pitfalls.md #4), so it 
 import functools
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 from transformers.models.t5.modeling_t5 import T5Block
+
+from policies.private_api import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
 
 non_reentrant_wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs.cli import ALIASES, field_specs, format_value, type_label  # noqa: E402
+from configs.cli import ALIASES, field_specs, format_value, help_text, type_label  # noqa: E402
 from configs.paths import REPO_ROOT  # noqa: E402
 from configs.run import SECTION_TITLES, RunConfig  # noqa: E402
 
@@ -36,7 +36,7 @@ def reference_markdown() -> str:
             flag = " / ".join(f"`{f}`" for f in [f"--{spec.name}", *ALIASES.get(spec.name, [])])
             default = _default_text(getattr(getattr(defaults, section), spec.name))
             values = type_label(spec).replace("|", " or ")
-            lines.append(f"| {flag} | {values} | `{default}` | {spec.help} |")
+            lines.append(f"| {flag} | {values} | `{default}` | {help_text(spec)} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -28,6 +28,7 @@ from configs.evaluation import EvalConfig  # noqa: E402
 from configs.fsdp import FSDPConfig  # noqa: E402
 from configs.training import TrainConfig  # noqa: E402
 from policies.mixed_precision import Precision  # noqa: E402
+from policies.private_api import fsdp1_unsharded_flat_parameter  # noqa: E402
 from scripts.make_random_t5 import make  # noqa: E402
 from summarization_dataset import build_eval_set  # noqa: E402
 from tests.dist_harness import run_ranks  # noqa: E402
@@ -43,7 +44,7 @@ def unsharded_bytes(model: FSDP) -> int:
     """Bytes of unsharded flat-parameter storage alive right now, over every FSDP1 unit."""
     total = 0
     for unit in FSDP.fsdp_modules(model):
-        padded = getattr(unit._handle.flat_param, "_full_param_padded", None) if unit._handle else None
+        padded = fsdp1_unsharded_flat_parameter(unit)
         total += padded.untyped_storage().nbytes() if padded is not None else 0
     return total
 

@@ -10,6 +10,7 @@ import pickle
 import tempfile
 import time
 import traceback
+import warnings
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -18,6 +19,7 @@ from utils.distributed.process_group import free_port
 
 # Collectives give up after this long when a peer is gone (torch's default is 30 minutes).
 PROCESS_GROUP_TIMEOUT_S = 30
+OWN_MODULES = r"((configs|policies|utils|scripts)(\.|$)|(T5_training|summarization_dataset)$)"
 
 
 def _rank_entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
@@ -30,6 +32,8 @@ def _rank_entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: t
         OMP_NUM_THREADS="1",
     )
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
+    for category in (DeprecationWarning, FutureWarning):  # this package's own, as pyproject.toml says
+        warnings.filterwarnings("error", category=category, module=OWN_MODULES)
     try:
         dist.init_process_group(
             "gloo",

@@ -26,6 +26,7 @@ from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR
 from policies.mixed_precision import POLICIES, Precision
 from summarization_dataset import pad_collate
+from utils import layout
 from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
 from utils.checkpoint.state_dicts import gather_full_state_dict, save_full_model, sharded_model_state
 from utils.data.loaders import build_loader
@@ -33,7 +34,7 @@ from utils.data.samplers import PaddedEvalSampler
 from utils.fsdp.shard import shard_model
 from utils.model.loading import load_full_model_state
 from utils.model.lora import apply_lora
-from utils.model.rank0_loading import Rank0Materializer
+from utils.model.rank0_loading import UnitMaterializer
 from utils.observe.memory import optim_state_numel_local
 from utils.train import step as step_module
 from utils.train.step import forward_token_losses, train_step, validate
@@ -403,7 +404,7 @@ def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> d
         held = None
     else:
         held = []  # live host tensor bytes each time FSDP1 materialises a module, before the reference exists
-        original = Rank0Materializer.__call__
+        original = UnitMaterializer.__call__
 
         calls = []
 
@@ -413,11 +414,11 @@ def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> d
                 held.append(_live_host_tensor_bytes())
             original(materializer, module)
 
-        Rank0Materializer.__call__ = measured
+        UnitMaterializer.__call__ = measured
         try:
             model = shard_model(tiny_t5(on_meta=True), config, FP32, CPU, weights_source=str(EMBEDDED_MODEL_DIR))
         finally:
-            Rank0Materializer.__call__ = original
+            UnitMaterializer.__call__ = original
         held = max(held)
         reference = T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -483,7 +484,8 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
         for version in (1, 2):
             model = shard_model(tiny_t5(seed=7), _fsdp_config({"fsdp_version": version}), FP32, CPU)
             folder = f"{output_dir}/fsdp{version}-beams{beams}"
-            out["records"][(version, beams)] = Evaluator(eval_set, settings, folder, info).evaluate(model, 1, 5)
+            where = functools.partial(layout.predictions_file, folder)
+            out["records"][(version, beams)] = Evaluator(eval_set, settings, where, info).evaluate(model, 1, 5)
             # Lengths that differ by rank: rank r stops after 3 + 6 r new tokens, the others keep stepping.
             uneven = {**settings, "max_new_tokens": 3 + 6 * rank}
             ids = generate(model, make_batch(rank, rows=2), uneven)

@@ -55,9 +55,37 @@ def torchrun_command(
     ]
 
 
+PACKAGE_DIRS = ("configs", "policies", "utils", "scripts")
+TOP_MODULES = ("T5_training", "summarization_dataset")
+
+
+def own_modules() -> list[str]:
+    """The module names of this package's code (as imported: the entry point run as a script is __main__,
+    which would also name torchrun's agent, so it is left out)."""
+    names = list(TOP_MODULES)
+    for folder in PACKAGE_DIRS:
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def own_deprecations_as_errors() -> str:
+    """PYTHONWARNINGS that turns a DeprecationWarning or FutureWarning raised from this package's own calls
+    into an error (CI fails on it), module by module (the variable takes exact module names, no patterns)."""
+    return ",".join(
+        f"error::{category}:{module}"
+        for module in own_modules()
+        for category in ("DeprecationWarning", "FutureWarning")
+    )
+
+
 def offline_env(extra: dict | None = None) -> dict:
-    """The test environment of a run: no hub access, one thread per rank (2 ranks share 2 cores)."""
-    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(extra or {}))
+    """The test environment of a run: no hub access, one thread per rank (2 ranks share 2 cores), and this
+    package's own deprecations as errors."""
+    environment = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(extra or {}))
+    environment["PYTHONWARNINGS"] = own_deprecations_as_errors()
+    return environment
 
 
 def torchrun(

@@ -3,6 +3,7 @@ rouge-score's, every article is scored once; and, through torchrun, the eval rec
 best-by-ROUGE model, --evaluate_only and scripts/summarize.py."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -142,25 +143,44 @@ def test_summarize_reproduces_the_last_evaluation_from_a_file_and_from_stdin(tra
     assert summarize(final_model(trained), [], stdin=one_line_each) == [line["prediction"] for line in lines[:2]]
 
 
+def file_bytes(folder: Path, leave_out: tuple[str, ...]) -> dict:
+    """Every file under folder with its bytes, the top-level entries `leave_out` left out."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.relative_to(folder).parts[0] not in leave_out
+    }
+
+
 @pytest.mark.slow
-def test_evaluate_only_scores_a_saved_model_on_the_test_split(trained, tmp_path):
-    output_dir = tmp_path / "eval_only"
-    args = ["--evaluate_only", "true", "--model_name", str(final_model(trained)), "--eval_split", "test",
-            "--eval_num_samples", "8", "--mixed_precision", "false", "--tensorboard", "true",
-            "--output_dir", str(output_dir)]  # fmt: skip
+def test_evaluate_only_scores_a_training_run_on_the_test_split_and_leaves_what_it_wrote(trained, tmp_path):
+    """--evaluate_only --resume true on a training run's folder: the run's settings and its newest checkpoint,
+    scored on the test split; its record and predictions go to evaluate_only/, and nothing training wrote
+    changes (its predictions of the same step and its metrics.jsonl included)."""
+    output_dir = shutil.copytree(trained, tmp_path / "run")
+    training_files = file_bytes(output_dir, leave_out=("run.lock",))
+    args = ["--evaluate_only", "true", "--resume", "true", "--eval_split", "test", "--eval_num_samples", "8",
+            "--tensorboard", "true", "--output_dir", str(output_dir)]  # fmt: skip
     run = torchrun(args)
     assert run.returncode == 0, run.describe()
     assert "Training epoch" not in run.output
-    [record] = eval_records(output_dir)
-    assert record["split"] == "test" and record["num_samples"] == 8 and record["step"] == 0
-    lines = read_jsonl(output_dir / "predictions" / "test_step_00000000.jsonl")
+    assert "--eval_split test (the run had validation)" in run.output, run.describe()
+    assert file_bytes(output_dir, leave_out=("run.lock", "evaluate_only")) == training_files
+    folder = output_dir / "evaluate_only"
+    [record] = eval_records(folder)
+    assert record["split"] == "test" and record["num_samples"] == 8 and record["step"] == STEPS[-1]
+    assert record["model"] == str(output_dir / "checkpoints" / f"step_{STEPS[-1]:08d}")
+    [predictions] = folder.glob(f"test_step_{STEPS[-1]:08d}_*.jsonl")
+    lines = read_jsonl(predictions)
     assert [line["title"] for line in lines] == list(load_wikihow(EMBEDDED_DATA_DIR, "test")["title"])[:8]
     recomputed = mean_scores([rouge_scores(line["reference"], line["prediction"]) for line in lines])
     assert all(record[key] == pytest.approx(recomputed[key], abs=1e-6) for key in ROUGE_KEYS)
-    assert sorted(p.name for p in output_dir.iterdir()) == ["metrics.jsonl", "predictions", "tensorboard"]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["metrics.jsonl", predictions.name, "tensorboard"])
     from tests.test_tensorboard import read_scalars
 
-    assert read_scalars(output_dir / "tensorboard")["rouge/test/rougeL"] == [(0, pytest.approx(record["rougeL"]))]
+    assert read_scalars(folder / "tensorboard")["rouge/test/rougeL"] == [
+        (STEPS[-1], pytest.approx(record["rougeL"]))
+    ]
 
 
 @pytest.mark.slow

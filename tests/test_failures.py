@@ -1,18 +1,26 @@
-"""An exception on one rank ends every rank quickly, with its traceback printed once."""
+"""An exception on one rank ends every rank quickly, with its traceback printed once; a checkpoint still being
+written in the background when it happens is finished and completed first, and the run says so."""
 
 import time
 
 import pytest
 
 from tests.launch import torchrun
+from tests.reference_run import checkpoint_dir
 
 LIMIT_S = 60
+# FSDP2's background writer process (--async_checkpoint), a save every 2 steps: the failure at step 3 comes
+# while step 2's checkpoint may still be on its way to disk.
+BACKGROUND_SAVES = ["--checkpoint_type", "SHARDED_STATE_DICT", "--async_checkpoint", "true", "--fsdp_version", "2",
+                    "--save_every_n_steps", "2", "--log_every_n_steps", "1"]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fail_rank", ["0", "1"])
 def test_exception_on_one_rank_ends_all_ranks_with_one_traceback(tmp_path, fail_rank):
-    args = ["--output_dir", str(tmp_path / "run"), "--num_train_samples", "96", "--num_val_samples", "24"]
+    output_dir = tmp_path / "run"
+    args = ["--output_dir", str(output_dir), "--num_train_samples", "96", "--num_val_samples", "24",
+            *BACKGROUND_SAVES]  # fmt: skip
     started = time.monotonic()
     done = torchrun(
         [*args, "--dist_timeout_s", "30"],
@@ -28,3 +36,7 @@ def test_exception_on_one_rank_ends_all_ranks_with_one_traceback(tmp_path, fail_
     assert output.count("RuntimeError: injected failure on one rank") == 1, output[-3000:]
     worker_tracebacks = output.count("Traceback") - output.count("ChildFailedError:")
     assert worker_tracebacks == 1, output[-3000:]
+    # The background save was not lost with the run: completed, and said once.
+    assert (checkpoint_dir(output_dir, 2) / "train_state.json").is_file(), output[-3000:]
+    said = f"the background save of {checkpoint_dir(output_dir, 2)} was completed before stopping"
+    assert output.count(said) == 1, output[-3000:]

@@ -90,14 +90,16 @@ def test_sharded_checkpoint_crosses_backends_with_identical_continued_losses(tmp
     FSDP2's step-22 checkpoint to the end: the losses of the uninterrupted FSDP1 run, both ways across. (The
     checkpoint of a --max_steps end resumes exactly too: the epoch's StepLR step waits for its real end.)"""
     crossed = tmp_path / "crossed"
-    steps = [(2, str(checkpoint_dir(reference, 20)), ["--max_steps", "22"]), (1, "true", [])]
+    # The second resume lifts the first one's --max_steps, which its record would otherwise keep.
+    steps = [(2, str(checkpoint_dir(reference, 20)), ["--max_steps", "22"]), (1, "true", ["--max_steps", "0"])]
     for version, resume, extra in steps:
         args = [*SMALL_RUN, "--checkpoint_type", SHARDED, "--fsdp_version", str(version),
                 "--output_dir", str(crossed), "--resume", resume, *extra]  # fmt: skip
         done = torchrun(args)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert "resumed from" in done.stdout and f"FSDP{version}:" in done.stdout
-        if extra:  # --max_steps 22 stopped inside epoch 2 (of 2), ended the epoch as usual, saved, exported
+        assert f"--fsdp_version {version} (the run had {3 - version})" in done.stdout  # the backend crossed
+        if version == 2:  # --max_steps 22 stopped inside epoch 2 (of 2), ended the epoch as usual, saved, exported
             assert sorted(step_losses(crossed)) == [21, 22]
             state = json.loads((checkpoint_dir(crossed, 22) / "train_state.json").read_text())
             assert state["progress"]["global_step"] == 22 and state["progress"]["epoch"] == 2

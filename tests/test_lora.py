@@ -158,11 +158,12 @@ def lora_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpoint_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
-def test_kill_and_resume_with_lora_equals_the_uninterrupted_run(tmp_path_factory, lora_reference, checkpoint_type):
-    """Through torchrun (FSDP1, adapters wrapped apart): the adapters and their AdamW state come back from
-    the checkpoint (a FULL one's model.pt, in PEFT's names, is loaded after the adapters exist), so every
-    step after the resume has the uninterrupted run's loss; the run ends with the adapter export only."""
+def test_kill_and_resume_with_lora_equals_the_uninterrupted_run(tmp_path_factory, lora_reference):
+    """Through torchrun (FSDP1, adapters wrapped apart): resumed without repeating --peft lora (the run's
+    record keeps it), the adapters and their AdamW state come back from the checkpoint into an empty PEFT
+    skeleton, so every step after the resume has the uninterrupted run's loss; the run ends with the adapter
+    export only. (A FULL_STATE_DICT checkpoint is restored by the same path, by name: tests/test_resume.py.)"""
+    checkpoint_type = "SHARDED_STATE_DICT"
     from tests.test_resume import assert_losses_match, kill_and_resume, resumed_from
 
     reference = lora_reference

@@ -32,7 +32,6 @@ from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration, T5
 from configs.checkpointing import CheckpointConfig
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
-from configs.paths import EMBEDDED_DATA_DIR as SAMPLE_DATA
 from configs.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
 from configs.recipe import RecipeConfig
 from configs.training import TrainConfig
@@ -66,7 +65,6 @@ from utils.checkpoint.start import StartPoint, resolve_start
 from utils.distributed.process_group import DistInfo
 from utils.fsdp.shard import shard_model
 from utils.layout import MODEL_FILE
-from utils.model.loading import load_full_model_weights
 from utils.train import optim
 from utils.train.step import train_step
 
@@ -190,7 +188,8 @@ def kill_and_resume(tmp_path_factory, checkpoint_type: str, extra: tuple[str, ..
         killed = background.finish(timeout=60)
     steps_at_kill = logged_steps(output_dir)
     checkpoints_at_kill = complete_checkpoint_steps(output_dir)
-    resumed = torchrun([*args, "--resume", "true"])
+    # The resume repeats none of the run's settings: they come from its record (config.json).
+    resumed = torchrun(["--output_dir", str(output_dir), "--resume", "true"])
     return Resumed(output_dir, steps_at_kill, checkpoints_at_kill, killed, resumed)
 
 
@@ -221,6 +220,9 @@ def test_kill_and_resume_with_accumulation_clipping_a_cosine_schedule_and_length
 
     run = result.resumed
     assert run.returncode == 0, run.describe()
+    assert f"resuming with the settings of {output_dir / 'config.json'}\n" in run.output, run.describe()
+    # The killed run's lock is taken over, with one line naming it.
+    assert run.output.count("ended without releasing it (killed?): taking it over") == 1, run.describe()
     path, epoch, step = resumed_from(run)
     assert path == checkpoint_dir(output_dir, result.checkpoints_at_kill[-1]), run.describe()
     assert step == result.checkpoints_at_kill[-1], run.describe()
@@ -295,14 +297,17 @@ def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path):
 # tests/test_async_checkpoint.py: a SIGKILL during a background write, then --resume true.
 
 
-# ------------------------------------------------------------------------- 4. SIGTERM: save, then stop
+# ------------------------------------------------------------------- 4. Ctrl-C and SIGTERM: save, then stop
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
-    # Long enough that SIGTERM, sent once 4 steps are logged, arrives well before the end; no periodic saves.
-    epochs, samples = 2, 120
-    last_step = epochs * math.ceil(math.ceil(samples / NPROC) / BATCH)  # 30
+def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to torchrun's process group; torchrun forwards it to every rank (each in a
+    session of its own), which save at the next step-log flush and stop with one line. (SIGTERM, the
+    scheduler's signal, takes the same path: test_sigterm_to_torchrun_during_the_rouge_evaluation...)"""
+    # Long enough that Ctrl-C, sent once 4 steps are logged, arrives well before the end; no periodic saves.
+    epochs, samples = 1, 120
+    last_step = epochs * math.ceil(math.ceil(samples / NPROC) / BATCH)  # 15
     output_dir = tmp_path / "out"
     args = with_overrides(SMALL_RUN, [
         "--epochs", str(epochs),
@@ -312,19 +317,21 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
         "--checkpoint_type", SHARDED,
         "--output_dir", str(output_dir),
     ])  # fmt: skip
-    background = Background(args, tmp_path / "sigterm.log")
+    background = Background(args, tmp_path / "ctrl_c.log")
     try:
         background.wait_for(lambda: len(logged_steps(output_dir)) >= 4, "4 logged steps")
-        workers = background.workers()
-        assert len(workers) == NPROC, workers
-        for pid in workers:
-            os.kill(pid, signal.SIGTERM)
+        assert len(background.workers()) == NPROC, background.workers()
+        os.killpg(background.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: torchrun's group
         stopped = background.finish(timeout=120)
     finally:
         if background.proc.poll() is None:
             background.kill()
-    assert stopped.returncode == 0, stopped.describe()
-    match = re.findall(r"stopped at step (\d+)", stopped.output)
+    # The ranks stop cleanly; torchrun, which the signal reached first, reports it with its own traceback
+    # (SignalException) and exits non-zero: that part is torchrun's.
+    assert "KeyboardInterrupt" not in stopped.output, stopped.describe()
+    assert [t for t in program_tracebacks(stopped.output) if "SignalException" not in t] == [], stopped.describe()
+    assert stopped.output.count("received SIGINT: saving a checkpoint") == 1, stopped.describe()
+    match = re.findall(r"stopped at step (\d+) on SIGINT; continue with --resume true", stopped.output)
     assert len(match) == 1, stopped.describe()
     stop_step = int(match[0])
     assert complete_checkpoint_steps(output_dir) == [stop_step], stopped.describe()
@@ -397,10 +404,11 @@ def test_sigterm_to_torchrun_during_the_rouge_evaluation_saves_and_the_resume_ev
 # ------------------------------------------------------------------ 5. optimizer state, round trip
 
 
-def _tiny_t5(seed: int) -> T5ForConditionalGeneration:
+def _tiny_t5(seed: int, on_meta: bool = False) -> T5ForConditionalGeneration:
     torch.manual_seed(seed)
     config = T5Config.from_pretrained(EMBEDDED_MODEL, dropout_rate=0.0, use_cache=False)
-    return T5ForConditionalGeneration(config)
+    with torch.device("meta" if on_meta else "cpu"):
+        return T5ForConditionalGeneration(config)
 
 
 def _random_batch(seed: int, rows: int = 3, src_len: int = 12, tgt_len: int = 7) -> dict:
@@ -437,9 +445,11 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
     checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=2)
 
     def checkpointer(plain, checkpoint_type: str, save_optimizer: bool = True) -> CheckpointManager:
-        """As T5_training.fsdp_main builds them: the sharded model, AdamW, its schedule, their manager."""
+        """As T5_training.fsdp_main builds them: the sharded model (from a meta-device skeleton, which the
+        checkpoint fills, where `plain` is one), AdamW, its schedule, their manager."""
         fsdp = replace(fsdp_config, checkpoint_type=checkpoint_type, save_optimizer=save_optimizer)
-        model = shard_model(plain, fsdp, Precision("fp32_policy"), cpu)
+        restores = plain.device.type == "meta"
+        model = shard_model(plain, fsdp, Precision("fp32_policy"), cpu, weights_source=None if restores else "")
         parameter_groups = optim.parameter_groups(model, train_config.weight_decay)
         optimizer = torch.optim.AdamW(parameter_groups, lr=train_config.lr)
         scheduler = optim.lr_scheduler(optimizer, train_config.gamma, RecipeConfig(), total_steps=10)
@@ -462,14 +472,11 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
         path = saver.save(progress)
         original_model, original_optim = _full_states(model, optimizer)
 
-        fresh = _tiny_t5(seed=1)  # other initial weights: everything must come from the checkpoint
+        # No initial weights at all (an empty skeleton, its shards allocated uninitialised): everything must
+        # come from the checkpoint, restored after sharding whatever its type.
         start = start_of(path)
-        # A full checkpoint's weights go into the unwrapped model before sharding; a sharded one's after.
-        weights_file = os.path.join(path, MODEL_FILE) if checkpoint_type == FULL else None
-        start_ok = start == StartPoint(path, checkpoint_type) and start.weights_file == weights_file
-        if checkpoint_type == FULL:
-            load_full_model_weights(fresh, start.weights_file)
-        loader = checkpointer(fresh, checkpoint_type)
+        start_ok = start == StartPoint(path, checkpoint_type) and start.weights_file is None
+        loader = checkpointer(_tiny_t5(seed=1, on_meta=True), checkpoint_type)
         loaded_progress = loader.load(start)
         model2, optimizer2, scheduler2 = loader.model, loader.optimizer, loader.scheduler
         reloaded_model, reloaded_optim = _full_states(model2, optimizer2)
@@ -500,11 +507,8 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
         without = checkpointer(_tiny_t5(seed=0), checkpoint_type, save_optimizer=False)
         train_step(without.model, _random_batch(rank), without.optimizer, None, world_size)
         path = without.save(progress)
-        fresh = _tiny_t5(seed=1)
         start = start_of(path)
-        if checkpoint_type == FULL:
-            load_full_model_weights(fresh, start.weights_file)
-        restored = checkpointer(fresh, checkpoint_type, save_optimizer=False)
+        restored = checkpointer(_tiny_t5(seed=1, on_meta=True), checkpoint_type, save_optimizer=False)
         restored.load(start)
         entries = len(restored.optimizer.state)  # before _full_states, which initialises the state
         result["no_optimizer"] = {
@@ -607,43 +611,23 @@ def test_converted_checkpoint_holds_what_the_run_exported(case, restarts, tmp_pa
 # ------------------------------------------------------------------------------------ 7. bad inputs
 
 
-def _data_dir(tmp_path: Path, csv_text: str) -> Path:
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "wikihowAll.csv").write_text(csv_text, encoding="utf-8")
-    for name in ("all_train.txt", "all_val.txt", "all_test.txt"):
-        shutil.copy(SAMPLE_DATA / name, data / name)
-    return data
-
-
-def _wrong_header(tmp_path, out):
-    good = (SAMPLE_DATA / "wikihowAll.csv").read_text(encoding="utf-8")
-    data = _data_dir(tmp_path, "title,headline,text" + good[len("headline,title,text") :])
-    return ["--data_dir", str(data)], "has the header", ["title,headline,text"]
-
-
-def _truncated_distcp(tmp_path, out):
+def _damaged_named_checkpoint(tmp_path, out):
     shard = checkpoint_dir(out, TOTAL_STEPS) / "__0_0.distcp"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    return ["--resume", "true"], "cannot resume from", [str(checkpoint_dir(out, TOTAL_STEPS))]
+    named = str(checkpoint_dir(out, TOTAL_STEPS))
+    return ["--resume", named], "the checkpoint is damaged", [named, "__0_0.distcp has", "--resume true"]
 
 
-def _corrupt_train_state(tmp_path, out):
-    state = checkpoint_dir(out, TOTAL_STEPS) / "train_state.json"
-    state.write_text(state.read_text()[:40], encoding="utf-8")
-    return ["--resume", "true"], "unreadable", [str(checkpoint_dir(out, TOTAL_STEPS))]
-
-
-def _incompatible_model_shape(tmp_path, out):
+def _another_model(tmp_path, out):
     folder = tmp_path / "wider-t5"
     T5ForConditionalGeneration(T5Config.from_pretrained(EMBEDDED_MODEL, d_ff=128)).save_pretrained(folder)
     for name in ("spiece.model", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(EMBEDDED_MODEL / name, folder / name)
     return (
         ["--model_name", str(folder), "--resume", "true"],
-        "cannot resume from",
-        [str(checkpoint_dir(out, TOTAL_STEPS))],
+        "the run being resumed was trained with --model_name",
+        [str(folder), str(EMBEDDED_MODEL), str(out / "config.json")],
     )
 
 
@@ -651,15 +635,14 @@ def _fresh_run_over_a_run(tmp_path, out):
     return ["--resume", "false"], "already holds a run", ["--resume true"]
 
 
-# One torchrun run per way a bad input is found over an existing run: a data error, rank 0's decision on
-# output_dir, each kind of unusable checkpoint. A settings refusal comes before output_dir is touched
-# (tests/test_end_to_end.py: nothing is created). Other messages of the same paths are unit-tested
-# (tests/test_cli.py, test_validate.py, test_dataset.py, test_torchrun_restarts.py).
+# One torchrun run per way a bad input is found over an existing run: a resume that would change what the
+# run's checkpoints hold (here the model), rank 0's decision on output_dir, a damaged checkpoint named with
+# --resume. A settings refusal comes before output_dir is touched (tests/test_end_to_end.py: nothing is
+# created). Other messages of the same paths are unit-tested (tests/test_cli.py, test_validate.py,
+# test_dataset.py, test_torchrun_restarts.py, test_run_safety.py: each field a resume refuses to change).
 BAD_INPUTS = {
-    "wrong_csv_header": _wrong_header,
-    "truncated_distcp": _truncated_distcp,
-    "corrupt_train_state": _corrupt_train_state,
-    "incompatible_model_shape": _incompatible_model_shape,
+    "damaged_named_checkpoint": _damaged_named_checkpoint,
+    "another_model": _another_model,
     "fresh_run_over_a_run": _fresh_run_over_a_run,
 }
 
@@ -671,7 +654,7 @@ def test_bad_input_stops_every_rank_with_one_message(case, tmp_path, reference):
     out = copy_run(reference, tmp_path / "out")
     extra, phrase, also = BAD_INPUTS[case](tmp_path, out)
     before = snapshot(out)
-    base = [*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(out), "--resume", "true"]
+    base = ["--output_dir", str(out), "--resume", "true"]  # the run's other settings come from its record
     run = torchrun(with_overrides(base, extra), timeout=FAIL_FAST_S + 30)
 
     assert run.returncode != 0, run.describe()
@@ -692,6 +675,81 @@ def test_bad_input_stops_every_rank_with_one_message(case, tmp_path, reference):
     )
     changed = [key for key in before if before[key] != after[key]]
     assert not changed, changed
+
+
+# --------------------------------------------------------- 8. damaged checkpoints, rollbacks, finished runs
+
+
+def overwrite_middle(path: Path) -> None:
+    """4 KB of other bytes in the middle of a file, its size unchanged (disk or copy damage)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = bytes(255 - byte for byte in data[middle : middle + 4096])
+    path.write_bytes(bytes(data))
+
+
+def truncate_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGED = {  # case: (the run to copy, the file of its newest checkpoint (step 24) that is damaged, how)
+    "SHARDED, a shard truncated": ("reference", "__1_0.distcp", truncate_half),
+    "FULL, optimizer.pt overwritten": ("restarted_full", "optimizer.pt", overwrite_middle),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_continues_exactly_from_the_intact_one(
+    case, request, tmp_path
+):
+    run_name, name, spoil = DAMAGED[case]
+    out = copy_run(request.getfixturevalue(run_name), tmp_path / "out")
+    spoil(checkpoint_dir(out, TOTAL_STEPS) / name)
+    run = torchrun(["--output_dir", str(out), "--resume", "true"])
+    assert run.returncode == 0, run.describe()
+    warnings = [line for line in run.output.splitlines() if "is damaged" in line]
+    assert len(warnings) == 1 and str(checkpoint_dir(out, TOTAL_STEPS)) in warnings[0], run.describe()
+    assert name in warnings[0] and f"continuing from {checkpoint_dir(out, 20)}" in warnings[0], warnings
+    assert resumed_from(run) == (checkpoint_dir(out, 20), 2, 20)
+    assert_losses_match(out, request.getfixturevalue("reference"))  # steps 21-24 trained again, exactly
+    [aside] = (out / "checkpoints" / "damaged").iterdir()  # kept, not deleted
+    assert aside.name.startswith("step_00000024-") and (aside / "train_state.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_rollback_sticks_a_resume_continues_its_branch_and_a_finished_run_changes_nothing(tmp_path, reference):
+    """Back to step 20 of a run that reached 24 (as after a loss spike): step 24 is set aside, and the next
+    --resume true continues the rollback's branch, here with another --lr; the run, once finished, resumed
+    again, says so and changes nothing."""
+    out = copy_run(reference, tmp_path / "out")
+    rollback = torchrun(["--output_dir", str(out), "--resume", str(checkpoint_dir(out, 20)), "--max_steps", "22",
+                         "--keep_last_n", "3"])  # fmt: skip
+    assert rollback.returncode == 0, rollback.describe()
+    assert "changed here: --max_steps 22 (the run had 0), --keep_last_n 3 (the run had 2)" in rollback.output
+    [branch] = (out / "checkpoints" / "abandoned").iterdir()
+    assert branch.name.startswith("after_step_00000020-") and sorted(p.name for p in branch.iterdir()) == [
+        "step_00000024"
+    ]
+    assert rollback.output.count(f"moved to {branch}") == 1, rollback.describe()
+    assert complete_checkpoint_steps(out) == [20, 22]
+    assert_losses_match(out, reference, steps=[21, 22])
+
+    resumed = torchrun(["--output_dir", str(out), "--resume", "true", "--max_steps", "0", "--lr", "0.004"])
+    assert resumed.returncode == 0, resumed.describe()
+    assert resumed_from(resumed) == (checkpoint_dir(out, 22), 2, 22)  # not the abandoned step 24
+    assert "scaled by 2" in resumed.output, resumed.describe()
+    assert_losses_match(out, reference, steps=[23])  # trained from step 22's weights
+    lrs, reference_lrs = step_lrs(out), step_lrs(reference)
+    assert [lrs[s] for s in (23, 24)] == pytest.approx([2 * reference_lrs[s] for s in (23, 24)], rel=1e-6)
+    assert json.loads((out / "config.json").read_text())["train_config"]["lr"] == 0.004
+
+    before = snapshot(out)
+    again = torchrun(["--output_dir", str(out), "--resume", "true"])
+    assert again.returncode == 0, again.describe()
+    assert "had finished (all 2 epochs trained; step 24): nothing to do, nothing changed" in again.output
+    assert "Training epoch" not in again.output, again.describe()
+    assert snapshot(out) == before
 
 
 # ------------------------------------------------------- torchrun --max_restarts: a killed rank, a restart

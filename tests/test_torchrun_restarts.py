@@ -66,7 +66,8 @@ def _started_run(output_dir, job: str, steps: list[int]) -> None:
     for step in steps:
         folder = output_dir / layout.CHECKPOINTS_DIR / layout.step_dir_name(step)
         folder.mkdir(parents=True)
-        state = {"format_version": layout.FORMAT_VERSION, "checkpoint_type": layout.FULL, "progress": {}}
+        state = {"format_version": layout.FORMAT_VERSION, "checkpoint_type": layout.FULL, "progress": {},
+                 "files": {}}  # fmt: skip
         (folder / layout.STATE_FILE).write_text(json.dumps(state))
 
 

@@ -1,16 +1,22 @@
 """The layout of an output_dir: every file and folder name is spelled here, and only here.
 
     output_dir/
+      run.lock                            held by the run writing here (utils/checkpoint/run_lock.py)
       config.json                         the run record (utils/observe/run_record.py)
       metrics.jsonl                       one JSON record per line (utils/observe/metrics.py)
       checkpoints/step_00000123/          a resumable checkpoint (utils/checkpoint/manager.py):
-        train_state.json                    progress, scheduler, scaler, format; written last
+        train_state.json                    progress, scheduler, scaler, format, and every other file of
+                                              the checkpoint with its size and CRC-32; written last
         optimizer_param_groups.json         the optimizer's hyper-parameters
         rng/rank_<r>.pt                     each rank's RNG state
         tokenizer/, config.json             what an HF export needs besides the weights
         model.pt, optimizer.pt              FULL_STATE_DICT: full state dicts gathered on rank 0
         .metadata, __<r>_0.distcp           SHARDED_STATE_DICT: torch.distributed.checkpoint shards
-      checkpoints/.tmp_step_.../          a save in progress (ignored; replaced by the next save)
+      checkpoints/.tmp_step_.../          a save in progress (ignored; removed when the next run starts)
+        written/rank_<r>.json               what rank r's shard writer wrote (merged into train_state.json)
+      checkpoints/damaged/step_..-<time>/ a checkpoint that failed its check on resume, set aside
+      checkpoints/abandoned/after_step_..-<time>/step_.../
+                                          the newer checkpoints of a branch a rollback abandoned, set aside
       hf_model/                           the best epoch's model (--metric_for_best): config, tokenizer, and
                                             model.safetensors, or model-00001-of-0000N.safetensors files and
                                             model.safetensors.index.json (--export_max_file_gb), as
@@ -19,13 +25,17 @@
       predictions/<split>_step_<N>.jsonl  the summaries of each ROUGE evaluation (utils/eval/evaluator.py)
       tensorboard/                        --tensorboard true: the metrics as TensorBoard scalars
       T5-model-<run>-epoch<E>-val<L>.pt   --save_model: the tutorial's full state dict per best epoch
+      evaluate_only/                      --evaluate_only: its eval records (metrics.jsonl) and predictions
+                                            (<split>_step_<N>_<time>.jsonl), apart from training's
 
-Also here: finding complete checkpoints, resolving --resume, and refusing a new run over an old one.
+Also here: finding complete checkpoints. Nothing here deletes a set-aside checkpoint: they are the user's.
 """
 
 import os
 import re
+from datetime import datetime
 
+RUN_LOCK_FILE = "run.lock"
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
@@ -41,16 +51,26 @@ OPTIMIZER_FILE = "optimizer.pt"
 MODEL_SECTION = "model"
 OPTIMIZER_SECTION = "optim"
 RNG_DIR = "rng"
+WRITTEN_DIR = "written"  # inside a save in progress: each rank's record of the shards it wrote
 TOKENIZER_DIR = "tokenizer"
 PREDICTIONS_DIR = "predictions"
 TENSORBOARD_DIR = "tensorboard"
+EVALUATE_ONLY_DIR = "evaluate_only"
+DAMAGED_DIR = "damaged"
+ABANDONED_DIR = "abandoned"
 BEST_MODEL_PREFIX = "T5-model"
 TMP_PREFIX = ".tmp_"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 FULL = "FULL_STATE_DICT"
 SHARDED = "SHARDED_STATE_DICT"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: train_state.json lists every file with its size and CRC-32 (1: no list; still read)
+READABLE_VERSIONS = (1, 2)
+
+
+def time_stamp() -> str:
+    """The local time as names here spell it (a --save_model file's run, a set-aside folder): 20261125-101500."""
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def checkpoint_root(output_dir: str) -> str:
@@ -70,8 +90,45 @@ def hf_weights_file(index: int, count: int) -> str:
     return "model.safetensors" if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
+def tmp_checkpoint_dir(output_dir: str, step: int) -> str:
+    """Where a checkpoint is assembled before its rename."""
+    return os.path.join(checkpoint_root(output_dir), TMP_PREFIX + step_dir_name(step))
+
+
+def purged_dir(checkpoint: str, number: int) -> str:
+    """Where a checkpoint being deleted goes first (a temporary name: no longer a checkpoint); `number` keeps
+    two deletions of one step's folder apart."""
+    return os.path.join(os.path.dirname(checkpoint), f"{TMP_PREFIX}purge_{number}_{os.path.basename(checkpoint)}")
+
+
+def written_file(checkpoint: str, rank: int) -> str:
+    return os.path.join(checkpoint, WRITTEN_DIR, f"rank_{rank}.json")
+
+
+def step_of(checkpoint: str) -> int | None:
+    """The step of a checkpoint folder's name (None if it is not named step_<N>)."""
+    match = STEP_DIR.match(os.path.basename(os.path.normpath(checkpoint)))
+    return int(match.group(1)) if match else None
+
+
+def damaged_dir(output_dir: str, checkpoint: str, stamp: str) -> str:
+    """Where a checkpoint that failed its check is set aside."""
+    name = f"{os.path.basename(os.path.normpath(checkpoint))}-{stamp}"
+    return os.path.join(checkpoint_root(output_dir), DAMAGED_DIR, name)
+
+
+def abandoned_dir(output_dir: str, branch_point: int, stamp: str) -> str:
+    """Where the newer checkpoints of the branch a rollback to step `branch_point` left are set aside."""
+    return os.path.join(checkpoint_root(output_dir), ABANDONED_DIR, f"after_{step_dir_name(branch_point)}-{stamp}")
+
+
 def predictions_file(output_dir: str, split: str, step: int) -> str:
     return os.path.join(output_dir, PREDICTIONS_DIR, f"{split}_step_{step:08d}.jsonl")
+
+
+def evaluate_only_predictions_file(output_dir: str, split: str, step: int, stamp: str) -> str:
+    """--evaluate_only's predictions: named apart from training's, and per evaluation."""
+    return os.path.join(output_dir, EVALUATE_ONLY_DIR, f"{split}_step_{step:08d}_{stamp}.jsonl")
 
 
 def best_model_filename(run_id: str, epoch: int, val_loss: float | None) -> str:
@@ -81,7 +138,8 @@ def best_model_filename(run_id: str, epoch: int, val_loss: float | None) -> str:
 
 
 def complete_checkpoints(output_dir: str) -> list[str]:
-    """Complete checkpoints under output_dir, oldest first (temporary folders of unfinished saves ignored)."""
+    """Complete checkpoints under output_dir, oldest first (temporary folders of unfinished saves, and set-aside
+    checkpoints, ignored)."""
     root = checkpoint_root(output_dir)
     if not os.path.isdir(root):
         return []
@@ -91,3 +149,11 @@ def complete_checkpoints(output_dir: str) -> list[str]:
         if match and os.path.isfile(os.path.join(root, name, STATE_FILE)):
             found.append((int(match.group(1)), os.path.join(root, name)))
     return [path for _, path in sorted(found)]
+
+
+def stale_temporaries(output_dir: str) -> list[str]:
+    """The temporary folders of saves that never completed (a crash, a kill)."""
+    root = checkpoint_root(output_dir)
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, name) for name in os.listdir(root) if name.startswith(TMP_PREFIX))

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from contextlib import nullcontext
 
 import torch
@@ -33,20 +32,26 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
-from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration, T5Tokenizer
 
 from configs.errors import FAILURES, CheckpointError, UserError, error_summary
 from configs.lora import LoraConfig
+from policies.private_api import consolidate_safetensors_files_on_every_rank
 from utils import layout
+from utils.checkpoint.integrity import find_damage
 from utils.checkpoint.safe_dcp import SafeFileSystemReader
 from utils.checkpoint.start import read_train_state
-from utils.checkpoint.state_dicts import full_tensor_everywhere, local_rows, with_local_rows
+from utils.checkpoint.state_dicts import (
+    fsdp1_state_dict_warnings_ignored,
+    full_tensor_everywhere,
+    local_rows,
+    with_local_rows,
+)
 from utils.eval.generation import GENERATION_KEYS
 from utils.files import atomic_path, tmp_path
-from utils.log import get_logger
+from utils.log import get_logger, warnings_ignored
 from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
 
 # Each rank serializes its rows of a batch of tensors in memory before writing them (DCP's safetensors
@@ -58,7 +63,7 @@ from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
 RANK_PART_BYTES = 32 * 2**20
 MAX_PART_FILES = 256
 # convert_checkpoint reads a checkpoint in one process on purpose (no_dist=True); DCP says so at every read.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+SINGLE_PROCESS_READ_WARNING = (UserWarning, "torch.distributed is disabled, unavailable or uninitialized")
 RANK_PARTS_DIR = "rank_parts"  # inside the folder being written, deleted once the final files are stitched
 
 
@@ -92,6 +97,7 @@ def tied_names(model_config) -> set[str]:
     return tied
 
 
+@fsdp1_state_dict_warnings_ignored()
 def lora_exports(state: dict, lora: LoraConfig, device: torch.device) -> tuple[dict, dict | None]:
     """From a PEFT model's sharded state dict: the adapters whole, on every rank (on the CPU), and, with
     --merge_lora, the merged model's state dict (plain transformers names) as this rank's rows. Collective.
@@ -120,6 +126,7 @@ def lora_exports(state: dict, lora: LoraConfig, device: torch.device) -> tuple[d
     return {name: tensor.cpu() for name, tensor in adapters.items()}, merged
 
 
+@fsdp1_state_dict_warnings_ignored()
 def write_model_folder(
     state: dict, model_config, tokenizer, folder: str, max_file_bytes: int, is_main: bool
 ) -> int:
@@ -200,6 +207,9 @@ def convert_checkpoint(checkpoint: str, output: str, max_file_bytes: int) -> str
     output file at a time: host memory for one file (--max_file_gb), not the model."""
     if not os.path.isfile(os.path.join(checkpoint, layout.STATE_FILE)):
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint folder (no {layout.STATE_FILE})")
+    problem = find_damage(checkpoint, read_train_state(checkpoint))  # every file, in this one process
+    if problem is not None:
+        raise CheckpointError(f"{checkpoint} is damaged: {problem}. Convert another checkpoint.")
     config = T5Config.from_pretrained(checkpoint)
     tokenizer = T5Tokenizer.from_pretrained(os.path.join(checkpoint, layout.TOKENIZER_DIR))
     try:
@@ -255,7 +265,9 @@ def _checkpoint_tensors(checkpoint: str):
 
     def read(names: list[str]) -> dict:
         template = {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
-        dcp.load({layout.MODEL_SECTION: template}, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)
+        with warnings_ignored(SINGLE_PROCESS_READ_WARNING):
+            reader = SafeFileSystemReader(checkpoint)
+            dcp.load({layout.MODEL_SECTION: template}, storage_reader=reader, no_dist=True)
         return template
 
     return shapes, read

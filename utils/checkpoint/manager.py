@@ -2,15 +2,29 @@
 
 The layout of a checkpoint folder is in utils/layout.py. A checkpoint is written under
 `checkpoints/.tmp_step_...` and renamed when every rank has finished, so a crash during a save leaves only
-an ignored temporary folder, and the previous checkpoints stay loadable; old ones are pruned only after a
-newer one is complete.
+a temporary folder (removed when the next run starts), and the previous checkpoints stay loadable. Its
+train_state.json, written last, lists every other file with its size and CRC-32, recorded as it was written
+(utils/checkpoint/integrity.py), so a resume can tell a damaged checkpoint (utils/checkpoint/start.py). Old
+checkpoints are pruned only after a newer one is complete, off the training thread.
 
-With --async_checkpoint the shards are written by a background thread (DCP's `async_save`, on a gloo group
-of its own so that its collectives never interleave with training's): training stops only while they are
-copied to host memory. DCP's last save step gathers every rank's write result on rank 0 before rank 0
-writes `.metadata`, so when rank 0's write has finished every rank's has; rank 0 then completes the
-checkpoint (train_state.json, rename, prune) without another collective, as soon as it sees that between
-two steps. At most one save is in flight: the next save, the exports and the end of the run wait for it.
+Both checkpoint types are restored after sharding, into this run's shards: SHARDED_STATE_DICT through
+torch.distributed.checkpoint (each rank reads what its shards need), FULL_STATE_DICT from the memory-mapped
+model.pt and optimizer.pt (each rank copies its own rows). No rank holds the whole model or optimizer state,
+and the model they go into is an empty skeleton (utils/model/loading.py: builds_on_meta), not pretrained
+weights read only to be overwritten.
+
+With --async_checkpoint the shards are written in the background by DCP's `async_save`. With FSDP2 a writer
+process per rank writes them (`AsyncCheckpointerType.PROCESS`): training stops only while they are copied
+into shared memory, which that process reads; the write shares neither the training process's GIL nor its
+threads. The writer process is started before the first step (`begin_training`), so no step waits for it.
+FSDP1's ShardedTensors cannot be staged into shared memory by DCP, and sending them to a process costs the
+training process more than writing them from a thread (scripts/checkpoint_costs.py writer), so FSDP1 keeps a
+writer thread, on a gloo group of its own so that its collectives never interleave with training's. DCP's
+last save step gathers every rank's write result on rank 0 before rank 0 writes `.metadata`, so when rank
+0's write has finished every rank's has;
+rank 0 then completes the checkpoint (train_state.json, rename, prune) without another collective, as soon as
+it sees that between two steps. At most one save is in flight: the next save, the exports and the end of the
+run wait for it, and `close` (in the run's `finally`) finishes it, or says it was abandoned.
 
 Nothing here unpickles arbitrary objects: .pt files load with weights_only=True, the DCP payload holds
 tensors only (the optimizer's non-tensor hyper-parameters are JSON), and DCP's `.metadata` file, a pickle,
@@ -22,29 +36,33 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from datetime import datetime
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim.lr_scheduler import LRScheduler
 
 from configs.checkpointing import CheckpointConfig
-from configs.errors import FAILURES, CheckpointError, error_summary
+from configs.errors import FAILURES, CheckpointError, UserError, error_summary
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
 from utils import layout
 from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
+from utils.checkpoint.integrity import RecordingWriter, checkpoint_files, hashed_file
 from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.safe_dcp import SafeFileSystemReader
-from utils.checkpoint.start import StartPoint, read_train_state
+from utils.checkpoint.start import StartPoint, read_train_state, remove_stale_temporaries, set_aside_newer
 from utils.checkpoint.state_dicts import (
+    fill_from_full,
+    fsdp1_state_dict_warnings_ignored,
     model_and_optimizer_state,
     param_groups_from_json,
     save_full_model,
@@ -53,13 +71,13 @@ from utils.checkpoint.state_dicts import (
     tensor_only_optimizer_state,
 )
 from utils.distributed.process_group import DistInfo
-from utils.files import disk_bytes, write_json
+from utils.files import write_json
 from utils.log import get_logger
 
 
 @dataclass
 class BackgroundSave:
-    """A checkpoint whose shards a background thread is writing."""
+    """A checkpoint whose shards are being written in the background."""
 
     future: Future  # this rank's part of DCP's async_save
     tmp: str
@@ -72,7 +90,7 @@ class BackgroundSave:
 class CheckpointManager:
     """Owns output_dir's checkpoints/, the --save_model .pt files and hf_model/ for one run: handed the
     model, optimizer, scheduler and scaler once, it decides when to save (`due`), saves, prunes, loads where
-    the run starts from, and exports.
+    the run starts from, exports, and is closed at the end (`close`, in a `finally`).
 
     Every saving or loading method is collective: every rank calls it, rank 0 writes the shared files.
     """
@@ -102,17 +120,19 @@ class CheckpointManager:
         self.info = info
         self.lora = lora if lora.peft == "lora" else None  # the export writes the adapter (and merged model)
         self.base_model = base_model  # what the adapter names as its base (utils/model/lora.py: adapter_base)
-        self.run_id = datetime.now().strftime("%Y%m%d-%H%M%S")  # names this run's .pt files
-        # Background writes talk over a gloo group of their own (collective: every rank creates it). Their
-        # writer also stages: it copies FSDP1's ShardedTensors and FSDP2's DTensors alike (DCP's default
-        # stager cannot copy ShardedTensors), and on GPU into pinned host buffers kept for the next save.
-        self.background_group, self.background_writer = None, None
+        self.run_id = layout.time_stamp()  # names this run's .pt files
+        self.pending: BackgroundSave | None = None
+        # Rank 0 deletes pruned checkpoints in a thread: an rmtree of gigabytes between two steps would hold up
+        # every rank at the next collective.
+        self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if info.is_main else None
+        self.purged = 0  # folders handed to it
+        # Background writes (collective: every rank creates the group). DCP's writer process needs a group
+        # to agree on its own store's address; a writer thread talks over it, so that its collectives never
+        # interleave with training's.
+        self.background_group = self.stager = self.background_writer = None
         if checkpointing.async_checkpoint:
             self.background_group = dist.new_group(backend="gloo")
-            self.background_writer = FileSystemWriter(
-                layout.checkpoint_root(output_dir), cache_staged_state_dict=info.device.type == "cuda"
-            )
-        self.pending: BackgroundSave | None = None
+            self.stager, self.background_writer = _background_writer(model, info.device)
 
     # ------------------------------------------------------------------------------------ resumable
 
@@ -121,18 +141,18 @@ class CheckpointManager:
         periodic = self.checkpointing.save_every_n_steps > 0 and step % self.checkpointing.save_every_n_steps == 0
         return self.checkpointing.keep_last_n > 0 and (periodic or stop_requested)
 
+    @fsdp1_state_dict_warnings_ignored()
     def save(self, progress: TrainProgress, blocking: bool = False) -> str | None:
         """Write a checkpoint of the current state (nothing with --keep_last_n 0). Returns its folder.
 
-        With --async_checkpoint and not `blocking` (a SIGTERM save is), it returns once the shards are staged
+        With --async_checkpoint and not `blocking` (a stop's save is), it returns once the shards are staged
         in host memory; the folder appears when their background write has finished (see `poll`)."""
         if self.checkpointing.keep_last_n == 0:
             return None
         self.finish_pending()  # at most one save in flight
         started = time.perf_counter()
-        root = layout.checkpoint_root(self.output_dir)
-        name = layout.step_dir_name(progress.global_step)
-        final, tmp = os.path.join(root, name), os.path.join(root, layout.TMP_PREFIX + name)
+        final = os.path.join(layout.checkpoint_root(self.output_dir), layout.step_dir_name(progress.global_step))
+        tmp = layout.tmp_checkpoint_dir(self.output_dir, progress.global_step)
         if self.info.is_main:
             if os.path.exists(tmp):  # left by a save that crashed
                 shutil.rmtree(tmp)
@@ -142,38 +162,44 @@ class CheckpointManager:
         full = self.checkpoint_type == layout.FULL
         model_state, optim_state = model_and_optimizer_state(self.model, self.optimizer, full, self.info.device)
         self._write_small_files(tmp, optim_state)
+        written = {}  # rank 0's files hashed as they were written (model.pt, optimizer.pt)
         if full:
             # With CPU offload (GPU runs) only rank 0 receives the gathered state; the others get {}.
             if self.info.is_main:
-                torch.save(model_state, os.path.join(tmp, layout.MODEL_FILE))
+                with hashed_file(tmp, layout.MODEL_FILE, written) as f:
+                    torch.save(model_state, f)
                 if self.save_optimizer:
-                    optimizer_file = os.path.join(tmp, layout.OPTIMIZER_FILE)
-                    torch.save(tensor_only_optimizer_state(optim_state), optimizer_file)
+                    with hashed_file(tmp, layout.OPTIMIZER_FILE, written) as f:
+                        torch.save(tensor_only_optimizer_state(optim_state), f)
         else:
             payload = {layout.MODEL_SECTION: model_state}
             if self.save_optimizer:
                 payload[layout.OPTIMIZER_SECTION] = tensor_only_optimizer_state(optim_state)
             if self.background_group is not None and not blocking:
-                dist.barrier()  # every rank's small files are on disk before rank 0 may complete the folder
-                # Staged (copied to host memory) before it returns; written by a thread on the gloo group.
-                future = dcp.async_save(
-                    payload,
-                    checkpoint_id=tmp,
-                    storage_writer=self.background_writer,
-                    process_group=self.background_group,
-                )
-                stalled = time.perf_counter() - started
-                self.pending = BackgroundSave(future, tmp, final, train_state, started, stalled)
-                get_logger().info(
-                    "checkpoint %s: training resumes after %.2f s; written in the background", final, stalled
-                )
+                self._save_in_background(payload, tmp, final, train_state, started)
                 return final
-            dcp.save(payload, checkpoint_id=tmp)  # collective; each rank writes its own shards
+            dcp.save(payload, storage_writer=RecordingWriter(tmp))  # collective; each rank writes its shards
         dist.barrier()  # every rank's files are on disk
         if self.info.is_main:
-            self._complete(tmp, final, train_state, f"in {time.perf_counter() - started:.2f} s")
+            self._complete(tmp, final, train_state, written, f"in {time.perf_counter() - started:.2f} s")
         dist.barrier()
         return final
+
+    def _save_in_background(self, payload: dict, tmp: str, final: str, train_state: dict, started: float) -> None:
+        dist.barrier()  # every rank's small files are on disk before rank 0 may complete the folder
+        # Staged (copied to host memory) before it returns; written in the background.
+        future = dcp.async_save(
+            payload,
+            storage_writer=RecordingWriter(tmp),
+            process_group=self.background_group,
+            async_checkpointer_type=self.background_writer,
+            async_stager=self.stager,
+        )
+        stalled = time.perf_counter() - started
+        self.pending = BackgroundSave(future, tmp, final, train_state, started, stalled)
+        get_logger().info(
+            "checkpoint %s: training resumes after %.2f s; written in the background", final, stalled
+        )
 
     def poll(self) -> None:
         """Between steps: complete a background save whose write has finished (rank 0 renames it; no
@@ -197,7 +223,36 @@ class CheckpointManager:
         if self.info.is_main:
             written = time.perf_counter() - pending.started
             detail = f"in the background in {written:.2f} s; training stopped {pending.stalled_s:.2f} s"
-            self._complete(pending.tmp, pending.final, pending.train_state, detail)
+            self._complete(pending.tmp, pending.final, pending.train_state, {}, detail)
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close(failed=exc is not None, at_once=isinstance(exc, KeyboardInterrupt))
+
+    def close(self, failed: bool = False, at_once: bool = False) -> None:
+        """The end of the run, in its `finally`, before the process group goes down: a background save still in
+        flight is finished and completed, or abandoned when the run stops at once (a second Ctrl-C) or its
+        write fails, with one line saying which; then the background workers stop."""
+        # Said once: rank 0 warns, the other ranks' lines stay below their log level.
+        pending, say = self.pending, get_logger().warning if self.info.is_main else get_logger().info
+        if pending is not None:
+            if at_once:
+                self.pending = None
+                say("the background save of %s was abandoned (stopped at once): resume from the newest complete "
+                    "checkpoint", pending.final)  # fmt: skip
+            else:
+                try:
+                    self.finish_pending()
+                    if failed:
+                        say("the background save of %s was completed before stopping", pending.final)
+                except UserError as err:
+                    say("the background save was abandoned: %s", err)
+        if self.purger is not None:
+            self.purger.shutdown(wait=not at_once)
+        if self.stager is not None:
+            self.stager.close()
 
     def _write_small_files(self, folder: str, optim_state: dict) -> None:
         """Every rank's RNG state; on rank 0 the optimizer's parameter groups, the model config, the tokenizer."""
@@ -221,43 +276,81 @@ class CheckpointManager:
             "scaler": scaler.state_dict() if scaler is not None else None,
         })  # fmt: skip
 
-    def _complete(self, tmp: str, final: str, train_state: dict, how: str) -> None:
-        """Rank 0, once every rank's files are on disk: train_state.json last (its presence marks the checkpoint
-        complete), the rename, then the pruning of older ones."""
-        write_json(os.path.join(tmp, layout.STATE_FILE), train_state)
-        if os.path.exists(final):  # the same step saved again (SIGTERM right after a periodic save)
-            shutil.rmtree(final)
+    def _complete(self, tmp: str, final: str, train_state: dict, written: dict, how: str) -> None:
+        """Rank 0, once every rank's files are on disk: train_state.json last, with every other file's size and
+        CRC-32 (its presence marks the checkpoint complete), the rename, then the pruning of older ones."""
+        files = checkpoint_files(tmp, written)
+        write_json(os.path.join(tmp, layout.STATE_FILE), {**train_state, "files": files})
+        if os.path.exists(final):  # the same step saved again (a stop right after a periodic save)
+            self._purge(final)
         os.replace(tmp, final)
-        get_logger().info(
-            "checkpoint %s (%s): %.1f MB %s", final, self.checkpoint_type, disk_bytes(final) / 1e6, how
-        )
-        self._prune()
-
-    def _prune(self) -> None:
-        """Delete all but the newest keep_last_n complete checkpoints (only after a new one is complete)."""
+        megabytes = sum(record["bytes"] for record in files.values()) / 1e6
+        get_logger().info("checkpoint %s (%s): %.1f MB %s", final, self.checkpoint_type, megabytes, how)
         for old in layout.complete_checkpoints(self.output_dir)[: -self.checkpointing.keep_last_n]:
-            shutil.rmtree(old)
+            self._purge(old)
             get_logger().info("removed old checkpoint %s (keep_last_n=%d)", old, self.checkpointing.keep_last_n)
 
+    def _purge(self, checkpoint: str) -> None:
+        """Rank 0: a checkpoint stops being one at once (renamed to a temporary name, which a crash leaves for
+        the next run to remove), and its files are deleted in the background."""
+        self.purged += 1
+        doomed = layout.purged_dir(checkpoint, self.purged)
+        os.replace(checkpoint, doomed)
+        self.purger.submit(shutil.rmtree, doomed, ignore_errors=True)
+
+    def begin_training(self, start: StartPoint) -> None:
+        """Before a run's first step (collective; rank 0 acts, under the run lock): a rollback's abandoned
+        newer checkpoints are set aside (utils/checkpoint/start.py), temporary folders of saves that never
+        completed are removed, and a background writer process is started."""
+        if self.info.is_main:
+            set_aside_newer(self.output_dir, start)
+            remove_stale_temporaries(self.output_dir)
+        dist.barrier()
+        if self.background_writer == AsyncCheckpointerType.PROCESS and self.checkpointing.keep_last_n:
+            self._start_writer_process()
+
+    def _start_writer_process(self) -> None:
+        """DCP starts its writer process at the first background save: a Python that imports torch and this
+        package (about 5 s of a core here), which would slow the steps around that save. A save of one number
+        into a scratch folder starts it now. Collective."""
+        started = time.perf_counter()
+        scratch = layout.tmp_checkpoint_dir(self.output_dir, 0) + "_writer_start"
+        dcp.async_save(
+            {"writer_start": torch.zeros(1)},
+            storage_writer=RecordingWriter(scratch),
+            process_group=self.background_group,
+            async_checkpointer_type=self.background_writer,
+            async_stager=self.stager,
+        ).result()
+        dist.barrier()
+        if self.info.is_main:
+            shutil.rmtree(scratch, ignore_errors=True)
+        get_logger().info("background checkpoint writer started (%.1f s)", time.perf_counter() - started)
+
+    @fsdp1_state_dict_warnings_ignored()
     def load(self, start: StartPoint) -> TrainProgress:
-        """Continue from where the run starts: a checkpoint folder's optimizer, scheduler, scaler, RNG and
-        progress, and its weights when sharded (a full checkpoint's or a .pt's weights went into the
-        unwrapped model before sharding: StartPoint.weights_file). The progress to train from. Collective."""
+        """Continue from where the run starts: a checkpoint folder's model, optimizer, scheduler, scaler, RNG
+        and progress, restored into this run's shards (a .pt's weights went into the unwrapped model before
+        sharding: StartPoint.weights_file). The progress to train from. Collective."""
         if not start.is_checkpoint:
             if start.path:
                 get_logger().info("started from the weights of %s (new optimizer, epoch 1)", start.path)
             return TrainProgress()
         checkpoint = start.path
         state = read_train_state(checkpoint)
+        this_runs_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         try:
-            self._load_model_and_optimizer(checkpoint, state)
+            self._restore_model_and_optimizer(checkpoint, state)
+        except UserError:
+            raise
         except FAILURES as err:  # every failure becomes one message naming the checkpoint
             raise CheckpointError(
-                f"cannot resume from {checkpoint}: {error_summary(err)}. The checkpoint is corrupt or was "
-                "written for another model or optimizer; resume from another checkpoint (--resume PATH) or "
-                "start a new output_dir."
+                f"cannot resume from {checkpoint}: {error_summary(err)}. Its files are as they were written: it "
+                "holds another model or optimizer than this run builds; resume with the settings that wrote it, "
+                "or from another checkpoint."
             ) from None
         self.scheduler.load_state_dict(state["scheduler"])
+        self._keep_this_runs_lr(this_runs_lrs)
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
         self._restore_rng(checkpoint, state["world_size"])
@@ -265,38 +358,56 @@ class CheckpointManager:
         get_logger().info("resumed from %s: epoch %d, step %d", checkpoint, progress.epoch, progress.global_step)
         return progress
 
-    def _load_model_and_optimizer(self, checkpoint: str, state: dict) -> None:
+    def _restore_model_and_optimizer(self, checkpoint: str, state: dict) -> None:
+        """The checkpoint's weights and optimizer state into this run's shards (templates with this run's
+        sharding, filled in place: any number of ranks, either backend)."""
         model, optimizer = self.model, self.optimizer
-        full = state["checkpoint_type"] == layout.FULL
         has_optimizer = state["has_optimizer"]
-        if full:
-            optim_state = {}
-            if has_optimizer:
-                file = os.path.join(checkpoint, layout.OPTIMIZER_FILE)
-                optim_state["state"] = torch.load(file, map_location="cpu", weights_only=True)
+        # The optimizer's template only when there is a state to load: asking for it makes torch initialise
+        # AdamW's state with a zero step, and an optimizer that "starts afresh" must not have taken one.
+        if has_optimizer:
+            model_state, optim_state = model_and_optimizer_state(model, optimizer, False, self.info.device)
+            optimizer_state = tensor_only_optimizer_state(optim_state)
         else:
-            # Templates with this run's sharding: DCP loads into them in place, resharding as needed. The
-            # optimizer's template only when there is a state to load: asking for it makes torch initialise
-            # AdamW's state with a zero step, and an optimizer that "starts afresh" must not have taken one.
+            model_state, optimizer_state = sharded_model_state(model), None
+        if state["checkpoint_type"] == layout.FULL:
+            for template, name in ((model_state, layout.MODEL_FILE), (optimizer_state, layout.OPTIMIZER_FILE)):
+                if template is not None:
+                    file = os.path.join(checkpoint, name)
+                    # Memory-mapped: each rank pages in its own rows, not the file.
+                    fill_from_full(
+                        template, torch.load(file, map_location="cpu", weights_only=True, mmap=True), file
+                    )
+        else:
+            payload = {layout.MODEL_SECTION: model_state}
             if has_optimizer:
-                model_state, optim_state = model_and_optimizer_state(model, optimizer, False, self.info.device)
-                optimizer_state = tensor_only_optimizer_state(optim_state)
-                payload = {layout.MODEL_SECTION: model_state, layout.OPTIMIZER_SECTION: optimizer_state}
-            else:
-                payload = {layout.MODEL_SECTION: sharded_model_state(model)}
+                payload[layout.OPTIMIZER_SECTION] = optimizer_state
             dcp.load(payload, storage_reader=SafeFileSystemReader(checkpoint))  # collective
-            set_model_state_dict(model, payload[layout.MODEL_SECTION])
-            optim_state = {"state": payload.get(layout.OPTIMIZER_SECTION)}
+        set_model_state_dict(model, model_state)
         if not has_optimizer:
             get_logger().warning("checkpoint %s has no optimizer state: AdamW starts afresh", checkpoint)
             return
         with open(os.path.join(checkpoint, layout.PARAM_GROUPS_FILE), encoding="utf-8") as f:
-            optim_state["param_groups"] = param_groups_from_json(json.load(f))
-        set_optimizer_state(model, optimizer, optim_state, full)
+            groups = param_groups_from_json(json.load(f))
+        set_optimizer_state(model, optimizer, {"state": optimizer_state, "param_groups": groups}, full=False)
+
+    def _keep_this_runs_lr(self, this_runs_lrs: list[float]) -> None:
+        """The checkpoint's optimizer groups and scheduler carry the learning rate of the run that saved them;
+        a resume given another --lr scales the schedule to it from here on."""
+        saved = [group["initial_lr"] for group in self.optimizer.param_groups]
+        self.scheduler.base_lrs = list(this_runs_lrs)  # what the schedule scales from now on
+        if saved == this_runs_lrs:
+            return
+        for group, base, old in zip(self.optimizer.param_groups, this_runs_lrs, saved, strict=True):
+            group["lr"] *= base / old
+            group["initial_lr"] = base
+        get_logger().info(
+            "learning rate: --lr %g where the checkpoint's run had %g; the schedule goes on scaled by %g",
+            this_runs_lrs[0], saved[0], this_runs_lrs[0] / saved[0],
+        )  # fmt: skip
 
     def _restore_rng(self, checkpoint: str, saved_world_size: int) -> None:
-        file = layout.rng_file(checkpoint, self.info.rank)
-        if saved_world_size != self.info.world_size or not os.path.isfile(file):
+        if saved_world_size != self.info.world_size:
             get_logger().warning(
                 "checkpoint was written by %d ranks, this run has %d: dropout's random stream restarts, so "
                 "losses continue statistically, not bit for bit",
@@ -304,13 +415,14 @@ class CheckpointManager:
                 self.info.world_size,
             )
             return
-        rng = torch.load(file, map_location="cpu", weights_only=True)
+        rng = torch.load(layout.rng_file(checkpoint, self.info.rank), map_location="cpu", weights_only=True)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and self.info.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.info.device)
 
     # ------------------------------------------------------------------------------ final models
 
+    @fsdp1_state_dict_warnings_ignored()
     def save_full_model(self, epoch: int, val_loss: float | None) -> str | None:
         """The tutorial's full state dict .pt, named by run, epoch and loss (rank 0 writes it)."""
         self.finish_pending()
@@ -322,6 +434,7 @@ class CheckpointManager:
             os.path.join(self.output_dir, name),
         )
 
+    @fsdp1_state_dict_warnings_ignored()
     def export_hf(self, last: bool = False) -> str | None:
         """Write output_dir/hf_model (or, `last`, hf_model_last) from the shards: every rank writes its own
         rows, no rank gathers the model (utils/checkpoint/hf_export.py). With --peft lora, the adapter folder
@@ -349,6 +462,25 @@ class CheckpointManager:
             time.perf_counter() - started,
         )
         return folder if is_main else None
+
+    def final_folder(self, last: bool) -> str:
+        """The export's folder name: hf_model (hf_model_last), or with LoRA and no merge the adapter's."""
+        if self.lora is not None and not self.lora.merge_lora:
+            return layout.HF_ADAPTER_DIR + ("_last" if last else "")
+        return layout.HF_LAST_DIR if last else layout.HF_DIR
+
+
+def _background_writer(model: nn.Module, device: torch.device) -> tuple:
+    """(what copies the shards to host memory, who writes them) for a background save. FSDP2: into shared
+    memory kept for the next save (pinned too on GPU), which DCP's writer process reads directly. FSDP1: a
+    plain copy (on GPU into pinned buffers kept for the next save) that a thread writes."""
+    on_gpu = device.type == "cuda"
+    if isinstance(model, FSDPModule):
+        options = StagingOptions(
+            use_pinned_memory=on_gpu, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=on_gpu
+        )
+        return DefaultStager(options), AsyncCheckpointerType.PROCESS
+    return BlockingAsyncStager(cache_staged_state_dict=on_gpu), AsyncCheckpointerType.THREAD
 
 
 def _rng_state(device: torch.device) -> dict:

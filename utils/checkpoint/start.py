@@ -1,20 +1,31 @@
-"""Where a run starts from, decided once: afresh, from the weights of a full-model .pt, or from a
-checkpoint folder (training continues exactly where it stopped).
+"""Where a run starts from, decided once: afresh, from the weights of a full-model .pt, or from a checkpoint
+folder (training continues exactly where it stopped).
 
-    start = resolve_start(config.checkpointing.resume, output_dir)   # rank 0 decides, every rank gets it
+    start = resolve_start(config.checkpointing.resume, output_dir, job, attempt)   # collective
 
-The checkpoint manager (utils/checkpoint/manager.py) restores it: `weights_file` goes into the unwrapped
-model before sharding (a FULL_STATE_DICT checkpoint's model.pt or a .pt, the tutorial's way, and what
-rank-0-only loading reads unit by unit); `CheckpointManager.load` restores everything else after sharding.
+Rank 0 looks at output_dir and lists the candidates; every rank then checks the chosen checkpoint's files
+(utils/checkpoint/integrity.py, each rank its share). A damaged checkpoint met on the way to the newest intact
+one (`--resume true`, a torchrun restart) is set aside, never deleted, and the run continues from the next
+older one; one named with `--resume PATH` is refused. `set_aside_newer` then makes a rollback stick: a run
+that starts from an older checkpoint than the newest moves the newer ones out of the way, so that the next
+`--resume true` continues its branch, not the abandoned one.
+
+The checkpoint manager (utils/checkpoint/manager.py) restores a checkpoint after sharding; a --resume file.pt
+(`weights_file`) goes into the unwrapped model before sharding, as the tutorial's .pt did.
 """
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 from configs.errors import CheckpointError, ConfigError
 from utils import layout
+from utils.checkpoint.integrity import find_damage
 from utils.checkpoint.progress import TrainProgress
+from utils.distributed.process_group import rank0_decides
 from utils.log import get_logger
 
 
@@ -30,13 +41,18 @@ class StartPoint:
 
     @property
     def weights_file(self) -> str | None:
-        """The .pt whose weights go into the unwrapped model before sharding: a FULL_STATE_DICT checkpoint's
-        model.pt, or a --resume file.pt. None for a new run or a sharded checkpoint (loaded after sharding)."""
-        if self.checkpoint_type == layout.SHARDED:
-            return None
-        if self.checkpoint_type == layout.FULL:
-            return os.path.join(self.path, layout.MODEL_FILE)
-        return self.path
+        """A --resume file.pt, whose weights go into the unwrapped model before sharding. None for a new run
+        or a checkpoint (restored after sharding by the checkpoint manager)."""
+        return None if self.is_checkpoint else self.path
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint the run may start from, as rank 0 found it: its train_state.json, or why it is unreadable."""
+
+    path: str
+    state: dict | None
+    problem: str | None = None
 
 
 def read_train_state(checkpoint: str) -> dict:
@@ -45,7 +61,7 @@ def read_train_state(checkpoint: str) -> dict:
         with open(os.path.join(checkpoint, layout.STATE_FILE), encoding="utf-8") as f:
             state = json.load(f)
         version, kind = state.get("format_version"), state.get("checkpoint_type")
-        if version != layout.FORMAT_VERSION or kind not in (layout.FULL, layout.SHARDED):
+        if version not in layout.READABLE_VERSIONS or kind not in (layout.FULL, layout.SHARDED):
             raise ValueError(f"unknown format {version!r}/{kind!r}")
         progress = state["progress"]
         if "best_val_loss" in progress:  # written before --metric_for_best existed: the metric was val_loss
@@ -54,40 +70,70 @@ def read_train_state(checkpoint: str) -> dict:
         return state
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(
-            f"checkpoint {checkpoint} is unreadable ({err}): corrupt or not a checkpoint"
+            f"checkpoint {checkpoint} is unreadable ({layout.STATE_FILE}: {err}): corrupt or not a checkpoint"
         ) from None
 
 
 def resolve_start(resume: str, output_dir: str, job: str | None = None, attempt: int = 0) -> StartPoint:
-    """`--resume`: 'false' -> a new run (refused if output_dir already holds one); 'true' -> the newest
-    complete checkpoint (a new run if there is none); otherwise a checkpoint folder or a full-model .pt
-    file, which must exist. Creates output_dir and checks that it is writable.
+    """`--resume`: 'false' -> a new run (refused if output_dir already holds one); 'true' -> the newest intact
+    checkpoint (a new run if there is none); otherwise a checkpoint folder or a full-model .pt file, which must
+    exist (a .pt starts a new run: refused where output_dir holds one). Collective.
 
     A torchrun restart (`attempt` > 0) of the torchrun job `job` (utils/distributed/process_group.py:
     torchrun_attempt) whose earlier attempt started the run in output_dir continues it, as 'true' would,
     whatever --resume says: the restarted attempt has the first attempt's arguments. An attempt whose
     earlier attempts never started (a refusal, a crash before the run record) decides as the first did."""
+    choice = rank0_decides(lambda: _choose(resume, output_dir, job, attempt))
+    if choice.start is not None:
+        return choice.start
+    damaged: list[tuple[Candidate, str]] = []
+    for candidate in choice.candidates:
+        problem = candidate.problem or find_damage(candidate.path, candidate.state)  # collective
+        if problem is None:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                for old, why in damaged:
+                    _set_aside_damaged(output_dir, old.path, why, candidate.path)
+            return StartPoint(candidate.path, candidate.state["checkpoint_type"])
+        if choice.named:
+            raise CheckpointError(
+                f"--resume {candidate.path}: the checkpoint is damaged: {problem}. Resume from another "
+                "checkpoint (--resume true takes the newest intact one in output_dir); nothing was changed."
+            )
+        damaged.append((candidate, problem))
+    named = "; ".join(f"{candidate.path}: {problem}" for candidate, problem in damaged)
+    raise CheckpointError(
+        f"no intact checkpoint to resume from in {layout.checkpoint_root(output_dir)} ({named}). Start a new "
+        "--output_dir, or move the damaged checkpoints away to start this one afresh; nothing was changed."
+    )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What rank 0 found: a start decided without a checkpoint (`start`), or checkpoints to try newest first,
+    `named` when --resume named the one."""
+
+    start: StartPoint | None = None
+    candidates: tuple[Candidate, ...] = ()
+    named: bool = False
+
+
+def _choose(resume: str, output_dir: str, job: str | None, attempt: int) -> Choice:
+    """Rank 0: where the run may start from."""
     prepare_output_dir(output_dir)
     if attempt > 0 and job is not None and recorded_job(output_dir) == job:
-        newest = newest_checkpoint(output_dir)
-        where = newest.path if newest is not None else "the start"
+        found = _complete_candidates(output_dir)
+        where = found[0].path if found else "the start"
         get_logger().warning("torchrun restart %d of this run: continuing from %s", attempt, where)
-        return newest if newest is not None else StartPoint()
+        return Choice(candidates=found) if found else Choice(StartPoint())
     if resume.lower() == "false":
-        metrics_file = os.path.join(output_dir, layout.METRICS_FILE)
-        if os.path.isfile(metrics_file) or layout.complete_checkpoints(output_dir):
-            raise ConfigError(
-                f"output_dir {output_dir!r} already holds a run ({layout.METRICS_FILE}, "
-                f"{layout.CHECKPOINTS_DIR}/): continue it with --resume true, or choose a new --output_dir. "
-                "Nothing was changed."
-            )
-        return StartPoint()
+        refuse_over_a_run(output_dir, "--resume false")
+        return Choice(StartPoint())
     if resume.lower() == "true":
-        newest = newest_checkpoint(output_dir)
-        if newest is None:
+        found = _complete_candidates(output_dir)
+        if not found:
             get_logger().warning("--resume true: no complete checkpoint in %s; starting from scratch", output_dir)
-            return StartPoint()
-        return newest
+            return Choice(StartPoint())
+        return Choice(candidates=found)
     if not os.path.exists(resume):
         example = os.path.join(layout.checkpoint_root(output_dir), layout.step_dir_name(100))
         raise CheckpointError(
@@ -95,19 +141,114 @@ def resolve_start(resume: str, output_dir: str, job: str | None = None, attempt:
             f"checkpoint in output_dir, or a folder such as {example}"
         )
     if not os.path.isdir(resume):
-        return StartPoint(resume)
+        refuse_over_a_run(output_dir, f"--resume {resume} (a new run from its weights)")
+        return Choice(StartPoint(resume))
     if not os.path.isfile(os.path.join(resume, layout.STATE_FILE)):
         raise CheckpointError(
             f"--resume {resume!r} has no {layout.STATE_FILE}: it is not a complete checkpoint (a save "
             "interrupted before it finished?). Resume from an older one."
         )
-    return StartPoint(resume, read_train_state(resume)["checkpoint_type"])
+    return Choice(candidates=(Candidate(resume, read_train_state(resume)),), named=True)
+
+
+def _complete_candidates(output_dir: str) -> tuple[Candidate, ...]:
+    """output_dir's complete checkpoints, newest first, each with its state or why it cannot be read."""
+    found = []
+    for path in reversed(layout.complete_checkpoints(output_dir)):
+        try:
+            found.append(Candidate(path, read_train_state(path)))
+        except CheckpointError as err:
+            found.append(Candidate(path, None, str(err)))
+    return tuple(found)
 
 
 def newest_checkpoint(output_dir: str) -> StartPoint | None:
-    """The newest complete checkpoint in output_dir (None if there is none)."""
+    """The newest complete checkpoint in output_dir (None if there is none); not checked for damage."""
     found = layout.complete_checkpoints(output_dir)
     return StartPoint(found[-1], read_train_state(found[-1])["checkpoint_type"]) if found else None
+
+
+def refuse_over_a_run(output_dir: str, what: str) -> None:
+    """A new run must not write over the run output_dir already holds."""
+    metrics_file = os.path.join(output_dir, layout.METRICS_FILE)
+    if os.path.isfile(metrics_file) or layout.complete_checkpoints(output_dir):
+        raise ConfigError(
+            f"{what}: output_dir {output_dir!r} already holds a run ({layout.METRICS_FILE}, "
+            f"{layout.CHECKPOINTS_DIR}/): continue it with --resume true, or choose a new --output_dir. "
+            "Nothing was changed."
+        )
+
+
+def _set_aside_damaged(output_dir: str, checkpoint: str, problem: str, continuing_from: str) -> None:
+    """Rank 0: move a damaged checkpoint of output_dir out of the way (never delete it), with one warning."""
+    destination = layout.damaged_dir(output_dir, checkpoint, layout.time_stamp())
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    shutil.move(checkpoint, destination)
+    get_logger().warning(
+        "checkpoint %s is damaged (%s): set aside as %s; continuing from %s", checkpoint, problem, destination,
+        continuing_from,
+    )  # fmt: skip
+
+
+def set_aside_newer(output_dir: str, start: StartPoint) -> None:
+    """Rank 0, when a run starts training from a checkpoint older than output_dir's newest (a rollback): the
+    newer checkpoints (and one of the same step that is not the start) belong to the abandoned branch. They
+    move, together, to checkpoints/abandoned/, so that --resume true and torchrun restarts continue this
+    branch; one line says so."""
+    if not start.is_checkpoint:
+        return  # a new run: refused over an existing one (refuse_over_a_run), so there is nothing newer
+    branch_point = read_train_state(start.path)["progress"]["global_step"]
+    start_path = os.path.realpath(start.path)
+    newer = [
+        path
+        for path in layout.complete_checkpoints(output_dir)
+        if layout.step_of(path) >= branch_point and os.path.realpath(path) != start_path
+    ]
+    if not newer:
+        return
+    destination = layout.abandoned_dir(output_dir, branch_point, layout.time_stamp())
+    os.makedirs(destination)
+    for path in newer:
+        shutil.move(path, os.path.join(destination, os.path.basename(path)))
+    get_logger().warning(
+        "started from step %d, before this output_dir's newest checkpoint: the abandoned branch's %s moved to "
+        "%s (--resume true and torchrun restarts now continue from this run's checkpoints)",
+        branch_point, ", ".join(os.path.basename(path) for path in newer), destination,
+    )  # fmt: skip
+
+
+def remove_stale_temporaries(output_dir: str) -> None:
+    """Rank 0, under the run lock (no other run writes here): the temporary folders of saves that never
+    completed."""
+    for path in layout.stale_temporaries(output_dir):
+        shutil.rmtree(path, ignore_errors=True)
+        get_logger().info("removed %s, a save that never completed", path)
+
+
+def recorded_run(resume: str, output_dir: str) -> tuple[str, dict] | None:
+    """(path, contents) of the run record (config.json) of the run a resume continues, whose settings are its
+    defaults (configs/cli.py: continue_run): output_dir's for --resume true when it holds a checkpoint; for a
+    checkpoint folder, the record of the output_dir it is in. None for a new run (or a .pt), or where no record
+    is found. Read by every rank before the process group exists (output_dir is shared storage)."""
+    if resume.lower() == "false":
+        return None
+    if resume.lower() == "true":
+        if not layout.complete_checkpoints(output_dir):
+            return None
+        folder = output_dir
+    elif (
+        os.path.isdir(resume)
+        and os.path.basename(os.path.dirname(os.path.abspath(resume))) == layout.CHECKPOINTS_DIR
+    ):
+        folder = os.path.dirname(os.path.dirname(os.path.abspath(resume)))
+    else:
+        return None
+    path = os.path.join(folder, layout.CONFIG_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return path, json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def recorded_job(output_dir: str) -> str | None:

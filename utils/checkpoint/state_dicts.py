@@ -4,13 +4,9 @@ tutorial's full-model .pt.
 Every gather here is a collective: every rank must call it (docs/pitfalls.md #3).
 """
 
-import re
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -20,35 +16,38 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from configs.errors import CheckpointError
+from policies.private_api import (
+    Shard,
+    ShardedTensor,
+    compute_local_shape_and_global_offset,
+    sharded_tensor_group,
+    sharded_tensor_like,
+)
 from utils.files import atomic_path, disk_bytes
-from utils.log import get_logger
+from utils.log import get_logger, warnings_ignored
 
-# FSDP1's optimizer-state and sharding utilities ask the process group for its device through a deprecated
-# helper on every call, and on a gloo group that helper also warns that it has to guess: UserWarnings per
-# rank per checkpoint, about torch internals, that nobody can act on. Ignored for those torch modules. (Filters
-# set once here, not per call with catch_warnings: leaving a catch_warnings block resets Python's
-# once-per-location memory, and every other warning would then repeat.)
-for _message in (
-    "`_get_pg_default_device` will be deprecated",
-    "Multiple backends are registered with this ProcessGroup",
-):
-    warnings.filterwarnings(
-        "ignore",
-        message=re.escape(_message),
-        category=UserWarning,
-        module=r"torch\.distributed\.fsdp\._(optim|shard)_utils",
-    )
-# FSDP1's sharded state dict is made of ShardedTensors, a type torch deprecates in favour of FSDP2's DTensor:
-# every use (FSDP1's own, and the export's reading of shapes) warns. FSDP1 is the tutorial's; FSDP2 is
-# --fsdp_version 2.
-warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor")
-# torch marks FSDP.state_dict_type as deprecated in favour of get_state_dict (the FSDP2-era API); the
-# tutorial's FSDP1 full-state path uses it on purpose, so the per-call warning is noise.
-warnings.filterwarnings("ignore", message=".*state_dict_type.*", category=FutureWarning)
+# FSDP1's state dicts warn at every use, about torch internals nobody here can act on: its optimizer-state and
+# sharding utilities ask the process group for its device through a deprecated helper (on a gloo group that
+# helper also warns that it has to guess), its sharded state dicts are ShardedTensors, deprecated in favour of
+# FSDP2's DTensors, and FSDP.state_dict_type is deprecated in favour of get_state_dict (the tutorial's FSDP1
+# full-state path uses it on purpose; --fsdp_version 2 is the replacement). The checkpoint manager's saves,
+# loads and exports, and the functions here that touch such state dicts, ignore exactly these
+# (`fsdp1_state_dict_warnings_ignored`), and nothing else.
+FSDP1_STATE_DICT_WARNINGS = (
+    (UserWarning, "`_get_pg_default_device` will be deprecated"),
+    (UserWarning, "Multiple backends are registered with this ProcessGroup"),
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor"),
+    (FutureWarning, "FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated"),
+)
 
 
+def fsdp1_state_dict_warnings_ignored():
+    return warnings_ignored(*FSDP1_STATE_DICT_WARNINGS)
+
+
+@fsdp1_state_dict_warnings_ignored()
 def model_and_optimizer_state(model: nn.Module, optimizer, full: bool, device: torch.device) -> tuple[dict, dict]:
     """Model and optimizer state dicts: full (gathered on rank 0) or this rank's shards. Collective.
 
@@ -59,11 +58,13 @@ def model_and_optimizer_state(model: nn.Module, optimizer, full: bool, device: t
     return get_state_dict(model, optimizer, options=options)
 
 
+@fsdp1_state_dict_warnings_ignored()
 def sharded_model_state(model: nn.Module) -> dict:
     """This rank's shards of the model state dict (no gather, no optimizer). Collective."""
     return get_model_state_dict(model)
 
 
+@fsdp1_state_dict_warnings_ignored()
 def local_rows(tensor) -> tuple[torch.Tensor | None, int]:
     """This rank's part of a sharded state-dict tensor (FSDP1's ShardedTensor, FSDP2's DTensor), and the
     index of its first row in the full tensor. Both backends cut parameters into blocks of whole rows (dim
@@ -83,6 +84,7 @@ def local_rows(tensor) -> tuple[torch.Tensor | None, int]:
     return shards[0].tensor, shards[0].metadata.shard_offsets[0]
 
 
+@fsdp1_state_dict_warnings_ignored()
 def with_local_rows(tensor, local: torch.Tensor):
     """A sharded tensor laid out as `tensor` (same full shape, same ranks' rows) whose part on this rank is
     `local`. No communication."""
@@ -91,12 +93,10 @@ def with_local_rows(tensor, local: torch.Tensor):
         return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False, **layout)
     if not isinstance(tensor, ShardedTensor):
         return local
-    shards = [Shard(local, shard.metadata) for shard in tensor.local_shards()]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, tensor.metadata(), process_group=tensor._process_group
-    )
+    return sharded_tensor_like(tensor, [Shard(local, shard.metadata) for shard in tensor.local_shards()])
 
 
+@fsdp1_state_dict_warnings_ignored()
 def full_tensor_everywhere(tensor, device: torch.device) -> torch.Tensor:
     """The whole of a sharded state-dict tensor on every rank, on `device` (the process group's). Collective;
     meant for small tensors (LoRA's adapters)."""
@@ -110,10 +110,37 @@ def full_tensor_everywhere(tensor, device: torch.device) -> torch.Tensor:
     full = torch.zeros(tensor.size(), dtype=tensor.dtype, device=device)
     if local is not None:
         full[first_row : first_row + local.shape[0]] = local
-    dist.all_reduce(full, group=tensor._process_group)
+    dist.all_reduce(full, group=sharded_tensor_group(tensor))
     return full
 
 
+@fsdp1_state_dict_warnings_ignored()
+def fill_from_full(template: dict, full: dict, file: str, prefix: str = "") -> None:
+    """Copy into each sharded tensor of `template` (a state dict of this rank's shards, nested dicts allowed)
+    its own rows of the same-named full tensor of `full`. With `full` memory-mapped (a FULL_STATE_DICT .pt),
+    each rank reads only its rows from the file: the whole state never lands in any rank's memory. No
+    communication. CheckpointError naming `file` when a name or a shape does not match."""
+    for name, target in template.items():
+        source = full.get(name) if isinstance(full, dict) else None
+        if source is None:
+            raise CheckpointError(
+                f"{file} has no {prefix}{name}: it was written for another model (or another LoRA setting)"
+            )
+        if isinstance(target, dict):
+            fill_from_full(target, source, file, f"{prefix}{name}.")
+            continue
+        if tuple(source.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"{file} holds {prefix}{name} as {list(source.shape)}, this model has {list(target.shape)}: "
+                "it was written for another model shape"
+            )
+        local, first_row = local_rows(target)
+        if local is None:
+            continue
+        local.copy_(source if source.dim() == 0 else source[first_row : first_row + local.shape[0]])
+
+
+@fsdp1_state_dict_warnings_ignored()
 def set_optimizer_state(model: nn.Module, optimizer, optim_state: dict, full: bool) -> None:
     """Load an optimizer state dict (full or sharded) into the optimizer of the wrapped model. Collective.
 
@@ -137,6 +164,7 @@ def param_groups_from_json(groups: list[dict]) -> list[dict]:
     return [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in groups]
 
 
+@fsdp1_state_dict_warnings_ignored()
 def gather_full_state_dict(model: nn.Module, device: torch.device) -> dict:
     """The unsharded model state dict on rank 0, for either backend. Collective."""
     if isinstance(model, FSDP):

@@ -219,7 +219,10 @@ def rank0_decides(decide: Callable[[], object]) -> object:
     """Run `decide` on rank 0 only and give every rank its result, or its UserError. Collective.
 
     For checks of the shared file system: one rank looks, and all ranks fail together with its message.
+    Without a process group (one process, as the convert script and unit tests run), it just decides.
     """
+    if not dist.is_initialized():
+        return decide()
     outcome: list = [None, None]
     if dist.get_rank() == 0:
         try:

@@ -1,8 +1,10 @@
 """ROUGE evaluation under FSDP: every rank generates summaries for its share of the evaluation articles,
 scores them, and rank 0 gathers the scores in article order, writes the eval record and the predictions.
 
-    evaluator = Evaluator(eval_set, generation_kwargs(config.evaluation, max_target_length), output_dir, info)
+    evaluator = Evaluator(eval_set, generation_kwargs(config.evaluation, max_target_length), where, info)
     record = evaluator.evaluate(model, epoch, step)   # collective; the record on every rank
+
+`where(split, step)` names the predictions file (utils/layout.py: training's, or --evaluate_only's own).
 
 Each article is scored exactly once: the evaluation sampler's padding repeats are generated (every rank
 must join every collective) but never scored.
@@ -11,12 +13,12 @@ must join every collective) but never scored.
 import json
 import os
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from utils import layout
 from utils.data.loaders import EvalSet, move_batch
 from utils.distributed.process_group import DistInfo, stop_if_any_rank
 from utils.eval.generation import generate
@@ -30,10 +32,12 @@ EXAMPLES_LOGGED = 3
 class Evaluator:
     """Generates, scores and records one evaluation set (the first N articles of a split)."""
 
-    def __init__(self, eval_set: EvalSet, generation: dict, output_dir: str, info: DistInfo):
+    def __init__(
+        self, eval_set: EvalSet, generation: dict, predictions_file: Callable[[str, int], str], info: DistInfo
+    ):
         self.eval_set = eval_set
         self.generation = generation  # generate's settings (utils/eval/generation.py: generation_kwargs)
-        self.output_dir = output_dir
+        self.predictions_file = predictions_file  # (split, step) -> where its predictions go (utils/layout.py)
         self.info = info
         self._baselines: dict | None = None  # computed once, on rank 0
 
@@ -107,7 +111,7 @@ class Evaluator:
     def _write_predictions(self, ordered: list[dict], step: int) -> None:
         """One line per scored article, in split order; `reference` is exactly the text scored."""
         dataset = self.eval_set.dataset
-        path = layout.predictions_file(self.output_dir, self.eval_set.split, step)
+        path = self.predictions_file(self.eval_set.split, step)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             for row in ordered:

@@ -1,6 +1,6 @@
 """Sharding the model: one call, `shard_model`, with both FSDP backends behind it.
 
-    model = shard_model(model, config.fsdp, precision, device, weights_source)
+    model = shard_model(model, config.fsdp, precision, device, weights_source)   # None: a checkpoint fills it
 
 FSDP1 (`--fsdp_version 1`, the tutorial's API, deprecated upstream) is the tutorial's one constructor call,
 `FSDP(model, auto_wrap_policy=..., mixed_precision=..., sharding_strategy=..., ...)`, then activation
@@ -28,8 +28,6 @@ by configs/validate.py before anything loads):
 | sync_module_states            | set_model_state_dict(..., broadcast_from_rank0=True) (rank-0-only loading)   |
 """
 
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -47,20 +45,33 @@ from transformers.models.t5.modeling_t5 import T5Block
 from configs.fsdp import FSDPConfig
 from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
 from policies.mixed_precision import Precision
+from policies.private_api import wrapped_module
 from policies.wrapping import get_wrap_policy
 from utils.distributed.mesh import fsdp1_mesh, fsdp2_mesh
-from utils.log import get_logger
-from utils.model.rank0_loading import Rank0Materializer, broadcast_rank0_weights, weight_reader
+from utils.log import get_logger, warnings_ignored
+from utils.model.rank0_loading import UnitMaterializer, broadcast_rank0_weights, weight_reader
 
 # FSDP2 warns, on every forward of every T5Block unit (checkpointed or not), that the unit returned a view
 # whose in-place modification would skip its pre-backward hook. T5 loses no gradient that way: the FSDP2
 # parity tests, with and without activation checkpointing, end with the unsharded reference's weights.
-# Ignored for exactly those two unit types; any other unit that returns a view still warns.
-warnings.filterwarnings(
-    "ignore",
-    message=r"FSDP2-wrapped module \(FSDP(CheckpointWrapper|T5Block)\) returned a view tensor",
-    category=UserWarning,
+# Ignored for exactly those two unit types, around the loops that run forwards (`forward_warnings_ignored`);
+# any other unit that returns a view still warns.
+FSDP2_VIEW_WARNINGS = (
+    (UserWarning, "FSDP2-wrapped module (FSDPCheckpointWrapper) returned a view tensor"),
+    (UserWarning, "FSDP2-wrapped module (FSDPT5Block) returned a view tensor"),
 )
+
+
+# FSDP1 warns that NO_SHARD is deprecated in favour of DistributedDataParallel. It is one of the tutorial's
+# strategies, kept for comparisons (docs/throughput.md says when to use which); the warning is ignored where
+# FSDP1 is constructed, and nowhere else.
+FSDP1_NO_SHARD_WARNING = (FutureWarning, "The `NO_SHARD` sharding strategy is deprecated")
+
+
+def forward_warnings_ignored():
+    """Around a training or evaluation loop: FSDP2's warning about T5Block units' outputs, ignored."""
+    return warnings_ignored(*FSDP2_VIEW_WARNINGS)
+
 
 RESHARD_AFTER_FORWARD = {
     ShardingStrategy.FULL_SHARD: True,
@@ -72,45 +83,55 @@ RESHARD_AFTER_FORWARD = {
 
 
 def shard_model(
-    model: nn.Module, fsdp: FSDPConfig, precision: Precision, device: torch.device, weights_source: str = ""
+    model: nn.Module,
+    fsdp: FSDPConfig,
+    precision: Precision,
+    device: torch.device,
+    weights_source: str | None = "",
 ) -> nn.Module:
     """Shard `model` (unwrapped, on CPU or meta) over the default process group. Collective.
 
     With rank-0-only loading (--cpu_ram_efficient_loading) the ranks hold a skeleton on the meta device: FSDP1
     fills each unit with rank 0's reads of `weights_source` (the pretrained model or a full .pt) as it wraps
-    it; FSDP2 broadcasts rank 0's loaded weights into every rank's shards after sharding.
+    it; FSDP2 broadcasts rank 0's loaded weights into every rank's shards after sharding. `weights_source`
+    None: every rank holds a skeleton that a checkpoint fills after sharding, so the shards are only
+    allocated.
     """
+    restores = weights_source is None
     if fsdp.compile:
         compile_blocks(model)
     if fsdp.fsdp_version == 1:
         param_init_fn = None
-        if fsdp.cpu_ram_efficient_loading:
+        if restores:
+            param_init_fn = UnitMaterializer(model, device, fill=False)
+        elif fsdp.cpu_ram_efficient_loading:
             read, available = weight_reader(weights_source) if dist.get_rank() == 0 else (None, set())
-            param_init_fn = Rank0Materializer(model, device, read, available)
+            param_init_fn = UnitMaterializer(model, device, fill=True, read=read, available=available)
         mesh = fsdp1_mesh(fsdp.sharding_strategy, dist.get_world_size(), device, fsdp.hybrid_shard_group_size)
-        model = FSDP(
-            model,
-            auto_wrap_policy=get_wrap_policy(fsdp.wrap_policy, model, fsdp.min_num_params),
-            mixed_precision=precision.policy,
-            sharding_strategy=fsdp.sharding_strategy,
-            backward_prefetch=fsdp.backward_prefetch,
-            limit_all_gathers=fsdp.limit_all_gathers,
-            # FSDP moves each unit to the device as it wraps it, so a model that fits in host memory but not
-            # on one GPU never needs to be on the GPU whole (tutorial: "FSDP model init on device").
-            device_id=device,
-            device_mesh=mesh,
-            forward_prefetch=fsdp.forward_prefetch,
-            use_orig_params=fsdp.use_orig_params,
-            sync_module_states=fsdp.sync_module_states,
-            cpu_offload=CPUOffload(offload_params=True) if fsdp.fsdp_cpu_offload else None,
-            param_init_fn=param_init_fn,
-        )
+        with warnings_ignored(FSDP1_NO_SHARD_WARNING):
+            model = FSDP(
+                model,
+                auto_wrap_policy=get_wrap_policy(fsdp.wrap_policy, model, fsdp.min_num_params),
+                mixed_precision=precision.policy,
+                sharding_strategy=fsdp.sharding_strategy,
+                backward_prefetch=fsdp.backward_prefetch,
+                limit_all_gathers=fsdp.limit_all_gathers,
+                # FSDP moves each unit to the device as it wraps it, so a model that fits in host memory but not
+                # on one GPU never needs to be on the GPU whole (tutorial: "FSDP model init on device").
+                device_id=device,
+                device_mesh=mesh,
+                forward_prefetch=fsdp.forward_prefetch,
+                use_orig_params=fsdp.use_orig_params,
+                sync_module_states=fsdp.sync_module_states,
+                cpu_offload=CPUOffload(offload_params=True) if fsdp.fsdp_cpu_offload else None,
+                param_init_fn=param_init_fn,
+            )
         if fsdp.fsdp_activation_checkpointing:
             apply_fsdp_checkpointing(model)
         return model
 
     rank0_state = None
-    if fsdp.cpu_ram_efficient_loading:
+    if fsdp.cpu_ram_efficient_loading and not restores:
         # References to rank 0's loaded tensors: they stay alive (one full copy) until the broadcast.
         rank0_state = model.state_dict() if dist.get_rank() == 0 else {}
     if fsdp.fsdp_activation_checkpointing:
@@ -137,19 +158,17 @@ def shard_model(
     register_fsdp_forward_method(model, "generate")
     if rank0_state is not None:
         broadcast_rank0_weights(model, rank0_state, device)
+    elif restores:
+        # Each rank's shards, uninitialised: the checkpoint fills them. With CPU offload they live in host
+        # memory (FSDP2 copies each unit to the GPU as it runs), as torchtitan places them.
+        model.to_empty(device=torch.device("cpu") if fsdp.fsdp_cpu_offload else device)
     return model
 
 
 def t5_units(model: nn.Module) -> list[nn.Module]:
     """The modules that become FSDP2 units, in forward order: each T5Block, or its checkpoint wrapper."""
-    wrapped = {
-        id(m._checkpoint_wrapped_module) for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")
-    }
-    return [
-        m
-        for m in model.modules()
-        if isinstance(getattr(m, "_checkpoint_wrapped_module", m), T5Block) and id(m) not in wrapped
-    ]
+    wrapped = {id(wrapped_module(m)) for m in model.modules() if wrapped_module(m) is not m}
+    return [m for m in model.modules() if isinstance(wrapped_module(m), T5Block) and id(m) not in wrapped]
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -172,7 +191,7 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 def log_fsdp_layout(model: nn.Module, precision: Precision) -> None:
     """One line at INFO (units, precision); the whole wrapped module tree at DEBUG (long for t5-3b)."""
     units = fsdp_units(model)
-    blocks = sum(isinstance(getattr(u, "_checkpoint_wrapped_module", u), T5Block) for u in units)
+    blocks = sum(isinstance(wrapped_module(u), T5Block) for u in units)
     get_logger().info(
         "FSDP%d: %d units (root + %d T5Blocks + %d other), mixed precision %s",
         2 if isinstance(model, FSDPModule) else 1,

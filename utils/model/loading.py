@@ -2,8 +2,9 @@
 
 With rank-0-only loading (--cpu_ram_efficient_loading) some or all ranks build only a skeleton on the
 meta device, which allocates nothing; utils/model/rank0_loading.py fills it with rank 0's weights while or
-after it is sharded. A run started from a full-model .pt (a FULL_STATE_DICT checkpoint or --resume file.pt)
-takes its weights from that file instead of the pretrained ones.
+after it is sharded. A run that resumes a checkpoint builds the skeleton on every rank: the checkpoint fills
+the shards (utils/checkpoint/manager.py), so the pretrained weights are never read. A run started from a
+full-model .pt (--resume file.pt) takes its weights from that file instead of the pretrained ones.
 """
 
 import os
@@ -28,21 +29,23 @@ HUB_HINT = (
 class LoadedModel:
     model: nn.Module  # unwrapped; on the meta device where rank-0-only loading leaves it empty
     tokenizer: T5Tokenizer
-    weights_source: str  # where rank-0-only loading reads the weights: the model, or a full .pt
+    weights_source: str | None  # where rank-0-only loading reads the weights: the model, a full .pt, or
+    # None where a checkpoint fills the shards
     param_numel_total: int  # the model's parameters, tied weights once
     rss_before: int  # this rank's resident memory before the model was built (the peak was reset there)
 
     def memory_baseline(self) -> MemoryBaseline:
-        """Call once the model is sharded: this rank's RSS high-water mark since before the model was built,
-        over the RSS then. Loading is not measured around from_pretrained alone, because transformers 5
+        """Call once the model is sharded (and a resumed checkpoint restored): this rank's RSS high-water mark
+        since before the model was built, over the RSS then. Loading is not measured around from_pretrained alone, because transformers 5
         memory-maps safetensors and the weights become resident only when FSDP copies and shards them."""
         return MemoryBaseline(peak_rss_bytes() - self.rss_before, self.param_numel_total)
 
 
-def builds_on_meta(cpu_ram_efficient_loading: bool, fsdp_version: int, is_main: bool) -> bool:
-    """Whether this rank builds only a skeleton: with rank-0-only loading, FSDP2's ranks but 0 (rank 0's
-    model is broadcast after sharding) and every FSDP1 rank (each unit is filled as it is wrapped)."""
-    return cpu_ram_efficient_loading and (fsdp_version == 1 or not is_main)
+def builds_on_meta(cpu_ram_efficient_loading: bool, fsdp_version: int, is_main: bool, restores: bool) -> bool:
+    """Whether this rank builds only a skeleton: every rank when a checkpoint will fill the shards
+    (`restores`); with rank-0-only loading, FSDP2's ranks but 0 (rank 0's model is broadcast after sharding)
+    and every FSDP1 rank (each unit is filled as it is wrapped)."""
+    return restores or (cpu_ram_efficient_loading and (fsdp_version == 1 or not is_main))
 
 
 def model_config_overrides(recipe: RecipeConfig) -> dict:
@@ -52,10 +55,16 @@ def model_config_overrides(recipe: RecipeConfig) -> dict:
 
 
 def load_model_for_run(
-    model_name: str, on_meta: bool, weights_file: str | None, overrides: dict, tokenizer: T5Tokenizer
+    model_name: str,
+    on_meta: bool,
+    weights_file: str | None,
+    overrides: dict,
+    tokenizer: T5Tokenizer,
+    restores: bool = False,
 ) -> LoadedModel:
     """The unwrapped model, with the weights of `weights_file` (a full .pt) if given, and the model-config
-    `overrides` (model_config_overrides); `tokenizer` (load_tokenizer, loaded once per run) goes with it."""
+    `overrides` (model_config_overrides); `tokenizer` (load_tokenizer, loaded once per run) goes with it.
+    `restores`: a checkpoint fills the shards after sharding (no weights source)."""
     reset_peak_rss()
     rss_before = current_rss_bytes()
     model = load_model(model_name, on_meta=on_meta, **overrides)
@@ -67,7 +76,8 @@ def load_model_for_run(
         # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
         load_full_model_weights(model, weights_file)
     numel = sum(p.numel() for p in model.parameters())
-    return LoadedModel(model, tokenizer, weights_file or model_name, numel, rss_before)
+    source = None if restores else weights_file or model_name
+    return LoadedModel(model, tokenizer, source, numel, rss_before)
 
 
 def looks_like_local_path(model_name: str) -> bool:
@@ -119,8 +129,10 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> T5
 
 
 def load_full_model_state(path: str) -> dict:
-    """A saved .pt as a plain state dict; weights_only=True: only tensors are unpickled, never objects."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A saved .pt as a plain state dict; weights_only=True: only tensors are unpickled, never objects.
+    Memory-mapped: the tensors are read from the file as they are copied, and the ranks of one host share
+    its pages."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def load_full_model_weights(model: nn.Module, file: str) -> None:

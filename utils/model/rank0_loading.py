@@ -2,7 +2,7 @@
 
 FSDP1: every rank builds the model on the meta device, and FSDP1 materialises it unit by unit. FSDP1 calls
 `param_init_fn(module)` for each module of a unit that still has meta parameters, just before it flattens
-and shards that unit, in the same order on every rank. Rank0Materializer allocates the module's own
+and shards that unit, in the same order on every rank. UnitMaterializer allocates the module's own
 parameters, lets rank 0 read just those tensors from the pretrained safetensors file (or a full .pt), and
 broadcasts them. No rank ever holds more than one unit it does not keep (rank 0 included: it reads tensors
 by name, not the whole file), and FSDP1's `sync_module_states`, which it refuses for CPU tensors
@@ -11,6 +11,9 @@ by name, not the whole file), and FSDP1's `sync_module_states`, which it refuses
 
 FSDP2: ranks but 0 build on meta; after fully_shard, broadcast_rank0_weights allocates every rank's shards
 and scatters rank 0's loaded state dict into them.
+
+A run that resumes a checkpoint builds the skeleton on every rank and reads nothing here: UnitMaterializer
+(FSDP1) and `to_empty` (FSDP2) allocate the shards, and the checkpoint manager fills them.
 """
 
 import json
@@ -48,13 +51,13 @@ class SafetensorsReader:
 
 def _weight_files(model_name: str) -> dict[str, str]:
     """{tensor name: file} of a local folder or hub model stored as safetensors (single file or shards)."""
-    index = cached_file(model_name, INDEX_FILE, _raise_exceptions_for_missing_entries=False)
+    index = _cached_file_or_none(model_name, INDEX_FILE)
     if index is not None:
         folder = os.path.dirname(index)
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
         return {name: os.path.join(folder, file) for name, file in weight_map.items()}
-    single = cached_file(model_name, SINGLE_FILE, _raise_exceptions_for_missing_entries=False)
+    single = _cached_file_or_none(model_name, SINGLE_FILE)
     if single is None:
         raise ConfigError(
             f"{model_name!r} has no {SINGLE_FILE} (only PyTorch .bin weights?): rank-0-only loading with FSDP1 "
@@ -63,6 +66,15 @@ def _weight_files(model_name: str) -> dict[str, str]:
         )
     with safe_open(single, framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
+
+
+def _cached_file_or_none(model_name: str, name: str) -> str | None:
+    """The path of a model's file (downloaded to the HF cache for a hub name), or None where the model has no
+    such file."""
+    try:
+        return cached_file(model_name, name)
+    except OSError:  # transformers' "does not appear to have a file named ..." (EnvironmentError)
+        return None
 
 
 def weight_reader(source: str) -> tuple[Callable[[str], torch.Tensor], set[str]]:
@@ -75,34 +87,39 @@ def weight_reader(source: str) -> tuple[Callable[[str], torch.Tensor], set[str]]
     return reader, reader.names()
 
 
-class Rank0Materializer:
-    """FSDP1 `param_init_fn`: allocate a meta module's own tensors on `device`, filled with rank 0's values.
+class UnitMaterializer:
+    """FSDP1 `param_init_fn`: allocate a meta module's own tensors on `device`; with `read` given (rank-0-only
+    loading), filled with rank 0's values, else left empty for a checkpoint to fill after sharding.
 
-    Collective: every rank must be called for the same modules in the same order (FSDP1 guarantees it: its
-    traversal depends only on the module structure). `read` (rank 0 only) returns a tensor by name.
+    Collective when filling: every rank must be called for the same modules in the same order (FSDP1
+    guarantees it: its traversal depends only on the module structure). `read` (rank 0 only) returns a tensor
+    by name.
     """
 
     def __init__(
         self,
         model: nn.Module,
         device: torch.device,
-        read: Callable[[str], torch.Tensor] | None,
-        available: set[str],
+        fill: bool,
+        read: Callable[[str], torch.Tensor] | None = None,
+        available: set[str] | None = None,
     ):
         # Every name of every parameter: a tied weight has several and the file may hold any one of them.
         self.aliases: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             self.aliases.setdefault(id(param), []).append(name)
         self.buffer_names = {id(b): name for name, b in model.named_buffers(remove_duplicate=False)}
-        self.device, self.read, self.available = device, read, available
+        self.device, self.fill, self.read, self.available = device, fill, read, available or set()
         # Weakly held: a tied weight is met again only inside its own unit, while that unit's modules still
         # hold it. A plain dict kept every unit's full, unsharded parameters alive after FSDP had flattened
         # and sharded them: the whole model resident on every rank for the whole run.
         self.materialized: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
         self.is_rank0 = dist.get_rank() == 0
 
-    def _filled(self, meta: torch.Tensor, names: list[str]) -> torch.Tensor:
+    def _allocated(self, meta: torch.Tensor, names: list[str]) -> torch.Tensor:
         tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        if not self.fill:
+            return tensor
         if self.is_rank0:
             stored = next((name for name in names if name in self.available), None)
             if stored is None:
@@ -113,20 +130,18 @@ class Rank0Materializer:
 
     def __call__(self, module: nn.Module) -> None:
         trim_host_heap()  # the previous unit's full parameters are freed by now: keep them off the RSS
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             real = self.materialized.get(id(param))
             if real is None:
                 if not param.is_meta:
                     continue
-                filled = self._filled(param, self.aliases[id(param)])
-                real = nn.Parameter(filled, requires_grad=param.requires_grad)
+                allocated = self._allocated(param, self.aliases[id(param)])
+                real = nn.Parameter(allocated, requires_grad=param.requires_grad)
                 self.materialized[id(param)] = real
-            module._parameters[name] = real
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.is_meta:
-                module._buffers[name] = self._filled(buffer, [self.buffer_names.get(id(buffer), name)])
+            setattr(module, name, real)  # replaces the registered parameter (tied ones by the same object)
+        for name, buffer in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            if buffer.is_meta:  # setattr keeps a buffer's persistence
+                setattr(module, name, self._allocated(buffer, [self.buffer_names.get(id(buffer), name)]))
 
 
 def broadcast_rank0_weights(model: nn.Module, rank0_state: dict, device: torch.device) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from policies.private_api import view_base
 from utils.distributed.process_group import gather_ints
 
 PROC_STATUS = "/proc/self/status"
@@ -136,8 +137,7 @@ class SavedTensorCounter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        base = tensor if tensor._base is None else tensor._base
-        if not isinstance(base, nn.Parameter):
+        if not isinstance(view_base(tensor), nn.Parameter):
             storage = tensor.untyped_storage()
             key = (storage.data_ptr(), str(tensor.device))
             if key not in self._seen:

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from policies.private_api import skip_next_step_if
 from utils.data.loaders import move_batch
 from utils.distributed.process_group import stop_if_any_rank
 from utils.observe.flops import T5Flops
@@ -138,11 +139,11 @@ def train_step(
 def flag_nonfinite_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
     """Make the coming optimizer.step() a no-op when the global gradient norm is NaN or infinite.
 
-    Fused AdamW reads `found_inf` (GradScaler's hook) and then leaves parameters, moments and step count
-    as they were, on the device, without a host sync. The norm is the same on every rank, so every rank
-    skips the same steps; a non-finite loss on any rank makes its gradients, and so the norm, non-finite.
+    Fused AdamW then leaves parameters, moments and step count as they were (policies/private_api.py). The
+    norm is the same on every rank, so every rank skips the same steps; a non-finite loss on any rank makes
+    its gradients, and so the norm, non-finite.
     """
-    optimizer.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+    skip_next_step_if(optimizer, (~torch.isfinite(grad_norm)).to(torch.float32))
 
 
 @contextlib.contextmanager

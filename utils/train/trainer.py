@@ -1,12 +1,13 @@
 """The training loop: epochs of steps, validation, ROUGE, the LR schedule, the epoch record and checkpoints.
 
     trainer = Trainer(model, optimizer, scheduler, scaler, loaders, checkpoints, evaluator, info, ...)
-    finished = trainer.train(progress, resumed)   # False: stopped early on SIGTERM, after a checkpoint
+    finished = trainer.train(progress, resumed)   # False: stopped early (SIGTERM, Ctrl-C), after a checkpoint
 
 `train` is the tutorial's `for epoch in range(1, epochs + 1): train(); validation(); scheduler.step(); save`,
 read top to bottom in one method, with what this package adds as named steps inside it: a resumed epoch
-starting mid-way, periodic evaluation and checkpoints inside an epoch, SIGTERM, --max_steps and early
-stopping, the best model by --metric_for_best. One optimizer step's arithmetic (forward, token-mean loss,
+starting mid-way (`_train_pass`), periodic evaluation and checkpoints inside an epoch, SIGTERM and Ctrl-C,
+--max_steps and early stopping, the epoch's end (`_end_epoch`: its record, the best model by
+--metric_for_best, its checkpoint). One optimizer step's arithmetic (forward, token-mean loss,
 backward, clipping, optimizer step) is utils/train/step.py's `train_step`.
 """
 
@@ -32,6 +33,7 @@ from utils.checkpoint.progress import TrainProgress
 from utils.data.loaders import Loaders, move_batch
 from utils.distributed.process_group import DistInfo, StopAgreed, any_rank
 from utils.eval.evaluator import Evaluator
+from utils.fsdp.shard import forward_warnings_ignored
 from utils.log import get_logger
 from utils.observe.flops import Throughput
 from utils.observe.memory import (
@@ -86,191 +88,234 @@ class Trainer:
         self.train_config, self.recipe, self.evaluation, self.observe = train, recipe, evaluation, observe
         self.throughput = throughput
         self.memory_baseline = memory_baseline
+        self.step_settings = StepSettings(
+            recipe.max_grad_norm,
+            sync_each_micro_batch=recipe.accumulate_grad_sync,
+            skip_nonfinite=recipe.on_nonfinite == "skip",
+            flops=throughput.flops,
+            recompute=throughput.recompute,
+        )
+        self.memory_account_due = True  # written once, after the run's first optimizer step
         self.metrics: MetricsWriter | None = None  # open while train() runs
 
     def train(self, progress: TrainProgress, resumed: bool) -> bool:
         """Train from `progress` (a new run's, or a checkpoint's) to the last epoch, then export the final
-        model. Returns False if SIGTERM stopped it early (after saving a checkpoint). Collective."""
-        train, recipe, info = self.train_config, self.recipe, self.info
-        model, optimizer, scheduler = self.model, self.optimizer, self.scheduler
-        per_step_schedule = recipe.lr_scheduler != "step"  # else the tutorial's StepLR, once per epoch
-        step_settings = StepSettings(
-            recipe.max_grad_norm,
-            sync_each_micro_batch=recipe.accumulate_grad_sync,
-            skip_nonfinite=recipe.on_nonfinite == "skip",
-            flops=self.throughput.flops,
-            recompute=self.throughput.recompute,
-        )
-        memory_account_due = True  # written once, after the run's first optimizer step
-        metric_name = self.evaluation.metric_for_best
-        every_eval = self.evaluation.eval_every_n_steps
+        model. Returns False if a stop request (SIGTERM, Ctrl-C) ended it early, after a checkpoint.
+        Collective."""
         resumed_at = (progress.global_step, progress.epoch) if resumed else None
-        path = os.path.join(train.output_dir, layout.METRICS_FILE)
-        self.metrics = open_metrics(path, info.is_main, resumed_at, self.observe.tensorboard)
+        path = os.path.join(self.train_config.output_dir, layout.METRICS_FILE)
+        self.metrics = open_metrics(path, self.info.is_main, resumed_at, self.observe.tensorboard)
         last_epoch = 0  # the epoch trained last in this run
         try:
-            with StopRequest() as stop:
-                while progress.epoch <= train.epochs and not self._ends_before_epoch(progress):
+            with StopRequest() as stop, forward_warnings_ignored():
+                while not self.done(progress):
                     epoch = last_epoch = progress.epoch
-                    if train.track_memory:
-                        reset_peak_memory(info.device)
                     epoch_start = time.perf_counter()
+                    if self.train_config.track_memory:
+                        reset_peak_memory(self.info.device)
 
-                    # ---- train: one pass over the loader (the whole epoch, or its rest after a resume).
-                    # Without set_epoch every epoch would see the same order; a resumed epoch skips what the
-                    # checkpoint already trained on.
-                    self.loaders.train_sampler.set_epoch(epoch, progress.samples_consumed)
-                    step_log = StepLog(
-                        self.observe.log_every_n_steps,
-                        lambda records, epoch=epoch: self._write_steps(epoch, records),
-                        lambda: stop.requested,
-                        totals=progress.epoch_totals,
-                        # fp16's scaler skips non-finite steps by design (they calibrate its scale): never a
-                        # reason to stop.
-                        stop_on_nonfinite=recipe.on_nonfinite == "stop" and self.scaler is None,
-                        throughput=self.throughput,
-                    )
-                    clock = EpochClock(progress.epoch_train_seconds if progress.samples_consumed else 0.0)
-                    total_batches = len(self.loaders.train)
-                    samples_per_batch = train.batch_size_training * info.world_size
-                    start_consumed = progress.samples_consumed  # of the epoch's order, before this pass
-                    done_before = start_consumed // samples_per_batch
-                    batches_done, step, stopped, evaluation_abandoned = 0, progress.global_step, False, False
-                    if progress.evaluation_due:  # a stop abandoned this step's evaluation: it comes first
-                        with clock.paused(step_log):
-                            try:
-                                self._evaluate_midway(epoch, step, step_log, stop)
-                            except StopAgreed:  # stopped again: the checkpoint resumed from still says to redo it
-                                get_logger().info(
-                                    "stopped at step %d on SIGTERM before the evaluation was redone; the same "
-                                    "command continues from the same checkpoint",
-                                    step,
-                                )
-                                return False
-                        progress = dataclasses.replace(progress, evaluation_due=False)
-                    model.train()
-                    bar = _bar(total_batches + done_before, f"Training epoch {epoch}", "blue", info, done_before)
-                    with bar:
-                        for micro_batches in _groups(self.loaders.train, recipe.gradient_accumulation_steps):
-                            step += 1
-                            batches = [move_batch(batch, info.device) for batch in micro_batches]
-                            settings = step_settings
-                            if memory_account_due:  # the run's first step also counts what backward keeps
-                                settings = dataclasses.replace(step_settings, saved_counter=SavedTensorCounter())
-                            stats = train_step(model, batches, optimizer, self.scaler, info.world_size, settings)
-                            step_log.add(step, optimizer.param_groups[0]["lr"], stats)
-                            self.checkpoints.poll()  # a background save whose write has finished is completed
-                            batches_done += len(micro_batches)
-                            if per_step_schedule:
-                                scheduler.step()
-                            if memory_account_due:  # AdamW's state exists from the first step on
-                                self._write_memory_account(batches[0], settings.saved_counter.bytes)
-                                memory_account_due = False
-                            bar.update(len(micro_batches))
-                            _show_latest(bar, step_log)
-                            if batches_done == total_batches:
-                                break  # the epoch's end: validation, evaluation and the checkpoint follow
-                            # Inside the epoch: the step budget, periodic evaluation, periodic and SIGTERM
-                            # checkpoints (evaluation and saves off the training clock).
-                            if 0 < recipe.max_steps <= step:
-                                break  # the epoch then ends as usual, and the run after it
-                            if every_eval and step % every_eval == 0:
-                                with clock.paused(step_log):
-                                    try:
-                                        self._evaluate_midway(epoch, step, step_log, stop)
-                                    except StopAgreed:  # SIGTERM during it: abandoned, save and stop below
-                                        step_log.stop_requested = evaluation_abandoned = True
-                            if self.checkpoints.due(step, step_log.stop_requested):
-                                step_log.flush()  # collective; metrics.jsonl then holds every step saved
-                                consumed = start_consumed + batches_done * samples_per_batch
-                                progress = inside_epoch(progress, consumed, step, step_log, clock.train_seconds())
-                                progress = dataclasses.replace(progress, evaluation_due=evaluation_abandoned)
-                                with clock.paused(step_log):  # a SIGTERM save is written before the run stops
-                                    self.checkpoints.save(progress, blocking=step_log.stop_requested)
-                            if step_log.stop_requested:
-                                stopped = True
-                                break
-                    step_log.flush()
-                    train_seconds = clock.train_seconds()
-                    if stopped:
-                        get_logger().info("stopped at step %d on SIGTERM; continue with --resume true", step)
+                    # ---- train: one pass over the loader (the whole epoch, or its rest after a resume),
+                    # ended early by --max_steps, or by a stop request (which saves first).
+                    run = self._train_pass(progress, stop)
+                    if run.stopped:
+                        get_logger().info("stopped at step %d on %s; %s", run.step, stop.name, run.continue_with)
                         return False
 
-                    # ---- validation, ROUGE, and the tutorial's scheduler.step() after each epoch. SIGTERM
+                    # ---- validation, ROUGE, and the tutorial's scheduler.step() after each epoch. A stop request
                     # during them abandons them at the next batch on every rank; the checkpoint then holds the
                     # trained epoch, and the resumed run evaluates it.
                     try:
                         val_loss = self._validation(epoch, stop)
-                        scores = self._evaluate(epoch, step, stop)
+                        scores = self._evaluate(epoch, run.step, stop)
                     except StopAgreed:
-                        consumed = start_consumed + batches_done * samples_per_batch
-                        progress = inside_epoch(progress, consumed, step, step_log, train_seconds)
-                        self.checkpoints.save(progress, blocking=True)
+                        self.checkpoints.save(run.position, blocking=True)
                         get_logger().info(
-                            "stopped during epoch %d's evaluation on SIGTERM; --resume true evaluates it", epoch
+                            "stopped during epoch %d's evaluation on %s; --resume true evaluates it",
+                            epoch,
+                            stop.name,
                         )
                         return False
-                    epoch_finished = batches_done == total_batches  # else --max_steps ended it early
-                    if not per_step_schedule and epoch_finished:  # a checkpoint inside the epoch resumes it
-                        scheduler.step()  # at its learning rate: the step comes at its real end
+                    if self.recipe.lr_scheduler == "step" and run.epoch_finished:  # StepLR steps at the epoch's
+                        self.scheduler.step()  # real end: a checkpoint inside it resumes at its learning rate
 
                     # ---- the epoch record, the best model (.pt, hf_model/), then the epoch's checkpoint
-                    peaks, reserved = gather_peaks(info.device) if train.track_memory else (None, None)
-                    record = self._epoch_record(epoch, step_log, val_loss, time.perf_counter() - epoch_start,
-                                                train_seconds, peaks)  # fmt: skip
-                    if reserved is not None:
-                        record["peak_memory_reserved_bytes"] = reserved
-                    self.metrics.write(record)
-                    _log_epoch(record, peaks)
-                    metric = val_loss if metric_name == "val_loss" else (scores or {}).get(metric_name)
-                    improved = metric is not None and is_better(metric_name, metric, progress.best_metric)
-                    # Without a metric there is no "best": every epoch's .pt is saved, under its own name.
-                    if train.save_model and (improved or metric is None):
-                        self.checkpoints.save_full_model(epoch, val_loss)
-                    best_metric, best_epoch = (
-                        (metric, epoch) if improved else (progress.best_metric, progress.best_epoch)
-                    )
-                    if improved:
-                        get_logger().info("new best %s %.4f (epoch %d)", metric_name, metric, epoch)
-                        self.checkpoints.export_hf()
-                    if epoch_finished:  # the next epoch starts at its beginning
-                        progress = TrainProgress(
-                            epoch=epoch + 1, global_step=step, best_metric=best_metric, best_epoch=best_epoch
+                    progress = self._end_epoch(epoch, run, val_loss, scores, progress, epoch_start)
+                    if any_rank(stop.requested, self.info.device):
+                        get_logger().info(
+                            "stopped after epoch %d on %s; continue with --resume true", epoch, stop.name
                         )
-                    else:  # --max_steps ended the epoch early: the checkpoint resumes inside it
-                        consumed = start_consumed + batches_done * samples_per_batch
-                        progress = inside_epoch(progress, consumed, step, step_log, train_seconds)
-                        progress = dataclasses.replace(progress, best_metric=best_metric, best_epoch=best_epoch)
-                    self.checkpoints.save(progress)
-                    if any_rank(stop.requested, info.device):
-                        get_logger().info("stopped after epoch %d on SIGTERM; continue with --resume true", epoch)
                         return False
-
-            # hf_model/ holds the best epoch's model; the final one goes there when there is no metric, or
-            # beside it (hf_model_last/) when the last epoch was not the best.
-            if progress.best_epoch is None:
-                self.checkpoints.export_hf()
-            elif progress.best_epoch != last_epoch:
-                self.checkpoints.export_hf(last=True)
+            get_logger().info("training ends: %s", self.done(progress))
+            self.final_export(progress, last_epoch)
             return True
         finally:
             self.metrics.close()
 
-    def _ends_before_epoch(self, progress: TrainProgress) -> bool:
-        """--max_steps reached, or --early_stopping_patience epochs without a new best (counted from the best
-        epoch kept in the progress, so the count is the same after a resume)."""
+    def _train_pass(self, progress: TrainProgress, stop: StopRequest) -> "EpochPass":
+        """One pass over the train loader from `progress` (inside the epoch after a resume): the steps, their
+        records, periodic evaluation and checkpoints, --max_steps, and a stop request (agreed at the next
+        step-log flush, saved, then the pass ends). Evaluation and saves inside the epoch are off the training
+        clock. Collective."""
+        train, recipe, info = self.train_config, self.recipe, self.info
+        epoch, every_eval = progress.epoch, self.evaluation.eval_every_n_steps
+        # Without set_epoch every epoch would see the same order; a resumed epoch skips what the checkpoint
+        # already trained on.
+        self.loaders.train_sampler.set_epoch(epoch, progress.samples_consumed)
+        step_log = StepLog(
+            self.observe.log_every_n_steps,
+            lambda records: self._write_steps(epoch, records),
+            lambda: stop.requested,
+            totals=progress.epoch_totals,
+            # fp16's scaler skips non-finite steps by design (they calibrate its scale): never a reason to stop.
+            stop_on_nonfinite=recipe.on_nonfinite == "stop" and self.scaler is None,
+            throughput=self.throughput,
+        )
+        clock = EpochClock(progress.epoch_train_seconds if progress.samples_consumed else 0.0)
+        total_batches = len(self.loaders.train)
+        samples_per_batch = train.batch_size_training * info.world_size
+        done_before = progress.samples_consumed // samples_per_batch
+        run = EpochPass(step=progress.global_step, step_log=step_log)
+
+        def position(evaluation_due: bool = False) -> TrainProgress:
+            """Where the pass stands, as a checkpoint resumes it (the step log must be flushed)."""
+            consumed = progress.samples_consumed + run.batches_done * samples_per_batch
+            here = inside_epoch(progress, consumed, run.step, step_log, clock.train_seconds())
+            return dataclasses.replace(here, evaluation_due=evaluation_due)
+
+        if progress.evaluation_due:  # a stop abandoned this step's evaluation: it comes first
+            with clock.paused(step_log):
+                try:
+                    self._evaluate_midway(epoch, run.step, step_log, stop)
+                except StopAgreed:  # stopped again: the checkpoint resumed from still says to redo it
+                    run.stopped = True
+                    run.continue_with = "the evaluation was not redone; the same command continues from there"
+                    return run
+            progress = dataclasses.replace(progress, evaluation_due=False)
+        self.model.train()
+        with _bar(total_batches + done_before, f"Training epoch {epoch}", "blue", info, done_before) as bar:
+            for micro_batches in _groups(self.loaders.train, recipe.gradient_accumulation_steps):
+                run.step += 1
+                self._step(run.step, micro_batches, step_log)
+                run.batches_done += len(micro_batches)
+                bar.update(len(micro_batches))
+                _show_latest(bar, step_log)
+                if run.batches_done == total_batches:
+                    break  # the epoch's end: validation, evaluation and the checkpoint follow
+                # Inside the epoch: the step budget, periodic evaluation, periodic and stop checkpoints.
+                if 0 < recipe.max_steps <= run.step:
+                    break  # the epoch then ends as usual, and the run after it
+                evaluation_abandoned = False
+                if every_eval and run.step % every_eval == 0:
+                    with clock.paused(step_log):
+                        try:
+                            self._evaluate_midway(epoch, run.step, step_log, stop)
+                        except StopAgreed:  # a stop request during it: abandoned, saved and stopped below
+                            step_log.stop_requested = evaluation_abandoned = True
+                if self.checkpoints.due(run.step, step_log.stop_requested):
+                    step_log.flush()  # collective; metrics.jsonl then holds every step saved
+                    with clock.paused(step_log):  # a stop's save is written before the run stops
+                        self.checkpoints.save(position(evaluation_abandoned), blocking=step_log.stop_requested)
+                if step_log.stop_requested:
+                    run.stopped = True
+                    break
+        step_log.flush()
+        run.epoch_finished = run.batches_done == total_batches
+        run.train_seconds = clock.train_seconds()
+        run.position = position()
+        return run
+
+    def _step(self, step: int, micro_batches: list[dict], step_log: StepLog) -> None:
+        """One optimizer step (utils/train/step.py: train_step) and what follows it: its statistics, a finished
+        background save completed, the per-step LR schedule, and after the run's first step the memory
+        account."""
+        batches = [move_batch(batch, self.info.device) for batch in micro_batches]
+        settings = self.step_settings
+        if self.memory_account_due:  # the run's first step also counts what backward keeps
+            settings = dataclasses.replace(settings, saved_counter=SavedTensorCounter())
+        stats = train_step(self.model, batches, self.optimizer, self.scaler, self.info.world_size, settings)
+        step_log.add(step, self.optimizer.param_groups[0]["lr"], stats)
+        self.checkpoints.poll()  # a background save whose write has finished is completed
+        if self.recipe.lr_scheduler != "step":  # else the tutorial's StepLR, once per epoch
+            self.scheduler.step()
+        if self.memory_account_due:  # AdamW's state exists from the first step on
+            self._write_memory_account(batches[0], settings.saved_counter.bytes)
+            self.memory_account_due = False
+
+    def _end_epoch(
+        self,
+        epoch: int,
+        run: "EpochPass",
+        val_loss: float | None,
+        scores: dict | None,
+        progress: TrainProgress,
+        epoch_start: float,
+    ) -> TrainProgress:
+        """The epoch record, the best model by --metric_for_best (hf_model/, the --save_model .pt), and the
+        epoch's checkpoint. Returns where the next epoch starts (inside this one when --max_steps ended it)."""
+        peaks, reserved = gather_peaks(self.info.device) if self.train_config.track_memory else (None, None)
+        epoch_seconds = time.perf_counter() - epoch_start
+        record = self._epoch_record(epoch, run.step_log, val_loss, epoch_seconds, run.train_seconds, peaks)
+        if reserved is not None:
+            record["peak_memory_reserved_bytes"] = reserved
+        self.metrics.write(record)
+        _log_epoch(record, peaks)
+        metric_name = self.evaluation.metric_for_best
+        metric = val_loss if metric_name == "val_loss" else (scores or {}).get(metric_name)
+        improved = metric is not None and is_better(metric_name, metric, progress.best_metric)
+        # Without a metric there is no "best": every epoch's .pt is saved, under its own name.
+        if self.train_config.save_model and (improved or metric is None):
+            self.checkpoints.save_full_model(epoch, val_loss)
+        best_metric, best_epoch = progress.best_metric, progress.best_epoch
+        if improved:
+            get_logger().info("new best %s %.4f (epoch %d)", metric_name, metric, epoch)
+            self.checkpoints.export_hf()
+            best_metric, best_epoch = metric, epoch
+        # The next epoch starts at its beginning; where --max_steps ended this one early, inside it.
+        following = TrainProgress(epoch=epoch + 1, global_step=run.step) if run.epoch_finished else run.position
+        following = dataclasses.replace(following, best_metric=best_metric, best_epoch=best_epoch)
+        self.checkpoints.save(following)
+        return following
+
+    def done(self, progress: TrainProgress) -> str | None:
+        """Why training ends before the epoch `progress` is at, or None: every epoch trained, --max_steps
+        reached, or --early_stopping_patience epochs without a new best (counted from the best epoch kept in
+        the progress, so the count is the same after a resume)."""
+        if progress.epoch > self.train_config.epochs:
+            return f"all {self.train_config.epochs} epochs trained"
         if 0 < self.recipe.max_steps <= progress.global_step:
-            return True
+            return f"--max_steps {self.recipe.max_steps} reached"
         patience, best = self.recipe.early_stopping_patience, progress.best_epoch
         if patience and best is not None and progress.epoch - 1 - best >= patience:
+            metric = self.evaluation.metric_for_best
+            return f"early stopping: {patience} epochs without a better {metric} than epoch {best}'s"
+        return None
+
+    def final_export(self, progress: TrainProgress, last_epoch: int) -> None:
+        """hf_model/ holds the best epoch's model; the final one goes there when there is no metric, or beside
+        it (hf_model_last/) when the last epoch was not the best. Collective."""
+        if progress.best_epoch is None:
+            self.checkpoints.export_hf()
+        elif progress.best_epoch != last_epoch:
+            self.checkpoints.export_hf(last=True)
+
+    def finish_finished_run(self, progress: TrainProgress) -> None:
+        """A resume of a run that had ended: it says so and changes nothing, unless its final export is
+        missing (a stop during it), which it writes. Collective."""
+        last_epoch = progress.epoch if progress.samples_consumed else progress.epoch - 1
+        last = progress.best_epoch is not None and progress.best_epoch != last_epoch
+        folder = os.path.join(self.train_config.output_dir, self.checkpoints.final_folder(last))
+        reason = self.done(progress)
+        if os.path.isdir(folder):
             get_logger().info(
-                "early stopping: %d epochs without a better %s than epoch %d's",
-                patience,
-                self.evaluation.metric_for_best,
-                best,
-            )
-            return True
-        return False
+                "the run in %s had finished (%s; step %d): nothing to do, nothing changed. To train on, resume "
+                "with more --epochs than %d (or a higher --max_steps).",
+                self.train_config.output_dir, reason, progress.global_step, last_epoch,
+            )  # fmt: skip
+            return
+        get_logger().warning(
+            "the run had finished (%s), but its final model %s is missing: writing it", reason, folder
+        )
+        self.final_export(progress, last_epoch)
 
     def _validation(self, epoch: int, stop: StopRequest) -> float | None:
         """The tutorial's validation(): the token-mean loss over the validation articles of every rank.
@@ -345,6 +390,20 @@ class Trainer:
     def _write_steps(self, epoch: int, records: list[dict]) -> None:
         for record in records:
             self.metrics.write({"type": "step", "epoch": epoch, **record})
+
+
+@dataclasses.dataclass
+class EpochPass:
+    """How a pass over the train loader ended (Trainer._train_pass)."""
+
+    step: int  # the global step reached
+    step_log: StepLog
+    batches_done: int = 0  # loader batches of this pass (micro-batches)
+    stopped: bool = False  # a stop request ended it (after its checkpoint)
+    continue_with: str = "continue with --resume true"
+    epoch_finished: bool = False  # the loader's end was reached (else --max_steps or a stop ended it)
+    train_seconds: float = 0.0  # the epoch's training time (evaluations and saves inside it left out)
+    position: TrainProgress | None = None  # where a checkpoint taken now resumes
 
 
 def inside_epoch(

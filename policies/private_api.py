@@ -1,0 +1,76 @@
+"""Every private torch API this package uses, in one place, each with the public API that would replace it.
+
+A torch upgrade may change any of these without notice; tests/test_private_api.py checks each one's name,
+signature or behaviour, so a change fails there, naming it, rather than deep in a run. It sits in `policies`,
+the lowest package that needs one (activation checkpointing), so that every package above can import it.
+
+Not here, on purpose: `ShardingStrategy._HYBRID_SHARD_ZERO2` is a member of the public enum, documented in
+FSDP1's API reference despite its underscore (users spell it on the command line); the test checks it too.
+"""
+
+import torch
+from torch import nn
+
+# FSDP1's sharded state dicts are made of ShardedTensors (torch.distributed._shard). Public replacement:
+# FSDP2's DTensor (torch.distributed.tensor), which --fsdp_version 2 uses; FSDP1 itself is deprecated.
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor  # noqa: F401 - re-exported
+
+# Activation checkpointing of whole modules, the tutorial's way (`checkpoint_wrapper` and
+# `apply_activation_checkpointing`; torchtitan imports the same). Public replacement: none that wraps a module;
+# `torch.utils.checkpoint.checkpoint` inside a module of one's own, which would also have to keep the state
+# dict names (the wrapper strips its own prefix from them).
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401 - re-exported
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+
+# Stitching the rows every rank wrote into whole safetensors files, each rank its share of the files.
+# Public replacement: HuggingFaceStorageWriter(enable_consolidation=True), where rank 0 stitches every file.
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (  # noqa: F401 - re-exported
+    consolidate_safetensors_files_on_every_rank,
+)
+
+# Which rows of a DTensor this rank holds. Public replacement: none in torch 2.13; DCP reads the same through
+# DTensor's `__create_chunk_list__` protocol.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401 - re-exported
+
+CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"  # checkpoint_wrapper's attribute for what it wraps
+
+
+def wrapped_module(module: nn.Module) -> nn.Module:
+    """The module a checkpoint wrapper wraps, or `module` itself. Public replacement: none (above)."""
+    return getattr(module, CHECKPOINT_WRAPPED_MODULE, module)
+
+
+def sharded_tensor_group(tensor: ShardedTensor):
+    """The process group a ShardedTensor is sharded over. Public replacement: a DTensor's `device_mesh`."""
+    return tensor._process_group
+
+
+def sharded_tensor_like(tensor: ShardedTensor, local_shards: list[Shard]) -> ShardedTensor:
+    """A ShardedTensor laid out as `tensor` whose local shards are `local_shards`. No communication. Public
+    replacement: `DTensor.from_local` (FSDP2)."""
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, tensor.metadata(), process_group=tensor._process_group
+    )
+
+
+def skip_next_step_if(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Fused AdamW reads `found_inf` (GradScaler's hook) and skips its step when it is 1: parameters, moments
+    and step count stay as they were, on the device, without a host sync. Public replacement:
+    `torch.amp.GradScaler.step(optimizer)`, which sets it from its own inf checks (fp16 runs use one)."""
+    optimizer.found_inf = found_inf
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a view was made from, or the tensor itself. Public replacement: none; a storage's identity
+    (`untyped_storage().data_ptr()`) tells views of one storage apart from other tensors, not their base."""
+    return tensor if tensor._base is None else tensor._base
+
+
+def fsdp1_unsharded_flat_parameter(unit) -> torch.Tensor | None:
+    """An FSDP1 unit's unsharded flat-parameter buffer, allocated or not (scripts/generation_memory.py
+    measures it). Public replacement: none; FSDP2 frees unsharded parameters by itself."""
+    handle = unit._handle
+    return getattr(handle.flat_param, "_full_param_padded", None) if handle is not None else None

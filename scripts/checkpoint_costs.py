@@ -1,0 +1,372 @@
+"""What checkpoints cost a run, seen from outside its processes: training time lost to saves, and host memory
+of a resume.
+
+    python scripts/checkpoint_costs.py stall --model t5-small [--repo CONTROL_CHECKOUT] --out bench/stall
+    python scripts/checkpoint_costs.py resume --model t5-base [--repo CONTROL_CHECKOUT] --out bench/resume
+    python scripts/checkpoint_costs.py writer --model t5-small --out bench/writer
+
+Both launch T5_training.py through torchrun on 2 CPU ranks (fp32, random weights of the published shape,
+scripts/make_random_t5.py) and watch it from this process, without any hook in the run:
+
+- `stall`: the arrival time of every step record in metrics.jsonl (one record per step, polled every 5 ms).
+  Training time lost to a checkpoint is measured two ways: the wall time from the first save's step to the
+  last step of a run that saves every --save_every steps, minus that of the same run without checkpoints,
+  per save; and, within each run (steadier on a machine whose speed drifts between runs), the time of the two
+  steps after each save over two of that run's median step. Cases: no checkpoints; synchronous
+  SHARDED_STATE_DICT saves; --async_checkpoint true. FSDP2 (--fsdp_version).
+- `resume`: each rank's peak resident memory (VmHWM, /proc) when its "Training epoch" progress bar appears
+  (the load phase: data, model, sharding, the restore) and when it exits (the whole run), for a fresh run of 2
+  steps that saves, and its resume to step 3, per checkpoint type, as multiples of the fp32 model.
+
+- `writer`: who pays for a background save, on an otherwise idle machine: the CPU seconds of the training
+  process (staging, handing over, and a writer thread's write) and of DCP's writer processes, per save, for
+  each background writer DCP offers (a thread, a process) and each backend: the choice of
+  utils/checkpoint/manager.py, and its control, the other writer.
+
+`--repo` runs another checkout's T5_training.py (the control: the same measurement without the change).
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configs.paths import REPO_ROOT  # noqa: E402
+from scripts.benchmark import markdown_table  # noqa: E402
+from scripts.make_random_t5 import make  # noqa: E402
+
+NPROC = 2
+BATCH = 4
+COMMON = ["--mixed_precision", "false", "--run_validation", "false", "--eval_rouge", "false",
+          "--max_source_length", "128", "--max_target_length", "32", "--batch_size_training", str(BATCH),
+          "--log_every_n_steps", "1"]  # fmt: skip
+TRAINING_BAR = re.compile(r"Training epoch \d+:")
+
+
+def launch(repo: Path, args: list[str], log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC), "--standalone",
+               str(repo / "T5_training.py"), *args]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            text=True, errors="replace", bufsize=1)  # fmt: skip
+
+
+def workers(agent: int) -> list[int]:
+    """The agent's children (the ranks)."""
+    found = []
+    for task in Path(f"/proc/{agent}/task").glob("*"):
+        try:
+            found += [int(pid) for pid in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return sorted(found)
+
+
+def peak_rss(pid: int) -> int | None:
+    """VmHWM: the process's resident-memory high-water mark, in bytes."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_and_watch(repo: Path, args: list[str], log: Path, metrics: Path | None = None) -> dict:
+    """One run: every step record's arrival time (with `metrics`), each rank's VmHWM when the training bar
+    first appears and at its last reading before exit."""
+    process = launch(repo, args, log)
+    lines: list[str] = []
+    bar_seen = threading.Event()
+
+    def read_output() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if TRAINING_BAR.search(line):
+                bar_seen.set()
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
+    arrivals: dict[int, float] = {}
+    seen_bytes = 0
+    load_peaks: dict[int, int] = {}
+    last_peaks: dict[int, int] = {}
+    pids: list[int] = []
+    while process.poll() is None:
+        pids = pids if len(pids) == NPROC else workers(process.pid)
+        for pid in pids:
+            peak = peak_rss(pid)
+            if peak is not None:
+                last_peaks[pid] = peak
+                if bar_seen.is_set() and pid not in load_peaks:
+                    load_peaks[pid] = peak
+        if metrics is not None and metrics.exists():
+            text = metrics.read_bytes()[seen_bytes:]
+            complete = text[: text.rfind(b"\n") + 1]
+            seen_bytes += len(complete)
+            now = time.perf_counter()
+            for line in complete.decode().splitlines():
+                record = json.loads(line)
+                if record.get("type") == "step":
+                    arrivals.setdefault(record["step"], now)
+        time.sleep(0.005)
+    reader.join(10)
+    log.write_text("".join(lines))
+    if process.returncode != 0:
+        raise SystemExit(f"run failed (exit {process.returncode}): see {log}")
+    return {
+        "arrivals": arrivals,
+        "load_peaks": [load_peaks.get(pid) for pid in pids],
+        "run_peaks": [last_peaks.get(pid) for pid in pids],
+    }
+
+
+WRITERS = {  # case: (FSDP version, DCP's writer, staged into shared memory)
+    "FSDP2, writer process, shared memory (the package's)": (2, "process", True),
+    "FSDP2, writer thread (the control)": (2, "thread", False),
+    "FSDP1, writer thread (the package's)": (1, "thread", False),
+    "FSDP1, writer process (the control)": (1, "process", False),
+}
+SAVES = 4
+
+
+def writer(args, work: Path) -> list[dict]:
+    model = str(work / "model")
+    make(args.model, model)
+    results = []
+    for case in WRITERS:
+        out = work / f"writer{len(results)}"
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC), "--standalone",
+                   __file__, "writer_worker", "--case", case, "--model", model, "--out", str(out)]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{case} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        result = json.loads((out / "result.json").read_text())
+        shutil.rmtree(out)  # its checkpoints: GBs each
+        results.append({"case": case, **result})
+        print(f"{case}: {result}", flush=True)
+    return results
+
+
+def writer_worker(args) -> None:
+    """One rank: the model sharded, one optimizer step, then SAVES background saves of its state (the first,
+    which starts a writer process, left out of the figures)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from configs.fsdp import FSDPConfig
+    from policies.mixed_precision import Precision
+    from utils.checkpoint.integrity import RecordingWriter
+    from utils.checkpoint.state_dicts import model_and_optimizer_state, tensor_only_optimizer_state
+    from utils.fsdp.shard import shard_model
+    from utils.model.loading import load_model
+
+    dist.init_process_group("gloo")
+    version, kind, shared = WRITERS[args.case]
+    cpu = torch.device("cpu")
+    config = FSDPConfig(fsdp_version=version, mixed_precision=False, fsdp_activation_checkpointing=False)
+    model = shard_model(load_model(args.model), config, Precision("fp32_policy"), cpu)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(2, 1000, (2, 16))
+    model(input_ids=ids, labels=ids[:, :8].clone()).loss.backward()
+    optimizer.step()
+    model_state, optim_state = model_and_optimizer_state(model, optimizer, False, cpu)
+    payload = {"model": model_state, "optim": tensor_only_optimizer_state(optim_state)}
+    group = dist.new_group(backend="gloo")
+    stager = DefaultStager(StagingOptions(False, True, False, False)) if shared else BlockingAsyncStager()
+    writer_type = AsyncCheckpointerType.PROCESS if kind == "process" else AsyncCheckpointerType.THREAD
+    main_cpu, child_cpu, stalls = [], [], []
+    for save in range(SAVES + 1):
+        children_before = _children_cpu()
+        before, started = time.process_time(), time.perf_counter()
+        writer = RecordingWriter(str(Path(args.out) / str(save)))
+        future = dcp.async_save(payload, storage_writer=writer, process_group=group,
+                                async_checkpointer_type=writer_type, async_stager=stager)  # fmt: skip
+        stall = time.perf_counter() - started
+        future.result()
+        if save:  # the first save starts the writer process: left out
+            main_cpu.append(time.process_time() - before)
+            child_cpu.append(_children_cpu() - children_before)
+            stalls.append(stall)
+        dist.barrier()
+    if dist.get_rank() == 0:
+        result = {"stall_s": statistics.median(stalls), "training_process_cpu_s": statistics.median(main_cpu),
+                  "writer_process_cpu_s": statistics.median(child_cpu)}  # fmt: skip
+        (Path(args.out) / "result.json").write_text(json.dumps(result))
+    dist.barrier()
+    stager.close()
+    dist.destroy_process_group()
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's children (DCP's writer process), from /proc."""
+    total = 0.0
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def stall(args, work: Path) -> list[dict]:
+    model = str(work / "model")
+    make(args.model, model)
+    steps = args.steps
+    base = ["--model_name", model, "--fsdp_version", str(args.fsdp_version), "--epochs", "1",
+            "--num_train_samples", str(steps * BATCH * NPROC), *COMMON]  # fmt: skip
+    saving = ["--checkpoint_type", "SHARDED_STATE_DICT", "--save_every_n_steps", str(args.save_every),
+              "--keep_last_n", "2"]  # fmt: skip
+    cases = {
+        "no checkpoints": ["--keep_last_n", "0"],
+        "synchronous saves": saving,
+        "--async_checkpoint true": [*saving, "--async_checkpoint", "true"],
+    }
+    first = args.save_every  # from the step of the first save: the writer process's start is left out
+    results = []
+    for case, case_args in cases.items():
+        if args.cases and case not in args.cases and case != "no checkpoints":
+            continue
+        out = work / f"stall{len(results)}"
+        watched = run_and_watch(args.repo, [*base, *case_args, "--output_dir", str(out)], work / f"{out.name}.log",
+                                out / "metrics.jsonl")  # fmt: skip
+        arrivals = watched["arrivals"]
+        shutil.rmtree(out)
+        gaps = [arrivals[step + 1] - arrivals[step] for step in range(first, steps)]
+        saves = len([step for step in range(first, steps) if step % args.save_every == 0]) if saving else 0
+        all_gaps = {step: arrivals[step] - arrivals[step - 1] for step in range(2, steps + 1)}
+        save_steps = [step for step in range(first, steps) if step % args.save_every == 0]
+        after = {step + k for step in save_steps for k in (1, 2)}
+        usual = statistics.median(gap for step, gap in all_gaps.items() if step > 2 and step not in after)
+        results.append({
+            "case": case,
+            "wall_s": arrivals[steps] - arrivals[first],
+            "median_gap_s": statistics.median(gaps),
+            "saves": saves if case != "no checkpoints" else 0,
+            "two_steps_after_a_save_s": statistics.mean(
+                all_gaps[step + 1] + all_gaps.get(step + 2, usual) - 2 * usual for step in save_steps
+            ),
+            "gaps": all_gaps,
+        })  # fmt: skip
+        print(f"{case}: {results[-1]['wall_s']:.2f} s from step {first} to {steps}", flush=True)
+    plain = results[0]["wall_s"]
+    for result in results:
+        result["lost_s"] = result["wall_s"] - plain
+        result["lost_per_save_s"] = result["lost_s"] / result["saves"] if result["saves"] else 0.0
+    return results
+
+
+def resume(args, work: Path) -> list[dict]:
+    model = str(work / "model")
+    parameters = make(args.model, model)
+    model_bytes = 4 * parameters
+    base = ["--model_name", model, "--fsdp_version", str(args.fsdp_version), "--epochs", "1",
+            "--num_train_samples", str(4 * BATCH * NPROC), "--save_every_n_steps", "2", *COMMON]  # fmt: skip
+    results = []
+    for checkpoint_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        out = work / f"resume_{checkpoint_type}"
+        args_type = [*base, "--checkpoint_type", checkpoint_type, "--output_dir", str(out)]
+        for run, extra in (("fresh, 2 steps", ["--max_steps", "2"]),
+                           ("resumed to step 3", ["--max_steps", "3", "--resume", "true"])):  # fmt: skip
+            watched = run_and_watch(args.repo, [*args_type, *extra], work / f"{out.name}_{len(results)}.log")
+            results.append({"checkpoint_type": checkpoint_type, "run": run, "model_bytes": model_bytes,
+                            "load_peaks": watched["load_peaks"], "run_peaks": watched["run_peaks"]})  # fmt: skip
+            print(f"{checkpoint_type} {run}: load {watched['load_peaks']}, run {watched['run_peaks']}", flush=True)
+        shutil.rmtree(out)
+    return results
+
+
+def stall_markdown(results: list[dict], args) -> str:
+    rows = [
+        f"| {r['case']} | {r['wall_s']:.2f} | {r['median_gap_s']:.3f} | {r['saves']} | {r['lost_s']:.2f} "
+        f"| {r['lost_per_save_s']:.2f} | {r['two_steps_after_a_save_s']:.2f} |"
+        for r in results
+    ]
+    header = (
+        f"| {args.model}, FSDP{args.fsdp_version}, steps {args.save_every}-{args.steps} | wall (s) | median step "
+        "gap (s) | saves | lost to saves (s) | lost per save (s) | two steps after a save, over the run's usual "
+        "(s) |"
+    )
+    return markdown_table(header, rows)
+
+
+def resume_markdown(results: list[dict], args) -> str:
+    def multiples(peaks: list, model_bytes: int) -> str:
+        return " / ".join("-" if peak is None else f"{peak / model_bytes:.2f}" for peak in peaks)
+
+    rows = [
+        f"| {r['checkpoint_type']} | {r['run']} | {multiples(r['load_peaks'], r['model_bytes'])} "
+        f"| {multiples(r['run_peaks'], r['model_bytes'])} |"
+        for r in results
+    ]
+    header = (
+        f"| {args.model} (fp32 model = 1) | run | load-phase peak, rank 0 / rank 1 "
+        "| whole-run peak, rank 0 / rank 1 |"
+    )
+    return markdown_table(header, rows)
+
+
+def writer_markdown(results: list[dict], args) -> str:
+    rows = [
+        f"| {r['case']} | {r['stall_s']:.2f} | {r['training_process_cpu_s']:.2f} "
+        f"| {r['writer_process_cpu_s']:.2f} |"
+        for r in results
+    ]
+    header = (
+        f"| {args.model}, per save, rank 0 (median of {SAVES}) | training stopped (s) | training process CPU (s) "
+        "| writer process CPU (s) |"
+    )
+    return markdown_table(header, rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("measure", choices=["stall", "resume", "writer", "writer_worker"])
+    parser.add_argument("--case", help="writer_worker: the case (run by `writer` under torchrun)")
+    parser.add_argument("--model", default="t5-small", help="a scripts/make_random_t5.py shape")
+    parser.add_argument("--fsdp_version", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20, help="stall: steps of each run")
+    parser.add_argument("--save_every", type=int, default=4, help="stall: a checkpoint every N steps")
+    parser.add_argument("--cases", nargs="+", help="stall: only these cases (besides the run without checkpoints)")
+    parser.add_argument(
+        "--repo", type=Path, default=REPO_ROOT, help="the checkout to run (a control: another one)"
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.measure == "writer_worker":
+        writer_worker(args)
+        return 0
+    args.repo = args.repo.resolve()
+    measure, markdown = {"stall": (stall, stall_markdown), "resume": (resume, resume_markdown),
+                         "writer": (writer, writer_markdown)}[args.measure]  # fmt: skip
+    results = measure(args, args.out)
+    table = markdown(results, args)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    (args.out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

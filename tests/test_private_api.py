@@ -1,0 +1,92 @@
+"""The private torch APIs of policies/private_api.py still exist and behave as the package relies on: a torch
+upgrade that changes one fails here, naming it (each helper's docstring names the public replacement)."""
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import ShardingStrategy
+
+from configs.paths import REPO_ROOT
+from policies import private_api
+
+
+def test_checkpoint_wrapper_wraps_a_module_and_names_what_it_wraps():
+    inner = nn.Linear(2, 2)
+    wrapped = private_api.checkpoint_wrapper(inner, checkpoint_impl=private_api.CheckpointImpl.NO_REENTRANT)
+    assert private_api.wrapped_module(wrapped) is inner
+    assert private_api.wrapped_module(inner) is inner
+    # The wrapper keeps the state dict names of what it wraps (FSDP units and checkpoints rely on it).
+    assert set(wrapped.state_dict()) == {"weight", "bias"}
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    private_api.apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, nn.Linear))
+    assert private_api.wrapped_module(model[0]) is not model[0] and set(model.state_dict()) == {
+        "0.weight",
+        "0.bias",
+    }
+
+
+def test_sharded_tensor_internals_keep_their_names_and_arguments():
+    build = inspect.signature(private_api.ShardedTensor._init_from_local_shards_and_global_metadata)
+    assert list(build.parameters)[:3] == ["local_shards", "sharded_tensor_metadata", "process_group"], build
+    assert {"tensor", "metadata"} <= set(inspect.signature(private_api.Shard).parameters)
+    assert "_process_group" in inspect.getsource(private_api.ShardedTensor.__init__)
+
+
+def test_consolidation_and_dtensor_offsets_keep_their_arguments():
+    consolidate = inspect.signature(private_api.consolidate_safetensors_files_on_every_rank)
+    assert list(consolidate.parameters)[:3] == ["input_dir", "output_dir", "fqn_to_index_mapping"], consolidate
+    offsets = inspect.signature(private_api.compute_local_shape_and_global_offset)
+    assert list(offsets.parameters)[:3] == ["global_shape", "mesh", "placements"], offsets
+
+
+@pytest.mark.parametrize("found_inf", [0.0, 1.0])
+def test_fused_adamw_skips_the_step_that_found_inf_flags(found_inf):
+    parameter = nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([parameter], lr=0.1, fused=True)
+    parameter.grad = torch.ones(4)
+    private_api.skip_next_step_if(optimizer, torch.tensor(found_inf))
+    optimizer.step()
+    state = optimizer.state[parameter]
+    assert torch.equal(parameter.detach(), torch.ones(4)) == bool(found_inf), parameter
+    assert float(state["step"]) == (0.0 if found_inf else 1.0), state["step"]
+
+
+def test_a_views_base_is_the_tensor_it_was_made_from():
+    tensor = torch.zeros(4, 4)
+    assert private_api.view_base(tensor[1:]) is tensor
+    assert private_api.view_base(tensor) is tensor
+
+
+def test_fsdp1_units_have_the_unsharded_flat_parameter_the_memory_script_reads():
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    assert "_full_param_padded" in inspect.getsource(FlatParameter)
+
+
+def test_the_underscored_sharding_strategy_is_still_in_the_public_enum():
+    assert ShardingStrategy["_HYBRID_SHARD_ZERO2"] is ShardingStrategy._HYBRID_SHARD_ZERO2
+
+
+def test_no_private_torch_or_transformers_api_outside_the_module():
+    """Every `torch.*._private` import, and the private attributes the module wraps, appear only there."""
+    private_import = re.compile(r"^\s*(from|import) (torch|transformers)\S*\._\w", re.M)
+    private_names = re.compile(
+        r"(?<!self)\._(process_group|handle|base|checkpoint_wrapped_module|init_from_local_shards|full_param_padded)\b"
+        r"|\.found_inf\b|_raise_exceptions_for_missing_entries"
+    )
+    offenders = []
+    for folder in ("configs", "policies", "utils", "scripts", "T5_training.py", "summarization_dataset.py"):
+        root = REPO_ROOT / folder
+        for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
+            if path == Path(private_api.__file__):
+                continue
+            text = path.read_text(encoding="utf-8")
+            offenders += [
+                f"{path.relative_to(REPO_ROOT)}: {m.group(0).strip()}" for m in private_import.finditer(text)
+            ]
+            offenders += [f"{path.relative_to(REPO_ROOT)}: {m.group(0)}" for m in private_names.finditer(text)]
+    assert not offenders, offenders

@@ -1,0 +1,272 @@
+"""Losing nothing at the edges, in one process (the torchrun runs of the same are in tests/test_resume.py):
+checkpoints that verify themselves, damaged ones set aside, rollbacks that stick, one run per output_dir,
+Ctrl-C, and a resume that continues the run that was saved."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import T5_training
+from configs.cli import config_to_dict as record_sections
+from configs.cli import continue_run, parse_args
+from configs.errors import CheckpointError, ConfigError
+from configs.paths import REPO_ROOT
+from utils import layout
+from utils.checkpoint.integrity import HashingFile, checkpoint_files, file_record, find_damage, hashed_file
+from utils.checkpoint.run_lock import RunLock
+from utils.checkpoint.start import StartPoint, recorded_run, resolve_start, set_aside_newer
+from utils.train.preemption import StopRequest
+
+# ------------------------------------------------------------------------------ checkpoints verify themselves
+
+
+def make_checkpoint(output_dir, step: int, world_size: int = 2) -> str:
+    """A complete checkpoint as the manager completes one: files written (model.pt hashed as it is written,
+    the others read at completion), then train_state.json listing them."""
+    folder = os.path.join(layout.checkpoint_root(str(output_dir)), layout.step_dir_name(step))
+    os.makedirs(os.path.join(folder, layout.RNG_DIR))
+    for rank in range(world_size):
+        torch.save({"torch": torch.get_rng_state()}, layout.rng_file(folder, rank))
+    written = {}
+    with hashed_file(folder, layout.MODEL_FILE, written) as f:
+        torch.save({"weight": torch.randn(64, 64)}, f)
+    with open(os.path.join(folder, "__0_0.distcp"), "wb") as f:
+        f.write(os.urandom(20000))
+    state = {"format_version": layout.FORMAT_VERSION, "checkpoint_type": layout.FULL, "has_optimizer": False,
+             "world_size": world_size, "progress": {"epoch": 1, "global_step": step}}  # fmt: skip
+    state["files"] = checkpoint_files(folder, written)
+    with open(os.path.join(folder, layout.STATE_FILE), "w") as f:
+        json.dump(state, f)
+    return folder
+
+
+def read_state(folder: str) -> dict:
+    with open(os.path.join(folder, layout.STATE_FILE)) as f:
+        return json.load(f)
+
+
+def test_the_marker_lists_every_file_with_what_was_written(tmp_path):
+    folder = make_checkpoint(tmp_path, 4)
+    files = read_state(folder)["files"]
+    assert sorted(files) == ["__0_0.distcp", "model.pt", "rng/rank_0.pt", "rng/rank_1.pt"]
+    for name, record in files.items():  # hashed while written or read at completion: the same record
+        assert record == file_record(os.path.join(folder, name)), name
+    # A write-through hash sees exactly the bytes that reach the file.
+    path = tmp_path / "plain.bin"
+    with open(path, "wb") as raw:
+        stream = HashingFile(raw)
+        stream.write(b"abc")
+        stream.write(memoryview(torch.arange(8, dtype=torch.float32).numpy()))
+    assert stream.record() == file_record(str(path))
+
+
+def damage(folder: str, name: str, how: str) -> None:
+    path = os.path.join(folder, name)
+    if how == "delete":
+        os.remove(path)
+    elif how == "truncate":
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 2])
+    else:  # 4 KB of other bytes in the middle: same size
+        data = bytearray(open(path, "rb").read())
+        middle = len(data) // 2
+        data[middle : middle + 4096] = bytes(255 - b for b in data[middle : middle + 4096])
+        open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncate", "overwrite", "delete"])
+@pytest.mark.parametrize("name", ["model.pt", "__0_0.distcp", "rng/rank_1.pt"])
+def test_each_kind_of_damage_is_found_and_named(tmp_path, name, how):
+    folder = make_checkpoint(tmp_path, 4)
+    assert find_damage(folder, read_state(folder)) is None
+    damage(folder, name, how)
+    problem = find_damage(folder, read_state(folder))
+    expected = {"delete": "is missing", "truncate": "bytes where", "overwrite": "CRC-32 differs"}[how]
+    assert problem is not None and problem.startswith(name) and expected in problem, problem
+
+
+def test_a_checkpoint_without_a_file_list_gets_the_checks_its_state_allows(tmp_path):
+    folder = make_checkpoint(tmp_path, 4)
+    state = read_state(folder)
+    del state["files"]  # a checkpoint of format 1
+    assert find_damage(folder, state) is None
+    os.remove(layout.rng_file(folder, 1))
+    assert find_damage(folder, state) == "rng/rank_1.pt is missing"
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_starts_from_the_intact_one(tmp_path, log_records):
+    older, newest = make_checkpoint(tmp_path, 4), make_checkpoint(tmp_path, 8)
+    damage(newest, "__0_0.distcp", "overwrite")
+    start = resolve_start("true", str(tmp_path))
+    assert start == StartPoint(older, layout.FULL)
+    assert not os.path.exists(newest)
+    [aside] = os.listdir(os.path.join(layout.checkpoint_root(str(tmp_path)), layout.DAMAGED_DIR))
+    assert aside.startswith("step_00000008-")  # kept, never deleted
+    warnings = [r.getMessage() for r in log_records if r.levelno == logging.WARNING]
+    assert any(newest in w and "__0_0.distcp" in w and older in w for w in warnings), warnings
+
+
+def test_an_unreadable_marker_is_damage_too(tmp_path):
+    older, newest = make_checkpoint(tmp_path, 4), make_checkpoint(tmp_path, 8)
+    with open(os.path.join(newest, layout.STATE_FILE), "w") as f:
+        f.write('{"format_version": 2, "checkp')
+    assert resolve_start("true", str(tmp_path)).path == older
+
+
+def test_a_damaged_named_checkpoint_and_no_intact_one_are_refused_changing_nothing(tmp_path):
+    older, newest = make_checkpoint(tmp_path, 4), make_checkpoint(tmp_path, 8)
+    damage(newest, "model.pt", "truncate")
+    with pytest.raises(
+        CheckpointError, match=r"--resume .*step_00000008: the checkpoint is damaged: model.pt has"
+    ):
+        resolve_start(newest, str(tmp_path))
+    damage(older, "rng/rank_0.pt", "delete")
+    with pytest.raises(CheckpointError, match="no intact checkpoint") as refused:
+        resolve_start("true", str(tmp_path))
+    assert older in str(refused.value) and newest in str(refused.value)
+    assert os.path.isdir(older) and os.path.isdir(newest)  # nothing moved when there is nowhere to go
+
+
+def test_dcps_failures_reach_the_user_as_one_sentence():
+    """DCP wraps each rank's cause as an (exception, traceback) pair; the message names the exception."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from configs.errors import error_summary
+
+    try:
+        raise EOFError("Ran out of input")
+    except EOFError as err:
+        pair = (err, traceback.extract_tb(err.__traceback__))
+    summary = error_summary(CheckpointException("read_data", {0: pair, 1: pair}))
+    assert summary == "EOFError: Ran out of input", summary
+    assert error_summary(CheckpointException("read_data", {0: (EOFError(), [])})) == "EOFError"
+
+
+# ----------------------------------------------------------------------------------------------- rollbacks
+
+
+def test_a_rollback_sets_the_abandoned_branch_aside(tmp_path, log_records):
+    start_folder = make_checkpoint(tmp_path, 4)
+    newer = [make_checkpoint(tmp_path, step) for step in (8, 12)]
+    set_aside_newer(str(tmp_path), StartPoint(start_folder, layout.FULL))
+    assert layout.complete_checkpoints(str(tmp_path)) == [start_folder]
+    [branch] = os.listdir(os.path.join(layout.checkpoint_root(str(tmp_path)), layout.ABANDONED_DIR))
+    assert branch.startswith("after_step_00000004-")
+    branch_dir = os.path.join(layout.checkpoint_root(str(tmp_path)), layout.ABANDONED_DIR, branch)
+    assert sorted(os.listdir(branch_dir)) == [os.path.basename(path) for path in newer]
+    assert any("step_00000008, step_00000012" in r.getMessage() for r in log_records), log_records
+    # --resume true now continues this branch.
+    assert resolve_start("true", str(tmp_path)).path == start_folder
+
+
+# ------------------------------------------------------------------------------------ one run per output_dir
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from utils.checkpoint.run_lock import RunLock
+    lock = RunLock(sys.argv[1])
+    lock.acquire()
+    print("held", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_second_run_is_refused_while_a_live_one_holds_the_folder_and_a_dead_ones_lock_is_taken_over(
+    tmp_path, log_records
+):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match="is in use by another run") as refused:
+            RunLock(str(tmp_path)).acquire()
+        assert f"pid {holder.pid}" in str(refused.value) and "started 20" in str(refused.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock(str(tmp_path))  # the holder died without releasing: its record is still in the file
+    lock.acquire()
+    assert any(f"pid {holder.pid}" in r.getMessage() and "taking it over" in r.getMessage() for r in log_records)
+    assert json.loads((tmp_path / layout.RUN_LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert (tmp_path / layout.RUN_LOCK_FILE).read_text() == ""  # a run that ends leaves no holder
+
+
+# ---------------------------------------------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_asks_for_a_save_and_a_second_one_stops_at_once():
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # SIGTERM again: still the same request
+        assert stop.requested and stop.name == "SIGTERM"
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert stop.requested and stop.name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # torchrun's @record, under capsys
+def test_a_stop_at_once_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(T5_training.process_group, "init_distributed", lambda *args: None)
+    monkeypatch.setattr(T5_training, "fsdp_main", interrupted)
+    assert T5_training.main(["--output_dir", str(tmp_path / "out"), "--device", "cpu"]) == 130
+    output = capsys.readouterr()
+    assert output.out.count("interrupted: stopped at once") == 1 and "Traceback" not in output.out + output.err
+
+
+# ----------------------------------------------------------------------- a resume continues the run saved
+
+
+def recorded(**fields) -> dict:
+    """The sections of a run record (config.json) of a run started with `fields` on the command line."""
+    return record_sections(parse_args([f"--{name}={value}" for name, value in fields.items()]))
+
+
+def test_a_resume_keeps_the_runs_settings_unless_told_otherwise():
+    run = recorded(fsdp_version=2, peft="lora", num_train_samples=96, lr=0.002, output_dir="first")
+    config, changes = continue_run(["--resume", "true", "--output_dir", "out"], run, "out/config.json")
+    assert config.fsdp.fsdp_version == 2 and config.lora.peft == "lora" and config.data.num_train_samples == 96
+    assert config.train.output_dir == "out" and config.checkpointing.resume == "true" and changes == []
+    config, changes = continue_run(["--resume", "true", "--lr", "0.01", "--epochs", "4"], run, "out/config.json")
+    assert config.train.lr == 0.01 and config.train.epochs == 4 and config.fsdp.fsdp_version == 2
+    assert changes == ["--epochs 4 (the run had 2)", "--lr 0.01 (the run had 0.002)"]
+    # Given as the run had it: no change.
+    assert continue_run(["--fsdp_version", "2"], run, "out/config.json")[1] == []
+
+
+@pytest.mark.parametrize(
+    "flag", [["--num_train_samples", "64"], ["--peft", "none"], ["--model_name", "t5-base"], ["--lora_r", "4"]]
+)
+def test_a_resume_refuses_what_the_checkpoints_cannot_honour(flag):
+    run = recorded(fsdp_version=2, peft="lora", num_train_samples=96)
+    with pytest.raises(
+        ConfigError, match=rf"{flag[0]} {flag[1]}: the run being resumed was trained with {flag[0]} "
+    ):
+        continue_run(["--resume", "true", *flag], run, "out/config.json")
+
+
+def test_the_record_a_resume_reads(tmp_path):
+    (tmp_path / layout.CONFIG_FILE).write_text(json.dumps(recorded(lr=0.005)))
+    assert recorded_run("true", str(tmp_path)) is None  # no checkpoint: nothing to continue
+    checkpoint = make_checkpoint(tmp_path, 4)
+    path, record = recorded_run("true", str(tmp_path))
+    assert path == str(tmp_path / layout.CONFIG_FILE) and record["train_config"]["lr"] == 0.005
+    assert recorded_run(checkpoint, str(tmp_path / "elsewhere"))[0] == path  # the checkpoint's own run
+    assert recorded_run("false", str(tmp_path)) is None

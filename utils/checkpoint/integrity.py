@@ -1,0 +1,199 @@
+"""Checkpoints that verify themselves: every file's size and CRC-32, recorded as it is written, checked on resume.
+
+A checkpoint's train_state.json (written last: its presence marks the checkpoint complete) lists every other
+file of the checkpoint with its size and CRC-32. The large files are hashed while they are written, as the
+bytes pass through (`HashingFile`): rank 0's model.pt and optimizer.pt, and each rank's DCP shards
+(`RecordingWriter`, which leaves its records in written/rank_<r>.json for rank 0 to merge). The small ones
+(JSON, the tokenizer, the RNG states, DCP's .metadata) are read once more when the checkpoint is completed.
+CRC-32 runs at about 3 GB/s here (zlib; sha256 about 1.6 GB/s): it finds a truncated, overwritten or missing
+file, not a forgery.
+
+On resume, `find_damage` checks a checkpoint before anything is loaded from it, each rank reading its share of
+the files (collective). Checkpoints written before this format (version 1, no list) get the checks their
+train_state.json allows: every rank's RNG file and the main files exist.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from utils import layout
+from utils.files import write_json
+
+CHUNK_BYTES = 16 * 2**20  # read in pieces when checking: a rank's memory stays small whatever the file
+HASH = "crc32"
+
+
+class HashingFile:
+    """A file opened for writing whose bytes are counted and hashed as they pass through (torch.save and DCP's
+    writer call write, tell, flush, fileno and close)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.bytes = 0
+        self.crc = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.crc = zlib.crc32(view, self.crc)
+        self.bytes += view.nbytes
+        return self.raw.write(data)
+
+    def record(self) -> dict:
+        return {"bytes": self.bytes, HASH: self.crc}
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def hashed_file(folder: str, name: str, records: dict):
+    """Open folder/name for writing through a HashingFile; once closed (and fsynced), records[name] is its
+    record."""
+    with open(os.path.join(folder, name), "wb") as raw:
+        stream = HashingFile(raw)
+        yield stream
+        raw.flush()
+        os.fsync(raw.fileno())  # the record says what is on disk, not what is still in the page cache
+    records[name] = stream.record()
+
+
+class RecordingFileSystem(FileSystem):
+    """DCP's file system, with every file it writes hashed on the way (`written`: file name -> record)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, dict] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = HashingFile(raw)
+            yield stream
+        self.written[Path(path).name] = stream.record()
+
+
+class RecordingWriter(FileSystemWriter):
+    """DCP's file writer, which also leaves the size and CRC-32 of every shard it wrote in
+    written/rank_<r>.json. The records are written once the shards are (inside write_data, before DCP's last
+    step gathers every rank's result on rank 0), so when a save is done every rank's record is on disk: rank 0
+    can complete the checkpoint without another collective (a background save)."""
+
+    def __init__(self, path, **kwargs) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = RecordingFileSystem()
+
+    def write_data(self, plan, planner):
+        self.fs.written = {}
+        future = super().write_data(plan, planner)
+        future.wait()  # DCP's file writer has finished by the time it returns; a failure surfaces here
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        record = layout.written_file(str(self.path), rank)
+        os.makedirs(os.path.dirname(record), exist_ok=True)
+        write_json(record, self.fs.written)
+        return future
+
+
+def file_record(path: str) -> dict:
+    """A file's size and CRC-32, read in pieces."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return {"bytes": size, HASH: crc}
+
+
+def checkpoint_files(folder: str, recorded: dict[str, dict]) -> dict[str, dict]:
+    """{path relative to folder: {"bytes", "crc32"}} for every file of a checkpoint being completed. A file's
+    record is the one made while it was written (`recorded`, by name relative to folder, and the ranks'
+    written/ records of their shards, merged here and then removed), else it is read now (the small files)."""
+    recorded = dict(recorded)
+    written = os.path.join(folder, layout.WRITTEN_DIR)
+    if os.path.isdir(written):
+        for name in sorted(os.listdir(written)):
+            with open(os.path.join(written, name), encoding="utf-8") as f:
+                recorded.update(json.load(f))
+        shutil.rmtree(written)
+    files = {}
+    for directory, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(directory, name)
+            relative = os.path.relpath(path, folder).replace(os.sep, "/")
+            record = recorded.get(relative)
+            if record is None or record["bytes"] != os.path.getsize(path):
+                record = file_record(path)
+            files[relative] = record
+    return dict(sorted(files.items()))
+
+
+def problem_with(checkpoint: str, name: str, expected: dict) -> str | None:
+    """What is wrong with one recorded file of a checkpoint (None: it is as written)."""
+    path = os.path.join(checkpoint, name)
+    if not os.path.isfile(path):
+        return f"{name} is missing"
+    size = os.path.getsize(path)
+    if size != expected["bytes"]:
+        return f"{name} has {size} bytes where {expected['bytes']} were written (truncated or overwritten)"
+    if HASH in expected and file_record(path)[HASH] != expected[HASH]:
+        return f"{name} does not hold the bytes that were written (its CRC-32 differs): overwritten or corrupted"
+    return None
+
+
+def legacy_problems(checkpoint: str, state: dict) -> list[str]:
+    """The checks a checkpoint without a file list (format 1) allows: every rank's RNG file, the main files."""
+    names = [os.path.relpath(layout.rng_file(checkpoint, rank), checkpoint) for rank in range(state["world_size"])]
+    if state["checkpoint_type"] == layout.FULL:
+        names += [layout.MODEL_FILE] + ([layout.OPTIMIZER_FILE] if state["has_optimizer"] else [])
+    else:
+        names.append(".metadata")
+    return [f"{name} is missing" for name in names if not os.path.isfile(os.path.join(checkpoint, name))]
+
+
+def find_damage(checkpoint: str, state: dict) -> str | None:
+    """What is wrong with a complete checkpoint's files (up to three things), or None. Collective: each rank
+    reads its share of the files (dealt by size, so that the large ones spread), every rank gets the answer."""
+    distributed = dist.is_available() and dist.is_initialized()  # else one process checks every file
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    files = state.get("files")
+    if files is None:
+        problems = legacy_problems(checkpoint, state) if rank == 0 else []
+    else:
+        by_size = sorted(files, key=lambda name: (-files[name]["bytes"], name))
+        mine = by_size[rank::world_size]
+        problems = [problem for name in mine if (problem := problem_with(checkpoint, name, files[name]))]
+    gathered: list = [problems]
+    if distributed:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, problems)
+    found = sorted(problem for share in gathered for problem in share)
+    return "; ".join(found[:3]) if found else None

@@ -1,0 +1,147 @@
+"""One run per output_dir: rank 0 holds an exclusive lock on output_dir/run.lock for the run's whole life.
+
+    with claimed_output_dir(output_dir):   # collective; a second run into the folder stops here
+        ...
+
+The lock is the operating system's (`flock`), so it is released when its process ends, however it ends: a
+run killed with SIGKILL (or its node lost) leaves the file but not the lock, and the next run takes it over
+with a warning. Linux's NFS client maps flock onto NFS locks, so two hosts that share the folder see each
+other's locks; a file system without working locks (some FUSE mounts; Lustre without `-o flock`) makes the
+check fall back to the holder's record, which can tell a live run only on the same host (a warning says so).
+While held, the file records who holds it (host, pid, start time, command), for the message a second run
+gets. A run that ends empties it.
+"""
+
+import contextlib
+import errno
+import json
+import os
+import socket
+import sys
+from datetime import datetime, timezone
+
+from configs.errors import ConfigError
+from utils import layout
+from utils.checkpoint.start import prepare_output_dir
+from utils.distributed.process_group import rank0_decides
+from utils.log import get_logger
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the holder's record is all there is
+    fcntl = None
+
+
+class RunLock:
+    """output_dir/run.lock, held (on rank 0) while a run writes into output_dir."""
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, layout.RUN_LOCK_FILE)
+        self.file = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise ConfigError naming the live run that holds it."""
+        prepare_output_dir(self.output_dir)
+        file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held until release()
+        try:
+            locked = _try_flock(file)
+        except BaseException:
+            file.close()
+            raise
+        previous = _read_holder(file)
+        if locked is False or (locked is None and previous and _alive_here(previous)):
+            file.close()
+            raise ConfigError(
+                f"output_dir {self.output_dir!r} is in use by another run ({describe(previous)}): two runs "
+                "writing one folder would overwrite each other's checkpoints and metrics. Wait for it to end or "
+                "stop it, or choose another --output_dir. Nothing was changed."
+            )
+        if locked is None:
+            get_logger().warning(
+                "cannot lock %s (its file system has no working file locks): a second run into this output_dir "
+                "would be stopped only on this host",
+                self.path,
+            )
+        if previous:
+            get_logger().warning(
+                "output_dir's previous run (%s) ended without releasing it (killed?): taking it over",
+                describe(previous),
+            )
+        file.seek(0)
+        file.truncate()
+        json.dump(holder_record(), file)
+        file.flush()
+        self.file = file
+
+    def release(self) -> None:
+        """Empty the record and let go of the lock (closing the file releases it)."""
+        if self.file is None:
+            return
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.close()
+        self.file = None
+
+
+@contextlib.contextmanager
+def claimed_output_dir(output_dir: str):
+    """Hold output_dir for the block. Collective: rank 0 takes the lock, every rank gets its refusal."""
+    lock = RunLock(output_dir)
+    rank0_decides(lambda: lock.acquire())  # only rank 0 runs it; the others get its ConfigError, if any
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _try_flock(file) -> bool | None:
+    """True: locked; False: another process holds it; None: this file system cannot lock."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        return None  # ENOLCK, EOPNOTSUPP: no locks here
+
+
+def holder_record() -> dict:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+    }
+
+
+def _read_holder(file) -> dict | None:
+    file.seek(0)
+    text = file.read().strip()
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {}
+
+
+def _alive_here(holder: dict) -> bool:
+    """Whether the holder is a live process of this host (what can be told without locks)."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def describe(holder: dict | None) -> str:
+    if not holder:
+        return "holder unknown: it is just starting"
+    return f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started_at')}"
