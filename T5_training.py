@@ -55,7 +55,10 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # checkpoint (utils/checkpoint/start.py).
     job, attempt = process_group.torchrun_attempt()
     attempt = process_group.group_attempt(attempt, info.device)
-    start = resolve_start(config.checkpointing.resume, train.output_dir, job, attempt)
+    # --evaluate_only changes nothing of a run: it refuses a damaged checkpoint instead of setting it aside.
+    start = resolve_start(
+        config.checkpointing.resume, train.output_dir, job, attempt, not evaluation.evaluate_only
+    )
     precision = resolve_precision(config.fsdp, info.device)
     if precision.fallback:
         get_logger().warning("%s", precision.fallback)
@@ -77,7 +80,9 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     }
 
     # FSDP: FullyShardedDataParallel (--fsdp_version 1, the tutorial's) or fully_shard (2).
-    model = shard_model(loaded.model, config.fsdp, precision, info.device, loaded.weights_source)
+    model = shard_model(
+        loaded.model, config.fsdp, precision, info.device, loaded.weights_source, restores=start.is_checkpoint
+    )
     log_fsdp_layout(model, precision)
 
     # AdamW and the LR scheduler, built after sharding: the optimizer must hold FSDP's sharded parameters.
@@ -169,7 +174,7 @@ def build_model(
         )
     overrides = loading.model_config_overrides(config.recipe)
     weights = None if adapter_weights else weights_file
-    loaded = loading.load_model_for_run(train.model_name, on_meta, weights, overrides, tokenizer, restores)
+    loaded = loading.load_model_for_run(train.model_name, on_meta, weights, overrides, tokenizer)
     if uses_lora:
         loaded.model = lora.apply_lora(loaded.model, lora_config, lora.adapter_base(train.model_name))
         trainable, total = lora.trainable_share(loaded.model)
@@ -258,10 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         with claimed_output_dir(config.train.output_dir):  # one run per output_dir: a second one stops here
             fsdp_main(config, info, from_accelerate)
     except KeyboardInterrupt:
-        # A second Ctrl-C (the first asks for a save, utils/train/preemption.py), or one before training.
+        # A second Ctrl-C (the first asks for a save, utils/train/preemption.py), or one before training. At
+        # once means at once: no teardown, which would wait for a background write's thread and its
+        # collectives (the operating system releases the run lock and the process group's sockets).
         if rank == 0:
             get_logger().error("interrupted: stopped at once, without saving (resume from the newest checkpoint)")
-        return 130
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     except UserError as err:
         # The same input error happens on every rank: rank 0 says it once, every rank exits non-zero.
         # torchrun stops the other ranks as soon as one exits non-zero; the other ranks wait a moment so

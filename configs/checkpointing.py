@@ -23,7 +23,7 @@ class CheckpointConfig:
         default=2,
         help=(
             "Resumable checkpoints kept in output_dir/checkpoints; older ones are deleted once a newer one "
-            "is complete. 0 writes none."
+            "is complete (set-aside ones, damaged or of an abandoned branch, never). 0 writes none."
         ),
         minimum=0,
     )
@@ -31,9 +31,11 @@ class CheckpointConfig:
         default=False,
         help=(
             "true: training continues while a SHARDED_STATE_DICT checkpoint is written; it stops only while "
-            "the state is copied to host memory, and a background thread writes it (the checkpoint counts "
-            "as complete once every rank's part is on disk; the next save, the export and the end of the "
-            "run wait for it; a SIGTERM save is written at once). Needs --checkpoint_type SHARDED_STATE_DICT."
+            "the state is copied to host memory, and a writer writes it in the background (with FSDP2 a "
+            "process per rank, started before the first step; with FSDP1 a thread). The checkpoint counts as "
+            "complete once every rank's part is on disk; the next save, the export and the end of the run "
+            "(a failed one too) wait for it; a stop's save (SIGTERM, Ctrl-C) is written at once. Needs "
+            "--checkpoint_type SHARDED_STATE_DICT."
         ),
     )
     export_max_file_gb: float = option(
@@ -49,9 +51,11 @@ class CheckpointConfig:
     resume: str = option(
         default="false",
         help=(
-            "true: continue from the newest complete checkpoint in output_dir (start afresh if there is "
-            "none); a checkpoint folder: continue from it; a full-model .pt: start from its weights; "
-            "false: a new run (refused if output_dir already holds one)."
+            "true: continue from the newest intact checkpoint in output_dir (a damaged one is set aside; start "
+            "afresh if there is none); a checkpoint folder: continue from it (newer checkpoints of output_dir "
+            "are set aside as an abandoned branch); either way the run's recorded settings are the defaults. "
+            "A full-model .pt: a new run from its weights; false: a new run (both refused if output_dir "
+            "already holds one)."
         ),
         on_resume="launch",
     )

@@ -250,25 +250,30 @@ def continue_run(
     (output_dir, resume, evaluate_only) are this command's alone."""
     given, _ = _resolve(argv, environ)
     given_values = {name: value for section in given.values() for name, value in section.items()}
-    run_values = _recorded_values(recorded, record_path)
+    recorded_texts = _recorded_texts(recorded)
     overrides = {section: {} for section in SECTION_TITLES}
     changes = []
     for spec in field_specs():
-        if spec.on_resume == "launch" or spec.name not in run_values:
+        text = recorded_texts.get(spec.name)
+        if spec.on_resume == "launch" or text is None:
             if spec.name in given_values:
                 overrides[spec.section][spec.name] = given_values[spec.name]
             continue
-        run_value = run_values[spec.name]
-        value = given_values.get(spec.name, run_value)
-        if value != run_value:
-            if spec.on_resume == "fixed":
-                raise ConfigError(
-                    f"--{spec.name} {format_value(value)}: the run being resumed was trained with --{spec.name} "
-                    f"{format_value(run_value)} ({record_path}), and its checkpoints hold to it. Leave the flag "
-                    "out to keep the run's value, or start a new run in another --output_dir."
-                )
-            changes.append(f"--{spec.name} {format_value(value)} (the run had {format_value(run_value)})")
+        if spec.name not in given_values:  # the run's value
+            overrides[spec.section][spec.name] = _parse_recorded(spec, text, record_path)
+            continue
+        value = given_values[spec.name]
         overrides[spec.section][spec.name] = value
+        if format_value(value) == text:
+            continue
+        held = "its checkpoints hold to it" if spec.on_resume == "fixed" else _held_by(spec.name, recorded_texts)
+        if held:
+            raise ConfigError(
+                f"--{spec.name} {format_value(value)}: the run being resumed was trained with --{spec.name} "
+                f"{text} ({record_path}), and {held}. Leave the flag out to keep the run's value, or start a new "
+                "run in another --output_dir."
+            )
+        changes.append(f"--{spec.name} {format_value(value)} (the run had {text})")
     defaults = RunConfig()
     config = RunConfig(
         **{section: replace(getattr(defaults, section), **values) for section, values in overrides.items()}
@@ -276,24 +281,39 @@ def continue_run(
     return config, changes
 
 
-def _recorded_values(recorded: Mapping[str, Mapping], record_path: str) -> dict:
-    """{field: typed value} of a run record's sections (config_to_dict's spelling); fields this version does
-    not know are left out."""
-    specs = {spec.name: spec for spec in field_specs()}
-    values = {}
-    for section_key in RECORD_KEYS.values():
-        for name, raw in (recorded.get(section_key) or {}).items():
-            if name not in specs:
-                continue
-            text = format_value(raw) if isinstance(raw, bool) or raw is None else str(raw)
-            try:
-                values[name] = parse_value(specs[name], text)
-            except ConfigError as err:
-                raise ConfigError(
-                    f"{record_path} records --{name} {text}, which this version does not take ({err}): give "
-                    f"--{name} on the command line"
-                ) from None
-    return values
+# "keep" fields that the run's checkpoints cannot honour a change of while another recorded field has a value:
+# {field: (that field, its recorded spelling, why)}.
+HELD_BY = {
+    "batch_size_training": ("group_by_length", "true", "--group_by_length cut its epochs' order by this size"),
+}
+
+
+def _held_by(name: str, recorded_texts: dict[str, str]) -> str | None:
+    """Why the run's record holds a "keep" field to its value (HELD_BY), or None."""
+    other, spelling, why = HELD_BY.get(name, (None, None, None))
+    return why if other is not None and recorded_texts.get(other) == spelling else None
+
+
+def _recorded_texts(recorded: Mapping[str, Mapping]) -> dict[str, str]:
+    """{field: its command-line spelling} of a run record's sections (config_to_dict's); fields this version
+    does not know are left out."""
+    names = {spec.name for spec in field_specs()}
+    return {
+        name: format_value(raw) if isinstance(raw, bool) or raw is None else str(raw)
+        for section_key in RECORD_KEYS.values()
+        for name, raw in (recorded.get(section_key) or {}).items()
+        if name in names
+    }
+
+
+def _parse_recorded(spec: FieldSpec, text: str, record_path: str):
+    try:
+        return parse_value(spec, text)
+    except ConfigError as err:
+        raise ConfigError(
+            f"{record_path} records --{spec.name} {text}, which this version does not take ({err}): give "
+            f"--{spec.name} on the command line"
+        ) from None
 
 
 def fields_from_accelerate(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> dict:

@@ -69,7 +69,8 @@ class EvalConfig:
         help=(
             "Score a saved model without training: --model_name (a hub name or a folder such as "
             "OUTPUT_DIR/hf_model), or the checkpoint or .pt of --resume, on --eval_split, under FSDP on every "
-            "rank. Writes the eval record and the predictions file into output_dir."
+            "rank. Writes the eval record and the predictions file into output_dir/evaluate_only/, apart from "
+            "what training wrote."
         ),
         on_resume="launch",
     )

@@ -158,16 +158,19 @@ def lora_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_with_lora_equals_the_uninterrupted_run(tmp_path_factory, lora_reference):
-    """Through torchrun (FSDP1, adapters wrapped apart): resumed without repeating --peft lora (the run's
-    record keeps it), the adapters and their AdamW state come back from the checkpoint into an empty PEFT
-    skeleton, so every step after the resume has the uninterrupted run's loss; the run ends with the adapter
-    export only. (A FULL_STATE_DICT checkpoint is restored by the same path, by name: tests/test_resume.py.)"""
-    checkpoint_type = "SHARDED_STATE_DICT"
+@pytest.mark.parametrize("fsdp_version, checkpoint_type", [("1", "SHARDED_STATE_DICT"), ("2", "FULL_STATE_DICT")])
+def test_kill_and_resume_with_lora_equals_the_uninterrupted_run(
+    tmp_path_factory, lora_reference, fsdp_version, checkpoint_type
+):
+    """Through torchrun, resumed without repeating --peft lora (the run's record keeps it): the adapters and
+    their AdamW state come back into an empty PEFT skeleton (FSDP1 materialising each unit, adapters wrapped
+    apart; FSDP2 allocating its shards), from DCP's shards or from the memory-mapped model.pt and
+    optimizer.pt in PEFT's names. Every step after the resume has the uninterrupted run's loss (fp32 FSDP1
+    and FSDP2 train identically); the run ends with the adapter export only."""
     from tests.test_resume import assert_losses_match, kill_and_resume, resumed_from
 
     reference = lora_reference
-    result = kill_and_resume(tmp_path_factory, checkpoint_type, LORA_RUN)
+    result = kill_and_resume(tmp_path_factory, checkpoint_type, (*LORA_RUN, "--fsdp_version", fsdp_version))
     assert result.resumed.returncode == 0, result.resumed.describe()
     assert result.checkpoints_at_kill and resumed_from(result.resumed)[2] == result.checkpoints_at_kill[-1]
     assert_losses_match(result.output_dir, reference)

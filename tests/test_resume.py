@@ -449,7 +449,7 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
         checkpoint fills, where `plain` is one), AdamW, its schedule, their manager."""
         fsdp = replace(fsdp_config, checkpoint_type=checkpoint_type, save_optimizer=save_optimizer)
         restores = plain.device.type == "meta"
-        model = shard_model(plain, fsdp, Precision("fp32_policy"), cpu, weights_source=None if restores else "")
+        model = shard_model(plain, fsdp, Precision("fp32_policy"), cpu, restores=restores)
         parameter_groups = optim.parameter_groups(model, train_config.weight_decay)
         optimizer = torch.optim.AdamW(parameter_groups, lr=train_config.lr)
         scheduler = optim.lr_scheduler(optimizer, train_config.gamma, RecipeConfig(), total_steps=10)

@@ -14,7 +14,6 @@ import time
 import pytest
 import torch
 
-import T5_training
 from configs.cli import config_to_dict as record_sections
 from configs.cli import continue_run, parse_args
 from configs.errors import CheckpointError, ConfigError
@@ -217,18 +216,34 @@ def test_ctrl_c_asks_for_a_save_and_a_second_one_stops_at_once():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
+    with StopRequest() as stop:  # torchrun forwards a second Ctrl-C as SIGTERM
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # torchrun's @record, under capsys
-def test_a_stop_at_once_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
+INTERRUPTED = textwrap.dedent("""
+    import sys
+
+    import T5_training
+
     def interrupted(*args):
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt  # as a second Ctrl-C raises it, mid-run
 
-    monkeypatch.setattr(T5_training.process_group, "init_distributed", lambda *args: None)
-    monkeypatch.setattr(T5_training, "fsdp_main", interrupted)
-    assert T5_training.main(["--output_dir", str(tmp_path / "out"), "--device", "cpu"]) == 130
-    output = capsys.readouterr()
-    assert output.out.count("interrupted: stopped at once") == 1 and "Traceback" not in output.out + output.err
+    T5_training.process_group.init_distributed = lambda *args: None
+    T5_training.fsdp_main = interrupted
+    T5_training.main(["--output_dir", sys.argv[1], "--device", "cpu"])
+""")
+
+
+def test_a_stop_at_once_prints_one_line_and_exits_130_without_a_traceback(tmp_path):
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED, str(tmp_path / "out")], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert done.stdout.count("interrupted: stopped at once") == 1, done.stdout
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
 
 
 # ----------------------------------------------------------------------- a resume continues the run saved
@@ -262,6 +277,22 @@ def test_a_resume_refuses_what_the_checkpoints_cannot_honour(flag):
         continue_run(["--resume", "true", *flag], run, "out/config.json")
 
 
+def test_a_batch_size_that_orders_the_epoch_is_held_and_a_record_this_version_cannot_read_can_be_overridden():
+    run = recorded(group_by_length="true", batch_size_training=4)
+    with pytest.raises(ConfigError, match="--batch_size_training 8: .* --group_by_length cut its epochs' order"):
+        continue_run(["--batch_size_training", "8"], run, "out/config.json")
+    assert continue_run(["--batch_size_training", "8"], recorded(batch_size_training=4), "r")[1] == [
+        "--batch_size_training 8 (the run had 4)"
+    ]
+    run["recipe_config"]["attn_implementation"] = "a_later_kernel"
+    with pytest.raises(
+        ConfigError, match="records --attn_implementation a_later_kernel.*give --attn_implementation"
+    ):
+        continue_run([], run, "out/config.json")
+    config, changes = continue_run(["--attn_implementation", "eager"], run, "out/config.json")
+    assert config.recipe.attn_implementation == "eager" and "(the run had a_later_kernel)" in changes[0]
+
+
 def test_the_record_a_resume_reads(tmp_path):
     (tmp_path / layout.CONFIG_FILE).write_text(json.dumps(recorded(lr=0.005)))
     assert recorded_run("true", str(tmp_path)) is None  # no checkpoint: nothing to continue
@@ -269,4 +300,7 @@ def test_the_record_a_resume_reads(tmp_path):
     path, record = recorded_run("true", str(tmp_path))
     assert path == str(tmp_path / layout.CONFIG_FILE) and record["train_config"]["lr"] == 0.005
     assert recorded_run(checkpoint, str(tmp_path / "elsewhere"))[0] == path  # the checkpoint's own run
+    set_aside_newer(str(tmp_path), StartPoint(make_checkpoint(tmp_path, 2), layout.FULL))  # step 4 set aside
+    [aside] = (tmp_path / "checkpoints" / "abandoned").glob("*/step_00000004")
+    assert recorded_run(str(aside), str(tmp_path / "elsewhere"))[0] == path  # found from a set-aside one too
     assert recorded_run("false", str(tmp_path)) is None

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from configs.errors import CheckpointError
 from utils import layout
 from utils.files import write_json
 
@@ -150,8 +151,13 @@ def checkpoint_files(folder: str, recorded: dict[str, dict]) -> dict[str, dict]:
             path = os.path.join(directory, name)
             relative = os.path.relpath(path, folder).replace(os.sep, "/")
             record = recorded.get(relative)
-            if record is None or record["bytes"] != os.path.getsize(path):
+            if record is None:
                 record = file_record(path)
+            elif record["bytes"] != os.path.getsize(path):  # changed since it was written: not this save's
+                raise CheckpointError(
+                    f"{path} changed after it was written ({record['bytes']} bytes then, {os.path.getsize(path)} "
+                    "now): another process writes into this checkpoint folder"
+                )
             files[relative] = record
     return dict(sorted(files.items()))
 

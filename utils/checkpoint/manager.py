@@ -59,7 +59,7 @@ from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write
 from utils.checkpoint.integrity import RecordingWriter, checkpoint_files, hashed_file
 from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.safe_dcp import SafeFileSystemReader
-from utils.checkpoint.start import StartPoint, read_train_state, remove_stale_temporaries, set_aside_newer
+from utils.checkpoint.start import StartPoint, read_train_state, set_aside_newer
 from utils.checkpoint.state_dicts import (
     fill_from_full,
     fsdp1_state_dict_warnings_ignored,
@@ -291,8 +291,9 @@ class CheckpointManager:
             get_logger().info("removed old checkpoint %s (keep_last_n=%d)", old, self.checkpointing.keep_last_n)
 
     def _purge(self, checkpoint: str) -> None:
-        """Rank 0: a checkpoint stops being one at once (renamed to a temporary name, which a crash leaves for
-        the next run to remove), and its files are deleted in the background."""
+        """Rank 0: a folder (an old checkpoint, a save that never completed) is renamed out of the way at once
+        (a temporary name, which a crash leaves for the next run to remove; no later save of the same step can
+        meet it), and its files are deleted in the background."""
         self.purged += 1
         doomed = layout.purged_dir(checkpoint, self.purged)
         os.replace(checkpoint, doomed)
@@ -304,7 +305,9 @@ class CheckpointManager:
         completed are removed, and a background writer process is started."""
         if self.info.is_main:
             set_aside_newer(self.output_dir, start)
-            remove_stale_temporaries(self.output_dir)
+            for stale in layout.stale_temporaries(self.output_dir):  # under the run lock: nobody writes them
+                self._purge(stale)
+                get_logger().info("removing %s, a save that never completed", stale)
         dist.barrier()
         if self.background_writer == AsyncCheckpointerType.PROCESS and self.checkpointing.keep_last_n:
             self._start_writer_process()
@@ -341,19 +344,20 @@ class CheckpointManager:
         this_runs_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         try:
             self._restore_model_and_optimizer(checkpoint, state)
+            self.scheduler.load_state_dict(state["scheduler"])
+            self._keep_this_runs_lr(this_runs_lrs)
+            if self.scaler is not None and state["scaler"] is not None:
+                self.scaler.load_state_dict(state["scaler"])
+            self._restore_rng(checkpoint, state["world_size"])
         except UserError:
             raise
         except FAILURES as err:  # every failure becomes one message naming the checkpoint
+            checked = "Its files are as they were written (checked): it" if "files" in state else "It"
             raise CheckpointError(
-                f"cannot resume from {checkpoint}: {error_summary(err)}. Its files are as they were written: it "
-                "holds another model or optimizer than this run builds; resume with the settings that wrote it, "
-                "or from another checkpoint."
+                f"cannot resume from {checkpoint}: {error_summary(err)}. {checked} holds another model or "
+                "optimizer than this run builds; resume with the settings that wrote it, or from another "
+                "checkpoint."
             ) from None
-        self.scheduler.load_state_dict(state["scheduler"])
-        self._keep_this_runs_lr(this_runs_lrs)
-        if self.scaler is not None and state["scaler"] is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        self._restore_rng(checkpoint, state["world_size"])
         progress = TrainProgress(**state["progress"])
         get_logger().info("resumed from %s: epoch %d, step %d", checkpoint, progress.epoch, progress.global_step)
         return progress

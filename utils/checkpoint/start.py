@@ -55,12 +55,23 @@ class Candidate:
     problem: str | None = None
 
 
+class DamagedMarker(CheckpointError):
+    """A checkpoint's train_state.json is not what this package writes (cut short, overwritten)."""
+
+
 def read_train_state(checkpoint: str) -> dict:
-    """A checkpoint's train_state.json, checked for format; CheckpointError if unreadable."""
+    """A checkpoint's train_state.json, checked for format. DamagedMarker if its content is not a checkpoint's;
+    CheckpointError if it cannot be read (the file system) or was written by a newer version."""
+    path = os.path.join(checkpoint, layout.STATE_FILE)
     try:
-        with open(os.path.join(checkpoint, layout.STATE_FILE), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             state = json.load(f)
         version, kind = state.get("format_version"), state.get("checkpoint_type")
+        if isinstance(version, int) and version > max(layout.READABLE_VERSIONS):
+            raise CheckpointError(
+                f"checkpoint {checkpoint} was written by a newer version of this package (format {version}; this "
+                f"one reads {', '.join(map(str, layout.READABLE_VERSIONS))}): resume it with that version"
+            )
         if version not in layout.READABLE_VERSIONS or kind not in (layout.FULL, layout.SHARDED):
             raise ValueError(f"unknown format {version!r}/{kind!r}")
         progress = state["progress"]
@@ -68,13 +79,17 @@ def read_train_state(checkpoint: str) -> dict:
             progress["best_metric"] = progress.pop("best_val_loss")
         TrainProgress(**progress)
         return state
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise DamagedMarker(
             f"checkpoint {checkpoint} is unreadable ({layout.STATE_FILE}: {err}): corrupt or not a checkpoint"
         ) from None
 
 
-def resolve_start(resume: str, output_dir: str, job: str | None = None, attempt: int = 0) -> StartPoint:
+def resolve_start(
+    resume: str, output_dir: str, job: str | None = None, attempt: int = 0, set_aside: bool = True
+) -> StartPoint:
     """`--resume`: 'false' -> a new run (refused if output_dir already holds one); 'true' -> the newest intact
     checkpoint (a new run if there is none); otherwise a checkpoint folder or a full-model .pt file, which must
     exist (a .pt starts a new run: refused where output_dir holds one). Collective.
@@ -82,7 +97,10 @@ def resolve_start(resume: str, output_dir: str, job: str | None = None, attempt:
     A torchrun restart (`attempt` > 0) of the torchrun job `job` (utils/distributed/process_group.py:
     torchrun_attempt) whose earlier attempt started the run in output_dir continues it, as 'true' would,
     whatever --resume says: the restarted attempt has the first attempt's arguments. An attempt whose
-    earlier attempts never started (a refusal, a crash before the run record) decides as the first did."""
+    earlier attempts never started (a refusal, a crash before the run record) decides as the first did.
+
+    `set_aside` False (--evaluate_only, which changes nothing of a run): a damaged checkpoint is refused,
+    not moved."""
     choice = rank0_decides(lambda: _choose(resume, output_dir, job, attempt))
     if choice.start is not None:
         return choice.start
@@ -98,6 +116,11 @@ def resolve_start(resume: str, output_dir: str, job: str | None = None, attempt:
             raise CheckpointError(
                 f"--resume {candidate.path}: the checkpoint is damaged: {problem}. Resume from another "
                 "checkpoint (--resume true takes the newest intact one in output_dir); nothing was changed."
+            )
+        if not set_aside:
+            raise CheckpointError(
+                f"checkpoint {candidate.path} is damaged: {problem}. --evaluate_only changes nothing of a run: "
+                "name another checkpoint with --resume PATH (a training resume sets damaged ones aside)."
             )
         damaged.append((candidate, problem))
     named = "; ".join(f"{candidate.path}: {problem}" for candidate, problem in damaged)
@@ -157,15 +180,9 @@ def _complete_candidates(output_dir: str) -> tuple[Candidate, ...]:
     for path in reversed(layout.complete_checkpoints(output_dir)):
         try:
             found.append(Candidate(path, read_train_state(path)))
-        except CheckpointError as err:
+        except DamagedMarker as err:  # a newer version's, or one the file system cannot read now: refused
             found.append(Candidate(path, None, str(err)))
     return tuple(found)
-
-
-def newest_checkpoint(output_dir: str) -> StartPoint | None:
-    """The newest complete checkpoint in output_dir (None if there is none); not checked for damage."""
-    found = layout.complete_checkpoints(output_dir)
-    return StartPoint(found[-1], read_train_state(found[-1])["checkpoint_type"]) if found else None
 
 
 def refuse_over_a_run(output_dir: str, what: str) -> None:
@@ -217,30 +234,26 @@ def set_aside_newer(output_dir: str, start: StartPoint) -> None:
     )  # fmt: skip
 
 
-def remove_stale_temporaries(output_dir: str) -> None:
-    """Rank 0, under the run lock (no other run writes here): the temporary folders of saves that never
-    completed."""
-    for path in layout.stale_temporaries(output_dir):
-        shutil.rmtree(path, ignore_errors=True)
-        get_logger().info("removed %s, a save that never completed", path)
-
-
 def recorded_run(resume: str, output_dir: str) -> tuple[str, dict] | None:
     """(path, contents) of the run record (config.json) of the run a resume continues, whose settings are its
     defaults (configs/cli.py: continue_run): output_dir's for --resume true when it holds a checkpoint; for a
-    checkpoint folder, the record of the output_dir it is in. None for a new run (or a .pt), or where no record
-    is found. Read by every rank before the process group exists (output_dir is shared storage)."""
+    checkpoint folder, the record of the output_dir it is in (set-aside checkpoints included). None for a new
+    run (or a .pt), or where no record is found. Read by every rank before the process group exists
+    (output_dir is shared storage)."""
     if resume.lower() == "false":
         return None
     if resume.lower() == "true":
         if not layout.complete_checkpoints(output_dir):
             return None
         folder = output_dir
-    elif (
-        os.path.isdir(resume)
-        and os.path.basename(os.path.dirname(os.path.abspath(resume))) == layout.CHECKPOINTS_DIR
-    ):
-        folder = os.path.dirname(os.path.dirname(os.path.abspath(resume)))
+    elif os.path.isdir(resume):
+        folder = _run_folder_of(resume)
+        if folder is None:
+            get_logger().warning(
+                "--resume %s: no run record (%s) found above it: the settings are this command's alone",
+                resume, layout.CONFIG_FILE,
+            )  # fmt: skip
+            return None
     else:
         return None
     path = os.path.join(folder, layout.CONFIG_FILE)
@@ -249,6 +262,18 @@ def recorded_run(resume: str, output_dir: str) -> tuple[str, dict] | None:
             return path, json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def _run_folder_of(checkpoint: str) -> str | None:
+    """The output_dir a checkpoint folder belongs to: the parent of the `checkpoints` folder above it (a
+    set-aside checkpoint sits deeper: checkpoints/abandoned/after_.../step_...), where its run record is."""
+    folder = os.path.abspath(checkpoint)
+    for _ in range(4):
+        folder = os.path.dirname(folder)
+        if os.path.basename(folder) == layout.CHECKPOINTS_DIR:
+            run = os.path.dirname(folder)
+            return run if os.path.isfile(os.path.join(run, layout.CONFIG_FILE)) else None
+    return None
 
 
 def recorded_job(output_dir: str) -> str | None:

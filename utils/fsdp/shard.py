@@ -1,6 +1,6 @@
 """Sharding the model: one call, `shard_model`, with both FSDP backends behind it.
 
-    model = shard_model(model, config.fsdp, precision, device, weights_source)   # None: a checkpoint fills it
+    model = shard_model(model, config.fsdp, precision, device, weights_source, restores)
 
 FSDP1 (`--fsdp_version 1`, the tutorial's API, deprecated upstream) is the tutorial's one constructor call,
 `FSDP(model, auto_wrap_policy=..., mixed_precision=..., sharding_strategy=..., ...)`, then activation
@@ -87,17 +87,17 @@ def shard_model(
     fsdp: FSDPConfig,
     precision: Precision,
     device: torch.device,
-    weights_source: str | None = "",
+    weights_source: str = "",
+    restores: bool = False,
 ) -> nn.Module:
     """Shard `model` (unwrapped, on CPU or meta) over the default process group. Collective.
 
     With rank-0-only loading (--cpu_ram_efficient_loading) the ranks hold a skeleton on the meta device: FSDP1
     fills each unit with rank 0's reads of `weights_source` (the pretrained model or a full .pt) as it wraps
-    it; FSDP2 broadcasts rank 0's loaded weights into every rank's shards after sharding. `weights_source`
-    None: every rank holds a skeleton that a checkpoint fills after sharding, so the shards are only
-    allocated.
+    it; FSDP2 broadcasts rank 0's loaded weights into every rank's shards after sharding. `restores`: every
+    rank holds a skeleton that a checkpoint fills after sharding (utils/checkpoint/manager.py), so the shards
+    are only allocated.
     """
-    restores = weights_source is None
     if fsdp.compile:
         compile_blocks(model)
     if fsdp.fsdp_version == 1:

@@ -29,15 +29,15 @@ HUB_HINT = (
 class LoadedModel:
     model: nn.Module  # unwrapped; on the meta device where rank-0-only loading leaves it empty
     tokenizer: T5Tokenizer
-    weights_source: str | None  # where rank-0-only loading reads the weights: the model, a full .pt, or
-    # None where a checkpoint fills the shards
+    weights_source: str  # where rank-0-only loading reads the weights: the model, or a full .pt
     param_numel_total: int  # the model's parameters, tied weights once
     rss_before: int  # this rank's resident memory before the model was built (the peak was reset there)
 
     def memory_baseline(self) -> MemoryBaseline:
         """Call once the model is sharded (and a resumed checkpoint restored): this rank's RSS high-water mark
-        since before the model was built, over the RSS then. Loading is not measured around from_pretrained alone, because transformers 5
-        memory-maps safetensors and the weights become resident only when FSDP copies and shards them."""
+        since before the model was built, over the RSS then. Loading is not measured around from_pretrained
+        alone, because transformers 5 memory-maps safetensors and the weights become resident only when FSDP
+        copies and shards them."""
         return MemoryBaseline(peak_rss_bytes() - self.rss_before, self.param_numel_total)
 
 
@@ -60,11 +60,9 @@ def load_model_for_run(
     weights_file: str | None,
     overrides: dict,
     tokenizer: T5Tokenizer,
-    restores: bool = False,
 ) -> LoadedModel:
     """The unwrapped model, with the weights of `weights_file` (a full .pt) if given, and the model-config
-    `overrides` (model_config_overrides); `tokenizer` (load_tokenizer, loaded once per run) goes with it.
-    `restores`: a checkpoint fills the shards after sharding (no weights source)."""
+    `overrides` (model_config_overrides); `tokenizer` (load_tokenizer, loaded once per run) goes with it."""
     reset_peak_rss()
     rss_before = current_rss_bytes()
     model = load_model(model_name, on_meta=on_meta, **overrides)
@@ -76,8 +74,7 @@ def load_model_for_run(
         # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
         load_full_model_weights(model, weights_file)
     numel = sum(p.numel() for p in model.parameters())
-    source = None if restores else weights_file or model_name
-    return LoadedModel(model, tokenizer, source, numel, rss_before)
+    return LoadedModel(model, tokenizer, weights_file or model_name, numel, rss_before)
 
 
 def looks_like_local_path(model_name: str) -> bool:

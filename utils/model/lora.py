@@ -17,8 +17,12 @@ from torch import nn
 
 from configs.errors import ConfigError
 from configs.lora import LoraConfig
+from utils.log import warnings_ignored
 from utils.model.loading import looks_like_local_path
 
+# get_peft_model reads transformers' `is_gradient_checkpointing`, which transformers 5 deprecates (for
+# `is_activation_checkpointing`): a warning about the two libraries' internals, per rank and per call.
+PEFT_ASKS_A_DEPRECATED_PROPERTY = (FutureWarning, "`is_gradient_checkpointing` is deprecated")
 PEFT_PREFIX = "base_model.model."  # PEFT's names of the wrapped model's parameters
 ADAPTER_NAME = "default"  # PEFT's name of the one adapter (in parameter names: q.lora_A.default.weight)
 
@@ -52,7 +56,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str) -> nn.Module
         target_modules=targets,
     )
     try:
-        model = get_peft_model(model, peft_config)
+        with warnings_ignored(PEFT_ASKS_A_DEPRECATED_PROPERTY):
+            model = get_peft_model(model, peft_config)
     except ValueError:  # PEFT's NoMatchingPeftModuleError: not one target matched
         raise ConfigError(_missing_targets(targets, layers)) from None
     # get_peft_model names the base after the model's name_or_path (maybe relative; and it warns when the

@@ -70,11 +70,13 @@ def _weight_files(model_name: str) -> dict[str, str]:
 
 def _cached_file_or_none(model_name: str, name: str) -> str | None:
     """The path of a model's file (downloaded to the HF cache for a hub name), or None where the model has no
-    such file."""
+    such file; any other failure (no network, no permission) is a ConfigError that says so."""
     try:
         return cached_file(model_name, name)
-    except OSError:  # transformers' "does not appear to have a file named ..." (EnvironmentError)
-        return None
+    except OSError as err:
+        if "does not appear to have a file named" in str(err):  # transformers' words for a missing file
+            return None
+        raise ConfigError(f"cannot read {name} of {model_name!r}: {str(err).splitlines()[0]}") from None
 
 
 def weight_reader(source: str) -> tuple[Callable[[str], torch.Tensor], set[str]]:

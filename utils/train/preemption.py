@@ -6,8 +6,9 @@ most log_every_n_steps steps plus the time of one checkpoint: keep it within the
 (SLURM's KillWait, 30 s by default; torchrun waits 30 s before SIGKILL when it forwards a signal).
 
 Ctrl-C in a terminal reaches torchrun, which forwards SIGINT to every rank once (each rank runs in a session
-of its own, so the terminal does not signal them itself). A second SIGINT to a rank means "stop now": it
-raises KeyboardInterrupt, which the entry point turns into one line and exit code 130, without saving.
+of its own, so the terminal does not signal them itself). A second Ctrl-C means "stop now"; torchrun passes
+it on as SIGTERM, so after a SIGINT either signal raises KeyboardInterrupt, which the entry point turns into
+one line and exit code 130, without saving. (A SIGTERM after a SIGTERM changes nothing: schedulers repeat it.)
 """
 
 import signal
@@ -28,8 +29,8 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop at once
+        if self.requested and self.name == "SIGINT":
+            raise KeyboardInterrupt  # a second Ctrl-C (torchrun forwards it as SIGTERM): stop at once
         if not self.requested:
             again = " (Ctrl-C again stops at once, without saving)" if signum == signal.SIGINT else ""
             get_logger().info(

@@ -31,7 +31,7 @@ from utils import layout
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
 from utils.data.loaders import Loaders, move_batch
-from utils.distributed.process_group import DistInfo, StopAgreed, any_rank
+from utils.distributed.process_group import DistInfo, StopAgreed, any_rank, rank0_decides
 from utils.eval.evaluator import Evaluator
 from utils.fsdp.shard import forward_warnings_ignored
 from utils.log import get_logger
@@ -305,7 +305,7 @@ class Trainer:
         last = progress.best_epoch is not None and progress.best_epoch != last_epoch
         folder = os.path.join(self.train_config.output_dir, self.checkpoints.final_folder(last))
         reason = self.done(progress)
-        if os.path.isdir(folder):
+        if rank0_decides(lambda: os.path.isdir(folder)):  # one answer: the export below is collective
             get_logger().info(
                 "the run in %s had finished (%s; step %d): nothing to do, nothing changed. To train on, resume "
                 "with more --epochs than %d (or a higher --max_steps).",
