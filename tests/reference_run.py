@@ -105,9 +105,10 @@ def train_reference(output_dir: Path) -> Path:
 # ------------------------------------------------------- torchrun --max_restarts: a killed rank, a restart
 KILL_STEP = 7  # after the checkpoint of step 5: the restart continues from it, redoing steps 6 and 7
 RESTART_TIMEOUT_S = 240
+# Rank 0 (which writes the shared files) dies in one case, rank 1 in the other. FSDP2's resume from its shards
+# is tested without a restart (tests/test_fsdp2.py: across backends; tests/test_lora.py).
 RESTART_CASES = {  # case: (checkpoint type, FSDP version, rank killed, torchrun agents ("nodes"))
-    "fsdp1-full": (FULL, 1, 1, 1),
-    "fsdp2-sharded": (SHARDED, 2, 0, 1),
+    "fsdp1-full": (FULL, 1, 0, 1),
     "two-agents-c10d": (SHARDED, 1, 1, 2),
 }
 

@@ -392,14 +392,6 @@ def test_model_path_that_does_not_exist(tmp_path):
     assert str(missing) in line, run.describe()
 
 
-def test_unknown_config_field(tmp_path):
-    run = torchrun(["--no_such_field", "1", "--output_dir", str(tmp_path / "out")], timeout=90)
-    line = check_user_error(run, "unknown argument")
-    assert "--no_such_field" in line, run.describe()
-    # A config error is found before anything is written.
-    assert not (tmp_path / "out").exists()
-
-
 def test_output_dir_not_writable(tmp_path):
     regular_file = tmp_path / "a_file"
     regular_file.write_text("not a folder")

@@ -589,12 +589,12 @@ def test_hf_model_loads_and_equals_the_last_full_checkpoint(restarted_full):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["fsdp1-full", "fsdp2-sharded"])
-def test_converted_checkpoint_holds_what_the_run_exported(case, restarts, tmp_path):
+@pytest.mark.parametrize("run_name", ["restarted_full", "reference"])
+def test_converted_checkpoint_holds_what_the_run_exported(run_name, request, tmp_path):
     """scripts/convert_checkpoint_to_hf.py on the last checkpoint (FULL_STATE_DICT's model.pt; the DCP
     shards of SHARDED_STATE_DICT) writes, tensor for tensor, what the run's end exported from the shards for
     the same weights, split over several files as --max_file_gb asks."""
-    output_dir = restarts[case][0]
+    output_dir = request.getfixturevalue(run_name)
     exported = output_dir / ("hf_model_last" if (output_dir / "hf_model_last").is_dir() else "hf_model")
     converted = tmp_path / "converted"
     last = checkpoint_dir(output_dir, TOTAL_STEPS)
@@ -631,19 +631,15 @@ def _another_model(tmp_path, out):
     )
 
 
-def _fresh_run_over_a_run(tmp_path, out):
-    return ["--resume", "false"], "already holds a run", ["--resume true"]
-
-
 # One torchrun run per way a bad input is found over an existing run: a resume that would change what the
-# run's checkpoints hold (here the model), rank 0's decision on output_dir, a damaged checkpoint named with
-# --resume. A settings refusal comes before output_dir is touched (tests/test_end_to_end.py: nothing is
-# created). Other messages of the same paths are unit-tested (tests/test_cli.py, test_validate.py,
-# test_dataset.py, test_torchrun_restarts.py, test_run_safety.py: each field a resume refuses to change).
+# run's checkpoints hold (here the model), refused before the process group; a damaged checkpoint named with
+# --resume, refused by rank 0's look at output_dir, on every rank. A settings refusal comes before output_dir
+# is touched (tests/test_end_to_end.py: nothing is created). Other messages of the same paths are
+# unit-tested (tests/test_cli.py, test_validate.py, test_dataset.py, test_torchrun_restarts.py: a new run over
+# a run; test_run_safety.py: each field a resume refuses to change).
 BAD_INPUTS = {
     "damaged_named_checkpoint": _damaged_named_checkpoint,
     "another_model": _another_model,
-    "fresh_run_over_a_run": _fresh_run_over_a_run,
 }
 
 
