@@ -307,13 +307,8 @@ def _recorded_texts(recorded: Mapping[str, Mapping]) -> dict[str, str]:
 
 
 def _parse_recorded(spec: FieldSpec, text: str, record_path: str):
-    try:
-        return parse_value(spec, text)
-    except ConfigError as err:
-        raise ConfigError(
-            f"{record_path} records --{spec.name} {text}, which this version does not take ({err}): give "
-            f"--{spec.name} on the command line"
-        ) from None
+    fix = f"This version does not take the run's value: give --{spec.name} on the command line."
+    return _parse_from(spec, text, f"the run record {record_path}", fix)
 
 
 def fields_from_accelerate(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> dict:
@@ -341,14 +336,16 @@ def _resolve(argv: list[str] | None, environ: Mapping[str, str] | None) -> tuple
 
 
 def _parse_from_environment(spec: FieldSpec, text: str, variables: str):
-    """parse_value, with the variables that gave the value named in the error."""
+    fix = f"Fix the config file, or give --{spec.name} on the command line."
+    return _parse_from(spec, text, f"{variables} (set by accelerate launch)", fix)
+
+
+def _parse_from(spec: FieldSpec, text: str, source: str, fix: str):
+    """parse_value, with where the value came from and the fix named in the error."""
     try:
         return parse_value(spec, text)
     except ConfigError as err:
-        raise ConfigError(
-            f"{variables} (set by accelerate launch) gives --{spec.name} {text}: {err}. "
-            f"Fix the config file, or give --{spec.name} on the command line."
-        ) from None
+        raise ConfigError(f"{source} gives --{spec.name} {text}: {err}. {fix}") from None
 
 
 def config_to_dict(config: RunConfig) -> dict:

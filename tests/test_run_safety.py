@@ -286,7 +286,7 @@ def test_a_batch_size_that_orders_the_epoch_is_held_and_a_record_this_version_ca
     ]
     run["recipe_config"]["attn_implementation"] = "a_later_kernel"
     with pytest.raises(
-        ConfigError, match="records --attn_implementation a_later_kernel.*give --attn_implementation"
+        ConfigError, match="record out/config.json gives --attn_implementation a_later_kernel.*give --attn"
     ):
         continue_run([], run, "out/config.json")
     config, changes = continue_run(["--attn_implementation", "eager"], run, "out/config.json")
