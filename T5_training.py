@@ -123,7 +123,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
             if start.is_checkpoint and trainer.done(progress):
                 trainer.finish_finished_run(progress)  # a resume of a finished run changes nothing
             else:
-                checkpoints.begin_training(start)  # a rollback's abandoned checkpoints set aside
+                checkpoints.begin_training(start, progress)  # a rollback's abandoned checkpoints set aside
                 if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
                     record_ = run_record.run_record(config, from_accelerate, info, precision, throughput, job)
                     config_file = os.path.join(train.output_dir, layout.CONFIG_FILE)

@@ -157,7 +157,7 @@ def test_dcps_failures_reach_the_user_as_one_sentence():
 def test_a_rollback_sets_the_abandoned_branch_aside(tmp_path, log_records):
     start_folder = make_checkpoint(tmp_path, 4)
     newer = [make_checkpoint(tmp_path, step) for step in (8, 12)]
-    set_aside_newer(str(tmp_path), StartPoint(start_folder, layout.FULL))
+    set_aside_newer(str(tmp_path), StartPoint(start_folder, layout.FULL), 4)
     assert layout.complete_checkpoints(str(tmp_path)) == [start_folder]
     [branch] = os.listdir(os.path.join(layout.checkpoint_root(str(tmp_path)), layout.ABANDONED_DIR))
     assert branch.startswith("after_step_00000004-")
@@ -300,7 +300,7 @@ def test_the_record_a_resume_reads(tmp_path):
     path, record = recorded_run("true", str(tmp_path))
     assert path == str(tmp_path / layout.CONFIG_FILE) and record["train_config"]["lr"] == 0.005
     assert recorded_run(checkpoint, str(tmp_path / "elsewhere"))[0] == path  # the checkpoint's own run
-    set_aside_newer(str(tmp_path), StartPoint(make_checkpoint(tmp_path, 2), layout.FULL))  # step 4 set aside
+    set_aside_newer(str(tmp_path), StartPoint(make_checkpoint(tmp_path, 2), layout.FULL), 2)  # step 4 set aside
     [aside] = (tmp_path / "checkpoints" / "abandoned").glob("*/step_00000004")
     assert recorded_run(str(aside), str(tmp_path / "elsewhere"))[0] == path  # found from a set-aside one too
     assert recorded_run("false", str(tmp_path)) is None

@@ -65,12 +65,6 @@ class HashingFile:
     def close(self) -> None:
         self.raw.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 @contextlib.contextmanager
 def hashed_file(folder: str, name: str, records: dict):

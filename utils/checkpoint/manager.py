@@ -21,10 +21,10 @@ FSDP1's ShardedTensors cannot be staged into shared memory by DCP, and sending t
 training process more than writing them from a thread (scripts/checkpoint_costs.py writer), so FSDP1 keeps a
 writer thread, on a gloo group of its own so that its collectives never interleave with training's. DCP's
 last save step gathers every rank's write result on rank 0 before rank 0 writes `.metadata`, so when rank
-0's write has finished every rank's has;
-rank 0 then completes the checkpoint (train_state.json, rename, prune) without another collective, as soon as
-it sees that between two steps. At most one save is in flight: the next save, the exports and the end of the
-run wait for it, and `close` (in the run's `finally`) finishes it, or says it was abandoned.
+0's write has finished every rank's has; rank 0 then completes the checkpoint (train_state.json, rename,
+prune) without another collective, as soon as it sees that between two steps. At most one save is in flight:
+the next save, the exports and the end of the run wait for it, and `close` (in the run's `finally`) finishes
+it, or says it was abandoned.
 
 Nothing here unpickles arbitrary objects: .pt files load with weights_only=True, the DCP payload holds
 tensors only (the optimizer's non-tensor hyper-parameters are JSON), and DCP's `.metadata` file, a pickle,
@@ -187,18 +187,22 @@ class CheckpointManager:
 
     def _save_in_background(self, payload: dict, tmp: str, final: str, train_state: dict, started: float) -> None:
         dist.barrier()  # every rank's small files are on disk before rank 0 may complete the folder
-        # Staged (copied to host memory) before it returns; written in the background.
-        future = dcp.async_save(
-            payload,
-            storage_writer=RecordingWriter(tmp),
-            process_group=self.background_group,
-            async_checkpointer_type=self.background_writer,
-            async_stager=self.stager,
-        )
+        future = self._write_in_background(payload, tmp)
         stalled = time.perf_counter() - started
         self.pending = BackgroundSave(future, tmp, final, train_state, started, stalled)
         get_logger().info(
             "checkpoint %s: training resumes after %.2f s; written in the background", final, stalled
+        )
+
+    def _write_in_background(self, payload: dict, folder: str) -> Future:
+        """DCP's async_save of `payload` into `folder` with this run's stager and writer: staged (copied to
+        host memory) before it returns, written in the background. Collective."""
+        return dcp.async_save(
+            payload,
+            storage_writer=RecordingWriter(folder),
+            process_group=self.background_group,
+            async_checkpointer_type=self.background_writer,
+            async_stager=self.stager,
         )
 
     def poll(self) -> None:
@@ -299,12 +303,12 @@ class CheckpointManager:
         os.replace(checkpoint, doomed)
         self.purger.submit(shutil.rmtree, doomed, ignore_errors=True)
 
-    def begin_training(self, start: StartPoint) -> None:
+    def begin_training(self, start: StartPoint, progress: TrainProgress) -> None:
         """Before a run's first step (collective; rank 0 acts, under the run lock): a rollback's abandoned
         newer checkpoints are set aside (utils/checkpoint/start.py), temporary folders of saves that never
         completed are removed, and a background writer process is started."""
         if self.info.is_main:
-            set_aside_newer(self.output_dir, start)
+            set_aside_newer(self.output_dir, start, progress.global_step)
             for stale in layout.stale_temporaries(self.output_dir):  # under the run lock: nobody writes them
                 self._purge(stale)
                 get_logger().info("removing %s, a save that never completed", stale)
@@ -318,13 +322,7 @@ class CheckpointManager:
         into a scratch folder starts it now. Collective."""
         started = time.perf_counter()
         scratch = layout.tmp_checkpoint_dir(self.output_dir, 0) + "_writer_start"
-        dcp.async_save(
-            {"writer_start": torch.zeros(1)},
-            storage_writer=RecordingWriter(scratch),
-            process_group=self.background_group,
-            async_checkpointer_type=self.background_writer,
-            async_stager=self.stager,
-        ).result()
+        self._write_in_background({"writer_start": torch.zeros(1)}, scratch).result()
         dist.barrier()
         if self.info.is_main:
             shutil.rmtree(scratch, ignore_errors=True)

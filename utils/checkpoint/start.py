@@ -180,7 +180,7 @@ def _complete_candidates(output_dir: str) -> tuple[Candidate, ...]:
     for path in reversed(layout.complete_checkpoints(output_dir)):
         try:
             found.append(Candidate(path, read_train_state(path)))
-        except DamagedMarker as err:  # a newer version's, or one the file system cannot read now: refused
+        except DamagedMarker as err:  # damaged; a newer version's or an unreadable file raises (refused)
             found.append(Candidate(path, None, str(err)))
     return tuple(found)
 
@@ -207,14 +207,14 @@ def _set_aside_damaged(output_dir: str, checkpoint: str, problem: str, continuin
     )  # fmt: skip
 
 
-def set_aside_newer(output_dir: str, start: StartPoint) -> None:
-    """Rank 0, when a run starts training from a checkpoint older than output_dir's newest (a rollback): the
-    newer checkpoints (and one of the same step that is not the start) belong to the abandoned branch. They
+def set_aside_newer(output_dir: str, start: StartPoint, branch_point: int) -> None:
+    """Rank 0, when a run starts training from a checkpoint (of step `branch_point`, its restored progress)
+    older than output_dir's newest (a rollback): the newer checkpoints (and one of the same step that is not
+    the start) belong to the abandoned branch. They
     move, together, to checkpoints/abandoned/, so that --resume true and torchrun restarts continue this
     branch; one line says so."""
     if not start.is_checkpoint:
         return  # a new run: refused over an existing one (refuse_over_a_run), so there is nothing newer
-    branch_point = read_train_state(start.path)["progress"]["global_step"]
     start_path = os.path.realpath(start.path)
     newer = [
         path

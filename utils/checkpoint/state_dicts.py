@@ -33,8 +33,9 @@ from utils.log import get_logger, warnings_ignored
 # helper also warns that it has to guess), its sharded state dicts are ShardedTensors, deprecated in favour of
 # FSDP2's DTensors, and FSDP.state_dict_type is deprecated in favour of get_state_dict (the tutorial's FSDP1
 # full-state path uses it on purpose; --fsdp_version 2 is the replacement). The checkpoint manager's saves,
-# loads and exports, and the functions here that touch such state dicts, ignore exactly these
-# (`fsdp1_state_dict_warnings_ignored`), and nothing else.
+# loads and exports, and the entry points here and in hf_export.py that build or load such state dicts, ignore
+# exactly these (`fsdp1_state_dict_warnings_ignored`), and nothing else; the per-tensor helpers they call
+# (local_rows, fill_from_full, ...) run inside them, so they do not enter the block again for every tensor.
 FSDP1_STATE_DICT_WARNINGS = (
     (UserWarning, "`_get_pg_default_device` will be deprecated"),
     (UserWarning, "Multiple backends are registered with this ProcessGroup"),
@@ -64,7 +65,6 @@ def sharded_model_state(model: nn.Module) -> dict:
     return get_model_state_dict(model)
 
 
-@fsdp1_state_dict_warnings_ignored()
 def local_rows(tensor) -> tuple[torch.Tensor | None, int]:
     """This rank's part of a sharded state-dict tensor (FSDP1's ShardedTensor, FSDP2's DTensor), and the
     index of its first row in the full tensor. Both backends cut parameters into blocks of whole rows (dim
@@ -84,7 +84,6 @@ def local_rows(tensor) -> tuple[torch.Tensor | None, int]:
     return shards[0].tensor, shards[0].metadata.shard_offsets[0]
 
 
-@fsdp1_state_dict_warnings_ignored()
 def with_local_rows(tensor, local: torch.Tensor):
     """A sharded tensor laid out as `tensor` (same full shape, same ranks' rows) whose part on this rank is
     `local`. No communication."""
@@ -96,7 +95,6 @@ def with_local_rows(tensor, local: torch.Tensor):
     return sharded_tensor_like(tensor, [Shard(local, shard.metadata) for shard in tensor.local_shards()])
 
 
-@fsdp1_state_dict_warnings_ignored()
 def full_tensor_everywhere(tensor, device: torch.device) -> torch.Tensor:
     """The whole of a sharded state-dict tensor on every rank, on `device` (the process group's). Collective;
     meant for small tensors (LoRA's adapters)."""
@@ -114,7 +112,6 @@ def full_tensor_everywhere(tensor, device: torch.device) -> torch.Tensor:
     return full
 
 
-@fsdp1_state_dict_warnings_ignored()
 def fill_from_full(template: dict, full: dict, file: str, prefix: str = "") -> None:
     """Copy into each sharded tensor of `template` (a state dict of this rank's shards, nested dicts allowed)
     its own rows of the same-named full tensor of `full`. With `full` memory-mapped (a FULL_STATE_DICT .pt),
