@@ -1,4 +1,5 @@
-"""Fine-tune T5 on WikiHow summarization with FSDP: the Advanced FSDP tutorial's T5_training.py, working.
+"""Fine-tune T5 on WikiHow summarization (or your own data) with FSDP: the Advanced FSDP tutorial's
+T5_training.py, working.
 
     torchrun --nproc_per_node N T5_training.py [--field value ...]
 
@@ -76,7 +77,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
     model_config.task_specific_params = {
         **(getattr(model_config, "task_specific_params", None) or {}),
-        "summarization": generation.summarization_params(config.data, evaluation),
+        "summarization": generation.summarization_params(config.data, evaluation, loaders.cleaning),
     }
 
     # FSDP: FullyShardedDataParallel (--fsdp_version 1, the tutorial's) or fully_shard (2).
@@ -92,7 +93,8 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # it rounds differently from the default for-each kernel in the last bit, so it is used only then.
     fused = recipe.on_nonfinite == "skip" and scaler is None
     optimizer = torch.optim.AdamW(optim.parameter_groups(model, train.weight_decay), lr=train.lr, fused=fused)
-    total_steps = optim.total_optimizer_steps(recipe, train.epochs, len(loaders.train))
+    batches_per_epoch = len(loaders.train) if loaders.train is not None else 1  # --evaluate_only trains none
+    total_steps = optim.total_optimizer_steps(recipe, train.epochs, batches_per_epoch)
     scheduler = optim.lr_scheduler(optimizer, train.gamma, recipe, total_steps)
 
     # The checkpoint manager owns every save and load; it restores where the run starts from, and is closed
@@ -109,13 +111,15 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
         memory.trim_host_heap()  # what loading freed goes back to the OS instead of inflating the run's peak
 
         if evaluation.evaluate_only:
-            evaluate_saved_model(model, tokenizer, config, info, progress, start)
+            evaluate_saved_model(model, loaders.evaluation, config, info, progress, start)
         else:
             evaluator = None
             if loaders.evaluation is not None:
                 generate_kwargs = generation.generation_kwargs(evaluation, config.data.max_target_length)
                 predictions_file = functools.partial(layout.predictions_file, train.output_dir)
-                evaluator = Evaluator(loaders.evaluation, generate_kwargs, predictions_file, info)
+                evaluator = Evaluator(
+                    loaders.evaluation, generate_kwargs, evaluation.eval_metric, predictions_file, info
+                )
             trainer = Trainer(
                 model, optimizer, scheduler, scaler, loaders, checkpoints, evaluator, info,
                 train, recipe, evaluation, config.observe, throughput, memory_baseline,
@@ -140,17 +144,20 @@ def log_evaluation_plan(config: RunConfig) -> None:
     if evaluation.evaluate_only:
         return
     if not train.run_validation:
-        get_logger().info("evaluation: none (--run_validation false switches off the validation loss and ROUGE)")
+        get_logger().info(
+            "evaluation: none (--run_validation false switches off the validation loss and generation)"
+        )
         return
-    rouge = "no ROUGE (--eval_rouge false)"
+    metric = "ROUGE" if evaluation.eval_metric == "rouge" else "accuracy"
+    scores = f"no {metric} (--eval_rouge false)"
     if evaluation.eval_rouge:
-        articles = evaluation.eval_num_samples or "all"
-        rouge = f"ROUGE of {articles} articles (--eval_rouge false switches it off)"
+        rows = evaluation.eval_num_samples or "all"
+        scores = f"{metric} of {rows} generated outputs (--eval_rouge false switches it off)"
     when = "after each epoch"
     if evaluation.eval_every_n_steps:
         when += f" and every {evaluation.eval_every_n_steps} steps"
     get_logger().info(
-        "evaluation %s: validation loss and %s; --run_validation false switches all evaluation off", when, rouge
+        "evaluation %s: validation loss and %s; --run_validation false switches all evaluation off", when, scores
     )
 
 
@@ -203,16 +210,14 @@ def build_throughput(
 
 
 def evaluate_saved_model(
-    model, tokenizer, config: RunConfig, info: process_group.DistInfo, progress, start: StartPoint
+    model, eval_set, config: RunConfig, info: process_group.DistInfo, progress, start: StartPoint
 ) -> None:
-    """--evaluate_only: ROUGE of the loaded (or resumed) model on --eval_split, no training. Collective.
+    """--evaluate_only: the --eval_metric scores of the loaded (or resumed) model on `eval_set` (--eval_split),
+    no training. Collective.
 
     Its eval record (appended to output_dir/evaluate_only/metrics.jsonl, naming the model evaluated) and its
     predictions (a file per evaluation) go apart from what training wrote, which stays as it was."""
     train, evaluation = config.train, config.evaluation
-    eval_set = summarization_dataset.build_eval_set(
-        tokenizer, config.data, train, evaluation, info, evaluation.eval_split
-    )
     generate_kwargs = generation.generation_kwargs(evaluation, config.data.max_target_length)
     stamp = layout.time_stamp()
 
@@ -220,7 +225,7 @@ def evaluate_saved_model(
         return layout.evaluate_only_predictions_file(train.output_dir, split, step, stamp)
 
     with forward_warnings_ignored():
-        scores = Evaluator(eval_set, generate_kwargs, predictions_file, info).evaluate(
+        scores = Evaluator(eval_set, generate_kwargs, evaluation.eval_metric, predictions_file, info).evaluate(
             model, progress.epoch - 1, progress.global_step
         )
     path = os.path.join(train.output_dir, layout.EVALUATE_ONLY_DIR, layout.METRICS_FILE)

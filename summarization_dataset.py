@@ -1,4 +1,9 @@
-"""WikiHow reader with the original builder's semantics, and the tutorial's ``wikihow`` Dataset.
+"""The tutorial's Dataset over any source of rows, and the WikiHow reader with the original builder's semantics.
+
+Every source (WikiHow here; files, a saved dataset or a named one in utils/data/sources.py) is reduced to the
+text cache, one memory-mapped Arrow file per split with the columns id, source and target; from there, the
+token cache, `SummarizationDataset` (the tutorial's ``wikihow`` Dataset, for every source), sampling, resume
+and evaluation are one path. `text_source` says which source a run reads. WikiHow is the default:
 
 The Advanced FSDP tutorial loads WikiHow with ``nlp.load_dataset('wikihow', 'all', data_dir='data/')``.
 That package (2020, superseded by ``datasets``) downloads the builder script and the split lists at run
@@ -21,14 +26,13 @@ time, and ``datasets`` >= 4 refuses dataset scripts altogether, so neither works
 Without any of the three lists, a deterministic split by a hash of the title is used instead (and a
 warning says so); see ``hash_split``.
 
-The CSV is read once per machine, not once per rank and split: the first run's LOCAL_RANK 0 writes the
-three splits into memory-mapped Arrow files under ``--cache_dir`` (default ``<data_dir>/cache``), and every
-rank and later run reads them from there; the token ids of the rows a run uses are cached beside them the
-same way, keyed by the tokenizer, the lengths and the prefix (utils/data/shared_cache.py says how the
+The data is read once per machine, not once per rank and split: the first run's LOCAL_RANK 0 writes the
+splits into memory-mapped Arrow files under ``--cache_dir`` (default beside the data), and every rank and
+later run reads them from there; the token ids of the rows a run uses are cached beside them the same way,
+keyed by the text cache, the tokenizer, the lengths and the prefix (utils/data/shared_cache.py says how the
 processes share the build, and what happens to a damaged or half-built cache).
 
-The ``wikihow`` Dataset keeps the tutorial's constructor and items; ``pad_collate`` and
-``labels_for_loss`` are what the training loop needs around it.
+``pad_collate`` batches its items for the training loop.
 """
 
 from __future__ import annotations
@@ -43,11 +47,10 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import datasets
-import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from datasets.fingerprint import Hasher
@@ -59,9 +62,11 @@ from configs.data import DataConfig
 from configs.errors import ConfigError, DataError, DataFileNotFoundError
 from configs.evaluation import EvalConfig
 from configs.training import TrainConfig
+from utils.data import sources
 from utils.data.loaders import EvalSet, Loaders, build_loader
 from utils.data.samplers import LengthGrouping, PaddedEvalSampler, train_sampler_for
 from utils.data.shared_cache import complete_folders, shared_folder
+from utils.data.sources import SPLITS, SplitWriter, TextSource, file_fingerprint, not_utf8
 from utils.distributed.process_group import DistInfo
 from utils.log import get_logger
 
@@ -214,22 +219,9 @@ def _csv_rows(csv_path: Path, progress: tqdm | None = None) -> Iterator[list[str
 
 def _not_utf8(csv_path: Path) -> DataError:
     """The error for a wikihowAll.csv that does not decode, naming its first bad line and the fix."""
-    return DataError(
-        f"{csv_path} is not UTF-8 text (line {_first_undecodable_line(csv_path)}): the file is damaged or not "
-        f"the original {CSV_NAME}. {_how_to_get_data(csv_path.parent)}"
+    return not_utf8(
+        csv_path, f"The file is damaged or not the original {CSV_NAME}. {_how_to_get_data(csv_path.parent)}"
     )
-
-
-def _first_undecodable_line(path: Path) -> int:
-    """The number of the first line of `path` that is not UTF-8 (the decoder reads ahead in blocks, so
-    the csv reader's position does not say where the bad byte is)."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return number
-    return 0
 
 
 def _ends_inside_a_quoted_field(csv_path: Path) -> bool:
@@ -248,38 +240,18 @@ def _ends_inside_a_quoted_field(csv_path: Path) -> bool:
 
 # Bump when the reading or cleaning above changes (the text cache is rebuilt), or when clean_text or the
 # encoding of items below changes (the token cache is rebuilt).
-CLEANING_VERSION = 1
-ENCODING_VERSION = 1
-_TEXT_SCHEMA = pa.schema([("title", pa.string()), ("headline", pa.string()), ("text", pa.string())])
+CLEANING_VERSION = 2
+ENCODING_VERSION = 2
 _TOKEN_FEATURES = datasets.Features(
     {"source_ids": datasets.List(datasets.Value("int32")), "target_ids": datasets.List(datasets.Value("int32"))}
 )
-# Rows per Arrow record batch: small enough that the builder holds little, large enough to write fast.
-_ROWS_PER_BATCH = 2048
-# Starting a tokenising process (a fork, the tokenizer pickled) pays off from about this many articles.
+# Starting a tokenising process (a fork, the tokenizer pickled) pays off from about this many rows.
 _ROWS_PER_TOKENISING_PROCESS = 10_000
 # Each is a fork of a rank (after its process group is set up) holding a tokenizer: a few suffice.
 _MAX_TOKENISING_PROCESSES = 8
-# The file's identity without reading it all: its size, modification time and first and last MiB.
-_FINGERPRINT_BYTES = 1 << 20
 
-
-_WARNED_TRUNCATED: set[Path] = set()
-
-
-def cache_root(data: DataConfig) -> Path:
-    """Where the cache lives: --cache_dir, by default <data_dir>/cache."""
-    return Path(data.cache_dir) if data.cache_dir else Path(data.data_dir) / "cache"
-
-
-def _file_fingerprint(path: Path) -> dict:
-    stat = path.stat()
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        sha.update(f.read(_FINGERPRINT_BYTES))
-        f.seek(max(stat.st_size - _FINGERPRINT_BYTES, 0))
-        sha.update(f.read(_FINGERPRINT_BYTES))
-    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "head_and_tail_sha256": sha.hexdigest()}
+# Warnings about a cache's content, once per process and folder (not once per split or dataset).
+_WARNED: set[tuple[Path, str]] = set()
 
 
 def _show_progress() -> bool:
@@ -287,23 +259,15 @@ def _show_progress() -> bool:
     return get_logger().isEnabledFor(logging.INFO)
 
 
-def _write_text_cache(csv_path: Path, lists: dict[str, Path] | None, folder: Path) -> dict:
-    """Read wikihowAll.csv once and write each split's rows (the builder's, in file order) to <split>.arrow."""
+def _write_wikihow_cache(csv_path: Path, lists: dict[str, Path] | None, folder: Path) -> dict:
+    """Read wikihowAll.csv once and write each split's rows (the builder's, in file order) to <split>.arrow:
+    id the title, source the text, target the headline."""
     titles = {split: _read_title_list(path) for split, path in lists.items()} if lists else None
-    rows = {split: {"title": [], "headline": [], "text": []} for split in SPLIT_FILES}
-    counts = dict.fromkeys(SPLIT_FILES, 0)
     n_read = n_clean = 0
+    writers = {split: SplitWriter(folder / f"{split}.arrow") for split in SPLIT_FILES}
     with contextlib.ExitStack() as stack:
-        writers = {
-            split: stack.enter_context(pa.ipc.new_stream(str(folder / f"{split}.arrow"), _TEXT_SCHEMA))
-            for split in SPLIT_FILES
-        }
-
-        def flush(split: str) -> None:
-            writers[split].write_batch(pa.RecordBatch.from_pydict(rows[split], schema=_TEXT_SCHEMA))
-            counts[split] += len(rows[split]["title"])
-            rows[split] = {"title": [], "headline": [], "text": []}
-
+        for writer in writers.values():
+            stack.callback(writer.close)
         progress = stack.enter_context(
             tqdm(total=csv_path.stat().st_size, unit="B", unit_scale=True, unit_divisor=1024,
                  desc=f"Caching {CSV_NAME}", disable=not _show_progress(), dynamic_ncols=True)
@@ -320,51 +284,105 @@ def _write_text_cache(csv_path: Path, lists: dict[str, Path] | None, folder: Pat
             else:  # as the builder: a split takes every row whose title is in its list
                 splits = [split for split, names in titles.items() if normalise_title(title) in names]
             for split in splits:
-                for column, value in (("title", title), ("headline", headline), ("text", text)):
-                    rows[split][column].append(value)
-                if len(rows[split]["title"]) == _ROWS_PER_BATCH:
-                    flush(split)
-        for split in SPLIT_FILES:
-            flush(split)
+                writers[split].add(title, text, headline)
+    origin = {split: "the hash split" if lists is None else str(lists[split]) for split in SPLIT_FILES}
     return {
-        "rows": counts,
+        "rows": {split: writer.rows for split, writer in writers.items()},
+        "skipped": dict.fromkeys(SPLIT_FILES, 0),  # the builder's filter drops rows silently, as it did
+        "origin": origin,
         "rows_read": n_read,
         "rows_clean": n_clean,
         "truncated": _ends_inside_a_quoted_field(csv_path),
-        "source": str(csv_path.resolve()),
     }
 
 
-def _cached_split(data: DataConfig, split: str) -> tuple[datasets.Dataset, str]:
-    """One split as the builder makes it, memory-mapped from the text cache (built first if needed), and
-    the cache folder's name, which identifies its content."""
-    if split not in SPLIT_FILES:
-        raise ConfigError(f"Unknown WikiHow split {split!r}; valid splits: {', '.join(SPLIT_FILES)}.")
-    data_dir = Path(data.data_dir)
+def wikihow_source(data_dir: Path) -> TextSource:
+    """WikiHow 'all' in data_dir, as the original builder made it."""
     csv_path = require_csv(data_dir)
     lists = _split_lists(data_dir)
     key = {
-        "csv": _file_fingerprint(csv_path),
+        "csv": file_fingerprint(csv_path),
         "split_lists": {name: _file_sha256(path) for name, path in lists.items()} if lists else "hash split",
         "cleaning": CLEANING_VERSION,
     }
-    build = functools.partial(_write_text_cache, csv_path, lists)
-    folder, manifest = shared_folder(cache_root(data), "wikihow-text", key, build, "the WikiHow text cache")
-    if manifest["truncated"] and folder not in _WARNED_TRUNCATED:  # once per process, not once per split
-        _WARNED_TRUNCATED.add(folder)
-        get_logger().warning(
-            "%s ends inside a quoted field: it looks truncated (an interrupted download?). Its last row is "
-            "incomplete; download it again. %s",
-            csv_path,
-            _how_to_get_data(csv_path.parent),
+    write = functools.partial(_write_wikihow_cache, csv_path, lists)
+    return TextSource(f"WikiHow ({csv_path})", key, write, "wikihow", data_dir / "cache")
+
+
+def text_source(data: DataConfig) -> TextSource:
+    """Where the run's rows come from: files or a dataset the flags name, else what --data_dir holds
+    (WikiHow, split files, a save_to_disk folder). Cheap: the files are found, not read."""
+    named = sources.named_source(data)
+    if named is not None:
+        return named
+    folder = Path(data.data_dir)
+    if not folder.is_dir():
+        raise DataFileNotFoundError(f"--data_dir {data.data_dir}: no such folder ({folder.resolve()}).")
+    if (folder / CSV_NAME).is_file():
+        return wikihow_source(folder)
+    found = sources.folder_source(folder, data)
+    if found is None:
+        raise DataFileNotFoundError(
+            f"no data found in {folder.resolve()}: it holds neither {CSV_NAME} (WikiHow; "
+            f"{_how_to_get_data(folder)}), nor train/validation/test files (.csv, .jsonl, .json, .parquet), nor "
+            "a dataset written by datasets' save_to_disk. Or name files with --train_file/--validation_file/"
+            "--test_file, or a dataset with --dataset_name."
         )
+    return found
+
+
+def cache_root(data: DataConfig, source: TextSource) -> Path:
+    """Where the cache lives: --cache_dir, by default beside the data (TextSource.default_cache)."""
+    return Path(data.cache_dir) if data.cache_dir else source.default_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedSplit:
+    rows: datasets.Dataset  # id, source, target; memory-mapped
+    cache: Path  # the text cache folder: its name identifies the content
+    cleaning: str  # how a text is prepared (CLEANINGS)
+    what: str  # the source, for messages
+
+
+def _warn_once(folder: Path, topic: str, message: str, *args) -> None:
+    if (folder, topic) not in _WARNED:
+        _WARNED.add((folder, topic))
+        get_logger().warning(message, *args)
+
+
+def _cached_split(data: DataConfig, split: str) -> CachedSplit:
+    """One split of the run's source, memory-mapped from the text cache (built first if needed)."""
+    if split not in SPLITS:
+        raise ConfigError(f"Unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")
+    source = text_source(data)
+    root = cache_root(data, source)
+    folder, manifest = shared_folder(root, "text", source.key, source.write, f"the text cache of {source.what}")
+    if manifest.get("truncated"):
+        _warn_once(folder, "truncated",
+                   "%s ends inside a quoted field: it looks truncated (an interrupted download?). Its last row is "
+                   "incomplete; download it again.", source.what)  # fmt: skip
+    skipped = sum(manifest["skipped"].values())
+    if skipped:
+        per_split = ", ".join(f"{name} {n}" for name, n in manifest["skipped"].items() if n)
+        _warn_once(folder, "skipped", "%s: skipped %d rows whose text or target is empty (%s)", source.what,
+                   skipped, per_split)  # fmt: skip
+    if split not in manifest["origin"]:
+        flag = "--validation_file" if split == "validation" else f"--{split}_file"
+        raise DataError(f"no {split} split in {source.what}: give one with {flag}.")
     if manifest["rows"][split] == 0:
-        source = "the hash split" if lists is None else str(lists[split])
+        if "rows_read" in manifest:  # WikiHow
+            raise DataError(
+                f"{source.what} yields no usable rows for split {split!r}: {manifest['rows_read']} rows of 3 "
+                f"fields, {manifest['rows_clean']} passed the builder's filter, none of them in "
+                f"{manifest['origin'][split]}."
+            )
         raise DataError(
-            f"{csv_path} yields no usable rows for split {split!r}: {manifest['rows_read']} rows of 3 fields, "
-            f"{manifest['rows_clean']} passed the builder's filter, none of them in {source}."
+            f"the {split} split of {source.what} is empty ({manifest['origin'][split]}; "
+            f"{manifest['skipped'][split]} rows with an empty text or target skipped). Give it rows"
+            + (", or raise --validation_split_percentage." if "held out" in manifest["origin"][split] else ".")
         )
-    return datasets.Dataset.from_file(str(folder / f"{split}.arrow")), folder.name
+    rows = datasets.Dataset.from_file(str(folder / f"{split}.arrow"))
+    return CachedSplit(rows, folder, source.cleaning, source.what)
 
 
 def _file_sha256(path: Path) -> str:
@@ -374,8 +392,9 @@ def _file_sha256(path: Path) -> str:
 def load_wikihow(data_dir: str | os.PathLike, split: str, cache_dir: str | os.PathLike = "") -> datasets.Dataset:
     """One split of WikiHow 'all' as the original builder makes it: columns title, headline, text, in the
     order of the CSV; memory-mapped from the cache under `cache_dir` (default <data_dir>/cache)."""
-    rows, _ = _cached_split(DataConfig(data_dir=str(data_dir), cache_dir=str(cache_dir)), split)
-    return rows
+    cached = _cached_split(DataConfig(data_dir=str(data_dir), cache_dir=str(cache_dir)), split)
+    builder_names = cached.rows.rename_columns({"id": "title", "source": "text", "target": "headline"})
+    return builder_names.select_columns(["title", "headline", "text"])
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -391,12 +410,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _encode_batch(batch: dict, tokenizer, source_prefix: str, input_length: int, output_length: int) -> dict:
-    """Token ids of a batch of rows: the source is the prefix and the cleaned article, the target the cleaned
-    summary. The tokenizer is called directly: transformers 5 removed batch_encode_plus (docs/pitfalls.md #9).
+def _encode_batch(
+    batch: dict, tokenizer, clean: Callable[[str], str], source_prefix: str, input_length: int, output_length: int
+) -> dict:
+    """Token ids of a batch of rows: the source is the prefix and the cleaned text, the target the cleaned
+    target. The tokenizer is called directly: transformers 5 removed batch_encode_plus (docs/pitfalls.md #9).
     T5's tokenizer appends </s> itself, also after truncation."""
-    sources = [source_prefix + clean_text(text) for text in batch["text"]]
-    targets = [clean_text(headline) for headline in batch["headline"]]
+    sources = [source_prefix + clean(text) for text in batch["source"]]
+    targets = [clean(target) for target in batch["target"]]
     return {
         "source_ids": tokenizer(sources, max_length=input_length, truncation=True)["input_ids"],
         "target_ids": tokenizer(targets, max_length=output_length, truncation=True)["input_ids"],
@@ -427,20 +448,21 @@ def _write_token_cache(rows: datasets.Dataset, split: str, encode: functools.par
         cache_file_name=str(folder / "ids.arrow"),  # with worker processes: ids_0000i_of_0000n.arrow
         load_from_cache_file=False,
         new_fingerprint=folder.name.split(".partial")[0],  # the cache is this folder, not datasets' own
-        desc=f"Tokenising {len(rows)} {split} articles",
+        desc=f"Tokenising {len(rows)} {split} rows",
     )
     return {}
 
 
 def _cached_token_ids(
-    rows: datasets.Dataset, text_cache: str, split: str, tokenizer, data: DataConfig, input_length: int,
+    rows: datasets.Dataset, cached: CachedSplit, split: str, tokenizer, data: DataConfig, input_length: int,
     output_length: int,
 ) -> datasets.Dataset:  # fmt: skip
     """Token ids (unpadded, int32) of `rows`, the first rows of a split, from the token cache: tokenised once
-    per machine, and reused by every epoch, every rank and every later run with the same tokenizer and
-    lengths. A cache of more rows (a run that used more articles) serves too."""
+    per machine, and reused by every epoch, every rank and every later run with the same text cache (the
+    source's files, columns and split), tokenizer, lengths and prefix. A cache of more rows (a run that used
+    more of them) serves too."""
     key = {
-        "text_cache": text_cache,
+        "text_cache": cached.cache.name,
         "split": split,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "truncation_side": getattr(tokenizer, "truncation_side", "right"),
@@ -449,9 +471,10 @@ def _cached_token_ids(
         "output_length": output_length,
         "encoding": ENCODING_VERSION,
     }
+    root = cached.cache.parent
 
     def larger_cache() -> tuple[Path, dict] | None:
-        for folder, manifest in complete_folders(cache_root(data), "wikihow-tokens"):
+        for folder, manifest in complete_folders(root, "tokens"):
             saved = dict(manifest["key"])
             # A folder written by another version of this key (no row count) never matches.
             if saved.pop("rows", -1) > len(rows) and saved == key:
@@ -459,14 +482,12 @@ def _cached_token_ids(
         return None
 
     encode = functools.partial(
-        _encode_batch, tokenizer=tokenizer, source_prefix=data.source_prefix, input_length=input_length,
-        output_length=output_length,
+        _encode_batch, tokenizer=tokenizer, clean=CLEANINGS[cached.cleaning], source_prefix=data.source_prefix,
+        input_length=input_length, output_length=output_length,
     )  # fmt: skip
     build = functools.partial(_write_token_cache, rows, split, encode)
-    what = f"the token ids of {len(rows)} {split} articles"
-    folder, manifest = shared_folder(
-        cache_root(data), "wikihow-tokens", {**key, "rows": len(rows)}, build, what, reuse=larger_cache
-    )
+    what = f"the token ids of {len(rows)} {split} rows"
+    folder, manifest = shared_folder(root, "tokens", {**key, "rows": len(rows)}, build, what, reuse=larger_cache)
     parts = [datasets.Dataset.from_file(str(folder / part)) for part in sorted(manifest["files"])]
     return datasets.concatenate_datasets(parts).select(range(len(rows)))
 
@@ -488,14 +509,21 @@ def clean_text(text: str) -> str:
     return _SPACES.sub(" ", text).strip()
 
 
-class wikihow(Dataset):  # noqa: N801 - the tutorial's name, kept so that its code reads the same
-    """WikiHow split as the tutorial's items: 1-D int64 source_ids/source_mask/target_ids/target_mask.
+# How a source's texts are prepared for the tokenizer and for scoring, by the name a TextSource gives: WikiHow's
+# cleaning, or the text as it is (surrounding white space aside). Models record the name (scripts/summarize.py).
+CLEANINGS: dict[str, Callable[[str], str]] = {"wikihow": clean_text, "plain": str.strip}
 
-    Source is ``source_prefix + clean_text(text)``, target ``clean_text(headline)``. ``self.dataset`` holds
-    the rows (title, headline, text) and ``self.token_ids`` their token ids (unpadded, int32), both
-    memory-mapped from the cache under --cache_dir: the text is parsed and tokenised once per machine and
-    kept once, in the OS page cache, for every rank, epoch and later run, not copied into each process. The
-    first five arguments are the tutorial's; its ``print_text`` moved into ``options``.
+
+class SummarizationDataset(Dataset):
+    """One split of the run's source as the tutorial's `wikihow` Dataset made its items: 1-D int64
+    source_ids/source_mask/target_ids/target_mask.
+
+    Source is ``source_prefix + clean(source text)``, target ``clean(target text)``, where `clean` is the
+    source's (WikiHow's clean_text, or the text as it is). ``self.dataset`` holds the rows (id, source, target)
+    and ``self.token_ids`` their token ids (unpadded, int32), both memory-mapped from the cache under
+    --cache_dir: the data is read and tokenised once per machine and kept once, in the OS page cache, for every
+    rank, epoch and later run, not copied into each process. The first five arguments are the tutorial's; its
+    ``print_text`` moved into ``options``.
     """
 
     def __init__(
@@ -514,11 +542,14 @@ class wikihow(Dataset):  # noqa: N801 - the tutorial's name, kept so that its co
         for name, length in (("input_length", input_length), ("output_length", output_length)):
             if length < 1:
                 raise ConfigError(f"{name} must be at least 1, got {length}.")
-        split, text_cache = _cached_split(options, type_path)
-        self.dataset = self._select(split, num_samples, type_path)
+        cached = _cached_split(options, type_path)
+        self.dataset = self._select(cached.rows, num_samples, type_path)
         self.token_ids = _cached_token_ids(
-            self.dataset, text_cache, type_path, tokenizer, options, input_length, output_length
+            self.dataset, cached, type_path, tokenizer, options, input_length, output_length
         )
+        self.source_description = cached.what
+        self.cleaning = cached.cleaning
+        self.clean_text = CLEANINGS[cached.cleaning]
         self.tokenizer = tokenizer
         self.input_length = input_length
         self.output_length = output_length
@@ -544,22 +575,20 @@ class wikihow(Dataset):  # noqa: N801 - the tutorial's name, kept so that its co
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def clean_text(self, text: str) -> str:
-        return clean_text(text)
-
     def _field(self, column: str, index: int) -> str:
         return self.dataset.data.column(column)[index].as_py()  # one field, not the whole row
 
-    def title(self, index: int) -> str:
-        return self._field("title", index)
+    def row_id(self, index: int) -> str:
+        """The row's name in the predictions: WikiHow's title, the data's id column, or its file and line."""
+        return self._field("id", index)
 
     def article(self, index: int) -> str:
-        """The article as the builder left it: one paragraph (step) per line, not yet cleaned."""
-        return self._field("text", index)
+        """The source text as the source gave it (WikiHow: one paragraph per line), not yet cleaned."""
+        return self._field("source", index)
 
     def reference(self, index: int) -> str:
-        """The summary as the model is trained to write it (cleaned, untruncated): what ROUGE scores against."""
-        return self.clean_text(self._field("headline", index))
+        """The target as the model is trained to write it (cleaned, untruncated): what is scored against."""
+        return self.clean_text(self._field("target", index))
 
     def source_lengths(self) -> list[int]:
         """The number of source tokens of every sample (after truncation), read from the cached ids."""
@@ -617,13 +646,17 @@ def pad_collate(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int) -> 
 # ---------------------------------------------------------------------------------------------------
 
 
-def build_dataset(tokenizer, split: str, num_samples: int, data: DataConfig, world_size: int) -> wikihow:
-    """The tutorial's wikihow Dataset of one split, with at least one sample per rank."""
+def build_dataset(
+    tokenizer, split: str, num_samples: int, data: DataConfig, world_size: int
+) -> SummarizationDataset:
+    """The tutorial's Dataset of one split, with at least one sample per rank."""
     num_or_all = num_samples or None  # 0 means all
-    dataset = wikihow(tokenizer, split, num_or_all, data.max_source_length, data.max_target_length, data)
+    dataset = SummarizationDataset(
+        tokenizer, split, num_or_all, data.max_source_length, data.max_target_length, data
+    )
     if len(dataset) < world_size:
         raise DataError(
-            f"the {split} split of {data.data_dir} has {len(dataset)} usable samples, fewer than the "
+            f"the {split} split of {dataset.source_description} has {len(dataset)} usable samples, fewer than the "
             f"{world_size} ranks: every rank needs at least one. Use more data or fewer processes."
         )
     return dataset
@@ -632,8 +665,13 @@ def build_dataset(tokenizer, split: str, num_samples: int, data: DataConfig, wor
 def build_loaders(
     tokenizer, data: DataConfig, train: TrainConfig, evaluation: EvalConfig, info: DistInfo
 ) -> Loaders:
-    """This rank's training loader (shuffled, resumable), validation loader (in order, padded) and ROUGE
-    set; --run_validation false builds neither of the last two."""
+    """This rank's training loader (shuffled, resumable), validation loader (in order, padded) and generation
+    set; --run_validation false builds neither of the last two. --evaluate_only: its split's set alone (a test
+    file alone will do)."""
+    if evaluation.evaluate_only:
+        eval_set = build_eval_set(tokenizer, data, train, evaluation, info, evaluation.eval_split)
+        get_logger().info("samples: %s %d", evaluation.eval_split, len(eval_set.dataset))
+        return Loaders(None, None, None, 0, eval_set, eval_set.dataset.cleaning)
     train_set = build_dataset(tokenizer, "train", data.num_train_samples, data, info.world_size)
     grouping = None
     if data.group_by_length:
@@ -642,22 +680,22 @@ def build_loaders(
     collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)
     loader_args = dict(collate_fn=collate, num_workers=train.num_workers_dataloader, device=info.device)
     train_loader = build_loader(train_set, train_sampler, train.batch_size_training, **loader_args)
-    val, val_num_real, rouge_set = None, 0, None
+    val, val_num_real, eval_set = None, 0, None
     if train.run_validation:
         val_set = build_dataset(tokenizer, "validation", data.num_val_samples, data, info.world_size)
         val_sampler = PaddedEvalSampler(len(val_set), info.rank, info.world_size)
         val = build_loader(val_set, val_sampler, train.val_batch_size, **loader_args)
         val_num_real = val_sampler.num_real_samples
         if evaluation.eval_rouge:
-            rouge_set = build_eval_set(tokenizer, data, train, evaluation, info, "validation")
+            eval_set = build_eval_set(tokenizer, data, train, evaluation, info, "validation")
     get_logger().info("samples: train %d, validation %s", len(train_set), len(val.dataset) if val else "-")
-    return Loaders(train_loader, train_sampler, val, val_num_real, rouge_set)
+    return Loaders(train_loader, train_sampler, val, val_num_real, eval_set, train_set.cleaning)
 
 
 def build_eval_set(
     tokenizer, data: DataConfig, train: TrainConfig, evaluation: EvalConfig, info: DistInfo, split: str
 ) -> EvalSet:
-    """The first --eval_num_samples articles of `split`, each batch padded to its longest source only
+    """The first --eval_num_samples rows of `split`, each batch padded to its longest source only
     (generation needs no fixed shapes)."""
     dynamic = dataclasses.replace(data, pad_to_max_length=False)
     dataset = build_dataset(tokenizer, split, evaluation.eval_num_samples, dynamic, info.world_size)

@@ -1,4 +1,5 @@
-"""Which WikiHow articles are read, and how they become token ids (summarization_dataset.py)."""
+"""Which rows a run reads (WikiHow, your files, a saved or named dataset), and how they become token ids
+(utils/data/sources.py, summarization_dataset.py; docs/your_data.md)."""
 
 from dataclasses import dataclass
 
@@ -11,42 +12,107 @@ class DataConfig:
     data_dir: str = option(
         default=str(EMBEDDED_DATA_DIR),
         help=(
-            "Folder with wikihowAll.csv and all_train.txt/all_val.txt/all_test.txt. "
-            "Default: the embedded sample; the real data goes in data/ (scripts/download_wikihow.py)."
+            "Folder of the data: WikiHow (wikihowAll.csv and all_train.txt/all_val.txt/all_test.txt; "
+            "scripts/download_wikihow.py), or train/validation/test files (.csv, .jsonl, .json, .parquet; "
+            "validation may be val, valid or dev), or a dataset saved by datasets' save_to_disk. Default: the "
+            "embedded WikiHow sample."
         ),
+        on_resume="fixed",
+    )
+    train_file: str = option(
+        default="",
+        help=(
+            "Training rows in a file instead of --data_dir: .csv (with a header), .jsonl, .json, .parquet, or "
+            ".txt in FinancialPhraseBank's format (sentence@label lines). Without --validation_file, "
+            "--validation_split_percentage of it becomes validation."
+        ),
+        on_resume="fixed",
+    )
+    validation_file: str = option(
+        default="", help="Validation rows in a file (the types of --train_file).", on_resume="fixed"
+    )
+    test_file: str = option(
+        default="",
+        help="Test rows in a file (the types of --train_file), for --evaluate_only --eval_split test.",
+        on_resume="fixed",
+    )
+    dataset_name: str = option(
+        default="",
+        help=(
+            "A dataset for datasets.load_dataset instead of --data_dir: a hub name (cnn_dailymail, xsum; needs "
+            "the network once, then datasets' cache) or a local dataset folder."
+        ),
+        on_resume="fixed",
+    )
+    dataset_config_name: str = option(
+        default="", help="The config of --dataset_name (cnn_dailymail: 3.0.0).", on_resume="fixed"
+    )
+    text_column: str = option(
+        default="",
+        help=(
+            "The column of the text the model reads. Default: the known dataset's (cnn_dailymail article, xsum "
+            "document, WikiHow text, FinancialPhraseBank sentence), else the first of text, document, "
+            "article, source, sentence, dialogue, input, content."
+        ),
+        on_resume="fixed",
+    )
+    summary_column: str = option(
+        default="",
+        help=(
+            "The column of the text the model learns to write. Default: the known dataset's (cnn_dailymail "
+            "highlights, xsum summary, WikiHow headline, FinancialPhraseBank label), else the first of summary, "
+            "highlights, target, label, headline, output, abstract."
+        ),
+        on_resume="fixed",
+    )
+    validation_split_percentage: int = option(
+        default=5,
+        help=(
+            "Where the data has no validation split: this percentage of train's rows (at least one) becomes "
+            "validation, drawn by --validation_split_seed, the same on every rank and run."
+        ),
+        minimum=1,
+        maximum=50,
+        on_resume="fixed",
+    )
+    validation_split_seed: int = option(
+        default=0,
+        help="The seed of --validation_split_percentage's choice of rows.",
+        minimum=0,
         on_resume="fixed",
     )
     cache_dir: str = option(
         default="",
         help=(
-            "Folder for the memory-mapped Arrow cache of the cleaned splits and their token ids, built once "
-            "per machine and shared by every rank and later run. A changed file, split list, tokenizer, "
+            "Folder for the memory-mapped Arrow cache of the splits' texts and token ids, built once per "
+            "machine and shared by every rank and later run. A changed file, split list, column, tokenizer, "
             "length or prefix gets a new cache folder beside the old ones, which are never removed: delete "
-            "them when no run is starting. Default: <data_dir>/cache."
+            "them when no run is starting. Default: a cache/ folder beside the data (<data_dir>/cache, the "
+            "train file's folder/cache), or in datasets' cache for --dataset_name."
         ),
     )
     num_train_samples: int = option(
         default=1500,
-        help="Use the first N training articles (tutorial: 1500); 0 = all.",
+        help="Use the first N training rows (tutorial: 1500); 0 = all.",
         minimum=0,
         on_resume="fixed",
     )
     num_val_samples: int = option(
         default=300,
-        help="Use the first N validation articles (tutorial: 300); 0 = all.",
+        help="Use the first N validation rows (tutorial: 300); 0 = all.",
         minimum=0,
         on_resume="fixed",
     )
     max_source_length: int = option(
-        default=512, help="Article tokens kept (truncation).", minimum=2, on_resume="fixed"
+        default=512, help="Source (article) tokens kept (truncation).", minimum=2, on_resume="fixed"
     )
     max_target_length: int = option(
-        default=150, help="Summary tokens kept (truncation).", minimum=2, on_resume="fixed"
+        default=150, help="Target (summary) tokens kept (truncation).", minimum=2, on_resume="fixed"
     )
     source_prefix: str = option(
         default="",
         help=(
-            "Text put before every article. The tutorial uses none; pretrained T5 checkpoints were "
+            "Text put before every source text. The tutorial uses none; pretrained T5 checkpoints were "
             "trained with 'summarize: '."
         ),
         on_resume="fixed",

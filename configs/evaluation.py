@@ -1,13 +1,17 @@
-"""Summaries and ROUGE (utils/eval/): what is generated, how, and which epoch counts as the best.
+"""Generated outputs and their scores (utils/eval/): what is generated, how it is scored (ROUGE, or exact-match
+accuracy for classification-as-text tasks), and which epoch counts as the best.
 
 The validation loss is the tutorial's (--run_validation, configs/training.py); --run_validation false turns all
-evaluation off, ROUGE included. --eval_rouge false keeps the validation loss and drops ROUGE alone.
+evaluation off, generation included. --eval_rouge false keeps the validation loss and drops generation alone.
 """
 
 from dataclasses import dataclass
 from typing import Literal
 
 from configs.options import option
+
+# The scores each --eval_metric writes into an eval record (utils/eval/scores.py computes them).
+METRIC_KEYS = {"rouge": ("rouge1", "rouge2", "rougeL", "rougeLsum"), "accuracy": ("accuracy",)}
 
 
 @dataclass
@@ -16,14 +20,22 @@ class EvalConfig:
         default=True,
         help=(
             "With --run_validation true: after each epoch (and every eval_every_n_steps), also generate "
-            "summaries of the first eval_num_samples validation articles on every rank and score them with "
-            "rouge-score: an eval record in metrics.jsonl and output_dir/predictions/validation_step_<N>.jsonl. "
-            "false: the validation loss alone."
+            "outputs for the first eval_num_samples validation rows on every rank and score them with "
+            "--eval_metric (ROUGE by default): an eval record in metrics.jsonl and "
+            "output_dir/predictions/validation_step_<N>.jsonl. false: the validation loss alone."
+        ),
+    )
+    eval_metric: Literal["rouge", "accuracy"] = option(
+        default="rouge",
+        help=(
+            "How generated outputs are scored: rouge (rouge-score's ROUGE-1/2/L/Lsum, with the lead-3 baselines), "
+            "or accuracy (exact match of the stripped output and target, in percent: for classification as "
+            "text, such as FinancialPhraseBank's positive/negative/neutral)."
         ),
     )
     eval_num_samples: int = option(
         default=300,
-        help="Validation articles (the first N, each scored once) that ROUGE evaluates; 0 = the whole split.",
+        help="Validation rows (the first N, each scored once) that generation evaluates; 0 = the whole split.",
         minimum=0,
     )
     eval_every_n_steps: int = option(
@@ -56,10 +68,11 @@ class EvalConfig:
         help="Forbid repeating any n-gram of this size in a summary (0 = off; 3 curbs loops of small models).",
         minimum=0,
     )
-    metric_for_best: Literal["val_loss", "rouge1", "rouge2", "rougeL", "rougeLsum"] = option(
+    metric_for_best: Literal["val_loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "accuracy"] = option(
         default="val_loss",
         help=(
-            "Which epoch is the best: lowest val_loss, or highest ROUGE score. The best epoch's model is "
+            "Which epoch is the best: lowest val_loss, or highest score of --eval_metric (a ROUGE key, or "
+            "accuracy). The best epoch's model is "
             "hf_model/ (and the --save_model .pt); kept across --resume."
         ),
         on_resume="fixed",
@@ -74,7 +87,7 @@ class EvalConfig:
         ),
         on_resume="launch",
     )
-    eval_split: Literal["validation", "test"] = option(
+    eval_split: Literal["validation", "test", "train"] = option(
         default="validation",
         help="The split --evaluate_only scores (training runs always evaluate the validation split).",
     )

@@ -36,7 +36,7 @@ SECTION_TITLES = {
     "fsdp": "FSDP (`configs/fsdp.py`, the tutorial's fsdp_config)",
     "data": "Data (`configs/data.py`)",
     "recipe": "Training recipe (`configs/recipe.py`)",
-    "evaluation": "Evaluation: summaries and ROUGE (`configs/evaluation.py`)",
+    "evaluation": "Evaluation: generation and its scores (ROUGE or accuracy) (`configs/evaluation.py`)",
     "checkpointing": "Checkpointing (`configs/checkpointing.py`)",
     "lora": "LoRA (`configs/lora.py`)",
     "observe": "Observability (`configs/observability.py`)",

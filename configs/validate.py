@@ -12,11 +12,13 @@ import importlib.util
 from torch.distributed.fsdp import BackwardPrefetch
 
 from configs.checkpointing import CheckpointConfig
+from configs.data import DataConfig
 from configs.errors import ConfigError
-from configs.evaluation import EvalConfig
+from configs.evaluation import METRIC_KEYS, EvalConfig
 from configs.fsdp import HYBRID, FSDPConfig, hybrid_group_size
 from configs.lora import LoraConfig
 from configs.observability import ObserveConfig
+from configs.paths import EMBEDDED_DATA_DIR
 from configs.recipe import RecipeConfig
 from configs.run import RunConfig
 from configs.training import TrainConfig
@@ -35,6 +37,7 @@ def check_settings(config: RunConfig, world_size: int, device_type: str) -> None
         check_fsdp2_settings(fsdp)
     check_hybrid_sharding(fsdp, world_size)
     check_checkpointing(config.checkpointing, config.fsdp)
+    check_data_source(config.data)
     check_evaluation(config.evaluation, config.train)
     check_schedule(config.recipe)
     check_optional_packages(config.observe, config.lora)
@@ -154,23 +157,47 @@ def check_checkpointing(checkpointing: CheckpointConfig, fsdp_config: FSDPConfig
         )
 
 
+def check_data_source(data: DataConfig) -> None:
+    """One source of rows: files, a named dataset, or a --data_dir (the embedded sample by default)."""
+    files = [f"--{name}" for name in ("train_file", "validation_file", "test_file") if getattr(data, name)]
+    given = [*files[:1], *(["--dataset_name"] if data.dataset_name else [])]
+    if data.data_dir != str(EMBEDDED_DATA_DIR):
+        given.append("--data_dir")
+    if len(given) > 1:
+        raise ConfigError(
+            f"{' and '.join(given)} name two sources of data: give one (files, a --dataset_name, or a --data_dir)"
+        )
+    if data.dataset_config_name and not data.dataset_name:
+        raise ConfigError("--dataset_config_name is the config of --dataset_name: give the dataset's name too")
+
+
 def check_evaluation(evaluation: EvalConfig, train_config: TrainConfig) -> None:
-    """--run_validation is the switch of all evaluation (the validation loss and ROUGE); --eval_rouge the
-    switch of ROUGE inside it. ROUGE-based choices need ROUGE; periodic evaluation needs evaluation."""
+    """--run_validation is the switch of all evaluation (the validation loss and generation); --eval_rouge the
+    switch of generation inside it, scored by --eval_metric. Choices that need a score need generation and
+    that score; periodic evaluation needs evaluation."""
     if evaluation.evaluate_only:
         if not evaluation.eval_rouge:
-            raise ConfigError("--evaluate_only true scores ROUGE: it needs --eval_rouge true")
+            raise ConfigError("--evaluate_only true generates and scores outputs: it needs --eval_rouge true")
         return
-    rouge = train_config.run_validation and evaluation.eval_rouge
-    if evaluation.metric_for_best != "val_loss" and not rouge:
+    best = evaluation.metric_for_best
+    generates = train_config.run_validation and evaluation.eval_rouge
+    if best != "val_loss" and not generates:
         raise ConfigError(
-            f"--metric_for_best {evaluation.metric_for_best} needs ROUGE: --run_validation true (all evaluation) "
-            "and --eval_rouge true (ROUGE); or choose --metric_for_best val_loss"
+            f"--metric_for_best {best} needs generated outputs: --run_validation true (all evaluation) "
+            "and --eval_rouge true (generation); or choose --metric_for_best val_loss"
+        )
+    if best != "val_loss" and best not in METRIC_KEYS[evaluation.eval_metric]:
+        metric = next(name for name, keys in METRIC_KEYS.items() if best in keys)
+        raise ConfigError(
+            f"--metric_for_best {best} is a score of --eval_metric {metric}, but --eval_metric is "
+            f"{evaluation.eval_metric}: choose one of {', '.join(METRIC_KEYS[evaluation.eval_metric])} or "
+            f"val_loss, or --eval_metric {metric}"
         )
     if evaluation.eval_every_n_steps and not train_config.run_validation:
         raise ConfigError(
-            "--eval_every_n_steps evaluates the validation loss and ROUGE inside epochs, but --run_validation "
-            "false turns all evaluation off: drop --eval_every_n_steps, or use --run_validation true"
+            "--eval_every_n_steps evaluates the validation loss and generation inside epochs, but "
+            "--run_validation false turns all evaluation off: drop --eval_every_n_steps, or use "
+            "--run_validation true"
         )
 
 

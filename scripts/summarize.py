@@ -1,13 +1,15 @@
 """Summarize articles with a trained model, on CPU or GPU, one process.
 
     python scripts/summarize.py --model OUTPUT_DIR/hf_model --input articles.txt     # one article per line
-    python scripts/summarize.py --model OUTPUT_DIR/hf_model --input articles.csv     # a `text` column
+    python scripts/summarize.py --model OUTPUT_DIR/hf_model --input test.jsonl       # a data file, as in training
     cat article.txt | python scripts/summarize.py --model OUTPUT_DIR/hf_model         # stdin, one per line
 
-Prints one summary per line, in input order. Articles get the training run's cleaning (newlines become
-spaces, the WikiHow noise markers go), source prefix and truncation, and summaries its generation settings
-(beams, length, ...): the run saved both with the model (config.json `task_specific_params.summarization`,
-generation_config.json), so nothing is typed again.
+Prints one output per line, in input order. A data file (.csv, .jsonl, .json, .parquet) is read as training
+reads it, and its text column is the training default's (text, document, article, ...) or --text_column.
+Texts get the training run's cleaning (WikiHow's for a WikiHow run: newlines become spaces, its noise markers
+go), source prefix and truncation, and outputs its generation settings (beams, length, ...): the run saved
+both with the model (config.json `task_specific_params.summarization`, generation_config.json), so nothing is
+typed again.
 """
 
 import argparse
@@ -16,41 +18,55 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoTokenizer, T5ForConditionalGeneration  # noqa: E402
 
 from configs.errors import UserError  # noqa: E402
-from summarization_dataset import clean_text  # noqa: E402
+from summarization_dataset import CLEANINGS  # noqa: E402
+from utils.data import sources  # noqa: E402
 from utils.log import get_logger, setup_logging  # noqa: E402
 from utils.model.loading import check_local_model_dir, looks_like_local_path  # noqa: E402
 
 DEFAULT_MAX_SOURCE_LENGTH = 512
 
 
-def read_articles(source: str | None) -> list[str]:
-    """Articles from a .csv (its `text` column), a text file (one per line) or stdin (None or '-')."""
+# Data files, read as training reads them; anything else is text, one article per line.
+DATA_FILE_TYPES = (".csv", ".jsonl", ".json", ".parquet")
+
+
+def read_articles(source: str | None, text_column: str = "") -> list[str]:
+    """Articles from a data file (its text column), a text file (one per line) or stdin (None or '-')."""
     if source in (None, "-"):
         return [line for line in sys.stdin.read().splitlines() if line.strip()]
     path = Path(source)
     if not path.is_file():
         raise UserError(f"--input {source!r}: no such file")
-    if path.suffix.lower() == ".csv":
-        frame = pd.read_csv(path)
-        if "text" not in frame.columns:
-            raise UserError(f"{source} has no `text` column (columns: {', '.join(map(str, frame.columns))})")
-        return [str(text) for text in frame["text"].fillna("")]
-    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if path.suffix.lower() in DATA_FILE_TYPES:
+        records = sources.file_records(path)
+        first = next(records, None)
+        if first is None:
+            return []
+        found = list(first[1])
+        column = sources.resolve_column(
+            found, "--text_column", text_column, None, sources.TEXT_COLUMN_NAMES, source
+        )
+        rows = records if first[0] == "header" else [first, *records]
+        return [sources.as_text(record.get(column)) for _, record in rows]
+    try:
+        return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError:
+        raise sources.not_utf8(path, "Save it as UTF-8.") from None
 
 
 def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[str]:
     """Summaries of `articles`, prepared and generated as the model's training run did."""
     params = (getattr(model.config, "task_specific_params", None) or {}).get("summarization", {})
+    clean = CLEANINGS[params.get("cleaning", "wikihow")]  # models saved before the field: WikiHow runs
     prefix = params.get("prefix", "")
     max_length = params.get("max_source_length", DEFAULT_MAX_SOURCE_LENGTH)
     summaries = []
     for start in range(0, len(articles), batch_size):
-        texts = [prefix + clean_text(article) for article in articles[start : start + batch_size]]
+        texts = [prefix + clean(article) for article in articles[start : start + batch_size]]
         inputs = tokenizer(texts, max_length=max_length, truncation=True, padding=True, return_tensors="pt")
         with torch.no_grad():
             ids = model.generate(**inputs.to(model.device))  # generation_config.json: the run's settings
@@ -61,8 +77,9 @@ def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a folder such as OUTPUT_DIR/hf_model, or a hub name")
-    parser.add_argument("--input", help="a .csv with a `text` column, or a text file with one article per line; "
-                        "default: stdin")  # fmt: skip
+    parser.add_argument("--input", help="a data file (.csv, .jsonl, .json, .parquet), or a text file with one "
+                        "article per line; default: stdin")  # fmt: skip
+    parser.add_argument("--text_column", default="", help="a data file's text column (default: as in training)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--batch_size", type=int, default=8)
     args = parser.parse_args(argv)
@@ -73,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         device = (
             "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
         )
-        articles = read_articles(args.input)
+        articles = read_articles(args.input, args.text_column)
         model = T5ForConditionalGeneration.from_pretrained(args.model).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         for summary in summarize(model, tokenizer, articles, args.batch_size):

@@ -328,7 +328,7 @@ def forward_logits(model, batch: dict) -> torch.Tensor:
 
 
 class ItemsDataset(Dataset):
-    """Unpadded items of different lengths, as summarization_dataset.wikihow returns with dynamic padding."""
+    """Unpadded items of different lengths, as SummarizationDataset returns them with dynamic padding."""
 
     def __init__(self, n: int):
         self.items = []
@@ -485,7 +485,8 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
             model = shard_model(tiny_t5(seed=7), _fsdp_config({"fsdp_version": version}), FP32, CPU)
             folder = f"{output_dir}/fsdp{version}-beams{beams}"
             where = functools.partial(layout.predictions_file, folder)
-            out["records"][(version, beams)] = Evaluator(eval_set, settings, where, info).evaluate(model, 1, 5)
+            evaluator = Evaluator(eval_set, settings, "rouge", where, info)
+            out["records"][(version, beams)] = evaluator.evaluate(model, 1, 5)
             # Lengths that differ by rank: rank r stops after 3 + 6 r new tokens, the others keep stepping.
             uneven = {**settings, "max_new_tokens": 3 + 6 * rank}
             ids = generate(model, make_batch(rank, rows=2), uneven)
@@ -747,4 +748,36 @@ def lora_worker(rank: int, world_size: int, steps: int, export_dir: str) -> dict
     if rank == 0:
         out["reference"] = reference_run(steps, world_size, lora_t5())
         out["initial"] = {k: v.clone() for k, v in lora_t5().state_dict().items()}
+    return out
+
+
+def source_parity_worker(rank: int, world_size: int, sources: dict, steps: int) -> dict:
+    """For FSDP1 and FSDP2: the first `steps` training batches of each source (`name -> DataConfig fields`),
+    built by summarization_dataset.build_loaders, and the per-step reported losses of tiny_t5 trained on them.
+    Every source builds its caches on this process group (LOCAL_RANK 0 builds, the other rank waits)."""
+    from configs.data import DataConfig
+    from configs.evaluation import EvalConfig
+    from configs.training import TrainConfig
+    from summarization_dataset import build_loaders
+    from utils.data.loaders import move_batch
+    from utils.distributed.process_group import DistInfo
+
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    train = TrainConfig(batch_size_training=4, run_validation=False)
+    out = {"batches": {}, "losses": {}}
+    for name, fields in sources.items():
+        data = DataConfig(num_train_samples=32, max_source_length=64, max_target_length=16, **fields)
+        loaders = build_loaders(tokenizer, data, train, EvalConfig(), info)
+        batches = [batch for _, batch in zip(range(steps), loaders.train, strict=False)]
+        out["batches"][name] = batches
+        for version in (1, 2):
+            model = shard_model(tiny_t5(seed=3), _fsdp_config({"fsdp_version": version}), FP32, CPU)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            records: list[dict] = []
+            step_log = StepLog(every=steps, on_flush=records.extend)
+            for step, batch in enumerate(batches):
+                step_log.add(step + 1, LR, train_step(model, move_batch(batch, CPU), optimizer, None, world_size))
+            step_log.flush()
+            out["losses"][(name, version)] = [record["loss"] for record in records]
     return out

@@ -19,7 +19,7 @@ import torch
 from configs.data import DataConfig
 from configs.errors import DataError
 from configs.paths import REPO_ROOT
-from summarization_dataset import load_wikihow, wikihow
+from summarization_dataset import SummarizationDataset, load_wikihow
 from tests.test_dataset import EXPECTED, FIXTURE_CSV, FIXTURE_LISTS, CountingTokenizer, write_data
 from utils.data import shared_cache
 
@@ -38,26 +38,26 @@ def test_the_cache_is_under_data_dir_and_keyed_by_the_file_and_the_lists(tmp_pat
     data_dir = write_data(tmp_path / "data")
     assert load_wikihow(data_dir, "train").to_list() == EXPECTED["train"]
     cache = data_dir / "cache"
-    first = _folders(cache, "wikihow-text")
+    first = _folders(cache, "text")
     assert len(first) == 1
     assert load_wikihow(data_dir, "train").to_list() == EXPECTED["train"]
-    assert _folders(cache, "wikihow-text") == first  # reused
+    assert _folders(cache, "text") == first  # reused
     # A changed file: a new cache with the new row.
     write_data(data_dir, FIXTURE_CSV + ADDED_ROW, {**FIXTURE_LISTS, "all_train.txt": "HowtoSow\n"})
     titles = list(load_wikihow(data_dir, "train")["title"])
     assert titles == ["How to Sow"]
-    assert len(_folders(cache, "wikihow-text")) == 2
+    assert len(_folders(cache, "text")) == 2
     # A changed split list alone: another.
     write_data(data_dir, FIXTURE_CSV + ADDED_ROW, {**FIXTURE_LISTS, "all_train.txt": "HowtoSow\nZebraCare\n"})
     assert list(load_wikihow(data_dir, "train")["title"]) == ["Zebra Care", "How to Sow"]
-    assert len(_folders(cache, "wikihow-text")) == 3
+    assert len(_folders(cache, "text")) == 3
 
 
 def test_cache_dir_moves_the_cache_and_an_unwritable_one_is_named(tmp_path):
     data_dir = write_data(tmp_path / "data")
     elsewhere = tmp_path / "elsewhere"
     assert load_wikihow(data_dir, "test", cache_dir=elsewhere).to_list() == EXPECTED["test"]
-    assert _folders(elsewhere, "wikihow-text") and not (data_dir / "cache").exists()
+    assert _folders(elsewhere, "text") and not (data_dir / "cache").exists()
     blocked = tmp_path / "a_file"
     blocked.write_text("not a folder")
     with pytest.raises(DataError, match=r"cannot create the data cache folder .*a_file/cache.*--cache_dir"):
@@ -71,36 +71,40 @@ def test_the_token_cache_is_keyed_by_tokenizer_and_lengths_and_serves_fewer_rows
 
     data = DataConfig(data_dir=str(write_data(tmp_path / "data")))
     counting = CountingTokenizer(tokenizer)
-    wikihow(counting, "train", None, 16, 8, data)
+    SummarizationDataset(counting, "train", None, 16, 8, data)
     assert len(counting.texts) == 8
-    wikihow(counting, "train", 2, 16, 8, data)  # fewer rows: the cache of all four serves them
-    wikihow(counting, "train", None, 16, 8, DataConfig(data_dir=data.data_dir, pad_to_max_length=True))
+    SummarizationDataset(counting, "train", 2, 16, 8, data)  # fewer rows: the cache of all four serves them
+    SummarizationDataset(
+        counting, "train", None, 16, 8, DataConfig(data_dir=data.data_dir, pad_to_max_length=True)
+    )
     assert len(counting.texts) == 8
-    wikihow(counting, "train", None, 16, 9, data)  # another target length
+    SummarizationDataset(counting, "train", None, 16, 9, data)  # another target length
     assert len(counting.texts) == 16
-    wikihow(counting, "train", None, 16, 8, DataConfig(data_dir=data.data_dir, source_prefix="summarize: "))
+    SummarizationDataset(
+        counting, "train", None, 16, 8, DataConfig(data_dir=data.data_dir, source_prefix="summarize: ")
+    )
     assert len(counting.texts) == 24
     other = CountingTokenizer(T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR)))  # another vocabulary
-    wikihow(other, "train", None, 16, 8, data)
+    SummarizationDataset(other, "train", None, 16, 8, data)
     assert len(other.texts) == 8
     # Two rows first, then all four: the two-row cache does not serve them, so a second one is made (a
     # complete cache is never changed: another rank or run may be reading it); then both sizes reuse one.
     fresh = DataConfig(data_dir=str(write_data(tmp_path / "fresh")))
     counting = CountingTokenizer(tokenizer)
-    wikihow(counting, "train", 2, 16, 8, fresh)
+    SummarizationDataset(counting, "train", 2, 16, 8, fresh)
     assert len(counting.texts) == 4
-    assert len(wikihow(counting, "train", None, 16, 8, fresh)) == 4
+    assert len(SummarizationDataset(counting, "train", None, 16, 8, fresh)) == 4
     assert len(counting.texts) == 12
-    wikihow(counting, "train", 3, 16, 8, fresh)
-    wikihow(counting, "train", 2, 16, 8, fresh)
+    SummarizationDataset(counting, "train", 3, 16, 8, fresh)
+    SummarizationDataset(counting, "train", 2, 16, 8, fresh)
     assert len(counting.texts) == 12
-    assert len(_folders(Path(fresh.data_dir) / "cache", "wikihow-tokens")) == 2
+    assert len(_folders(Path(fresh.data_dir) / "cache", "tokens")) == 2
     # A folder whose key has another shape (an older version's: no row count) is passed over, not misread.
-    older = Path(fresh.data_dir) / "cache" / _folders(Path(fresh.data_dir) / "cache", "wikihow-tokens")[0]
+    older = Path(fresh.data_dir) / "cache" / _folders(Path(fresh.data_dir) / "cache", "tokens")[0]
     manifest = json.loads((older / shared_cache.MANIFEST).read_text(encoding="utf-8"))
     del manifest["key"]["rows"]
     (older / shared_cache.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
-    assert len(wikihow(counting, "train", 1, 16, 8, fresh)) == 1
+    assert len(SummarizationDataset(counting, "train", 1, 16, 8, fresh)) == 1
     assert len(counting.texts) == 12
 
 
@@ -108,12 +112,14 @@ def test_tokenising_in_worker_processes_gives_the_same_ids(tokenizer, tmp_path, 
     import summarization_dataset
 
     data = DataConfig(data_dir=str(write_data(tmp_path / "data")), pad_to_max_length=False)
-    in_process = wikihow(tokenizer, "train", None, 16, 8, data)
+    in_process = SummarizationDataset(tokenizer, "train", None, 16, 8, data)
     monkeypatch.setattr(summarization_dataset, "_ROWS_PER_TOKENISING_PROCESS", 2)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
     elsewhere = dataclasses.replace(data, cache_dir=str(tmp_path / "elsewhere"))
-    workers = wikihow(tokenizer, "train", None, 16, 8, elsewhere)  # a new cache, tokenised in 2 processes
-    (folder,) = (tmp_path / "elsewhere").glob("wikihow-tokens-*[0-9a-f]")
+    workers = SummarizationDataset(
+        tokenizer, "train", None, 16, 8, elsewhere
+    )  # a new cache, tokenised in 2 processes
+    (folder,) = (tmp_path / "elsewhere").glob("tokens-*[0-9a-f]")
     assert sorted(path.name for path in folder.glob("*.arrow")) == [
         "ids_00000_of_00002.arrow",
         "ids_00001_of_00002.arrow",
@@ -128,7 +134,7 @@ def test_tokenising_in_worker_processes_gives_the_same_ids(tokenizer, tmp_path, 
 def test_a_damaged_cache_is_rebuilt_and_says_so(tmp_path, log_records, damage):
     data_dir = write_data(tmp_path / "data")
     load_wikihow(data_dir, "train")
-    (folder,) = (data_dir / "cache").glob("wikihow-text-*[0-9a-f]")
+    (folder,) = (data_dir / "cache").glob("text-*[0-9a-f]")
     if damage == "a truncated Arrow file":
         content = (folder / "train.arrow").read_bytes()
         (folder / "train.arrow").write_bytes(content[: len(content) // 2])
@@ -182,12 +188,12 @@ def test_a_build_killed_half_way_is_never_used_and_the_next_run_rebuilds_and_say
     cache = data_dir / "cache"
     builder = _python(SLOW_BUILD, str(data_dir))
     try:
-        _wait_for(lambda: any(cache.glob("wikihow-text-*.partial-*")))
+        _wait_for(lambda: any(cache.glob("text-*.partial-*")))
         builder.send_signal(signal.SIGKILL)
         builder.wait(timeout=30)
     finally:
         builder.kill()
-    left = _folders(cache, "wikihow-text")
+    left = _folders(cache, "text")
     assert left and all(".partial-" in name for name in left)
     assert load_wikihow(data_dir, "train").to_list() == EXPECTED["train"]
     (warning,) = [w for w in _warnings(log_records) if "did not finish" in w]
@@ -212,21 +218,23 @@ def test_two_runs_and_a_waiting_rank_at_once_build_the_cache_once(tmp_path):
         assert process.returncode == 0, output
         titles = next(line for line in output.splitlines() if line.startswith("TITLES"))
         assert titles == 'TITLES ["How to Bake Bread", "Zebra Care", "Boundary Keep", "Apple Picking"]'
-    assert len(_folders(data_dir / "cache", "wikihow-text")) == 1
+    assert len(_folders(data_dir / "cache", "text")) == 1
 
 
 def test_a_waiting_rank_takes_a_larger_token_cache_as_its_builder_does(tokenizer, tmp_path, monkeypatch):
     """A rank that waits for the token ids of 2 articles while a cache of 4 exists uses that one, as LOCAL_RANK
     0 does (it builds no 2-article cache, so waiting for one would never end)."""
     data = DataConfig(data_dir=str(write_data(tmp_path / "data")))
-    wikihow(tokenizer, "train", None, 16, 8, data)
+    SummarizationDataset(tokenizer, "train", None, 16, 8, data)
     monkeypatch.setattr(shared_cache, "is_folder_builder", lambda: False)
     done = []
-    waiter = threading.Thread(target=lambda: done.append(wikihow(tokenizer, "train", 2, 16, 8, data)), daemon=True)
+    waiter = threading.Thread(
+        target=lambda: done.append(SummarizationDataset(tokenizer, "train", 2, 16, 8, data)), daemon=True
+    )
     waiter.start()
     waiter.join(timeout=30)
     assert not waiter.is_alive() and len(done[0]) == 2
-    assert len(_folders(Path(data.data_dir) / "cache", "wikihow-tokens")) == 1
+    assert len(_folders(Path(data.data_dir) / "cache", "tokens")) == 1
 
 
 def test_a_waiting_rank_ends_with_the_builders_data_error(tmp_path, monkeypatch):

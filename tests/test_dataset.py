@@ -23,11 +23,11 @@ from configs.errors import ConfigError, DataError, DataFileNotFoundError
 from configs.paths import REPO_ROOT
 from summarization_dataset import (
     ITEM_KEYS,
+    SummarizationDataset,
     clean_text,
     hash_split,
     load_wikihow,
     pad_collate,
-    wikihow,
 )
 from utils.train.step import labels_for_loss
 
@@ -218,13 +218,14 @@ def test_hash_split_independent_of_pythonhashseed(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_missing_csv(tmp_path):
+def test_a_folder_without_data(tmp_path):
+    """An empty --data_dir names every kind of data it could hold, and how to get WikiHow."""
     with pytest.raises(DataFileNotFoundError) as info:
         load_wikihow(tmp_path, "train")
-    assert isinstance(info.value, FileNotFoundError)
     message = str(info.value)
-    assert str((tmp_path / "wikihowAll.csv").resolve()) in message
-    assert "download_wikihow" in message
+    assert f"no data found in {tmp_path.resolve()}" in message
+    for expected in ("wikihowAll.csv", "download_wikihow", "train/validation/test files", "save_to_disk"):
+        assert expected in message
 
 
 @pytest.mark.parametrize(
@@ -304,15 +305,15 @@ def test_without_options_the_embedded_sample_is_padded_to_max_length(tokenizer):
     padding, so None is not DataConfig())."""
     from configs.paths import EMBEDDED_DATA_DIR
 
-    dataset = wikihow(tokenizer, "train", 2, 16, 8)
-    assert list(dataset.dataset["title"]) == list(load_wikihow(EMBEDDED_DATA_DIR, "train")["title"])[:2]
+    dataset = SummarizationDataset(tokenizer, "train", 2, 16, 8)
+    assert list(dataset.dataset["id"]) == list(load_wikihow(EMBEDDED_DATA_DIR, "train")["title"])[:2]
     assert all(
         dataset[i]["source_ids"].shape == (16,) and dataset[i]["target_ids"].shape == (8,) for i in range(2)
     )
 
 
 def test_items_padded_to_max_length(tokenizer, data_dir):
-    dataset = wikihow(tokenizer, "train", None, 16, 8, data_options(data_dir=data_dir))
+    dataset = SummarizationDataset(tokenizer, "train", None, 16, 8, data_options(data_dir=data_dir))
     assert len(dataset) == 4
     for index in range(len(dataset)):
         item = dataset[index]
@@ -332,7 +333,9 @@ def test_items_padded_to_max_length(tokenizer, data_dir):
 
 
 def test_items_without_padding(tokenizer, data_dir):
-    dataset = wikihow(tokenizer, "train", None, 512, 512, data_options(data_dir=data_dir, pad_to_max_length=False))
+    dataset = SummarizationDataset(
+        tokenizer, "train", None, 512, 512, data_options(data_dir=data_dir, pad_to_max_length=False)
+    )
     item = dataset[0]
     assert item["source_ids"].tolist() == tokenizer(BREAD_SOURCE)["input_ids"]
     assert item["target_ids"].tolist() == tokenizer(BREAD_TARGET)["input_ids"]
@@ -344,7 +347,7 @@ def test_items_without_padding(tokenizer, data_dir):
 
 
 def test_source_prefix(tokenizer, data_dir):
-    dataset = wikihow(
+    dataset = SummarizationDataset(
         tokenizer,
         "train",
         None,
@@ -358,7 +361,9 @@ def test_source_prefix(tokenizer, data_dir):
 
 def test_truncation_keeps_eos(tokenizer, data_dir):
     for pad in (True, False):
-        dataset = wikihow(tokenizer, "train", None, 6, 4, data_options(data_dir=data_dir, pad_to_max_length=pad))
+        dataset = SummarizationDataset(
+            tokenizer, "train", None, 6, 4, data_options(data_dir=data_dir, pad_to_max_length=pad)
+        )
         item = dataset[0]
         assert item["source_ids"].shape == (6,) and item["target_ids"].shape == (4,)
         assert item["source_ids"][-1] == tokenizer.eos_token_id
@@ -367,10 +372,10 @@ def test_truncation_keeps_eos(tokenizer, data_dir):
 
 
 def test_num_samples_takes_the_first_rows(tokenizer, data_dir, log_records):
-    every = wikihow(tokenizer, "train", None, 16, 8, data_options(data_dir=data_dir))
-    first_two = wikihow(tokenizer, "train", 2, 16, 8, data_options(data_dir=data_dir))
+    every = SummarizationDataset(tokenizer, "train", None, 16, 8, data_options(data_dir=data_dir))
+    first_two = SummarizationDataset(tokenizer, "train", 2, 16, 8, data_options(data_dir=data_dir))
     assert len(first_two) == 2
-    assert list(first_two.dataset["title"]) == ["How to Bake Bread", "Zebra Care"]
+    assert list(first_two.dataset["id"]) == ["How to Bake Bread", "Zebra Care"]
     for index in range(2):
         for key in ITEM_KEYS:
             assert torch.equal(first_two[index][key], every[index][key])
@@ -378,7 +383,7 @@ def test_num_samples_takes_the_first_rows(tokenizer, data_dir, log_records):
 
 
 def test_num_samples_more_than_available_warns(tokenizer, data_dir, log_records):
-    dataset = wikihow(tokenizer, "train", 100, 16, 8, data_options(data_dir=data_dir))
+    dataset = SummarizationDataset(tokenizer, "train", 100, 16, 8, data_options(data_dir=data_dir))
     assert len(dataset) == 4
     warnings = _warnings(log_records)
     assert len(warnings) == 1
@@ -388,19 +393,19 @@ def test_num_samples_more_than_available_warns(tokenizer, data_dir, log_records)
 @pytest.mark.parametrize("num_samples", [0, -3])
 def test_num_samples_below_one_is_a_config_error(tokenizer, data_dir, num_samples):
     with pytest.raises(ConfigError, match="num_samples"):
-        wikihow(tokenizer, "train", num_samples, 16, 8, data_options(data_dir=data_dir))
+        SummarizationDataset(tokenizer, "train", num_samples, 16, 8, data_options(data_dir=data_dir))
 
 
 def test_print_text_logs_the_input(tokenizer, data_dir, log_records):
-    wikihow(tokenizer, "train", None, 16, 8, data_options(print_text=True, data_dir=data_dir))[0]
+    SummarizationDataset(tokenizer, "train", None, 16, 8, data_options(print_text=True, data_dir=data_dir))[0]
     infos = [r.getMessage() for r in log_records if r.levelno == logging.INFO]
     assert any(BREAD_SOURCE in message for message in infos)
 
 
 def test_dataset_split_and_errors_pass_through(tokenizer, data_dir):
-    assert len(wikihow(tokenizer, "validation", None, 16, 8, data_options(data_dir=data_dir))) == 1
+    assert len(SummarizationDataset(tokenizer, "validation", None, 16, 8, data_options(data_dir=data_dir))) == 1
     with pytest.raises(ConfigError):
-        wikihow(tokenizer, "dev", None, 16, 8, data_options(data_dir=data_dir))
+        SummarizationDataset(tokenizer, "dev", None, 16, 8, data_options(data_dir=data_dir))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -428,7 +433,9 @@ def test_pad_collate_right_pads_to_the_longest():
 
 
 def test_pad_collate_in_a_dataloader(tokenizer, data_dir):
-    dataset = wikihow(tokenizer, "train", None, 64, 16, data_options(data_dir=data_dir, pad_to_max_length=False))
+    dataset = SummarizationDataset(
+        tokenizer, "train", None, 64, 16, data_options(data_dir=data_dir, pad_to_max_length=False)
+    )
     collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)
     pickle.dumps(collate)  # DataLoader workers receive it pickled
     loader = torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=collate)
@@ -482,7 +489,7 @@ def test_non_utf8_csv_names_the_file_the_line_and_the_fix(tmp_path):
         load_wikihow(data_dir, "train")
     message = str(caught.value)
     bad_line = FIXTURE_CSV.count("\n") + 1  # the appended row
-    assert str(path) in message and "not UTF-8" in message and f"line {bad_line})" in message, message
+    assert str(path) in message and "not UTF-8" in message and f"line {bad_line}:" in message, message
     assert "download_wikihow.py" in message
 
 
@@ -514,18 +521,18 @@ def test_each_item_is_tokenized_once_per_machine(tokenizer, tmp_path):
     for pad in (True, False):
         counting = CountingTokenizer(tokenizer)
         options = data_options(data_dir=data_dir, pad_to_max_length=pad)
-        first = wikihow(counting, "train", None, 16, 8, options)
+        first = SummarizationDataset(counting, "train", None, 16, 8, options)
         # A source and a target per sample, once: padding is applied to the cached ids, so pad=False reuses them.
         tokenised = 2 * len(first) if pad else 0
         assert len(counting.texts) == tokenised
-        second = wikihow(counting, "train", None, 16, 8, options)
+        second = SummarizationDataset(counting, "train", None, 16, 8, options)
         assert len(counting.texts) == tokenised
         for index in range(len(first)):
             a, b = first[index], second[index]
             assert all(torch.equal(a[key], b[key]) for key in a)
             assert a["source_ids"].shape == ((16,) if pad else a["source_mask"].shape)
     counting = CountingTokenizer(tokenizer)
-    wikihow(counting, "train", None, 12, 8, data_options(data_dir=data_dir))
+    SummarizationDataset(counting, "train", None, 12, 8, data_options(data_dir=data_dir))
     assert len(counting.texts) == 8
 
 
@@ -548,7 +555,7 @@ def test_a_bad_byte_anywhere_in_the_real_sized_sample_is_one_data_error(tmp_path
         load_wikihow(data_dir, "train")
     bad_line = content[:offset].count(b"\n") + 1
     message = str(caught.value)
-    assert "not UTF-8" in message and f"line {bad_line})" in message, message
+    assert "not UTF-8" in message and f"line {bad_line}:" in message, message
     assert str(data_dir / "wikihowAll.csv") in message
 
 
@@ -561,7 +568,7 @@ def test_the_download_scripts_header_check_reports_a_bad_byte_in_the_first_block
     content[offset] = 0xFF
     path.write_bytes(bytes(content))
     bad_line = content[:offset].count(b"\n") + 1
-    with pytest.raises(DataError, match=rf"not UTF-8 text \(line {bad_line}\)"):
+    with pytest.raises(DataError, match=rf"line {bad_line}: bytes that are not UTF-8"):
         check_csv_header(path)
 
 

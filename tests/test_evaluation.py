@@ -18,7 +18,8 @@ from summarization_dataset import load_wikihow
 from tests.dist_harness import run_ranks
 from tests.dist_workers import generation_worker
 from tests.launch import torchrun
-from utils.eval.rouge import ROUGE_KEYS, mean_scores, rouge_scores
+from utils.eval.rouge import ROUGE_KEYS, rouge_scores
+from utils.eval.scores import mean_scores
 
 N_SAMPLES = 7  # uneven over 2 ranks: 4 and 3 real samples, one padding repeat
 EVAL_KEYS = {"type", "epoch", "step", "split", *ROUGE_KEYS, "gen_len", "num_samples", "seconds", "baselines"}
@@ -41,7 +42,7 @@ def generated(tmp_path_factory):
 def test_fsdp_generation_equals_plain_generate_and_rouge_equals_rouge_score(generated, beams):
     root, (rank0, rank1) = generated
     plain, references = rank0["plain"][beams], rank0["references"]
-    expected = mean_scores([rouge_scores(ref, pred) for ref, pred in zip(references, plain, strict=True)])
+    expected = mean_scores([rouge_scores(ref, pred) for ref, pred in zip(references, plain, strict=True)], "rouge")
     for version in (1, 2):
         record = rank0["records"][(version, beams)]
         assert record == rank1["records"][(version, beams)], "every rank returns rank 0's record"
@@ -96,8 +97,8 @@ def test_eval_records_and_predictions_files_agree(trained):
     for record in records:
         assert set(record) == EVAL_KEYS and record["split"] == "validation" and record["num_samples"] == EVAL_NUM
         lines = read_jsonl(trained / "predictions" / f"validation_step_{record['step']:08d}.jsonl")
-        assert [line["title"] for line in lines] == titles  # each article once, in split order
-        recomputed = mean_scores([rouge_scores(line["reference"], line["prediction"]) for line in lines])
+        assert [line["id"] for line in lines] == titles  # each article once, in split order
+        recomputed = mean_scores([rouge_scores(line["reference"], line["prediction"]) for line in lines], "rouge")
         for key in ROUGE_KEYS:
             assert record[key] == pytest.approx(recomputed[key], abs=1e-6), (record["step"], key)
 
@@ -139,6 +140,9 @@ def test_summarize_reproduces_the_last_evaluation_from_a_file_and_from_stdin(tra
     csv = tmp_path / "articles.csv"
     pd.DataFrame({"text": articles}).to_csv(csv, index=False)
     assert summarize(final_model(trained), ["--input", str(csv)]) == [line["prediction"] for line in lines]
+    jsonl = tmp_path / "articles.jsonl"  # a data file as training reads it: its document column
+    jsonl.write_text("".join(json.dumps({"id": i, "document": a}) + "\n" for i, a in enumerate(articles[:2])))
+    assert summarize(final_model(trained), ["--input", str(jsonl)]) == [line["prediction"] for line in lines[:2]]
     one_line_each = "\n".join(article.replace("\n", " ") for article in articles[:2]) + "\n"
     assert summarize(final_model(trained), [], stdin=one_line_each) == [line["prediction"] for line in lines[:2]]
 
@@ -172,8 +176,8 @@ def test_evaluate_only_scores_a_training_run_on_the_test_split_and_leaves_what_i
     assert record["model"] == str(output_dir / "checkpoints" / f"step_{STEPS[-1]:08d}")
     [predictions] = folder.glob(f"test_step_{STEPS[-1]:08d}_*.jsonl")
     lines = read_jsonl(predictions)
-    assert [line["title"] for line in lines] == list(load_wikihow(EMBEDDED_DATA_DIR, "test")["title"])[:8]
-    recomputed = mean_scores([rouge_scores(line["reference"], line["prediction"]) for line in lines])
+    assert [line["id"] for line in lines] == list(load_wikihow(EMBEDDED_DATA_DIR, "test")["title"])[:8]
+    recomputed = mean_scores([rouge_scores(line["reference"], line["prediction"]) for line in lines], "rouge")
     assert all(record[key] == pytest.approx(recomputed[key], abs=1e-6) for key in ROUGE_KEYS)
     assert sorted(p.name for p in folder.iterdir()) == sorted(["metrics.jsonl", predictions.name, "tensorboard"])
     from tests.test_tensorboard import read_scalars

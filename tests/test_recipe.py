@@ -109,10 +109,10 @@ def assert_epoch_flops_count_every_real_token(output_dir: Path, num_samples: int
     from transformers import T5Config, T5Tokenizer
 
     from configs.paths import EMBEDDED_MODEL_DIR
-    from summarization_dataset import wikihow
+    from summarization_dataset import SummarizationDataset
     from utils.observe.flops import T5Flops
 
-    dataset = wikihow(T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR), "train", num_samples, 512, 150)
+    dataset = SummarizationDataset(T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR), "train", num_samples, 512, 150)
     items = [dataset[i] for i in range(len(dataset))]
     src = torch.tensor([float(item["source_mask"].sum()) for item in items], dtype=torch.float64)
     tgt = torch.tensor([float(item["target_mask"].sum()) for item in items], dtype=torch.float64)

@@ -14,22 +14,23 @@ from utils.data.samplers import PaddedEvalSampler, ResumableDistributedSampler
 
 @dataclass
 class EvalSet:
-    """The articles ROUGE evaluates: the first N of a split, this rank's share in order, padded with repeats
+    """The rows generation evaluates: the first N of a split, this rank's share in order, padded with repeats
     so that every rank generates the same number of batches."""
 
     split: str
-    dataset: Dataset  # summarization_dataset.wikihow: .article(i), .reference(i), .clean_text
+    dataset: Dataset  # summarization_dataset.SummarizationDataset: .article(i), .reference(i), .row_id(i)
     loader: DataLoader
     sampler: PaddedEvalSampler  # says which of this rank's samples are real
 
 
 @dataclass
 class Loaders:
-    train: DataLoader
-    train_sampler: ResumableDistributedSampler
+    train: DataLoader | None  # None with --evaluate_only
+    train_sampler: ResumableDistributedSampler | None
     val: DataLoader | None  # None with --run_validation false
     val_num_real_samples: int  # this rank's validation samples that are not padding repeats
-    evaluation: EvalSet | None  # the ROUGE set (--eval_rouge, within --run_validation)
+    evaluation: EvalSet | None  # generation's rows (--eval_rouge; --evaluate_only's split)
+    cleaning: str  # how the source's texts are prepared (summarization_dataset.CLEANINGS)
 
 
 def move_batch(batch: dict, device: torch.device) -> dict:

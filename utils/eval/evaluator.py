@@ -1,12 +1,13 @@
-"""ROUGE evaluation under FSDP: every rank generates summaries for its share of the evaluation articles,
-scores them, and rank 0 gathers the scores in article order, writes the eval record and the predictions.
+"""Generation evaluation under FSDP: every rank generates outputs for its share of the evaluation rows, scores
+them with --eval_metric (ROUGE, or exact-match accuracy), and rank 0 gathers the scores in split order, writes
+the eval record and the predictions.
 
-    evaluator = Evaluator(eval_set, generation_kwargs(config.evaluation, max_target_length), where, info)
+    evaluator = Evaluator(eval_set, generation_kwargs(config.evaluation, max_target_length), metric, where, info)
     record = evaluator.evaluate(model, epoch, step)   # collective; the record on every rank
 
 `where(split, step)` names the predictions file (utils/layout.py: training's, or --evaluate_only's own).
 
-Each article is scored exactly once: the evaluation sampler's padding repeats are generated (every rank
+Each row is scored exactly once: the evaluation sampler's padding repeats are generated (every rank
 must join every collective) but never scored.
 """
 
@@ -22,7 +23,8 @@ from tqdm import tqdm
 from utils.data.loaders import EvalSet, move_batch
 from utils.distributed.process_group import DistInfo, stop_if_any_rank
 from utils.eval.generation import generate
-from utils.eval.rouge import lead_sentences, lead_steps, mean_scores, rouge_scores
+from utils.eval.rouge import lead_sentences, lead_steps
+from utils.eval.scores import SCORERS, mean_scores
 from utils.files import atomic_path
 from utils.log import get_logger
 
@@ -30,19 +32,25 @@ EXAMPLES_LOGGED = 3
 
 
 class Evaluator:
-    """Generates, scores and records one evaluation set (the first N articles of a split)."""
+    """Generates, scores and records one evaluation set (the first N rows of a split)."""
 
     def __init__(
-        self, eval_set: EvalSet, generation: dict, predictions_file: Callable[[str, int], str], info: DistInfo
+        self,
+        eval_set: EvalSet,
+        generation: dict,
+        metric: str,
+        predictions_file: Callable[[str, int], str],
+        info: DistInfo,
     ):
         self.eval_set = eval_set
         self.generation = generation  # generate's settings (utils/eval/generation.py: generation_kwargs)
+        self.metric = metric  # --eval_metric: a key of utils/eval/scores.py's SCORERS
         self.predictions_file = predictions_file  # (split, step) -> where its predictions go (utils/layout.py)
         self.info = info
         self._baselines: dict | None = None  # computed once, on rank 0
 
     def evaluate(self, model: nn.Module, epoch: int, step: int, stop_requested=None) -> dict:
-        """Generate and score every article of the set; the eval record, on every rank. Collective.
+        """Generate and score every row of the set; the eval record, on every rank. Collective.
         `stop_requested` (a callable): when it is true on any rank, every rank abandons the pass at the next
         batch (StopAgreed), writing nothing."""
         started = time.perf_counter()
@@ -61,11 +69,12 @@ class Evaluator:
         return outcome[0]
 
     def _generate_share(self, model: nn.Module, stop_requested) -> list[dict]:
-        """This rank's real samples: index, prediction, generated length and ROUGE scores."""
+        """This rank's real samples: index, prediction, generated length and scores."""
         dataset, sampler = self.eval_set.dataset, self.eval_set.sampler
         pad_id = dataset.tokenizer.pad_token_id
         rows, position = [], 0
-        bar = tqdm(total=len(self.eval_set.loader), desc="ROUGE evaluation", colour="magenta",
+        score = SCORERS[self.metric]
+        bar = tqdm(total=len(self.eval_set.loader), desc=f"{self.metric} evaluation", colour="magenta",
                    disable=not self.info.is_main, dynamic_ncols=True)  # fmt: skip
         with bar:
             for batch in self.eval_set.loader:
@@ -76,59 +85,65 @@ class Evaluator:
                     if position < sampler.num_real_samples:
                         index = sampler.indices[position]
                         prediction = text.strip()
-                        scores = rouge_scores(dataset.reference(index), prediction)
+                        scores = score(dataset.reference(index), prediction)
                         rows.append({"index": index, "prediction": prediction, "gen_len": length, **scores})
                     position += 1
                 bar.update(1)
         return rows
 
     def _record(self, ordered: list[dict], epoch: int, step: int, seconds: float) -> dict:
-        return {
+        record = {
             "type": "eval",
             "epoch": epoch,
             "step": step,
             "split": self.eval_set.split,
-            **mean_scores(ordered),
+            **mean_scores(ordered, self.metric),
             "gen_len": sum(row["gen_len"] for row in ordered) / len(ordered),
             "num_samples": len(ordered),
             "seconds": seconds,
-            "baselines": self.baselines(),
         }
+        if self.metric == "rouge":  # extractive baselines are summaries; a label has none
+            record["baselines"] = self.baselines()
+        return record
 
     def baselines(self) -> dict:
-        """ROUGE of two extractive baselines on the same articles: the first sentence of every step
-        (`lead_steps`) and the article's first three sentences (`lead3`). Computed once."""
+        """ROUGE of two extractive baselines on the same rows: the first sentence of every paragraph
+        (`lead_steps`; WikiHow's steps) and the text's first three sentences (`lead3`). Computed once."""
         if self._baselines is None:
-            dataset = self.eval_set.dataset
+            dataset, score = self.eval_set.dataset, SCORERS["rouge"]
             indices = range(len(dataset))
             self._baselines = {
-                name: mean_scores([rouge_scores(dataset.reference(i), make(dataset.article(i), dataset.clean_text))
-                                   for i in indices])
+                name: mean_scores([score(dataset.reference(i), make(dataset.article(i), dataset.clean_text))
+                                   for i in indices], "rouge")
                 for name, make in (("lead_steps", lead_steps), ("lead3", lead_sentences))
             }  # fmt: skip
         return self._baselines
 
     def _write_predictions(self, ordered: list[dict], step: int) -> None:
-        """One line per scored article, in split order; `reference` is exactly the text scored."""
+        """One line per scored row, in split order; `reference` is exactly the text scored."""
         dataset = self.eval_set.dataset
         path = self.predictions_file(self.eval_set.split, step)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             for row in ordered:
                 index = row["index"]
-                line = {"title": dataset.title(index), "reference": dataset.reference(index),
+                line = {"id": dataset.row_id(index), "reference": dataset.reference(index),
                         "prediction": row["prediction"]}  # fmt: skip
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
     def _log(self, record: dict, ordered: list[dict]) -> None:
-        lead3 = record["baselines"]["lead3"]["rougeL"]
-        get_logger().info(
-            "ROUGE (%s, %d articles, step %d): R1 %.2f | R2 %.2f | RL %.2f | RLsum %.2f | gen_len %.1f | "
-            "%.1f s (baselines RL: lead-3 %.2f, first sentence of each step %.2f)",
-            record["split"], record["num_samples"], record["step"], record["rouge1"], record["rouge2"],
-            record["rougeL"], record["rougeLsum"], record["gen_len"], record["seconds"], lead3,
-            record["baselines"]["lead_steps"]["rougeL"],
-        )  # fmt: skip
+        what = f"{record['split']}, {record['num_samples']} rows, step {record['step']}"
+        if self.metric == "rouge":
+            baselines = record["baselines"]
+            get_logger().info(
+                "ROUGE (%s): R1 %.2f | R2 %.2f | RL %.2f | RLsum %.2f | gen_len %.1f | %.1f s (baselines RL: "
+                "lead-3 %.2f, first sentence of each step %.2f)",
+                what, record["rouge1"], record["rouge2"], record["rougeL"], record["rougeLsum"], record["gen_len"],
+                record["seconds"], baselines["lead3"]["rougeL"], baselines["lead_steps"]["rougeL"],
+            )  # fmt: skip
+        else:
+            get_logger().info("accuracy (%s): %.2f%% | gen_len %.1f | %.1f s", what, record["accuracy"],
+                              record["gen_len"], record["seconds"])  # fmt: skip
         for row in ordered[:EXAMPLES_LOGGED]:
             reference = self.eval_set.dataset.reference(row["index"])
             get_logger().info("  reference:  %s\n  prediction: %s", reference[:200], row["prediction"][:200])

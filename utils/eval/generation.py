@@ -37,11 +37,13 @@ def generation_kwargs(evaluation: EvalConfig, max_target_length: int) -> dict:
     }
 
 
-def summarization_params(data: DataConfig, evaluation: EvalConfig) -> dict:
-    """How this run prepares an article and generates its summary. Saved in the model config's
+def summarization_params(data: DataConfig, evaluation: EvalConfig, cleaning: str) -> dict:
+    """How this run prepares a source text (its cleaning, named as in summarization_dataset.CLEANINGS, the
+    prefix, the length) and generates its output. Saved in the model config's
     `task_specific_params["summarization"]` (where T5's published checkpoints keep theirs), so checkpoints and
     hf_model/ carry it and scripts/summarize.py needs no flags."""
     return {
+        "cleaning": cleaning,
         "prefix": data.source_prefix,
         "max_source_length": data.max_source_length,
         **generation_kwargs(evaluation, data.max_target_length),

@@ -31,11 +31,6 @@ def rouge_scores(reference: str, prediction: str) -> dict[str, float]:
     return scores
 
 
-def mean_scores(per_sample: list[dict[str, float]]) -> dict[str, float]:
-    """The mean of each ROUGE key over samples, summed in the given order (deterministic)."""
-    return {key: sum(s[key] for s in per_sample) / len(per_sample) for key in ROUGE_KEYS}
-
-
 def lead_steps(article: str, clean) -> str:
     """The first sentence of each step (paragraph) of an article, cleaned like a summary."""
     firsts = [_SENTENCE_END.split(line.strip())[0] for line in article.splitlines() if line.strip()]

@@ -1,0 +1,437 @@
+"""Your own data: every source reduces to the same text cache, and bad input gets one message naming the file.
+
+The embedded WikiHow sample, written out as CSV, JSON lines, JSON and Parquet (its rows cleaned as the
+WikiHow path cleans them, in split order), gives the same training batches and the same per-step losses as
+the WikiHow path under FSDP1 and FSDP2 (one spawned process group for all). Then each reader, the column
+defaults, the held-out validation split, datasets' save_to_disk folders and load_dataset on a local folder,
+the cache keys, and a test per bad-input message.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import T5Tokenizer
+
+from configs.data import DataConfig
+from configs.errors import ConfigError, DataError, DataFileNotFoundError
+from configs.evaluation import EvalConfig
+from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
+from configs.run import RunConfig
+from configs.training import TrainConfig
+from configs.validate import check_data_source, check_evaluation
+from summarization_dataset import SummarizationDataset, _cached_split, build_loaders, clean_text, load_wikihow
+from tests.dist_harness import run_ranks
+from tests.dist_workers import source_parity_worker
+from tests.test_dataset import CountingTokenizer
+from utils.data import sources
+from utils.distributed.process_group import DistInfo
+from utils.eval.scores import accuracy_scores
+
+SPLIT_NAMES = {"train": "train", "validation": "validation", "test": "test"}
+FORMATS = ("csv", "jsonl", "json", "parquet")
+
+
+def wikihow_rows(split: str) -> list[dict]:
+    """The embedded sample's split as the WikiHow path trains on it: cleaned text and summary, titles as ids."""
+    rows = load_wikihow(EMBEDDED_DATA_DIR, split)
+    return [
+        {"id": row["title"], "document": clean_text(row["text"]), "summary": clean_text(row["headline"])}
+        for row in rows
+    ]
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """`rows` in the file type of `path`'s suffix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    suffix = path.suffix
+    if suffix == ".csv":
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["document", "summary"])
+            writer.writeheader()
+            writer.writerows(rows)
+    elif suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows, ensure_ascii=False, indent=1), encoding="utf-8")
+    elif suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sample_as_files(tmp_path_factory) -> dict[str, Path]:
+    """format -> a folder holding train.<format> and validation.<format>, the embedded sample's rows."""
+    root = tmp_path_factory.mktemp("formats")
+    rows = {split: wikihow_rows(split) for split in ("train", "validation")}
+    folders = {}
+    for file_type in FORMATS:
+        folder = root / file_type
+        for split, split_rows in rows.items():
+            write_rows(folder / f"{split}.{file_type}", split_rows)
+        folders[file_type] = folder
+    return folders
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parity: the same rows in any format train exactly as WikiHow does
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_every_format_trains_exactly_as_the_wikihow_path(sample_as_files):
+    steps = 3
+    sources_ = {"wikihow": {}}
+    for file_type, folder in sample_as_files.items():
+        if file_type == "json":  # found in a --data_dir; the others named as files
+            sources_[file_type] = {"data_dir": str(folder)}
+        else:
+            sources_[file_type] = {
+                "train_file": str(folder / f"train.{file_type}"),
+                "validation_file": str(folder / f"validation.{file_type}"),
+            }
+    results = run_ranks(source_parity_worker, sources_, steps, timeout_s=300)
+    for rank, result in enumerate(results):
+        reference = result["batches"]["wikihow"]
+        assert len(reference) == steps
+        for name in sources_:
+            for batch, expected in zip(result["batches"][name], reference, strict=True):
+                assert all(torch.equal(batch[key], expected[key]) for key in expected), (name, rank)
+            for version in (1, 2):
+                losses, wikihow = result["losses"][(name, version)], result["losses"][("wikihow", version)]
+                assert len(losses) == steps and all(loss > 0 for loss in losses)
+                max_relative = max(abs(a - b) / abs(b) for a, b in zip(losses, wikihow, strict=True))
+                assert max_relative == 0, (name, version, losses, wikihow)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Readers, columns, splits
+# ---------------------------------------------------------------------------------------------------
+
+ROWS = [
+    {"id": "a", "document": "First text, with a comma.", "summary": "One."},
+    {"id": "b", "document": 'A "quoted" text\nover two lines.', "summary": "Two."},
+    {"id": "c", "document": "Ünïcödé text.", "summary": "Three."},
+]
+
+
+@pytest.mark.parametrize("file_type", FORMATS)
+def test_each_file_type_gives_the_same_rows(tmp_path, file_type):
+    path = write_rows(tmp_path / f"train.{file_type}", ROWS)
+    cached = _cached_split(DataConfig(train_file=str(path), validation_file=str(path)), "train")
+    assert cached.rows.to_list() == [
+        {"id": r["id"], "source": r["document"], "target": r["summary"]} for r in ROWS
+    ]
+    assert cached.cleaning == "plain" and cached.cache.parent == tmp_path / "cache"
+
+
+def test_ids_are_the_file_and_line_without_an_id_column(tmp_path):
+    rows = [{"text": r["document"], "summary": r["summary"]} for r in ROWS]
+    path = write_rows(tmp_path / "train.csv", rows)
+    data = DataConfig(train_file=str(path), validation_file=str(path))
+    ids = _cached_split(data, "train").rows["id"]
+    assert ids == ["train.csv:2", "train.csv:3", "train.csv:5"]  # the second row spans lines 3 and 4
+
+
+def test_the_issue_example_a_data_dir_of_jsonl_files(tmp_path):
+    """`--data_dir my_data` with train.jsonl and validation.jsonl of {"document", "summary"}."""
+    write_rows(tmp_path / "my_data" / "train.jsonl", ROWS)
+    write_rows(tmp_path / "my_data" / "validation.jsonl", ROWS[:1])
+    data = DataConfig(data_dir=str(tmp_path / "my_data"))
+    assert len(_cached_split(data, "train").rows) == 3
+    assert _cached_split(data, "validation").rows["id"] == ["a"]
+    with pytest.raises(DataError, match="no test split in the files .*train.jsonl, .*validation.jsonl: give one with --test_file."):
+        _cached_split(data, "test")
+
+
+def test_known_and_flagged_columns(tmp_path):
+    rows = [{"article": "A news article.", "highlights": "A highlight.", "other": "x"}]
+    path = write_rows(tmp_path / "cnn_dailymail" / "train.jsonl", rows)  # the folder names the dataset
+    assert sources.resolve_columns(
+        ["article", "highlights", "other"], DataConfig(), "f", "abisee/cnn_dailymail"
+    ) == (
+        "article",
+        "highlights",
+    )
+    data = DataConfig(train_file=str(path), validation_file=str(path), text_column="other")
+    assert _cached_split(data, "train").rows.to_list() == [
+        {"id": "train.jsonl:1", "source": "x", "target": "A highlight."}
+    ]
+
+
+def test_the_held_out_validation_share_is_fixed_by_seed(tmp_path):
+    rows = [{"text": f"text {i}", "summary": f"summary {i}"} for i in range(400)]
+    path = write_rows(tmp_path / "train.parquet", rows)
+
+    def split_ids(seed: int, cache: str) -> tuple[list, list]:
+        data = DataConfig(train_file=str(path), validation_split_seed=seed, cache_dir=str(tmp_path / cache))
+        return _cached_split(data, "train").rows["id"], _cached_split(data, "validation").rows["id"]
+
+    train, validation = split_ids(0, "a")
+    assert (train, validation) == split_ids(0, "b")  # another cache, another build: the same rows
+    assert len(validation) == 20 and len(train) == 380 and not set(train) & set(validation)
+    assert train == sorted(train, key=lambda i: int(i.split(":")[-1]))  # file order kept
+    assert split_ids(1, "c")[1] != validation
+
+
+def test_a_saved_dataset_dict_with_class_labels(tmp_path):
+    """FinancialPhraseBank as datasets has it: integer labels with names; save_to_disk, then --data_dir."""
+    features = datasets.Features(
+        {
+            "sentence": datasets.Value("string"),
+            "label": datasets.ClassLabel(names=["negative", "neutral", "positive"]),
+        }
+    )
+    train = datasets.Dataset.from_dict({"sentence": ["Sales fell .", "Profit rose ."], "label": [0, 2]}, features)
+    datasets.DatasetDict({"train": train, "test": train.select([1])}).save_to_disk(str(tmp_path / "fpb"))
+    data = DataConfig(data_dir=str(tmp_path / "fpb"), validation_split_percentage=50)
+    rows = _cached_split(data, "train").rows.to_list() + _cached_split(data, "validation").rows.to_list()
+    assert sorted((row["source"], row["target"]) for row in rows) == [
+        ("Profit rose .", "positive"),
+        ("Sales fell .", "negative"),
+    ]
+    assert _cached_split(data, "test").rows["target"] == ["positive"]
+
+
+def test_load_dataset_on_a_local_folder(tmp_path):
+    write_rows(tmp_path / "local" / "train.csv", ROWS)
+    write_rows(tmp_path / "local" / "dev.csv", ROWS[1:])
+    write_rows(tmp_path / "local" / "test.csv", ROWS[2:])
+    data = DataConfig(dataset_name=str(tmp_path / "local"), cache_dir=str(tmp_path / "cache"))
+    assert _cached_split(data, "test").rows["source"] == ["Ünïcödé text."]
+    assert _cached_split(data, "validation").rows["id"] == ["b", "c"]  # datasets names dev.csv "validation"
+    assert _cached_split(data, "train").rows["target"] == ["One.", "Two.", "Three."]
+
+
+def test_a_hub_name_offline_is_one_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    data = DataConfig(dataset_name="no_such_user/no_such_dataset", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"datasets.load_dataset\('no_such_user/no_such_dataset', None\) failed"):
+        _cached_split(data, "train")
+
+
+def test_phrasebank_lines_in_latin_1_and_the_committed_sample(tmp_path):
+    path = tmp_path / "Sentences_AllAgree.txt"
+    path.write_bytes("Metsä Board 's sales rose .@positive\r\nOrion is in Vaasa .@neutral\r\n".encode("latin-1"))
+    data = DataConfig(train_file=str(path), validation_file=str(path))
+    assert _cached_split(data, "train").rows.to_list() == [
+        {"id": "Sentences_AllAgree.txt:1", "source": "Metsä Board 's sales rose .", "target": "positive"},
+        {"id": "Sentences_AllAgree.txt:2", "source": "Orion is in Vaasa .", "target": "neutral"},
+    ]
+    out = tmp_path / "regenerated.txt"
+    subprocess.run(
+        [sys.executable, "scripts/make_phrasebank_sample.py", "--out", str(out)], cwd=REPO_ROOT, check=True
+    )
+    committed = REPO_ROOT / "data" / "financial_phrasebank" / "Sentences_AllAgree.txt"
+    assert out.read_bytes() == committed.read_bytes()
+
+
+def test_evaluate_only_needs_only_the_split_it_scores(tmp_path):
+    path = write_rows(tmp_path / "test.jsonl", ROWS)
+    evaluation = EvalConfig(evaluate_only=True, eval_split="test", eval_metric="accuracy")
+    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    loaders = build_loaders(tokenizer, DataConfig(test_file=str(path)), TrainConfig(), evaluation, info)
+    assert loaders.train is None and loaders.evaluation.split == "test" and len(loaders.evaluation.dataset) == 3
+    assert loaders.cleaning == "plain"
+
+
+def test_token_ids_follow_the_cleaning_of_the_source(tmp_path):
+    """WikiHow's cleaning drops quotes; a file's text is tokenised as it is."""
+    path = write_rows(tmp_path / "train.jsonl", ROWS)
+    tokenizer = CountingTokenizer(T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR)))
+    dataset = SummarizationDataset(
+        tokenizer, "train", None, 64, 16, DataConfig(train_file=str(path), validation_file=str(path))
+    )
+    assert 'A "quoted" text\nover two lines.' in tokenizer.texts
+    assert dataset.reference(0) == dataset.dataset[0]["target"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cache keys
+# ---------------------------------------------------------------------------------------------------
+
+
+def _text_caches(root: Path) -> list[str]:
+    return sorted(path.name for path in root.glob("text-*") if path.is_dir())
+
+
+def test_the_text_cache_is_keyed_by_the_files_the_columns_and_the_split(tmp_path):
+    rows = [{"text": f"text {i}", "summary": f"summary {i}", "other": "o"} for i in range(100)]
+    path = write_rows(tmp_path / "train.jsonl", rows)
+    base = DataConfig(train_file=str(path))
+    _cached_split(base, "train")
+    _cached_split(base, "validation")
+    assert len(_text_caches(tmp_path / "cache")) == 1  # both splits from one build, reused
+    _cached_split(DataConfig(train_file=str(path), text_column="other"), "train")
+    assert len(_text_caches(tmp_path / "cache")) == 2
+    _cached_split(DataConfig(train_file=str(path), validation_split_percentage=10), "train")
+    assert len(_text_caches(tmp_path / "cache")) == 3
+    write_rows(path, rows[:50])  # the file changed
+    assert len(_cached_split(base, "train").rows) + len(_cached_split(base, "validation").rows) == 50
+    assert len(_text_caches(tmp_path / "cache")) == 4
+
+
+def test_the_token_cache_is_keyed_by_the_text_cache(tmp_path):
+    path = write_rows(tmp_path / "train.jsonl", ROWS)
+    tokenizer = CountingTokenizer(T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR)))
+    data = DataConfig(train_file=str(path), validation_split_percentage=1)
+    SummarizationDataset(tokenizer, "train", None, 32, 8, data)
+    tokenised = len(tokenizer.texts)
+    SummarizationDataset(tokenizer, "train", None, 32, 8, data)
+    assert len(tokenizer.texts) == tokenised  # reused
+    SummarizationDataset(
+        tokenizer,
+        "train",
+        None,
+        32,
+        8,
+        DataConfig(
+            train_file=str(path), text_column="summary", summary_column="document", validation_split_percentage=1
+        ),
+    )
+    assert len(tokenizer.texts) == 2 * tokenised  # other columns: another text cache, so new ids
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: one message naming the file and the fix; nothing already cached is touched
+# ---------------------------------------------------------------------------------------------------
+
+
+def _error(data: DataConfig, split: str = "train") -> str:
+    with pytest.raises((DataError, DataFileNotFoundError)) as info:
+        _cached_split(data, split)
+    return str(info.value)
+
+
+def test_a_missing_column_lists_the_columns_and_the_closest(tmp_path):
+    path = write_rows(tmp_path / "train.csv", [{"document": "text", "sumary": "typo"}])
+    message = _error(DataConfig(train_file=str(path), summary_column="summary"))
+    assert (
+        f"{path} has no column 'summary'; its columns: document, sumary. Did you mean --summary_column sumary?"
+        == message
+    )
+    message = _error(DataConfig(train_file=str(path)))
+    assert (
+        "columns document, sumary: none is a usual name for the target. Name it with --summary_column" in message
+    )
+
+
+def test_an_empty_split_and_empty_rows(tmp_path, caplog):
+    rows = [
+        {"text": "kept", "summary": "yes"},
+        {"text": "  ", "summary": "no text"},
+        {"text": "no target", "summary": ""},
+    ]
+    path = write_rows(tmp_path / "train.jsonl", rows)
+    empty = write_rows(tmp_path / "validation.jsonl", rows[1:])
+    data = DataConfig(train_file=str(path), validation_file=str(empty))
+    with caplog.at_level(logging.WARNING):
+        assert len(_cached_split(data, "train").rows) == 1
+    assert "skipped 4 rows whose text or target is empty (train 2, validation 2)" in caplog.text
+    message = _error(data, "validation")
+    assert message.startswith(f"the validation split of the files {path}, {empty} is empty ({empty}; 2 rows")
+    header_only = tmp_path / "header_only.csv"
+    header_only.write_text("text,summary\n", encoding="utf-8")
+    assert "is empty" in _error(DataConfig(train_file=str(header_only), validation_file=str(path)))
+
+
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path):
+    for suffix in (".csv", ".jsonl", ".json"):
+        path = tmp_path / f"train{suffix}"
+        lines = ['{"text": "a", "summary": "b"}', '{"text": "caf\xe9", "summary": "c"}']
+        if suffix == ".csv":
+            lines = ["text,summary", "a,b", "caf\xe9,c"]
+        elif suffix == ".json":
+            lines = ["[", lines[0] + ",", lines[1], "]"]
+        path.write_bytes("\n".join(lines).encode("latin-1"))
+        line = 3 if suffix != ".jsonl" else 2
+        assert _error(DataConfig(train_file=str(path))).startswith(
+            f"{path}, line {line}: bytes that are not UTF-8."
+        )
+
+
+BAD_FILES = [
+    ("train.csv", "text,summary\na,b\nc,d,e\n", "train.csv, line 3: 3 fields, the header has 2. Quote every"),
+    (
+        "train.jsonl",
+        '{"text": "a", "summary": "b"}\n{"text": "a" "b": 1}\n',
+        "line 2: not valid JSON (Expecting ',' delimiter at",
+    ),
+    ("train.jsonl", '["a", "b"]\n', "train.jsonl, line 1: a JSON list, where an object of columns is expected."),
+    ("train.json", '[{"text": "a",\n "summary": }]', "train.json, line 2: not valid JSON (Expecting value at"),
+    ("train.json", '{"rows": 3}', "train.json holds a JSON dict; expected a list of objects (one per row)"),
+    ("train.parquet", "not parquet", "train.parquet is not a Parquet file that pyarrow can read"),
+    ("train.txt", "no separator here\n", "train.txt, line 1: no '@'. A .txt file is read as FinancialPhraseBank"),
+    ("train.tsv", "a\tb\n", "train.tsv: unknown file type '.tsv'; data files are .csv (CSV), .jsonl (JSON"),
+]
+
+
+@pytest.mark.parametrize("name, content, expected", BAD_FILES)
+def test_files_that_do_not_parse(tmp_path, name, content, expected):
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8")
+    assert expected in _error(DataConfig(train_file=str(path)))
+
+
+def test_a_failed_build_leaves_the_caches_as_they_were(tmp_path):
+    path = write_rows(tmp_path / "train.jsonl", ROWS)
+    data = DataConfig(train_file=str(path))
+    _cached_split(data, "train")
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("*") if not p.name.endswith(".lock")}
+    path.write_text('{"text": broken\n', encoding="utf-8")
+    assert "not valid JSON" in _error(data)
+    after = {
+        p: p.stat().st_mtime_ns
+        for p in (tmp_path / "cache").rglob("*")
+        if not p.name.endswith((".failed", ".lock"))
+    }
+    assert after == before  # the old cache intact, no partial folder left
+
+
+def test_missing_files_and_folders(tmp_path):
+    assert (
+        _error(DataConfig(train_file=str(tmp_path / "nope.csv")))
+        == f"data file not found: {tmp_path / 'nope.csv'}"
+    )
+    assert "no such folder" in _error(DataConfig(data_dir=str(tmp_path / "nope")))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings: one source; scores and the best epoch
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"data_dir": "x", "train_file": "t.csv"}, "--train_file and --data_dir name two sources"),
+        ({"dataset_name": "xsum", "test_file": "t.csv"}, "--test_file and --dataset_name name two sources"),
+        ({"dataset_config_name": "3.0.0"}, "--dataset_config_name is the config of --dataset_name"),
+    ],
+)
+def test_one_source_of_data(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        check_data_source(DataConfig(**fields))
+    check_data_source(DataConfig(train_file="t.csv", validation_file="v.csv", test_file="x.csv"))
+
+
+def test_accuracy_and_the_best_metric():
+    assert accuracy_scores(" positive", "positive ") == {"accuracy": 100.0}
+    assert accuracy_scores("positive", "Positive") == {"accuracy": 0.0}
+    check_evaluation(EvalConfig(eval_metric="accuracy", metric_for_best="accuracy"), TrainConfig())
+    with pytest.raises(ConfigError, match="--metric_for_best accuracy is a score of --eval_metric accuracy"):
+        check_evaluation(EvalConfig(metric_for_best="accuracy"), TrainConfig())
+    with pytest.raises(ConfigError, match="--metric_for_best rougeL is a score of --eval_metric rouge"):
+        check_evaluation(EvalConfig(eval_metric="accuracy", metric_for_best="rougeL"), TrainConfig())
+    assert RunConfig().evaluation.eval_metric == "rouge"
