@@ -25,6 +25,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 import summarization_dataset
 from configs import cli, validate
 from configs.errors import FAILURES, ConfigError, UserError
+from configs.evaluation import METRIC_NAMES
 from configs.run import RunConfig
 from policies.mixed_precision import Precision, resolve_precision
 from utils import layout
@@ -148,7 +149,7 @@ def log_evaluation_plan(config: RunConfig) -> None:
             "evaluation: none (--run_validation false switches off the validation loss and generation)"
         )
         return
-    metric = "ROUGE" if evaluation.eval_metric == "rouge" else "accuracy"
+    metric = METRIC_NAMES[evaluation.eval_metric]
     scores = f"no {metric} (--eval_rouge false)"
     if evaluation.eval_rouge:
         rows = evaluation.eval_num_samples or "all"

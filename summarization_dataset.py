@@ -306,7 +306,7 @@ def wikihow_source(data_dir: Path) -> TextSource:
         "cleaning": CLEANING_VERSION,
     }
     write = functools.partial(_write_wikihow_cache, csv_path, lists)
-    return TextSource(f"WikiHow ({csv_path})", key, write, "wikihow", data_dir / "cache")
+    return TextSource(f"WikiHow ({csv_path})", key, write, "wikihow", data_dir / "cache", add_split="")
 
 
 def text_source(data: DataConfig) -> TextSource:
@@ -366,9 +366,8 @@ def _cached_split(data: DataConfig, split: str) -> CachedSplit:
         per_split = ", ".join(f"{name} {n}" for name, n in manifest["skipped"].items() if n)
         _warn_once(folder, "skipped", "%s: skipped %d rows whose text or target is empty (%s)", source.what,
                    skipped, per_split)  # fmt: skip
-    if split not in manifest["origin"]:
-        flag = "--validation_file" if split == "validation" else f"--{split}_file"
-        raise DataError(f"no {split} split in {source.what}: give one with {flag}.")
+    if split not in manifest["origin"]:  # WikiHow has every split
+        raise DataError(f"no {split} split in {source.what}: {source.add_split.format(split=split)}.")
     if manifest["rows"][split] == 0:
         if "rows_read" in manifest:  # WikiHow
             raise DataError(
@@ -376,10 +375,11 @@ def _cached_split(data: DataConfig, split: str) -> CachedSplit:
                 f"fields, {manifest['rows_clean']} passed the builder's filter, none of them in "
                 f"{manifest['origin'][split]}."
             )
+        held_out = "held out" in manifest["origin"][split]
+        fix = "Give it rows, or train at least 2 rows to hold 1 out." if held_out else "Give it rows."
         raise DataError(
             f"the {split} split of {source.what} is empty ({manifest['origin'][split]}; "
-            f"{manifest['skipped'][split]} rows with an empty text or target skipped). Give it rows"
-            + (", or raise --validation_split_percentage." if "held out" in manifest["origin"][split] else ".")
+            f"{manifest['skipped'][split]} rows with an empty text or target skipped). {fix}"
         )
     rows = datasets.Dataset.from_file(str(folder / f"{split}.arrow"))
     return CachedSplit(rows, folder, source.cleaning, source.what)

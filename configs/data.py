@@ -68,8 +68,8 @@ class DataConfig:
     validation_split_percentage: int = option(
         default=5,
         help=(
-            "Where the data has no validation split: this percentage of train's rows (at least one) becomes "
-            "validation, drawn by --validation_split_seed, the same on every rank and run."
+            "Where the data has no validation split: this percentage of train's rows (at least one, from two "
+            "rows) becomes validation, drawn by --validation_split_seed, the same on every rank and run."
         ),
         minimum=1,
         maximum=50,

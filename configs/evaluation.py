@@ -12,6 +12,7 @@ from configs.options import option
 
 # The scores each --eval_metric writes into an eval record (utils/eval/scores.py computes them).
 METRIC_KEYS = {"rouge": ("rouge1", "rouge2", "rougeL", "rougeLsum"), "accuracy": ("accuracy",)}
+METRIC_NAMES = {"rouge": "ROUGE", "accuracy": "accuracy"}  # as messages, bars and the log say them
 
 
 @dataclass

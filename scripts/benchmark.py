@@ -23,9 +23,10 @@ The data suite measures the data path at the real file's size instead: it genera
 of wikihowAll.csv's size (214,544 rows, CRLF line ends inside quoted fields, log-normal lengths around the
 published means; kept in --wikihow_dir for later invocations) and, for each --ranks, runs the embedded
 model for 3 steps (fixed 512/150 shapes) on the embedded sample, then on the full-size file with a cold
-cache and a warm one: time to the first step, peak RSS per rank and above the embedded sample's, and the
-CPU seconds of all ranks above the embedded sample's (parsing and tokenising). --repo runs another
-checkout's T5_training.py on the same file: the control.
+cache and a warm one, then on its train and validation splits written as JSON-lines files of your own
+(--train_file/--validation_file) with a cold and a warm cache: time to the first step, peak RSS per rank and
+above the embedded sample's, and the CPU seconds of all ranks above the embedded sample's (parsing and
+tokenising). --repo runs another checkout's T5_training.py on the same WikiHow file: the control.
 
 The checkpoint suite adds scripts/export_memory.py's measurements for each model: rank 0's host memory while
 hf_model/ is exported from the shards against the gather it replaced (plain and LoRA merged, per backend),
@@ -56,7 +57,7 @@ from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT  # no
 from scripts.export_memory import EXPORT_CASE_NAMES  # noqa: E402
 from scripts.export_memory import measure as measure_exports  # noqa: E402
 from scripts.make_random_t5 import SHAPES, make  # noqa: E402
-from summarization_dataset import load_wikihow  # noqa: E402
+from summarization_dataset import clean_text, load_wikihow  # noqa: E402
 
 # Every step its own record: the steps right after a save are the ones a background write overlaps.
 CHECKPOINT_EVERY_3 = ["--checkpoint_type", "SHARDED_STATE_DICT", "--keep_last_n", "2", "--save_every_n_steps", "3",
@@ -378,6 +379,26 @@ def full_size_wikihow(folder: Path, rows: int = FULL_SIZE_ROWS, seed: int = 0) -
     return folder
 
 
+def full_size_json_lines(data_dir: Path) -> Path:
+    """train.jsonl and validation.jsonl in data_dir/jsonl: the full-size file's builder splits as your own data
+    (id, document, summary; the texts cleaned as the WikiHow path cleans them), reused when already made."""
+    folder = data_dir / "jsonl"
+    made = {"from": (data_dir / "generated.json").read_text(), "version": 1}
+    marker = folder / "generated.json"
+    if marker.exists() and json.loads(marker.read_text()) == made:
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for split in ("train", "validation"):
+        with open(folder / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for batch in load_wikihow(data_dir, split).iter(batch_size=2048):
+                for title, headline, text in zip(batch["title"], batch["headline"], batch["text"], strict=True):
+                    row = {"id": title, "document": clean_text(text), "summary": clean_text(headline)}
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    marker.write_text(json.dumps(made))
+    return folder
+
+
 def first_step_run(repo: Path, nproc: int, args: list[str], out: Path) -> dict:
     """One torchrun launch of `repo`'s T5_training.py: seconds to its first step record, the wall time, the
     CPU seconds of every process (ranks and agent), and each rank's peak RSS from its epoch record."""
@@ -404,10 +425,22 @@ def first_step_run(repo: Path, nproc: int, args: list[str], out: Path) -> dict:
 
 
 def run_data_suite(args, work: Path) -> list[dict]:
-    """For each --ranks and case: the embedded sample, then the full-size file with a cold and a warm cache."""
+    """For each --ranks and case: the embedded sample, then the full-size file with a cold and a warm cache, then
+    its splits as JSON-lines files of your own (--train_file/--validation_file), cold and warm."""
     data_dir = full_size_wikihow(Path(args.wikihow_dir or Path(args.out) / "wikihow_full"), args.rows)
     csv_path = data_dir / "wikihowAll.csv"
     print(f"full-size file: {csv_path} ({csv_path.stat().st_size / 1e6:.0f} MB)", flush=True)
+    json_lines = full_size_json_lines(data_dir)
+    sizes = sum(path.stat().st_size for path in json_lines.glob("*.jsonl"))
+    print(f"full-size JSON lines: {json_lines} ({sizes / 1e6:.0f} MB)", flush=True)
+    sources = {
+        "embedded sample": ["--data_dir", str(EMBEDDED_DATA_DIR)],
+        "full size, cold cache": ["--data_dir", str(data_dir)],
+        "full size, warm cache": ["--data_dir", str(data_dir)],
+        "full-size JSON lines, cold cache": ["--train_file", str(json_lines / "train.jsonl"),
+                                             "--validation_file", str(json_lines / "validation.jsonl")],
+    }  # fmt: skip
+    sources["full-size JSON lines, warm cache"] = sources["full-size JSON lines, cold cache"]
     repo = Path(args.repo).resolve() if args.repo else REPO_ROOT
     # Fixed 512/150 shapes (the tutorial's padding): the embedded sample's articles are shorter than the
     # generated ones, and per-batch padding would make the full-size steps' activations larger, which
@@ -420,12 +453,15 @@ def run_data_suite(args, work: Path) -> list[dict]:
             if args.cases and case not in args.cases:
                 continue
             runs = {}
-            for data in ("embedded sample", "full size, cold cache", "full size, warm cache"):
+            for data, data_args in sources.items():
+                if args.repo and "JSON lines" in data:
+                    continue  # the control checkout reads WikiHow only
                 if data == "full size, cold cache":
                     shutil.rmtree(data_dir / "cache", ignore_errors=True)
-                folder = str(EMBEDDED_DATA_DIR) if data == "embedded sample" else str(data_dir)
+                if data == "full-size JSON lines, cold cache":
+                    shutil.rmtree(json_lines / "cache", ignore_errors=True)
                 out = work / f"run{len(list(work.iterdir()))}"
-                runs[data] = first_step_run(repo, nproc, [*common, *case_args, "--data_dir", folder], out)
+                runs[data] = first_step_run(repo, nproc, [*common, *case_args, *data_args], out)
                 embedded = runs["embedded sample"]
                 result = {"ranks": nproc, "case": case, "data": data, **runs[data]}
                 result["data_rss_bytes"] = max(result["peak_rss_bytes"]) - max(embedded["peak_rss_bytes"])

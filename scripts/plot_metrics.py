@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
-ROUGE_COLORS = {"rouge1": "tab:blue", "rouge2": "tab:orange", "rougeL": "tab:green", "rougeLsum": "tab:purple"}
+SCORE_COLORS = {"rouge1": "tab:blue", "rouge2": "tab:orange", "rougeL": "tab:green", "rougeLsum": "tab:purple",
+                "accuracy": "tab:red"}  # fmt: skip
 SPLIT_STYLES = ("-", "--", ":", "-.")
 NO_MATPLOTLIB = "scripts/plot_metrics.py needs matplotlib: pip install matplotlib"
 
@@ -131,24 +132,26 @@ def draw_losses(ax, records: list[dict]) -> None:
 
 
 def draw_rouge(ax, records: list[dict]) -> None:
-    """Panel 2: ROUGE of the eval records against the step, one line style per split; lead-3 baseline."""
-    ax.set_title("ROUGE (F-measure x 100)")
+    """Panel 2: the scores of the eval records (ROUGE, or accuracy with --eval_metric accuracy) against the
+    step, one line style per split; the lead-3 baseline of ROUGE."""
     evals = sorted(of_type(records, "eval", "step"), key=lambda r: r["step"])
+    accuracy = bool(evals) and "accuracy" in evals[-1]
+    ax.set_title("accuracy (%)" if accuracy else "ROUGE (F-measure x 100)")
     if not evals:
         say_empty(ax, "no ROUGE evaluations in this run")
         return
     splits = list(dict.fromkeys(r.get("split", "validation") for r in evals))
     for split, style in zip(splits, SPLIT_STYLES, strict=False):
         chosen = [r for r in evals if r.get("split", "validation") == split]
-        for key in ROUGE_KEYS:
+        for key in ("accuracy",) if accuracy else ROUGE_KEYS:
             label = key if len(splits) == 1 else f"{key} ({split})"
             y = [number(r.get(key)) for r in chosen]
-            ax.plot([r["step"] for r in chosen], y, "o" + style, color=ROUGE_COLORS[key], label=label)
+            ax.plot([r["step"] for r in chosen], y, "o" + style, color=SCORE_COLORS[key], label=label)
     lead3 = evals[-1].get("baselines", {}).get("lead3", {}).get("rougeL")
     if lead3 is not None:
         ax.axhline(lead3, color="0.3", linestyle="--", linewidth=1, label="lead-3 baseline rougeL")
     ax.set_xlabel("global step")
-    ax.set_ylabel("ROUGE")
+    ax.set_ylabel("accuracy" if accuracy else "ROUGE")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
 

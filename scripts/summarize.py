@@ -42,16 +42,10 @@ def read_articles(source: str | None, text_column: str = "") -> list[str]:
     if not path.is_file():
         raise UserError(f"--input {source!r}: no such file")
     if path.suffix.lower() in DATA_FILE_TYPES:
-        records = sources.file_records(path)
-        first = next(records, None)
-        if first is None:
-            return []
-        found = list(first[1])
-        column = sources.resolve_column(
-            found, "--text_column", text_column, None, sources.TEXT_COLUMN_NAMES, source
-        )
-        rows = records if first[0] == "header" else [first, *records]
-        return [sources.as_text(record.get(column)) for _, record in rows]
+        found, columns_from, records = sources.columns_and_records(path)
+        column = sources.resolve_column(found, "--text_column", text_column, None, sources.TEXT_COLUMN_NAMES,
+                                        columns_from)  # fmt: skip
+        return [sources.as_text(record.get(column), column, f"{path}, {where}") for where, record in records]
     try:
         return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except UnicodeDecodeError:
@@ -61,7 +55,10 @@ def read_articles(source: str | None, text_column: str = "") -> list[str]:
 def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[str]:
     """Summaries of `articles`, prepared and generated as the model's training run did."""
     params = (getattr(model.config, "task_specific_params", None) or {}).get("summarization", {})
-    clean = CLEANINGS[params.get("cleaning", "wikihow")]  # models saved before the field: WikiHow runs
+    cleaning = params.get("cleaning", "wikihow")  # models saved before the field: WikiHow runs
+    if cleaning not in CLEANINGS:
+        raise UserError(f"the model's cleaning {cleaning!r} is unknown to this version: update the package")
+    clean = CLEANINGS[cleaning]
     prefix = params.get("prefix", "")
     max_length = params.get("max_source_length", DEFAULT_MAX_SOURCE_LENGTH)
     summaries = []

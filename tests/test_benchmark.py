@@ -61,7 +61,7 @@ def test_the_data_suites_full_size_file_has_the_real_files_format_and_is_reused(
     """scripts/benchmark.py --suite data's generator at 2,000 rows: the real header, CRLF line ends inside
     quoted fields, split lists of the published proportions that the reader accepts; a second call reuses
     the file."""
-    from summarization_dataset import load_wikihow
+    from summarization_dataset import clean_text, load_wikihow
 
     folder = benchmark.full_size_wikihow(tmp_path / "wikihow", rows=2000)
     content = (folder / "wikihowAll.csv").read_bytes()
@@ -77,3 +77,10 @@ def test_the_data_suites_full_size_file_has_the_real_files_format_and_is_reused(
     mtime = (folder / "wikihowAll.csv").stat().st_mtime_ns
     benchmark.full_size_wikihow(tmp_path / "wikihow", rows=2000)
     assert (folder / "wikihowAll.csv").stat().st_mtime_ns == mtime
+    # The same splits as JSON-lines files of your own: the rows the WikiHow path trains on.
+    json_lines = benchmark.full_size_json_lines(folder)
+    rows = [json.loads(line) for line in (json_lines / "train.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [row["id"] for row in rows] == train["title"]
+    assert rows[0]["document"] == clean_text(train[0]["text"]) and rows[0]["summary"] == clean_text(
+        train[0]["headline"]
+    )

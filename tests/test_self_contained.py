@@ -15,7 +15,7 @@ def repository_text_files() -> list:
 
 
 def text_of(path) -> str:
-    """The file's text; a data file in another encoding (the Latin-1 FinancialPhraseBank sample) is searched too."""
+    """The file's text; a file in another encoding (the Latin-1 FinancialPhraseBank sample) is searched too."""
     return path.read_text(encoding="utf-8", errors="replace")
 
 

@@ -24,7 +24,7 @@ import torch
 from transformers import T5Tokenizer
 
 from configs.data import DataConfig
-from configs.errors import ConfigError, DataError, DataFileNotFoundError
+from configs.errors import ConfigError, DataError, DataFileNotFoundError, UserError
 from configs.evaluation import EvalConfig
 from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
 from configs.run import RunConfig
@@ -38,7 +38,6 @@ from utils.data import sources
 from utils.distributed.process_group import DistInfo
 from utils.eval.scores import accuracy_scores
 
-SPLIT_NAMES = {"train": "train", "validation": "validation", "test": "test"}
 FORMATS = ("csv", "jsonl", "json", "parquet")
 
 
@@ -149,7 +148,7 @@ def test_the_issue_example_a_data_dir_of_jsonl_files(tmp_path):
     data = DataConfig(data_dir=str(tmp_path / "my_data"))
     assert len(_cached_split(data, "train").rows) == 3
     assert _cached_split(data, "validation").rows["id"] == ["a"]
-    with pytest.raises(DataError, match="no test split in the files .*train.jsonl, .*validation.jsonl: give one with --test_file."):
+    with pytest.raises(DataError, match=r"no test split in the files .*validation.jsonl: add a test file \(.csv"):
         _cached_split(data, "test")
 
 
@@ -192,14 +191,17 @@ def test_a_saved_dataset_dict_with_class_labels(tmp_path):
         }
     )
     train = datasets.Dataset.from_dict({"sentence": ["Sales fell .", "Profit rose ."], "label": [0, 2]}, features)
-    datasets.DatasetDict({"train": train, "test": train.select([1])}).save_to_disk(str(tmp_path / "fpb"))
+    unlabelled = datasets.Dataset.from_dict(
+        {"sentence": ["Profit rose .", "Unknown ."], "label": [2, -1]}, features
+    )
+    datasets.DatasetDict({"train": train, "test": unlabelled}).save_to_disk(str(tmp_path / "fpb"))
     data = DataConfig(data_dir=str(tmp_path / "fpb"), validation_split_percentage=50)
     rows = _cached_split(data, "train").rows.to_list() + _cached_split(data, "validation").rows.to_list()
     assert sorted((row["source"], row["target"]) for row in rows) == [
         ("Profit rose .", "positive"),
         ("Sales fell .", "negative"),
     ]
-    assert _cached_split(data, "test").rows["target"] == ["positive"]
+    assert _cached_split(data, "test").rows["target"] == ["positive"]  # label -1 (none): skipped
 
 
 def test_load_dataset_on_a_local_folder(tmp_path):
@@ -216,7 +218,7 @@ def test_a_hub_name_offline_is_one_message(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     data = DataConfig(dataset_name="no_such_user/no_such_dataset", cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(DataError, match=r"datasets.load_dataset\('no_such_user/no_such_dataset', None\) failed"):
+    with pytest.raises(UserError, match=r"datasets.load_dataset\('no_such_user/no_such_dataset', None\) failed"):
         _cached_split(data, "train")
 
 
@@ -247,14 +249,76 @@ def test_evaluate_only_needs_only_the_split_it_scores(tmp_path):
 
 
 def test_token_ids_follow_the_cleaning_of_the_source(tmp_path):
-    """WikiHow's cleaning drops quotes; a file's text is tokenised as it is."""
-    path = write_rows(tmp_path / "train.jsonl", ROWS)
+    """A file's texts are tokenised and scored as they are; WikiHow's cleaning would drop the quotes."""
+    rows = [{"document": 'A "quoted" text\nover two lines.', "summary": ' Say "hi". '}]
+    path = write_rows(tmp_path / "train.jsonl", rows)
     tokenizer = CountingTokenizer(T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR)))
-    dataset = SummarizationDataset(
-        tokenizer, "train", None, 64, 16, DataConfig(train_file=str(path), validation_file=str(path))
+    data = DataConfig(train_file=str(path), validation_file=str(path))
+    dataset = SummarizationDataset(tokenizer, "train", None, 64, 16, data)
+    assert tokenizer.texts == ['A "quoted" text\nover two lines.', 'Say "hi".']
+    assert dataset.reference(0) == 'Say "hi".' and clean_text(' Say "hi". ') == "Say hi."
+
+
+def test_odd_but_valid_files(tmp_path):
+    """A byte-order mark in JSON; a .json file of one object; bytes, numbers and booleans as texts; a folder
+    named like a known dataset whose columns are not that dataset's; a Latin-1 byte 0x85 in a FinancialPhraseBank
+    line (U+0085 is a line break to str.splitlines, not to the file)."""
+    bom = tmp_path / "bom" / "train.jsonl"
+    bom.parent.mkdir()
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "t", "summary": "s"}).encode() + b"\n")
+    assert _cached_split(DataConfig(train_file=str(bom), validation_file=str(bom)), "train").rows["source"] == [
+        "t"
+    ]
+    one = tmp_path / "one" / "train.json"
+    one.parent.mkdir()
+    one.write_text(json.dumps({"text": "only", "label": True}), encoding="utf-8")
+    rows = _cached_split(DataConfig(train_file=str(one), validation_file=str(one)), "train").rows.to_list()
+    assert rows == [{"id": "train.json:1", "source": "only", "target": "true"}]
+    table = pa.table({"text": [b"bytes a", b"bytes b"], "summary": [1.5, 2]})
+    pq.write_table(table, tmp_path / "one" / "numbers.parquet")
+    data = DataConfig(train_file=str(tmp_path / "one" / "numbers.parquet"), validation_file=str(one))
+    assert _cached_split(data, "train").rows["target"] == ["1.5", "2.0"]
+    assert _cached_split(data, "train").rows["source"] == ["bytes a", "bytes b"]
+    xsum = write_rows(tmp_path / "xsum" / "train.csv", [{"text": "t", "headline": "h"}])  # not xsum's columns
+    assert _cached_split(DataConfig(train_file=str(xsum), validation_file=str(xsum)), "train").rows["target"] == [
+        "h"
+    ]
+    fpb = tmp_path / "Sentences_50Agree.txt"
+    fpb.write_bytes("Sales fell \x85 sharply .@negative\n".encode("latin-1"))
+    rows = _cached_split(DataConfig(train_file=str(fpb), validation_file=str(fpb)), "train").rows.to_list()
+    assert rows == [{"id": "Sentences_50Agree.txt:1", "source": "Sales fell \x85 sharply .", "target": "negative"}]
+
+
+def test_a_held_out_share_needs_two_rows_and_holds_at_least_one(tmp_path):
+    one = write_rows(tmp_path / "one" / "train.jsonl", ROWS[:1])
+    message = _error(DataConfig(train_file=str(one)), "validation")
+    assert message.endswith("Give it rows, or train at least 2 rows to hold 1 out.")
+    two = write_rows(tmp_path / "two" / "train.jsonl", ROWS[:2])
+    data = DataConfig(train_file=str(two), validation_split_percentage=1)
+    assert len(_cached_split(data, "train").rows) == len(_cached_split(data, "validation").rows) == 1
+
+
+def test_values_that_are_not_texts(tmp_path):
+    nested = write_rows(tmp_path / "train.jsonl", [{"text": ["a", "list"], "summary": "s"}])
+    assert _error(DataConfig(train_file=str(nested))) == (
+        f"{nested}, line 1: column 'text' holds a list, not a text. Choose a column of texts with "
+        "--text_column/--summary_column, or flatten it into one."
     )
-    assert 'A "quoted" text\nover two lines.' in tokenizer.texts
-    assert dataset.reference(0) == dataset.dataset[0]["target"]
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["a"])})
+    saved = datasets.Dataset.from_dict({"text": ["x"], "label": [0]}, features)
+    table = saved.data.table.set_column(1, "label", pa.array([5], pa.int64()))  # a label past the names
+    datasets.Dataset(table, info=saved.info).save_to_disk(str(tmp_path / "saved"))
+    message = _error(DataConfig(data_dir=str(tmp_path / "saved")))
+    assert message == f"{tmp_path / 'saved'}, row 1: label 5 of column 'label' is not one of its 1 names."
+
+
+def test_dataset_name_on_a_folder_with_a_cache_reads_the_files_not_the_cache(tmp_path):
+    folder = tmp_path / "my_data"
+    write_rows(folder / "train.jsonl", [{"text": f"t{i}", "summary": "s"} for i in range(20)])
+    assert len(_cached_split(DataConfig(data_dir=str(folder)), "train").rows) == 19  # writes my_data/cache/
+    write_rows(folder / "train.jsonl", [{"text": f"t{i}", "summary": "s"} for i in range(5)])
+    data = DataConfig(dataset_name=str(folder))
+    assert len(_cached_split(data, "train").rows) + len(_cached_split(data, "validation").rows) == 5
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -370,7 +434,7 @@ BAD_FILES = [
     ),
     ("train.jsonl", '["a", "b"]\n', "train.jsonl, line 1: a JSON list, where an object of columns is expected."),
     ("train.json", '[{"text": "a",\n "summary": }]', "train.json, line 2: not valid JSON (Expecting value at"),
-    ("train.json", '{"rows": 3}', "train.json holds a JSON dict; expected a list of objects (one per row)"),
+    ("train.json", "3", "train.json holds a JSON int; expected a list of objects (one per row), an object whose"),
     ("train.parquet", "not parquet", "train.parquet is not a Parquet file that pyarrow can read"),
     ("train.txt", "no separator here\n", "train.txt, line 1: no '@'. A .txt file is read as FinancialPhraseBank"),
     ("train.tsv", "a\tb\n", "train.tsv: unknown file type '.tsv'; data files are .csv (CSV), .jsonl (JSON"),

@@ -1,7 +1,7 @@
-"""Folders built once per machine and shared by every process: the memory-mapped WikiHow cache.
+"""Folders built once per machine and shared by every process: the memory-mapped data cache.
 
-Eight ranks on a node (and any other run started on the same files) need the same cleaned splits and token
-ids. Building them is expensive (minutes for the real 600 MB wikihowAll.csv); reading the result is not,
+Eight ranks on a node (and any other run started on the same files) need the same splits and token ids.
+Building them is expensive (minutes for the real 600 MB wikihowAll.csv); reading the result is not,
 because every process memory-maps the same files and the OS page cache holds them once.
 
 `shared_folder` returns the folder `<cache_dir>/<name>-<digest of key and CACHE_FORMAT>`, building it first

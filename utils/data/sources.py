@@ -27,6 +27,7 @@ from __future__ import annotations
 import csv
 import difflib
 import hashlib
+import itertools
 import json
 import random
 from collections.abc import Callable, Iterable, Iterator
@@ -38,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from configs.data import DataConfig
-from configs.errors import DataError, DataFileNotFoundError
+from configs.errors import DataError, DataFileNotFoundError, UserError
 
 SPLITS = ("train", "validation", "test")
 TEXT_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("target", pa.string())])
@@ -79,16 +80,18 @@ _FINGERPRINT_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class TextSource:
-    """A source of rows: what it is (for messages), what identifies its content (the text cache's key), and
-    how to write its splits into a folder (`write(folder) -> manifest fields`, with "rows" per split).
-    `clean` prepares a text for the tokenizer and for scoring; `cleaning` names it (models record it, so
-    scripts/summarize.py prepares articles the same way)."""
+    """A source of rows: what it is (for messages), what identifies its content (the text cache's key), how to
+    write its splits into a folder (`write(folder) -> manifest fields`: rows, skipped and origin per split),
+    the name of the cleaning its texts get (summarization_dataset.CLEANINGS; models record it, so
+    scripts/summarize.py prepares texts the same way), where its cache goes without --cache_dir, and how to
+    give it a split it lacks (a sentence with {split}, for messages)."""
 
     what: str
     key: dict
     write: Callable[[Path], dict]
     cleaning: str
     default_cache: Path
+    add_split: str
 
 
 def file_fingerprint(path: Path) -> dict:
@@ -175,6 +178,7 @@ def resolve_columns(found: list[str], data: DataConfig, where: str, dataset_name
     """(text column, target column) of a source whose columns are `found`: the flags, else a known dataset's
     (by the last part of `dataset_name`), else the first common names present."""
     known = KNOWN_COLUMNS.get(dataset_name.rstrip("/").rsplit("/", 1)[-1].lower(), (None, None))
+    known = tuple(name if name in found else None for name in known)  # a folder's name may only look known
     text = resolve_column(found, "--text_column", data.text_column, known[0], TEXT_COLUMN_NAMES, where)
     target = resolve_column(
         found, "--summary_column", data.summary_column, known[1], TARGET_COLUMN_NAMES, where, text
@@ -184,9 +188,24 @@ def resolve_columns(found: list[str], data: DataConfig, where: str, dataset_name
     return text, target
 
 
-def as_text(value) -> str:
-    """A field as text: None (a missing value) is empty; numbers and labels are written as they read."""
-    return "" if value is None else value if isinstance(value, str) else str(value)
+def as_text(value, column: str, where: str) -> str:
+    """A field as text: None (a missing value) is empty, bytes are decoded, numbers are written as they read
+    (JSON's true/false as such); a list or an object is not a text (DataError naming the column)."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"{where}: column {column!r} holds bytes that are not UTF-8 text.") from None
+    raise DataError(
+        f"{where}: column {column!r} holds a {type(value).__name__}, not a text. Choose a column of texts with "
+        "--text_column/--summary_column, or flatten it into one."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -223,7 +242,7 @@ def _csv_records(path: Path) -> Iterator[tuple[str, dict]]:
 
 def _json_lines_records(path: Path) -> Iterator[tuple[str, dict]]:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark, as some editors write
             for number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -248,10 +267,10 @@ def _json_object(path: Path, where: str, text: str) -> dict:
 
 
 def _json_records(path: Path) -> Iterator[tuple[str, dict]]:
-    """A list of objects, or an object whose "data" key holds one; a .json file of one object per line is
-    read as JSON lines (what datasets' json loader does too)."""
+    """A list of objects, an object whose "data" key holds one, or one object (one row); a .json file of one
+    object per line is read as JSON lines (what datasets' json loader does too)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
         raise not_utf8(path, "Save it as UTF-8.") from None
     try:
@@ -261,28 +280,28 @@ def _json_records(path: Path) -> Iterator[tuple[str, dict]]:
             yield from _json_lines_records(path)
             return
         raise DataError(f"{path}, line {err.lineno}: not valid JSON ({err.msg} at column {err.colno}).") from None
-    rows = content.get("data") if isinstance(content, dict) else content
-    if not isinstance(rows, list):
+    if isinstance(content, dict):
+        content = content["data"] if isinstance(content.get("data"), list) else [content]
+    if not isinstance(content, list):
         raise DataError(
             f"{path} holds a JSON {type(content).__name__}; expected a list of objects (one per row), an object "
             'whose "data" key holds that list, or one object per line.'
         )
-    for number, record in enumerate(rows):
+    for number, record in enumerate(content, start=1):
         if not isinstance(record, dict):
             raise DataError(f"{path}, row {number}: a JSON {type(record).__name__}, where an object is expected.")
         yield f"row {number}", record
 
 
-def _parquet_records(path: Path, columns: list[str] | None) -> Iterator[tuple[str, dict]]:
+def _parquet_records(path: Path) -> Iterator[tuple[str, dict]]:
     try:
         parquet = pq.ParquetFile(path)
-        names = parquet.schema_arrow.names
-        yield "header", {name: None for name in names}
+        yield "header", dict.fromkeys(parquet.schema_arrow.names)
         row = 0
-        for batch in parquet.iter_batches(columns=[name for name in names if columns is None or name in columns]):
+        for batch in parquet.iter_batches():
             for record in batch.to_pylist():
-                yield f"row {row}", record
                 row += 1
+                yield f"row {row}", record
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path} is not a Parquet file that pyarrow can read ({err}).") from None
 
@@ -291,11 +310,12 @@ def _phrasebank_records(path: Path) -> Iterator[tuple[str, dict]]:
     """FinancialPhraseBank's format: `sentence@label` per line, Latin-1 in the original files."""
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         text = raw.decode("latin-1")  # every byte decodes: the original's encoding
     yield "header", dict.fromkeys(PHRASEBANK_COLUMNS)
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: str.splitlines would also split at U+0085, which Latin-1 decodes byte 0x85 to.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         sentence, at, label = line.rpartition("@")
@@ -307,9 +327,9 @@ def _phrasebank_records(path: Path) -> Iterator[tuple[str, dict]]:
         yield f"line {number}", {"sentence": sentence.strip(), "label": label.strip()}
 
 
-def file_records(path: Path, columns: list[str] | None = None) -> Iterator[tuple[str, dict]]:
+def file_records(path: Path) -> Iterator[tuple[str, dict]]:
     """(where, record) for every row of a data file, after one ("header", {column: None, ...}) where the
-    type has a header. `columns`: the ones needed (Parquet reads only those)."""
+    type has a header."""
     suffix = path.suffix.lower()
     if suffix == ".csv":
         return _csv_records(path)
@@ -318,7 +338,7 @@ def file_records(path: Path, columns: list[str] | None = None) -> Iterator[tuple
     if suffix == ".json":
         return _json_records(path)
     if suffix == ".parquet":
-        return _parquet_records(path, columns)
+        return _parquet_records(path)
     if suffix == ".txt":
         return _phrasebank_records(path)
     raise DataError(unknown_type(path))
@@ -332,21 +352,17 @@ def unknown_type(path: Path) -> str:
     )
 
 
-def _columns_and_records(path: Path) -> tuple[list[str], Iterator[tuple[str, dict]]]:
-    """The columns of a file (its header, else its first record's keys) and an iterator over its records."""
+def columns_and_records(path: Path) -> tuple[list[str], str, Iterator[tuple[str, dict]]]:
+    """The columns of a file (its header, else its first row's keys), where they were read (for messages),
+    and an iterator over its records."""
     records = file_records(path)
     first = next(records, None)
     if first is None:
-        return [], iter(())
+        return [], str(path), iter(())
     where, record = first
     if where == "header":
-        return list(record), records
-    return list(record), _chain_first(first, records)
-
-
-def _chain_first(first: tuple[str, dict], rest: Iterator[tuple[str, dict]]) -> Iterator[tuple[str, dict]]:
-    yield first
-    yield from rest
+        return list(record), str(path), records
+    return list(record), f"{path} (its first row)", itertools.chain([first], records)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -378,7 +394,7 @@ def write_splits(
             writer.close()
         rows[split] = writer.rows
     if holdout:
-        rows["train"], rows["validation"] = _hold_out(folder, data.validation_split_percentage,
+        rows["train"], rows["validation"] = _hold_out(folder, rows["train"], data.validation_split_percentage,
                                                       data.validation_split_seed)  # fmt: skip
         origin["validation"] = (
             f"{data.validation_split_percentage}% of {origin['train']} held out "
@@ -390,13 +406,11 @@ def write_splits(
 _BEFORE_HOLDOUT = "train_before_holdout.arrow"
 
 
-def _hold_out(folder: Path, percentage: int, seed: int) -> tuple[int, int]:
-    """Split the usable train rows into train and validation: `percentage` of them (at least one, where there
-    are two), drawn by `seed`, the same on every rank, run and machine; both keep the file's order. Reads the
-    rows back a record batch at a time, so the builder never holds the split in memory."""
+def _hold_out(folder: Path, count: int, percentage: int, seed: int) -> tuple[int, int]:
+    """Split the `count` usable train rows into train and validation: `percentage` of them (at least one,
+    where there are two or more), drawn by `seed`, the same on every rank, run and machine; both keep the
+    file's order. Reads the rows back a record batch at a time, so the builder never holds the split."""
     source = folder / _BEFORE_HOLDOUT
-    with pa.memory_map(str(source)) as mapped:
-        count = pa.ipc.open_stream(mapped).read_all().num_rows  # a view of the mapped file, not a copy
     held = [False] * count
     if count > 1:
         for position in random.Random(seed).sample(range(count), max(1, count * percentage // 100)):
@@ -418,31 +432,47 @@ def _hold_out(folder: Path, percentage: int, seed: int) -> tuple[int, int]:
 
 
 def _file_rows(path: Path, data: DataConfig) -> Iterator[tuple[str, str, str]]:
-    """(id, text, target) of every row of a file: the id is the row's "id" column, else its line or row."""
-    columns, records = _columns_and_records(path)
+    """(id, text, target) of every row of a file: the id is the row's "id" column, else its line or row number
+    (1-based) in the file."""
+    columns, columns_from, records = columns_and_records(path)
     if not columns:
         raise DataError(f"{path} holds no rows: give a file with data, or leave this split out.")
-    text_column, target_column = resolve_columns(columns, data, str(path), path.parent.name)
+    text_column, target_column = resolve_columns(columns, data, columns_from, path.parent.name)
     for where, record in records:
-        row_id = as_text(record.get("id")) or f"{path.name}:{where.split(' ')[-1]}"
-        yield row_id, as_text(record.get(text_column)), as_text(record.get(target_column))
+        at = f"{path}, {where}"
+        row_id = as_text(record.get("id"), "id", at) or f"{path.name}:{where.split(' ')[-1]}"
+        yield (
+            row_id,
+            as_text(record.get(text_column), text_column, at),
+            as_text(record.get(target_column), target_column, at),
+        )
 
 
 def _dataset_rows(dataset, data: DataConfig, where: str, name: str) -> Iterator[tuple[str, str, str]]:
     """(id, text, target) of every row of a `datasets.Dataset`; class labels become their names."""
     text_column, target_column = resolve_columns(list(dataset.column_names), data, where, name)
     names = {column: feature.names for column, feature in dataset.features.items() if hasattr(feature, "names")}
+
+    def field(column: str, value, at: str) -> str:
+        if column in names and isinstance(value, int):
+            if value == -1:  # no label (datasets' unlabelled test splits): skipped as an empty target
+                return ""
+            if not 0 <= value < len(names[column]):
+                raise DataError(
+                    f"{at}: label {value} of column {column!r} is not one of its {len(names[column])} names."
+                )
+            return names[column][value]
+        return as_text(value, column, at)
+
     wanted = [column for column in (text_column, target_column, "id") if column in dataset.column_names]
     position = 0
     for batch in dataset.select_columns(wanted).iter(batch_size=ROWS_PER_BATCH):
-        for index in range(len(batch[text_column])):
-            fields = {}
-            for column in (text_column, target_column):
-                value = batch[column][index]
-                fields[column] = names[column][value] if column in names and value is not None else value
-            row_id = as_text(batch["id"][index]) if "id" in batch else f"{where}:row {position}"
-            yield row_id, as_text(fields[text_column]), as_text(fields[target_column])
+        ids = batch.get("id")
+        for index, (text, target) in enumerate(zip(batch[text_column], batch[target_column], strict=True)):
             position += 1
+            at = f"{where}, row {position}"
+            row_id = as_text(ids[index], "id", at) if ids is not None else f"{where}:row {position}"
+            yield row_id, field(text_column, text, at), field(target_column, target, at)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -490,8 +520,8 @@ def _key(data: DataConfig, inputs: dict) -> dict:
     }
 
 
-def file_source(files: dict[str, Path], data: DataConfig) -> TextSource:
-    """Local files, one per split (any may be absent)."""
+def file_source(files: dict[str, Path], data: DataConfig, add_split: str) -> TextSource:
+    """Local files, one per split (any may be absent); `add_split` says how to give a missing one."""
     for path in files.values():
         if path.suffix.lower() not in FILE_TYPES:
             raise DataError(unknown_type(path))
@@ -504,9 +534,8 @@ def file_source(files: dict[str, Path], data: DataConfig) -> TextSource:
         return write_splits(folder, splits, data)
 
     what = "the files " + ", ".join(str(path) for path in files.values())
-    return TextSource(
-        what, _key(data, {"files": inputs}), write, "plain", next(iter(files.values())).parent / "cache"
-    )
+    default_cache = next(iter(files.values())).parent / "cache"
+    return TextSource(what, _key(data, {"files": inputs}), write, "plain", default_cache, add_split)
 
 
 def _dataset_splits(loaded, where: str, name: str, data: DataConfig) -> dict:
@@ -543,16 +572,22 @@ def saved_dataset_source(folder: Path, data: DataConfig) -> TextSource:
         loaded = datasets.load_from_disk(str(folder))
         return write_splits(out, _dataset_splits(loaded, str(folder), folder.name, data), data)
 
-    return TextSource(f"the saved dataset {folder}", _key(data, inputs), write, "plain", folder / "cache")
+    add_split = "save the dataset with a '{split}' split"
+    return TextSource(
+        f"the saved dataset {folder}", _key(data, inputs), write, "plain", folder / "cache", add_split
+    )
 
 
 def named_dataset_source(data: DataConfig) -> TextSource:
     """What `datasets.load_dataset(--dataset_name, --dataset_config_name)` returns: a hub dataset (keyed by
     its name and config: delete the cache to pick up a new version) or a local dataset folder (keyed by
-    its files)."""
+    its files). A local folder of split files or a saved dataset is read as --data_dir reads it, which also
+    keeps load_dataset from taking the Arrow files of a cache/ folder inside it for data."""
     name, config_name = data.dataset_name, data.dataset_config_name or None
     inputs = {"dataset": [name, config_name]}
     if Path(name).is_dir():
+        if config_name is None and (found := folder_source(Path(name), data)) is not None:
+            return found
         inputs["files"] = _folder_fingerprint(Path(name))
 
     def write(out: Path) -> dict:
@@ -561,7 +596,9 @@ def named_dataset_source(data: DataConfig) -> TextSource:
         try:
             loaded = datasets.load_dataset(name, config_name)
         except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as err:
-            raise DataError(
+            # Not a DataError: the same name may load later (the network back), so the waiting ranks must not
+            # take this failure for the key's (utils/data/shared_cache.py).
+            raise UserError(
                 f"datasets.load_dataset({name!r}, {config_name!r}) failed: {' '.join(str(err).split())[:400]}. "
                 "Check the name and config (a hub name needs the network; offline, give a local folder, "
                 "files with --train_file, or a save_to_disk folder with --data_dir)."
@@ -570,7 +607,8 @@ def named_dataset_source(data: DataConfig) -> TextSource:
         return write_splits(out, _dataset_splits(loaded, where, name, data), data)
 
     what = f"the dataset {name}" + (f" ({config_name})" if config_name else "")
-    return TextSource(what, _key(data, inputs), write, "plain", _hf_datasets_cache())
+    add_split = "the dataset has none under that name (train, validation or val/valid/dev, test)"
+    return TextSource(what, _key(data, inputs), write, "plain", _hf_datasets_cache(), add_split)
 
 
 def named_source(data: DataConfig) -> TextSource | None:
@@ -585,7 +623,7 @@ def named_source(data: DataConfig) -> TextSource | None:
         if path
     }
     if files:
-        return file_source(files, data)
+        return file_source(files, data, "give one with --{split}_file")
     if data.dataset_name:
         return named_dataset_source(data)
     return None
@@ -596,4 +634,5 @@ def folder_source(folder: Path, data: DataConfig) -> TextSource | None:
     if is_saved_dataset(folder):
         return saved_dataset_source(folder, data)
     files = split_files_in(folder)
-    return file_source(files, data) if files else None
+    types = ", ".join(suffix for suffix in FILE_TYPES if suffix != ".txt")
+    return file_source(files, data, f"add a {{split}} file ({types}) to {folder}") if files else None

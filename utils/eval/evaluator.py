@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from configs.evaluation import METRIC_NAMES
 from utils.data.loaders import EvalSet, move_batch
 from utils.distributed.process_group import DistInfo, stop_if_any_rank
 from utils.eval.generation import generate
@@ -74,8 +75,8 @@ class Evaluator:
         pad_id = dataset.tokenizer.pad_token_id
         rows, position = [], 0
         score = SCORERS[self.metric]
-        bar = tqdm(total=len(self.eval_set.loader), desc=f"{self.metric} evaluation", colour="magenta",
-                   disable=not self.info.is_main, dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(total=len(self.eval_set.loader), desc=f"{METRIC_NAMES[self.metric]} evaluation",
+                   colour="magenta", disable=not self.info.is_main, dynamic_ncols=True)  # fmt: skip
         with bar:
             for batch in self.eval_set.loader:
                 stop_if_any_rank(stop_requested, self.info.device)

@@ -12,7 +12,9 @@ import re
 
 from rouge_score import rouge_scorer
 
-ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+from configs.evaluation import METRIC_KEYS
+
+ROUGE_KEYS = METRIC_KEYS["rouge"]
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _SCORER = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
 

@@ -5,7 +5,8 @@ Tags by record type, each against its natural x-axis:
 - step (global step): train/loss, train/lr, train/grad_norm, train/mfu, train/model_tflops_per_s, ...
 - validation (global step): validation/val_loss
 - epoch (epoch): epoch/train_loss, epoch/val_loss, epoch/tokens_per_s, epoch/mfu, epoch/peak_memory_mib, ...
-- eval (global step): rouge/<split>/rouge1, rouge2, rougeL, rougeLsum, gen_len
+- eval (global step): rouge/<split>/rouge1, rouge2, rougeL, rougeLsum, gen_len (accuracy/<split>/accuracy,
+  gen_len with --eval_metric accuracy)
 - memory (rank): memory/<field> in MiB or elements, one point per rank
 Null, non-finite and non-numeric fields are left out, so a skipped step leaves a gap, not a zero.
 """
@@ -35,7 +36,8 @@ def scalars_of(record: dict) -> list[tuple[str, float, int]]:
     """(tag, value, x) for every finite number of a metrics record; byte counts become MiB."""
     kind = record.get("type")
     if kind == "eval":
-        prefix, x = f"rouge/{record['split']}", record["step"]
+        metric = "accuracy" if "accuracy" in record else "rouge"  # --eval_metric's
+        prefix, x = f"{metric}/{record['split']}", record["step"]
     elif kind == "memory":
         prefix, x = "memory", record["rank"]
     elif kind in AXES:
