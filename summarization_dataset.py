@@ -656,7 +656,8 @@ def build_dataset(
     )
     if len(dataset) < world_size:
         raise DataError(
-            f"the {split} split of {dataset.source_description} has {len(dataset)} usable samples, fewer than the "
+            f"the {split} split of {dataset.source_description} has {len(dataset)} usable "
+            f"sample{'s' if len(dataset) != 1 else ''}, fewer than the "
             f"{world_size} ranks: every rank needs at least one. Use more data or fewer processes."
         )
     return dataset

@@ -581,6 +581,6 @@ def test_a_split_with_fewer_samples_than_ranks_is_refused():
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     data = DataConfig(data_dir=str(EMBEDDED_DATA_DIR))
     assert len(build_dataset(tokenizer, "validation", 2, data, world_size=2)) == 2
-    with pytest.raises(DataError, match="has 1 usable samples, fewer than the 2 ranks") as refused:
+    with pytest.raises(DataError, match="has 1 usable sample, fewer than the 2 ranks") as refused:
         build_dataset(tokenizer, "validation", 1, data, world_size=2)
     assert "validation" in str(refused.value) and "fewer processes" in str(refused.value)

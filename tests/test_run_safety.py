@@ -201,6 +201,24 @@ def test_a_second_run_is_refused_while_a_live_one_holds_the_folder_and_a_dead_on
     assert (tmp_path / layout.RUN_LOCK_FILE).read_text() == ""  # a run that ends leaves no holder
 
 
+def test_a_refused_start_leaves_no_folder_behind_and_never_removes_one_it_did_not_create(tmp_path):
+    new = tmp_path / "new" / "run"
+    for leave in (None, "metrics.jsonl"):
+        lock = RunLock(str(new))
+        lock.acquire()
+        assert new.is_dir()
+        if leave:
+            (new / leave).write_text("{}\n")
+        lock.release()
+        assert new.exists() == bool(leave)  # removed only when it holds nothing but the lock
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    lock = RunLock(str(existing))
+    lock.acquire()
+    lock.release()
+    assert existing.is_dir() and (existing / layout.RUN_LOCK_FILE).read_text() == ""
+
+
 # ---------------------------------------------------------------------------------------------------- Ctrl-C
 
 

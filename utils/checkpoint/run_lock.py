@@ -39,9 +39,11 @@ class RunLock:
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, layout.RUN_LOCK_FILE)
         self.file = None
+        self.created_folder = False
 
     def acquire(self) -> None:
         """Take the lock, or raise ConfigError naming the live run that holds it."""
+        self.created_folder = not os.path.exists(self.output_dir)
         prepare_output_dir(self.output_dir)
         file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held until release()
         try:
@@ -75,13 +77,17 @@ class RunLock:
         self.file = file
 
     def release(self) -> None:
-        """Empty the record and let go of the lock (closing the file releases it)."""
+        """Empty the record and let go of the lock (closing the file releases it). A folder this run created
+        and left holding nothing but the lock (a start refused on bad input) is removed with it."""
         if self.file is None:
             return
         self.file.seek(0)
         self.file.truncate()
         self.file.close()
         self.file = None
+        if self.created_folder and os.listdir(self.output_dir) == [layout.RUN_LOCK_FILE]:
+            os.remove(self.path)
+            os.rmdir(self.output_dir)
 
 
 @contextlib.contextmanager
