@@ -107,23 +107,24 @@ def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
 
 
 def cpu_gemm_flops(dtype: torch.dtype, sizes: tuple[int, ...] = (128, 256, 512), repeats: int = 5) -> float:
-    """Measured FLOP/s of square matmuls in `dtype` with this process's threads: the best over `sizes` of the
-    best of `repeats` after a warm-up. A CPU has no data-sheet peak that torch reaches, so this probe stands in
-    for one. Several sizes, since the fastest one depends on the CPU and the dtype: without native bf16
-    (AVX512-BF16, AMX) a bf16 matmul of 512 runs at a third of one of 128, and a probe of 512 alone put a tiny
-    model's MFU above 1."""
-    best_flops = 0.0
-    for size in sizes:
-        a = torch.randn(size, size).to(dtype)
-        b = torch.randn(size, size).to(dtype)
-        a @ b  # warm-up: thread pool, kernel selection
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        best_flops = max(best_flops, 2 * size**3 / best)
-    return best_flops
+    """Measured FLOP/s of square matmuls in `dtype` with this process's threads, the fastest of `sizes`. A CPU
+    has no data-sheet peak that torch reaches, so this probe stands in for one. Several sizes, since the
+    fastest one depends on the CPU and the dtype: without native bf16 (AVX512-BF16, AMX) a bf16 matmul of 512
+    runs at a third of one of 128, and a probe of 512 alone put a tiny model's MFU above 1."""
+    return max(_matmul_flops(dtype, size, repeats) for size in sizes)
+
+
+def _matmul_flops(dtype: torch.dtype, size: int, repeats: int) -> float:
+    """FLOP/s of one `size` x `size` matmul in `dtype`: the best of `repeats` after a warm-up."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b  # warm-up: thread pool, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
 
 
 @dataclass(frozen=True)
