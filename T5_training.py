@@ -186,7 +186,7 @@ def build_model(
     if uses_lora:
         loaded.model = lora.apply_lora(loaded.model, lora_config, lora.adapter_base(train.model_name))
         trainable, total = lora.trainable_share(loaded.model)
-        targets = ",".join(lora.target_modules(lora_config))
+        targets = ",".join(lora.target_modules(lora_config, loaded.model))
         get_logger().info(
             "LoRA r=%d alpha=%d on %s: %d of %d parameters train (%.2f%%)",
             lora_config.lora_r, lora_config.lora_alpha, targets, trainable, total, 100 * trainable / total,
@@ -206,7 +206,7 @@ def build_throughput(
         get_logger().info("MFU against a peak of %.4g TFLOP/s per device (%s)", peak / 1e12, source)
     else:
         get_logger().warning("no MFU: %s", source)
-    counter = flops.T5Flops.from_config(model_config, frozen_weights=config.lora.peft == "lora")
+    counter = flops.Seq2SeqFlops.from_config(model_config, frozen_weights=config.lora.peft == "lora")
     return flops.Throughput(counter, config.fsdp.fsdp_activation_checkpointing, info.world_size, peak, source)
 
 

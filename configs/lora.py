@@ -27,8 +27,12 @@ class LoraConfig:
         default=0.1, help="With --peft lora: dropout on the adapters' input.", minimum=0, maximum=1
     )
     lora_target_modules: str = option(
-        default="q,v",
-        help="With --peft lora: comma-separated names of the linear layers that get adapters (T5: q,k,v,o,wi,wo).",
+        default="auto",
+        help=(
+            "With --peft lora: comma-separated names of the linear layers that get adapters (T5: q,k,v,o,wi,wo; "
+            "BART: q_proj,k_proj,v_proj,out_proj,fc1,fc2). auto: the family's attention query and value "
+            "(PEFT's default: q,v for T5 and mT5, q_proj,v_proj for BART)."
+        ),
         on_resume="fixed",
     )
     merge_lora: bool = option(

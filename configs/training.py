@@ -19,8 +19,9 @@ class TrainConfig:
     model_name: str = option(
         default=str(EMBEDDED_MODEL_DIR),
         help=(
-            "Hub name (t5-small, t5-base, t5-large, t5-3b, t5-11b) or local folder for "
-            "T5ForConditionalGeneration/T5Tokenizer.from_pretrained. Default: the embedded tiny T5."
+            "Hub name (t5-small ... t5-11b, google/flan-t5-base, google/mt5-base, facebook/bart-large-cnn) or "
+            "local folder of an encoder-decoder, for AutoModelForSeq2SeqLM/AutoTokenizer.from_pretrained. "
+            "Default: the embedded tiny T5."
         ),
         on_resume="fixed",
     )

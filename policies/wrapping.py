@@ -1,9 +1,10 @@
 """Auto-wrap policies: which submodules become their own FSDP unit.
 
 Each FSDP unit all-gathers its full parameters only while it runs, so peak parameter memory is about one
-unit plus the root, not the whole model. With the transformer policy every T5Block is a unit; the shared
-token embedding, used by the encoder, the decoder and the (tied) lm_head, stays in the root unit so all
-three can reach it.
+unit plus the root, not the whole model. With the transformer policy every layer of the encoder and decoder
+stacks is a unit (for T5 each T5Block; `layer_classes` reads them from the model); the shared token
+embedding, used by the encoder, the decoder and the (tied) lm_head, stays in the root unit so all three can
+reach it.
 """
 
 import functools
@@ -11,11 +12,33 @@ from collections import Counter
 
 from torch import nn
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-from transformers.models.t5.modeling_t5 import T5Block
 
 
-def get_t5_wrap_policy():
-    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={T5Block})
+def layer_classes(model: nn.Module) -> frozenset[type]:
+    """The classes of the layers the encoder and decoder stacks repeat: T5's T5Block, mT5's MT5Block, BART's
+    BartEncoderLayer and BartDecoderLayer. They are the model's own word for them (`_no_split_modules`, which
+    accelerate wraps by) where it has one, kept to the classes that are a stack's elements (mBART also names
+    its attention); else (PEGASUS names none) the classes of the outermost module lists' elements."""
+    stacked = {type(layer) for layer in outermost_list_elements(model)}
+    declared = set(getattr(model, "_no_split_modules", None) or ())
+    named = {cls for cls in stacked if cls.__name__ in declared}
+    return frozenset(named or stacked)
+
+
+def outermost_list_elements(model: nn.Module) -> list[nn.Module]:
+    """The elements of every nn.ModuleList not inside another one's element (a stack's layers, not the
+    sub-layers a T5Block keeps in a list of its own)."""
+    elements, inside = [], set()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and id(module) not in inside:
+            elements.extend(module)
+            inside.update(id(sub) for element in module for sub in element.modules())
+    return elements
+
+
+def get_transformer_wrap_policy(model: nn.Module):
+    """Each stack layer a unit (for T5: transformer_layer_cls={T5Block}, the tutorial's policy)."""
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(layer_classes(model)))
 
 
 def modules_holding_tied_parameters(model: nn.Module) -> set[int]:
@@ -61,7 +84,7 @@ def get_wrap_policy(name: str, model: nn.Module, min_num_params: int):
     """The named policy; when part of the model is frozen (--peft lora), with the trained modules (the
     adapters) wrapped apart, so FSDP1 needs no use_orig_params and shards each adapter over every rank."""
     if name == "transformer":
-        policy = get_t5_wrap_policy()
+        policy = get_transformer_wrap_policy(model)
     elif name == "size_based":
         policy = get_size_based_wrap_policy(model, min_num_params)
     else:

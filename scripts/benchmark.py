@@ -178,15 +178,16 @@ def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
 
 def fixed_shape_rates(result: dict, model_dir: str, args, peak_tflops: float) -> dict:
     """Tokens/s and MFU of a fixed-shape step (every position a real token), the same count for every row."""
-    from transformers import T5Config
+    from transformers import AutoConfig
 
-    from utils.observe.flops import T5Flops
+    from utils.observe.flops import Seq2SeqFlops
 
     batch = {
         "source_mask": torch.ones(4, args.max_source_length),
         "target_mask": torch.ones(4, args.max_target_length),
     }
-    flops = T5Flops.from_config(T5Config.from_pretrained(model_dir)).training(batch, recompute=False)[0].item()
+    counter = Seq2SeqFlops.from_config(AutoConfig.from_pretrained(model_dir))
+    flops = counter.training(batch, recompute=False)[0].item()
     seconds = result["step_seconds"]
     tokens = 4 * (args.max_source_length + args.max_target_length)
     return {"tokens_per_s": args.nproc * tokens / seconds, "mfu": flops / seconds / (peak_tflops * 1e12)}

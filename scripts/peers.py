@@ -32,7 +32,7 @@ from transformers import T5ForConditionalGeneration
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from policies.activation_checkpointing_functions import apply_fsdp_checkpointing  # noqa: E402
-from policies.wrapping import get_t5_wrap_policy  # noqa: E402
+from policies.wrapping import get_transformer_wrap_policy, layer_classes  # noqa: E402
 
 
 def random_batches(args, count: int, rank: int) -> list[dict]:
@@ -64,17 +64,18 @@ def bare_loop(args, device: torch.device) -> list[float]:
     """Step seconds of a plain loop over the wrapped model."""
     model = T5ForConditionalGeneration.from_pretrained(args.model_name, use_cache=False).to(device)
     model.train()  # from_pretrained returns eval mode: without this, dropout (most of a CPU step) would be off
+    layers = layer_classes(model)
     if args.framework == "fsdp":
         model = FSDP(
             model,
-            auto_wrap_policy=get_t5_wrap_policy(),
+            auto_wrap_policy=get_transformer_wrap_policy(model),
             device_id=device,
             backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
             limit_all_gathers=True,
         )
-        apply_fsdp_checkpointing(model)
+        apply_fsdp_checkpointing(model, layers)
     else:
-        apply_fsdp_checkpointing(model)
+        apply_fsdp_checkpointing(model, layers)
         if args.framework == "ddp":
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

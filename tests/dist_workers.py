@@ -673,12 +673,12 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
 
     from utils.fsdp import shard as shard_module
 
-    def compile_with_backend(model):
+    def compile_with_backend(model, layers):
         for module in model.modules():
-            if isinstance(module, T5Block):
+            if isinstance(module, tuple(layers)):
                 module.compile(backend=backend)
 
-    shard_module.compile_blocks, original = compile_with_backend, shard_module.compile_blocks
+    shard_module.compile_layers, original = compile_with_backend, shard_module.compile_layers
     out = {"reference": reference_run(steps, world_size) if rank == 0 else None}
     try:
         for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
@@ -686,7 +686,7 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
             losses, state = fsdp_run(_fsdp_config({**overrides, "compile": True}), rank, world_size, steps)
             out[version] = {"losses": losses, "state": state if rank == 0 else None}
     finally:
-        shard_module.compile_blocks = original
+        shard_module.compile_layers = original
     return out
 
 

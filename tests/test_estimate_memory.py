@@ -7,6 +7,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from configs.paths import EMBEDDED_MODEL_DIR
 from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
+from policies.wrapping import layer_classes
 from scripts.estimate_memory import T5Shape, estimate, load_shape, main
 from scripts.make_random_t5 import SHAPES
 from tests.dist_workers import make_batch
@@ -101,7 +102,7 @@ def saved_and_planned(config: T5Config, lengths: tuple, checkpointing: bool, dty
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config).train().to(dtype)
     if checkpointing:
-        apply_fsdp_checkpointing(model)
+        apply_fsdp_checkpointing(model, layer_classes(model))
     with SavedTensorCounter() as counter:
         forward_token_losses(model, make_batch(0, rows=4, src_len=lengths[0], tgt_len=lengths[1]))
     planned = estimate(

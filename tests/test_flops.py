@@ -1,16 +1,28 @@
-"""utils/observe/flops.py: T5's training FLOPs against a hand count and against torch's own FLOP counter on the
-real model, and the peak table."""
+"""utils/observe/flops.py: the training FLOPs against a hand count and against torch's own FLOP counter on a
+real model of each family, and the peak table."""
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import T5Config, T5ForConditionalGeneration
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    GPT2Config,
+    LongT5Config,
+    MBartConfig,
+    MBartForConditionalGeneration,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 from configs.paths import EMBEDDED_MODEL_DIR
-from utils.observe.flops import T5Flops, gpu_peak_flops
+from scripts import make_tiny_family
+from utils.observe.flops import Seq2SeqFlops, Throughput, gpu_peak_flops
 from utils.train.step import forward_token_losses
 
 GATED = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False}  # the v1.1 / flan-t5 shape
+# The embedded T5 as it is and gated, make_tiny_family's folders, and mBART (BART's matmuls, pre-norm), which
+# has no folder of its own: built from BART's tiny shape.
+FAMILIES = ("t5", "gated", *make_tiny_family.FAMILIES, "mbart")
 
 
 def embedded_config(**overrides) -> T5Config:
@@ -24,7 +36,7 @@ def embedded_config(**overrides) -> T5Config:
 
 def test_hand_count_of_a_tiny_config():
     config = T5Config(d_model=4, d_kv=2, num_heads=2, d_ff=8, num_layers=1, num_decoder_layers=1, vocab_size=10)
-    flops = T5Flops.from_config(config)
+    flops = Seq2SeqFlops.from_config(config)
     # Encoder block: q, k, v, o (4 x 4x4) + wi, wo (2 x 4x8) = 128; decoder adds cross-attention: 192, of
     # which cross k and v (2 x 4x4 = 32) project the encoder's 3 tokens.
     counts = (flops.encoder_weights, flops.decoder_weights, flops.cross_kv_weights, flops.head_weights)
@@ -37,20 +49,52 @@ def test_hand_count_of_a_tiny_config():
     assert flops.training(batch, recompute=True)[1].item() == 6192 + 2064 - 160
 
 
-@pytest.mark.parametrize("overrides", [{}, GATED], ids=["t5", "gated"])
-def test_counted_weights_are_the_linear_layers_of_the_blocks(overrides):
-    config = embedded_config(**overrides)
-    assert config.is_gated_act == bool(overrides)
-    with torch.device("meta"):
-        model = T5ForConditionalGeneration(config)
-    flops = T5Flops.from_config(config)
+@pytest.fixture(scope="session")
+def tiny_family_dir(tmp_path_factory):
+    """make_tiny_family's folder of a family, built on first use (2-4 s each) and kept for the session."""
+    built = {}
+
+    def folder(family: str) -> str:
+        if family not in built:
+            built[family] = str(tmp_path_factory.mktemp(family))
+            make_tiny_family.make(family, built[family])
+        return built[family]
+
+    return folder
+
+
+@pytest.fixture(params=FAMILIES)
+def family_model(request, tiny_family_dir):
+    """A randomly initialised model of each family, with eager attention: its scores and mixing are the
+    matmuls that FlopCounterMode counts."""
+    family = request.param
+    torch.manual_seed(0)
+    if family in ("t5", "gated"):
+        config = embedded_config(
+            dropout_rate=0.0, attn_implementation="eager", **(GATED if family == "gated" else {})
+        )
+        assert config.is_gated_act == (family == "gated")
+        return T5ForConditionalGeneration(config)
+    if family == "mbart":
+        config = MBartConfig(
+            vocab_size=1000,
+            attn_implementation="eager",
+            **make_tiny_family.BART_SHAPE,
+            decoder_start_token_id=2,  # none by default; which id does not change a FLOP
+        )
+        return MBartForConditionalGeneration(config)
+    return AutoModelForSeq2SeqLM.from_pretrained(tiny_family_dir(family), attn_implementation="eager")
+
+
+def test_counted_weights_are_the_linear_layers_of_the_blocks(family_model):
+    flops = Seq2SeqFlops.from_config(family_model.config)
 
     def linear_weights(stack):
-        return sum(m.weight.numel() for m in stack.block.modules() if isinstance(m, torch.nn.Linear))
+        return sum(m.weight.numel() for m in stack.modules() if isinstance(m, torch.nn.Linear))
 
-    assert flops.encoder_weights == linear_weights(model.encoder)
-    assert flops.decoder_weights == linear_weights(model.decoder)
-    assert flops.head_weights == model.lm_head.weight.numel()
+    assert flops.encoder_weights == linear_weights(family_model.get_encoder())
+    assert flops.decoder_weights == linear_weights(family_model.get_decoder())
+    assert flops.head_weights == family_model.get_output_embeddings().weight.numel()
 
 
 def unpadded_batch() -> dict:
@@ -72,17 +116,21 @@ def counted_training_flops(model, batch: dict) -> int:
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("overrides", [{}, GATED], ids=["t5", "gated"])
-def test_training_flops_equal_torchs_flop_counter_on_the_real_model(overrides):
+def test_training_flops_equal_torchs_flop_counter_on_the_real_model(family_model):
     """Forward and backward of the real model under torch.utils.flop_counter (every matmul it runs), on a
     batch without padding, where real and computed tokens are the same: the count is exact."""
-    config = embedded_config(dropout_rate=0.0, attn_implementation="eager", **overrides)
-    torch.manual_seed(0)
-    model = T5ForConditionalGeneration(config)
     batch = unpadded_batch()
-    counted = counted_training_flops(model, batch)
-    model_flops, _ = T5Flops.from_config(config).training(batch, recompute=False)
+    counted = counted_training_flops(family_model, batch)
+    model_flops, _ = Seq2SeqFlops.from_config(family_model.config).training(batch, recompute=False)
     assert counted == model_flops.item()
+
+
+@pytest.mark.parametrize("config", [LongT5Config(), GPT2Config()], ids=["longt5", "gpt2"])
+def test_a_model_of_no_counted_family_has_no_count_and_no_flop_rates(config):
+    """LongT5 has T5's config fields but attends locally: T5's formula does not hold for it."""
+    assert Seq2SeqFlops.from_config(config) is None
+    throughput = Throughput(None, recompute=False, world_size=1, peak_flops=1e12)
+    assert throughput.rates(0.0, 0.0, seconds=1.0) == {}
 
 
 def test_peak_table_matches_device_names_most_specific_first():
@@ -111,7 +159,7 @@ def test_lora_training_flops_against_torchs_flop_counter():
     model = apply_lora(T5ForConditionalGeneration(config), LORA, LORA_BASE)
     batch = unpadded_batch()
     counted = counted_training_flops(model, batch)
-    lora_flops, _ = T5Flops.from_config(config, frozen_weights=True).training(batch, recompute=False)
-    full_flops, _ = T5Flops.from_config(config).training(batch, recompute=False)
+    lora_flops, _ = Seq2SeqFlops.from_config(config, frozen_weights=True).training(batch, recompute=False)
+    full_flops, _ = Seq2SeqFlops.from_config(config).training(batch, recompute=False)
     assert lora_flops.item() == pytest.approx(counted, rel=0.05)
     assert lora_flops.item() < 0.8 * full_flops.item()

@@ -110,13 +110,13 @@ def assert_epoch_flops_count_every_real_token(output_dir: Path, num_samples: int
 
     from configs.paths import EMBEDDED_MODEL_DIR
     from summarization_dataset import SummarizationDataset
-    from utils.observe.flops import T5Flops
+    from utils.observe.flops import Seq2SeqFlops
 
     dataset = SummarizationDataset(T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR), "train", num_samples, 512, 150)
     items = [dataset[i] for i in range(len(dataset))]
     src = torch.tensor([float(item["source_mask"].sum()) for item in items], dtype=torch.float64)
     tgt = torch.tensor([float(item["target_mask"].sum()) for item in items], dtype=torch.float64)
-    flops = T5Flops.from_config(T5Config.from_pretrained(EMBEDDED_MODEL_DIR))
+    flops = Seq2SeqFlops.from_config(T5Config.from_pretrained(EMBEDDED_MODEL_DIR))
     model = 3 * flops.forward(src, tgt).item()
     hardware = model + flops.forward(src, tgt, head=False).item()  # activation checkpointing is on by default
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

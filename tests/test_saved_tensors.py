@@ -7,6 +7,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from configs.paths import EMBEDDED_MODEL_DIR
 from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
+from policies.wrapping import layer_classes
 from tests.dist_workers import make_batch
 from utils.observe.memory import SavedTensorCounter
 from utils.train.step import forward_token_losses
@@ -31,7 +32,7 @@ def test_activation_checkpointing_keeps_only_block_inputs_and_what_is_outside_th
         torch.manual_seed(0)
         model = T5ForConditionalGeneration(config)
         if checkpointing:
-            apply_fsdp_checkpointing(model)
+            apply_fsdp_checkpointing(model, layer_classes(model))
         with SavedTensorCounter() as counter:
             token_losses, _ = forward_token_losses(model, batch)
         token_losses.sum().backward()  # the saved tensors were real: backward runs on them

@@ -1,6 +1,6 @@
 """The model as a Hugging Face folder, written from the shards: no rank ever holds the whole model.
 
-`T5ForConditionalGeneration.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)` load it;
+`AutoModelForSeq2SeqLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)` load it;
 no pickles, no remote code. The folder holds what save_pretrained writes: config.json,
 generation_config.json, the tokenizer, and the weights in safetensors files of at most
 --export_max_file_gb (`model.safetensors`, or `model-00001-of-0000N.safetensors`... with
@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
-from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration, T5Tokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from configs.errors import FAILURES, CheckpointError, UserError, error_summary
 from configs.lora import LoraConfig
@@ -52,6 +52,7 @@ from utils.checkpoint.state_dicts import (
 from utils.eval.generation import GENERATION_KEYS
 from utils.files import atomic_path, tmp_path
 from utils.log import get_logger, warnings_ignored
+from utils.model.loading import skeleton
 from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
 
 # Each rank serializes its rows of a batch of tensors in memory before writing them (DCP's safetensors
@@ -86,11 +87,10 @@ def tensor_bytes(shape, dtype: torch.dtype) -> int:
 
 def tied_names(model_config) -> set[str]:
     """The names save_pretrained leaves out because they are another parameter: T5's `embed_tokens` (and,
-    with tie_word_embeddings, `lm_head`) are `shared.weight`, and from_pretrained ties them to it again."""
-    with torch.device("meta"):  # the parameters' identities, no memory
-        skeleton = T5ForConditionalGeneration(model_config)
+    with tie_word_embeddings, `lm_head`) are `shared.weight`, BART's `lm_head` is `model.shared.weight`, and
+    from_pretrained ties them to it again."""
     seen, tied = set(), set()
-    for name, parameter in skeleton.named_parameters(remove_duplicate=False):
+    for name, parameter in skeleton(model_config).named_parameters(remove_duplicate=False):
         if id(parameter) in seen:
             tied.add(name)
         seen.add(id(parameter))
@@ -172,7 +172,7 @@ def write_model_description(model_config, tokenizer, dtype: torch.dtype, folder:
     # Training runs without the KV cache (activation checkpointing needs that); whoever loads the folder
     # generates, which wants it.
     config.use_cache = True
-    config.architectures = [T5ForConditionalGeneration.__name__]
+    config.architectures = [type(skeleton(config)).__name__]
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(folder)
     # generation_config.json gets the run's generation settings, so `generate()` summarises as evaluated.
@@ -196,9 +196,9 @@ def write_adapter_folder(
     config = copy.deepcopy(model_config)
     config.use_cache = True
     with torch.device("meta"):
-        skeleton = apply_lora(T5ForConditionalGeneration(config), lora, base_model)
+        peft_skeleton = apply_lora(skeleton(config), lora, base_model)
     with atomic_path(folder) as tmp:
-        skeleton.save_pretrained(tmp, state_dict=adapters, safe_serialization=True)
+        peft_skeleton.save_pretrained(tmp, state_dict=adapters, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
 
 
@@ -210,8 +210,8 @@ def convert_checkpoint(checkpoint: str, output: str, max_file_bytes: int) -> str
     problem = find_damage(checkpoint, read_train_state(checkpoint))  # every file, in this one process
     if problem is not None:
         raise CheckpointError(f"{checkpoint} is damaged: {problem}. Convert another checkpoint.")
-    config = T5Config.from_pretrained(checkpoint)
-    tokenizer = T5Tokenizer.from_pretrained(os.path.join(checkpoint, layout.TOKENIZER_DIR))
+    config = AutoConfig.from_pretrained(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, layout.TOKENIZER_DIR))
     try:
         shapes, read = _checkpoint_tensors(checkpoint)
         if any(name.startswith(PEFT_PREFIX) for name in shapes):

@@ -4,9 +4,9 @@
 
 FSDP1 (`--fsdp_version 1`, the tutorial's API, deprecated upstream) is the tutorial's one constructor call,
 `FSDP(model, auto_wrap_policy=..., mixed_precision=..., sharding_strategy=..., ...)`, then activation
-checkpointing of the T5Blocks inside their units. FSDP2 (`--fsdp_version 2`) reads like torchtitan's
-`parallelize`: activation checkpointing, then `fully_shard` of every T5Block and of the root. With
---compile, each T5Block is compiled first, for both backends.
+checkpointing of the stack layers inside their units (each T5Block for T5; policies/wrapping.py: layer_classes).
+FSDP2 (`--fsdp_version 2`) reads like torchtitan's `parallelize`: activation checkpointing, then `fully_shard`
+of every layer and of the root. With --compile, each layer is compiled first, for both backends.
 How the tutorial's FSDP1 settings map onto FSDP2 (docs/pitfalls.md #15; what has no FSDP2 meaning is refused
 by configs/validate.py before anything loads):
 
@@ -17,8 +17,8 @@ by configs/validate.py before anything loads):
 | NO_SHARD                      | 2-D mesh (replicate=world, shard=1): plain replication, gradients all-reduced |
 | HYBRID_SHARD / _ZERO2         | 2-D mesh (replicate=world/group, shard=group), reshard True / False          |
 | MixedPrecision(param, reduce) | MixedPrecisionPolicy(param_dtype, reduce_dtype)                              |
-| MixedPrecision.buffer_dtype   | no equivalent: FSDP2 leaves buffers alone (T5 has none that matter)          |
-| auto_wrap_policy (T5Block)    | fully_shard on each T5Block, then on the root                                |
+| MixedPrecision.buffer_dtype   | no equivalent: FSDP2 leaves buffers alone (BART's final_logits_bias is fp32) |
+| auto_wrap_policy (T5Block)    | fully_shard on each layer (T5Block), then on the root                        |
 | size-based auto-wrap          | refused: FSDP2 has no auto-wrap policies                                     |
 | BACKWARD_PRE                  | FSDP2's default: the next unit's all-gather is issued before this backward   |
 | BACKWARD_POST                 | refused: no FSDP2 equivalent                                                 |
@@ -27,6 +27,8 @@ by configs/validate.py before anything loads):
 | device_id                     | the mesh's device type: fully_shard moves each unit there                    |
 | sync_module_states            | set_model_state_dict(..., broadcast_from_rank0=True) (rank-0-only loading)   |
 """
+
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -40,25 +42,27 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from transformers.models.t5.modeling_t5 import T5Block
 
 from configs.fsdp import FSDPConfig
 from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
 from policies.mixed_precision import Precision
 from policies.private_api import wrapped_module
-from policies.wrapping import get_wrap_policy
+from policies.wrapping import get_wrap_policy, layer_classes
 from utils.distributed.mesh import fsdp1_mesh, fsdp2_mesh
 from utils.log import get_logger, warnings_ignored
 from utils.model.rank0_loading import UnitMaterializer, broadcast_rank0_weights, weight_reader
 
-# FSDP2 warns, on every forward of every T5Block unit (checkpointed or not), that the unit returned a view
-# whose in-place modification would skip its pre-backward hook. T5 loses no gradient that way: the FSDP2
-# parity tests, with and without activation checkpointing, end with the unsharded reference's weights.
-# Ignored for exactly those two unit types, around the loops that run forwards (`forward_warnings_ignored`);
-# any other unit that returns a view still warns.
-FSDP2_VIEW_WARNINGS = (
-    (UserWarning, "FSDP2-wrapped module (FSDPCheckpointWrapper) returned a view tensor"),
-    (UserWarning, "FSDP2-wrapped module (FSDPT5Block) returned a view tensor"),
+# FSDP2 warns, on every forward of every layer unit (checkpointed or not), that the unit returned a view
+# whose in-place modification would skip its pre-backward hook. No family loses a gradient that way: the
+# FSDP2 parity tests of each (T5 with and without activation checkpointing, mT5, UMT5, BART, PEGASUS) end
+# with the unsharded reference's weights. Ignored for the layer units and checkpoint wrappers, around the
+# loops that run forwards (`forward_warnings_ignored`); any other unit that returns a view still warns.
+VIEW_RETURNING_UNITS = (
+    "CheckpointWrapper", "T5Block", "MT5Block", "UMT5Block", "BartEncoderLayer", "BartDecoderLayer",
+    "PegasusEncoderLayer", "PegasusDecoderLayer",
+)  # fmt: skip
+FSDP2_VIEW_WARNINGS = tuple(
+    (UserWarning, f"FSDP2-wrapped module (FSDP{name}) returned a view tensor") for name in VIEW_RETURNING_UNITS
 )
 
 
@@ -69,7 +73,7 @@ FSDP1_NO_SHARD_WARNING = (FutureWarning, "The `NO_SHARD` sharding strategy is de
 
 
 def forward_warnings_ignored():
-    """Around a training or evaluation loop: FSDP2's warning about T5Block units' outputs, ignored."""
+    """Around a training or evaluation loop: FSDP2's warning about layer units' outputs, ignored."""
     return warnings_ignored(*FSDP2_VIEW_WARNINGS)
 
 
@@ -98,8 +102,9 @@ def shard_model(
     rank holds a skeleton that a checkpoint fills after sharding (utils/checkpoint/manager.py), so the shards
     are only allocated.
     """
+    layers = layer_classes(model)  # T5Block for T5: the units, what is checkpointed and compiled
     if fsdp.compile:
-        compile_blocks(model)
+        compile_layers(model, layers)
     if fsdp.fsdp_version == 1:
         param_init_fn = None
         if restores:
@@ -127,7 +132,7 @@ def shard_model(
                 param_init_fn=param_init_fn,
             )
         if fsdp.fsdp_activation_checkpointing:
-            apply_fsdp_checkpointing(model)
+            apply_fsdp_checkpointing(model, layers)
         return model
 
     rank0_state = None
@@ -135,8 +140,8 @@ def shard_model(
         # References to rank 0's loaded tensors: they stay alive (one full copy) until the broadcast.
         rank0_state = model.state_dict() if dist.get_rank() == 0 else {}
     if fsdp.fsdp_activation_checkpointing:
-        apply_fsdp_checkpointing(model)  # before sharding: FSDP2 shards the checkpoint wrappers
-    units = t5_units(model)
+        apply_fsdp_checkpointing(model, layers)  # before sharding: FSDP2 shards the checkpoint wrappers
+    units = layer_units(model, layers)
     options = {
         "mesh": fsdp2_mesh(fsdp.sharding_strategy, dist.get_world_size(), device, fsdp.hybrid_shard_group_size),
         "reshard_after_forward": RESHARD_AFTER_FORWARD[fsdp.sharding_strategy],
@@ -165,19 +170,21 @@ def shard_model(
     return model
 
 
-def t5_units(model: nn.Module) -> list[nn.Module]:
-    """The modules that become FSDP2 units, in forward order: each T5Block, or its checkpoint wrapper."""
+def layer_units(model: nn.Module, layers: frozenset[type]) -> list[nn.Module]:
+    """The modules that become FSDP2 units, in forward order: each stack layer, or its checkpoint wrapper."""
     wrapped = {id(wrapped_module(m)) for m in model.modules() if wrapped_module(m) is not m}
-    return [m for m in model.modules() if isinstance(wrapped_module(m), T5Block) and id(m) not in wrapped]
+    layer_types = tuple(layers)
+    return [m for m in model.modules() if isinstance(wrapped_module(m), layer_types) and id(m) not in wrapped]
 
 
-def compile_blocks(model: nn.Module) -> None:
-    """torch.compile every T5Block in place, before sharding (FSDP2's recommended order; FSDP1 needs
-    use_orig_params). In place (`Module.compile`), the blocks keep their class, so the wrap policy and
-    activation checkpointing still find them. Compilation happens at each block's first call (and again
+def compile_layers(model: nn.Module, layers: frozenset[type]) -> None:
+    """torch.compile every stack layer in place, before sharding (FSDP2's recommended order; FSDP1 needs
+    use_orig_params). In place (`Module.compile`), the layers keep their class, so the wrap policy and
+    activation checkpointing still find them. Compilation happens at each layer's first call (and again
     when the shapes change, as with per-batch padding, until torch marks them dynamic)."""
+    layer_types = tuple(layers)
     for module in model.modules():
-        if isinstance(module, T5Block):
+        if isinstance(module, layer_types):
             module.compile()
 
 
@@ -188,16 +195,21 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def unit_class_name(unit: nn.Module) -> str:
+    """The class a unit wraps (T5Block), seen through a checkpoint wrapper and FSDP2's generated FSDPT5Block."""
+    cls = type(wrapped_module(unit))
+    return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 def log_fsdp_layout(model: nn.Module, precision: Precision) -> None:
-    """One line at INFO (units, precision); the whole wrapped module tree at DEBUG (long for t5-3b)."""
+    """One line at INFO (units by class, precision); the whole wrapped module tree at DEBUG (long for t5-3b)."""
     units = fsdp_units(model)
-    blocks = sum(isinstance(wrapped_module(u), T5Block) for u in units)
+    by_class = Counter(unit_class_name(unit) for unit in units[1:])
     get_logger().info(
-        "FSDP%d: %d units (root + %d T5Blocks + %d other), mixed precision %s",
+        "FSDP%d: %d units (root + %s), mixed precision %s",
         2 if isinstance(model, FSDPModule) else 1,
         len(units),
-        blocks,
-        len(units) - 1 - blocks,
+        " + ".join(f"{count} {name}" for name, count in by_class.items()),
         precision.name,
     )
     get_logger().debug("FSDP model:\n%s", model)

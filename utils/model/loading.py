@@ -1,4 +1,11 @@
-"""The model and tokenizer of a run, from a hub name (t5-small ... t5-11b) or a local folder.
+"""The model and tokenizer of a run, from a hub name (t5-small ... t5-11b, google/mt5-base,
+facebook/bart-large-cnn) or a local folder: any encoder-decoder that AutoModelForSeq2SeqLM and AutoTokenizer
+load (docs/models.md).
+
+A checkpoint is taken only whole: a model that is not an encoder-decoder, a config.json whose architecture is
+another family's than its model_type, and weights missing from the checkpoint (the model would train partly
+from a random initialisation) each stop the run with one message before anything is trained. Weights the
+model does not use get one warning naming them.
 
 With rank-0-only loading (--cpu_ram_efficient_loading) some or all ranks build only a skeleton on the
 meta device, which allocates nothing; utils/model/rank0_loading.py fills it with rank 0's weights while or
@@ -7,12 +14,24 @@ the shards (utils/checkpoint/manager.py), so the pretrained weights are never re
 full-model .pt (--resume file.pt) takes its weights from that file instead of the pretrained ones.
 """
 
+import glob
 import os
 from dataclasses import dataclass
 
 import torch
+import transformers
+from huggingface_hub import get_safetensors_metadata
+from huggingface_hub.errors import HfHubHTTPError
+from safetensors import safe_open
 from torch import nn
-from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
 
 from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
 from configs.recipe import RecipeConfig
@@ -23,12 +42,13 @@ HUB_HINT = (
     "Pass a local folder made by save_pretrained (e.g. the embedded data/tiny-t5), or a hub name such as "
     "t5-base on a machine that can reach huggingface.co (or has it in its HF cache)."
 )
+MAX_KEYS_NAMED = 8  # a message names this many weights, then counts the rest
 
 
 @dataclass
 class LoadedModel:
     model: nn.Module  # unwrapped; on the meta device where rank-0-only loading leaves it empty
-    tokenizer: T5Tokenizer
+    tokenizer: PreTrainedTokenizerBase
     weights_source: str  # where rank-0-only loading reads the weights: the model, or a full .pt
     param_numel_total: int  # the model's parameters, tied weights once
     rss_before: int  # this rank's resident memory before the model was built (the peak was reset there)
@@ -49,9 +69,20 @@ def builds_on_meta(cpu_ram_efficient_loading: bool, fsdp_version: int, is_main: 
 
 
 def model_config_overrides(recipe: RecipeConfig) -> dict:
-    """The model-config fields the run sets: the attention kernel, and the dropout if given."""
+    """The model-config fields the run sets: the attention kernel, and the dropout if given (by --dropout_rate,
+    T5's name; load_model gives it the family's own, e.g. BART's `dropout`)."""
     overrides = {"attn_implementation": recipe.attn_implementation}
     return overrides if recipe.dropout_rate is None else {**overrides, "dropout_rate": recipe.dropout_rate}
+
+
+def family_overrides(config: PretrainedConfig, overrides: dict) -> dict:
+    """`overrides` with the dropout under this family's field name: T5's family has `dropout_rate`, BART's
+    `dropout`."""
+    if "dropout_rate" not in overrides or hasattr(config, "dropout_rate"):
+        return overrides
+    overrides = dict(overrides)
+    overrides["dropout"] = overrides.pop("dropout_rate")
+    return overrides
 
 
 def load_model_for_run(
@@ -59,7 +90,7 @@ def load_model_for_run(
     on_meta: bool,
     weights_file: str | None,
     overrides: dict,
-    tokenizer: T5Tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
 ) -> LoadedModel:
     """The unwrapped model, with the weights of `weights_file` (a full .pt) if given, and the model-config
     `overrides` (model_config_overrides); `tokenizer` (load_tokenizer, loaded once per run) goes with it."""
@@ -93,36 +124,135 @@ def check_local_model_dir(path: str) -> None:
         )
 
 
-def load_tokenizer(model_name: str) -> T5Tokenizer:
+def resolved_name(model_name: str) -> str:
+    """A local folder checked and expanded (a mistyped path fails here, not as a hub lookup); a hub id as is."""
+    if looks_like_local_path(model_name):
+        check_local_model_dir(model_name)
+        return os.path.expanduser(model_name)
+    return model_name
+
+
+def load_tokenizer(model_name: str) -> PreTrainedTokenizerBase:
     """The model's tokenizer alone (seconds), so the data can be read and checked before the model loads."""
-    if looks_like_local_path(model_name):
-        check_local_model_dir(model_name)
-        model_name = os.path.expanduser(model_name)
+    model_name = resolved_name(model_name)
     try:
-        return T5Tokenizer.from_pretrained(model_name)
-    except OSError as err:
-        raise ConfigError(f"could not load T5 model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
+        return AutoTokenizer.from_pretrained(model_name)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"could not load the tokenizer of {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}"
+        ) from None
 
 
-def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> T5ForConditionalGeneration:
-    """The pretrained model in host memory, or (on_meta) only its skeleton on the meta device;
-    `config_overrides` replace fields of its config (dropout_rate, attn_implementation)."""
-    if looks_like_local_path(model_name):
-        check_local_model_dir(model_name)
-        model_name = os.path.expanduser(model_name)
+def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
+    """The model's config, checked to be an encoder-decoder whose architecture is its model_type's, with
+    `config_overrides` (model_config_overrides) set. The KV cache is off: it only serves generation, and with
+    activation checkpointing it breaks recomputation ("a different number of tensors was saved",
+    docs/pitfalls.md #4). It must be off at load time: the encoder and decoder stacks keep their own copies of
+    the config."""
+    model_name = resolved_name(model_name)
     try:
-        # The KV cache only serves generation; with activation checkpointing it breaks recomputation
-        # ("a different number of tensors was saved", docs/pitfalls.md #4). It must be off at load time:
-        # the encoder and decoder stacks keep their own copies of the config.
-        if on_meta:
-            with torch.device("meta"):
-                config = T5Config.from_pretrained(model_name, use_cache=False, **config_overrides)
-                model = T5ForConditionalGeneration(config)
-        else:
-            model = T5ForConditionalGeneration.from_pretrained(model_name, use_cache=False, **config_overrides)
+        config = AutoConfig.from_pretrained(model_name)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"could not load model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
+    check_encoder_decoder(model_name, config)
+    return AutoConfig.from_pretrained(model_name, use_cache=False, **family_overrides(config, config_overrides))
+
+
+def check_encoder_decoder(model_name: str, config: PretrainedConfig) -> None:
+    """ConfigError unless AutoModelForSeq2SeqLM has a class for this config, and the architecture config.json
+    names (if any) belongs to its model_type: a folder of one family is never loaded into another's class."""
+    if type(config) not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+        raise ConfigError(
+            f"model {model_name!r} is a {config.model_type} model, not an encoder-decoder: this package "
+            "fine-tunes sequence-to-sequence models (AutoModelForSeq2SeqLM: T5, flan-t5, mT5, UMT5, BART, "
+            "PEGASUS, ...). Pick one of those for --model_name."
+        )
+    for architecture in getattr(config, "architectures", None) or []:
+        named = getattr(transformers, architecture, None)
+        family = getattr(named, "config_class", None)
+        if family is not None and family is not type(config):
+            raise ConfigError(
+                f"model {model_name!r}: its config.json names the architecture {architecture} (a "
+                f"{family.model_type} model) but its model_type is {config.model_type}: the weights would not "
+                "fit the class. Fix model_type or architectures in config.json to the family that saved it."
+            )
+
+
+def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn.Module:
+    """The pretrained encoder-decoder (AutoModelForSeq2SeqLM) in host memory, or (on_meta) only its skeleton
+    on the meta device; `config_overrides` replace fields of its config (dropout, attn_implementation).
+    ConfigError when the checkpoint lacks weights of the model: it would train partly from random ones."""
+    config = load_model_config(model_name, **config_overrides)
+    model_name = resolved_name(model_name)
+    if on_meta:
+        model = skeleton(config)
+        if holds_own_head(model_name, model):
+            untie_head(model)
+        return model
+    try:
+        model, info = AutoModelForSeq2SeqLM.from_pretrained(model_name, config=config, output_loading_info=True)
     except OSError as err:
-        raise ConfigError(f"could not load T5 model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
+        raise ConfigError(f"could not load model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
+    if info["missing_keys"] or info["mismatched_keys"]:
+        mismatched = [name for name, *_ in info["mismatched_keys"]]
+        raise ConfigError(
+            f"model {model_name!r} lacks weights of its {type(model).__name__}: "
+            f"{named_keys(sorted(info['missing_keys']) + mismatched)} are missing or of another shape. It "
+            "would train them from a random initialisation. Is the folder complete and saved by this family's "
+            "class (config.json's model_type)?"
+        )
+    if info["unexpected_keys"]:
+        get_logger().warning(
+            "model %s: the checkpoint holds weights its %s does not use, left out: %s",
+            model_name, type(model).__name__, named_keys(sorted(info["unexpected_keys"])),
+        )  # fmt: skip
     return model
+
+
+def skeleton(config: PretrainedConfig) -> nn.Module:
+    """The model of `config` on the meta device: its parameters' names, shapes and ties, no memory."""
+    with torch.device("meta"):
+        return AutoModelForSeq2SeqLM.from_config(config)
+
+
+def holds_own_head(model_name: str, model: nn.Module) -> bool:
+    """Whether the checkpoint has an lm_head of its own though the model ties it to the embedding: T5 v1.1,
+    flan-t5, mT5 and UMT5 do, and transformers 5 builds every T5 tied (docs/pitfalls.md #32), untying only when
+    it loads both weights. A skeleton must be untied the same way (untie_head), or the two would share one
+    tensor. Read from the safetensors headers (a folder's, or the hub's by range
+    request), not the weights."""
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not model.get_input_embeddings().weight:
+        return False
+    head_name = next(name for name, module in model.named_modules() if module is head) + ".weight"
+    return head_name in checkpoint_weight_names(model_name)
+
+
+def checkpoint_weight_names(model_name: str) -> set[str]:
+    """The weight names of a model's safetensors files (empty when it has none: a .bin-only checkpoint)."""
+    if os.path.isdir(model_name):
+        names = set()
+        for file in glob.glob(os.path.join(model_name, "*.safetensors")):
+            with safe_open(file, framework="pt") as weights:
+                names.update(weights.keys())
+        return names
+    try:
+        return set(get_safetensors_metadata(model_name).weight_map)
+    except (OSError, ValueError, HfHubHTTPError):  # offline, or no safetensors: the config's tie stands
+        return set()
+
+
+def untie_head(model: nn.Module) -> None:
+    """Give the model's lm_head a weight of its own (on the model's device, uninitialised on meta), leaving
+    the other ties (T5's embed_tokens to shared) as they are."""
+    head = model.get_output_embeddings()
+    head.weight = nn.Parameter(torch.empty_like(head.weight))
+
+
+def named_keys(keys: list[str]) -> str:
+    """The first MAX_KEYS_NAMED of `keys`, and how many more."""
+    named = ", ".join(keys[:MAX_KEYS_NAMED])
+    return named if len(keys) <= MAX_KEYS_NAMED else f"{named} and {len(keys) - MAX_KEYS_NAMED} more"
 
 
 def load_full_model_state(path: str) -> dict:

@@ -1,6 +1,6 @@
-"""LoRA through PEFT (--peft lora): adapters on the frozen T5, before FSDP wraps it, and their export.
+"""LoRA through PEFT (--peft lora): adapters on the frozen model, before FSDP wraps it, and their export.
 
-FSDP sees the PEFT model as it would the plain one: the T5Blocks become the units. Only the adapters
+FSDP sees the PEFT model as it would the plain one: the stack layers (T5Blocks) become the units. Only the adapters
 require grad, so AdamW holds state for them alone. A FSDP1 flat parameter cannot mix frozen and trained
 weights ("FlatParameter requires uniform requires_grad"), so the wrap policy makes each adapter a unit of
 its own (policies/wrapping.py). With use_orig_params FSDP1 would accept the mix, but a block's flat
@@ -27,9 +27,29 @@ PEFT_PREFIX = "base_model.model."  # PEFT's names of the wrapped model's paramet
 ADAPTER_NAME = "default"  # PEFT's name of the one adapter (in parameter names: q.lora_A.default.weight)
 
 
-def target_modules(lora: LoraConfig) -> list[str]:
-    """--lora_target_modules as a list of layer names."""
-    return [name.strip() for name in lora.lora_target_modules.split(",") if name.strip()]
+# The attention's query and value projections, by the names the encoder-decoder families give them, for
+# the families PEFT has no default for (UMT5, PEGASUS, mBART in peft 0.21): T5's family, then BART's.
+QUERY_VALUE_NAMES = (("q", "v"), ("q_proj", "v_proj"))
+
+
+def target_modules(lora: LoraConfig, model: nn.Module) -> list[str]:
+    """--lora_target_modules as a list of layer names; `auto`: PEFT's default for the model's family (T5 and
+    mT5: q, v; BART: q_proj, v_proj), else its attention's query and value projections."""
+    if lora.lora_target_modules != "auto":
+        return [name.strip() for name in lora.lora_target_modules.split(",") if name.strip()]
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    default = PEFT_DEFAULTS.get(model.config.model_type)
+    if default:
+        return list(default)
+    layers = set(linear_layer_names(model))
+    for names in QUERY_VALUE_NAMES:
+        if layers.issuperset(names):
+            return list(names)
+    raise ConfigError(
+        f"--lora_target_modules auto: no default for a {model.config.model_type} model (PEFT has none, and it "
+        f"has no q/v or q_proj/v_proj layers). Name them: its linear layers are {','.join(sorted(layers))}"
+    )
 
 
 def adapter_base(model_name: str) -> str:
@@ -47,7 +67,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str) -> nn.Module
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = linear_layer_names(model)
-    targets = target_modules(lora)
+    targets = target_modules(lora, model)
     peft_config = PeftLoraConfig(
         task_type=TaskType.SEQ_2_SEQ_LM,
         r=lora.lora_r,

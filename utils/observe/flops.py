@@ -1,21 +1,31 @@
-"""Training FLOPs of T5 from real token counts, and the peak FLOP/s that MFU divides by.
+"""Training FLOPs of an encoder-decoder from real token counts, and the peak FLOP/s that MFU divides by.
 
 Model FLOPs of one forward pass of one sequence with S_enc source and S_dec target tokens (matmuls only;
-norms, softmax and the loss are a rounding error):
+norms, softmax, biases and the loss are a rounding error):
 
     2 * ((N_enc + N_kv) * S_enc + (N_dec - N_kv + V * d_model) * S_dec)      the linear layers and the head
   + 4 * d_attn * (L_enc * S_enc^2 + L_dec * (S_dec^2 + S_dec * S_enc))         scores (QK^T) and mixing (AV)
 
 N_enc and N_dec are the weights of the Linear layers of each stack's blocks (self-attention q, k, v, o;
-the decoder's cross-attention too; the feed-forward wi (two of them when gated, as in v1.1/flan-t5) and wo),
-so embeddings and the relative position bias, which are lookups, are not counted; d_attn = num_heads * d_kv.
+the decoder's cross-attention too; the feed-forward's), so the embeddings, position embeddings and T5's
+relative position bias, which are lookups, are not counted; d_attn is the attention's width (all heads).
 N_kv = L_dec * 2 * d_model * d_attn are the decoder's cross-attention k and v, which project the encoder's
 output: they run over S_enc tokens, not S_dec (the "6 * N_dec * S_dec" of the usual formula misses this,
-by 6% of the step at the embedded model's shape).
+by 6% of the step at the embedded T5's shape).
 The backward pass computes two matmuls for each forward one (the input's and the weight's gradient), so a
 training step is 3x the forward. Activation checkpointing recomputes each block's forward in backward: that
 work is hardware FLOPs, not model FLOPs (the head runs once). tests/test_flops.py checks the count against
-torch.utils.flop_counter on the real model.
+torch.utils.flop_counter on a real model of each family.
+
+Two styles of config give the shapes, which is all that differs between the families:
+- T5 style (T5, T5 v1.1 / flan-t5, mT5, UMT5): d_attn = num_heads * d_kv; the feed-forward of both stacks
+  is wi (two of them when is_gated_act, as in v1.1, flan-t5, mT5 and UMT5) and wo, of width d_ff; no biases.
+- BART style (BART, mBART, PEGASUS): d_attn = d_model; the feed-forward is fc1 and fc2, of width
+  encoder_ffn_dim in the encoder and decoder_ffn_dim in the decoder; the linear layers' biases are additions,
+  not matmul FLOPs.
+Families are recognised by model_type, not by their config's field names: LongT5 shares T5's, and LED,
+BigBird-PEGASUS and PEGASUS-X share BART's, but they attend locally or sparsely, and NLLB-MoE routes tokens
+to experts, so the formula would be wrong for them. Any other model has no count (no FLOP rates, no MFU).
 
 This differs from the formulas found in the wild (HF Trainer's 6 * all parameters * encoder tokens, with
 padding; Megatron's, which has no decoder): they are 1.2-1.5x off for T5 at 512/150.
@@ -25,32 +35,47 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import T5Config
+from transformers import PretrainedConfig
+
+T5_STYLE_MODELS = ("t5", "mt5", "umt5")
+BART_STYLE_MODELS = ("bart", "mbart", "pegasus")
 
 
 @dataclass(frozen=True)
-class T5Flops:
+class Seq2SeqFlops:
     encoder_weights: int  # N_enc: Linear weights of the encoder blocks
     decoder_weights: int  # N_dec: Linear weights of the decoder blocks
     cross_kv_weights: int  # N_kv: the part of N_dec that projects the encoder's output (cross-attention k, v)
     head_weights: int  # V * d_model
-    attention_width: int  # num_heads * d_kv
+    attention_width: int  # d_attn: num_heads * d_kv (T5 style), d_model (BART style)
     encoder_layers: int
     decoder_layers: int
     frozen_weights: bool = False  # --peft lora: backward computes no gradient for the (frozen) weights
 
     @classmethod
-    def from_config(cls, config: T5Config, frozen_weights: bool = False) -> "T5Flops":
-        d_model, width = config.d_model, config.num_heads * config.d_kv
-        feed_forward = d_model * config.d_ff * (3 if config.is_gated_act else 2)
+    def from_config(cls, config: PretrainedConfig, frozen_weights: bool = False) -> "Seq2SeqFlops | None":
+        """The count of a T5-style or BART-style model (see the module's docstring); None for any other."""
+        if config.model_type in T5_STYLE_MODELS:
+            d_model = config.d_model
+            width = config.num_heads * config.d_kv
+            feed_forward = d_model * config.d_ff * (3 if config.is_gated_act else 2)
+            encoder_layers, decoder_layers = config.num_layers, config.num_decoder_layers
+            encoder_feed_forward = decoder_feed_forward = feed_forward
+        elif config.model_type in BART_STYLE_MODELS:
+            d_model = width = config.d_model
+            encoder_layers, decoder_layers = config.encoder_layers, config.decoder_layers
+            encoder_feed_forward = 2 * d_model * config.encoder_ffn_dim
+            decoder_feed_forward = 2 * d_model * config.decoder_ffn_dim
+        else:
+            return None
         return cls(
-            encoder_weights=config.num_layers * (4 * d_model * width + feed_forward),
-            decoder_weights=config.num_decoder_layers * (8 * d_model * width + feed_forward),
-            cross_kv_weights=config.num_decoder_layers * 2 * d_model * width,
+            encoder_weights=encoder_layers * (4 * d_model * width + encoder_feed_forward),
+            decoder_weights=decoder_layers * (8 * d_model * width + decoder_feed_forward),
+            cross_kv_weights=decoder_layers * 2 * d_model * width,
             head_weights=config.vocab_size * d_model,
             attention_width=width,
-            encoder_layers=config.num_layers,
-            decoder_layers=config.num_decoder_layers,
+            encoder_layers=encoder_layers,
+            decoder_layers=decoder_layers,
             frozen_weights=frozen_weights,
         )
 
@@ -129,18 +154,20 @@ def _matmul_flops(dtype: torch.dtype, size: int, repeats: int) -> float:
 
 @dataclass(frozen=True)
 class Throughput:
-    """How a step's FLOPs are counted (`flops`, `recompute`: activation checkpointing) and rated: per
-    device over `world_size` ranks, and as MFU against `peak_flops` per device (None: no MFU), which comes
-    from `peak_source`."""
+    """How a step's FLOPs are counted (`flops`, None for a model of no counted family: no FLOP rates;
+    `recompute`: activation checkpointing) and rated: per device over `world_size` ranks, and as MFU against
+    `peak_flops` per device (None: no MFU), which comes from `peak_source`."""
 
-    flops: T5Flops
+    flops: Seq2SeqFlops | None
     recompute: bool
     world_size: int
     peak_flops: float | None
     peak_source: str = ""
 
     def rates(self, model_flops: float, hardware_flops: float, seconds: float) -> dict:
-        """Record fields for FLOPs summed over all ranks in `seconds` of wall time."""
+        """Record fields for FLOPs summed over all ranks in `seconds` of wall time; none without a count."""
+        if self.flops is None:  # the steps' FLOPs are zeros, which no rate should report
+            return {}
         device_seconds = max(seconds, 1e-9) * self.world_size
         rates = {
             "model_tflops_per_s": model_flops / device_seconds / 1e12,

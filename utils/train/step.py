@@ -22,7 +22,7 @@ from tqdm import tqdm
 from policies.private_api import skip_next_step_if
 from utils.data.loaders import move_batch
 from utils.distributed.process_group import stop_if_any_rank
-from utils.observe.flops import T5Flops
+from utils.observe.flops import Seq2SeqFlops
 from utils.observe.memory import SavedTensorCounter
 
 # Columns of the per-step statistics kept on the device until the next flush. GRAD_NORM holds the global
@@ -71,7 +71,7 @@ class StepSettings:
     max_grad_norm: float = 0.0  # 0: no clipping (the norm is still measured)
     sync_each_micro_batch: bool = True  # False: reduce gradients after the last micro-batch only
     skip_nonfinite: bool = False  # skip the update when the global gradient norm is NaN/Inf (fused AdamW)
-    flops: T5Flops | None = None  # counts each batch's training FLOPs (None: zeros)
+    flops: Seq2SeqFlops | None = None  # counts each batch's training FLOPs (None: zeros)
     recompute: bool = False  # activation checkpointing: hardware FLOPs include the blocks' second forward
     saved_counter: SavedTensorCounter | None = None  # counts what the first micro-batch saves for backward
 

@@ -1,0 +1,113 @@
+"""The encoder-decoder families (docs/models.md): what the loader takes and refuses, the FSDP unit classes read
+from each model, the skeleton a restore fills, and LoRA's default targets. Tiny random models of each family,
+built offline by scripts/make_tiny_family.py, once per session."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from configs.errors import ConfigError
+from configs.lora import LoraConfig
+from configs.paths import EMBEDDED_MODEL_DIR
+from policies.wrapping import layer_classes
+from scripts.make_tiny_family import FAMILIES, make
+from utils.model.loading import load_model, load_tokenizer
+from utils.model.lora import target_modules
+
+LAYERS = {
+    "t5": {"T5Block"},
+    "mt5": {"MT5Block"},
+    "umt5": {"UMT5Block"},
+    "bart": {"BartEncoderLayer", "BartDecoderLayer"},
+    "pegasus": {"PegasusEncoderLayer", "PegasusDecoderLayer"},  # transformers declares no _no_split_modules
+}
+LORA_DEFAULTS = {"t5": ["q", "v"], "mt5": ["q", "v"], "umt5": ["q", "v"], "bart": ["q_proj", "v_proj"],
+                 "pegasus": ["q_proj", "v_proj"]}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    dirs = {"t5": str(EMBEDDED_MODEL_DIR)}
+    for family in FAMILIES:
+        make(family, str(root / family))
+        dirs[family] = str(root / family)
+    return dirs
+
+
+@pytest.mark.parametrize("family", sorted(LAYERS))
+def test_each_family_loads_in_its_own_class_with_its_units_tokenizer_and_lora_targets(family_dirs, family):
+    folder = family_dirs[family]
+    model = load_model(folder, dropout_rate=0.0)
+    assert model.config.model_type == family
+    assert {cls.__name__ for cls in layer_classes(model)} == LAYERS[family]
+    layers = [m for m in model.modules() if type(m) in layer_classes(model)]
+    assert len(layers) == 4  # two encoder and two decoder layers: every stack layer is a unit
+    dropout = model.config.dropout_rate if hasattr(model.config, "dropout_rate") else model.config.dropout
+    assert dropout == 0.0  # --dropout_rate reaches BART's `dropout` too
+    tokenizer = load_tokenizer(folder)
+    assert len(tokenizer) <= model.config.vocab_size
+    assert target_modules(LoraConfig(peft="lora"), model) == LORA_DEFAULTS[family]
+
+
+@pytest.mark.parametrize("family", sorted(LAYERS))
+def test_a_skeleton_has_the_loaded_models_parameters_and_ties(family_dirs, family):
+    """The meta skeleton a checkpoint restore (or rank-0 loading) fills: mT5 and UMT5 hold an lm_head of their
+    own, which transformers 5 would build tied to the embedding."""
+    loaded = load_model(family_dirs[family])
+    skeleton = load_model(family_dirs[family], on_meta=True)
+
+    def ties(model):
+        ids = {}
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            ids.setdefault(id(parameter), []).append(name)
+        return sorted(sorted(names) for names in ids.values())
+
+    assert ties(skeleton) == ties(loaded)
+    assert {n: p.shape for n, p in skeleton.state_dict().items()} == {
+        n: p.shape for n, p in loaded.state_dict().items()
+    }
+    assert all(p.is_meta for p in skeleton.parameters())
+
+
+def test_a_decoder_only_model_is_refused_at_start(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="is a gpt2 model, not an encoder-decoder: .*AutoModelForSeq2SeqLM"):
+        load_model(str(tmp_path))
+
+
+def test_a_folder_whose_architecture_is_another_familys_is_refused(family_dirs, tmp_path):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((Path(family_dirs["bart"]) / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["T5ForConditionalGeneration"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="names the architecture T5ForConditionalGeneration .a t5 model. but its "
+                                          "model_type is bart"):  # fmt: skip
+        load_model(str(tmp_path))
+
+
+def test_missing_weights_stop_the_run_naming_them_and_unused_ones_are_named_in_a_warning(
+    family_dirs, tmp_path, caplog
+):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((Path(family_dirs["bart"]) / name).read_bytes())
+    weights = load_file(tmp_path / "model.safetensors")
+    removed = "model.encoder.layers.1.fc2.weight"
+    save_file({**{k: v for k, v in weights.items() if k != removed}, "extra.weight": torch.zeros(2)},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=f"lacks weights of its BartForConditionalGeneration: {removed} are missing"
+    ):
+        load_model(str(tmp_path))
+    save_file(
+        {**weights, "extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors", metadata={"format": "pt"}
+    )
+    with caplog.at_level("WARNING"):
+        load_model(str(tmp_path))
+    assert "extra.weight" in caplog.text and "does not use" in caplog.text
