@@ -202,11 +202,15 @@ def build_throughput(
 ) -> flops.Throughput:
     """How steps are counted in FLOPs and rated against the device's peak in the compute dtype. Collective."""
     peak, source = flops.device_peak_flops(info.device, precision.compute_dtype, config.observe.peak_tflops)
-    if peak:
+    counter = flops.Seq2SeqFlops.from_config(model_config, frozen_weights=config.lora.peft == "lora")
+    if counter is None:
+        get_logger().warning(
+            "no MFU: the FLOPs of a %s model are not counted here (docs/models.md)", model_config.model_type
+        )
+    elif peak:
         get_logger().info("MFU against a peak of %.4g TFLOP/s per device (%s)", peak / 1e12, source)
     else:
         get_logger().warning("no MFU: %s", source)
-    counter = flops.Seq2SeqFlops.from_config(model_config, frozen_weights=config.lora.peft == "lora")
     return flops.Throughput(counter, config.fsdp.fsdp_activation_checkpointing, info.world_size, peak, source)
 
 

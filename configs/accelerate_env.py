@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from configs.errors import ConfigError
+from configs.fsdp import TESTED_LAYER_CLASSES
 
 TRUE_WORDS = ("y", "yes", "t", "true", "on", "1")  # accelerate's str_to_bool
 FALSE_WORDS = ("n", "no", "f", "false", "off", "0")
@@ -166,7 +167,7 @@ def device(env: Env) -> str | None:
 
 PRECISION_REFUSALS = {"FP8": "fp8 has no precision policy here: use bf16, fp16 (GPU) or no (fp32)"}
 NO_WRAP_REASON = (
-    "this package always shards the model in units (each T5Block, or by size); a single unit for the whole "
+    "this package always shards the model in units (each stack layer, or by size); a single unit for the whole "
     "model is not supported: set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"
 )
 LOCAL_STATE_REASON = (
@@ -227,8 +228,10 @@ ONLY_FALSE = FALSE_WORDS
 # of false), with the reason and the fix.
 CHECKED_VARIABLES = {
     "FSDP_TRANSFORMER_CLS_TO_WRAP": (
-        ("T5Block",),
-        "the transformer policy here makes each T5Block a unit: set fsdp_transformer_layer_cls_to_wrap: T5Block",
+        TESTED_LAYER_CLASSES,
+        "the transformer policy here makes each layer of the model's encoder and decoder stacks a unit: set "
+        "fsdp_transformer_layer_cls_to_wrap to them (T5: T5Block; BART: BartEncoderLayer,BartDecoderLayer; "
+        f"the families tested: {','.join(TESTED_LAYER_CLASSES)})",
     ),
     "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": (
         ONLY_FALSE,
@@ -287,7 +290,10 @@ def known_variables() -> set[str]:
 
 
 def is_accepted(name: str, value: str) -> bool:
-    return value.strip().lower() in {accepted.lower() for accepted in CHECKED_VARIABLES[name][0]}
+    """Whether `value` (a comma-separated list, as accelerate writes several layer classes) holds accepted
+    values only."""
+    accepted = {option.lower() for option in CHECKED_VARIABLES[name][0]}
+    return all(part.strip().lower() in accepted for part in value.split(","))
 
 
 def check_variables(env: Env) -> None:

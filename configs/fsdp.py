@@ -10,6 +10,13 @@ from configs.errors import ConfigError
 from configs.options import option
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+# The stack layers of the encoder-decoder families tested here (docs/models.md), each an FSDP unit with the
+# transformer policy. The units come from the model itself (policies/wrapping.py: layer_classes); this list
+# is what accelerate's fsdp_transformer_layer_cls_to_wrap may name.
+TESTED_LAYER_CLASSES = (
+    "T5Block", "MT5Block", "UMT5Block", "BartEncoderLayer", "BartDecoderLayer", "PegasusEncoderLayer",
+    "PegasusDecoderLayer",
+)  # fmt: skip
 
 
 def hybrid_group_size(world_size: int, requested: int = 0) -> int:

@@ -7,6 +7,7 @@ POLICIES everywhere (config.json, the log). `resolve_precision` turns the settin
 once per run; everything that depends on the precision asks that object.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +89,11 @@ class Precision:
 
     @property
     def policy(self) -> MixedPrecision:
-        """FSDP1's MixedPrecision."""
-        return POLICIES[self.name]
+        """FSDP1's MixedPrecision, each unit casting its floating inputs to the compute dtype (FSDP2's
+        default). FSDP1's own default casts at the root's forward only, which `generate` skips: the summoned
+        root then runs in fp32 and hands fp32 activations to bf16 units, and a BART layer's LayerNorm refuses
+        them on CPU ("mixed dtype"). In training every unit's input already is in the compute dtype."""
+        return dataclasses.replace(POLICIES[self.name], cast_forward_inputs=True)
 
     @property
     def compute_dtype(self) -> torch.dtype:

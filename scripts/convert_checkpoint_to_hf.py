@@ -2,7 +2,7 @@
 
     python scripts/convert_checkpoint_to_hf.py outputs/checkpoints/step_00000120 --output my_model
 
-The folder loads with `T5ForConditionalGeneration.from_pretrained(my_model)` and
+The folder loads with `AutoModelForSeq2SeqLM.from_pretrained(my_model)` and
 `AutoTokenizer.from_pretrained(my_model)`. A SHARDED_STATE_DICT checkpoint written by any number of ranks
 is read by torch.distributed.checkpoint (no process group needed), one output file's tensors at a time; a
 FULL_STATE_DICT model.pt is memory-mapped. The folder is the one a run's end writes (utils/checkpoint/

@@ -89,6 +89,9 @@ class T5Shape:
         return [self.root_params(), *encoder, *decoder]
 
 
+PLANNED_FAMILIES = ("t5", "mt5", "umt5")  # one block structure (UMT5 adds a small bias table per layer)
+
+
 def load_shape(model: str) -> T5Shape:
     if model in SHAPES:
         return T5Shape.from_config({"vocab_size": 32128, **SHAPES[model]})
@@ -97,7 +100,14 @@ def load_shape(model: str) -> T5Shape:
         raise SystemExit(
             f"error: {model!r} is neither a known shape ({', '.join(SHAPES)}) nor a folder with config.json"
         )
-    return T5Shape.from_config(json.loads(config_file.read_text()))
+    config = json.loads(config_file.read_text())
+    if config.get("model_type", "t5") not in PLANNED_FAMILIES:
+        raise SystemExit(
+            f"error: {model!r} is a {config['model_type']} model; this planner knows the T5 family's layers "
+            f"({', '.join(PLANNED_FAMILIES)}) only. Measure it instead: a short run (--epochs 1 "
+            "--num_train_samples 64) records each rank's peak memory in the epoch record of its metrics.jsonl."
+        )
+    return T5Shape.from_config(config)
 
 
 def shard_degree(strategy: str, nproc: int, shard_group_size: int) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer, T5ForConditionalGeneration  # noqa: E402
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer  # noqa: E402
 
 from configs.errors import UserError  # noqa: E402
 from summarization_dataset import CLEANINGS  # noqa: E402
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
         )
         articles = read_articles(args.input, args.text_column)
-        model = T5ForConditionalGeneration.from_pretrained(args.model).to(device).eval()
+        model = AutoModelForSeq2SeqLM.from_pretrained(args.model).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         for summary in summarize(model, tokenizer, articles, args.batch_size):
             print(summary)

@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 from transformers.models.t5.modeling_t5 import T5Attention, T5Block
 
+from configs.checkpointing import CheckpointConfig
 from configs.errors import TrainingDivergedError
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
@@ -28,11 +29,15 @@ from policies.mixed_precision import POLICIES, Precision
 from summarization_dataset import pad_collate
 from utils import layout
 from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
+from utils.checkpoint.manager import CheckpointManager
+from utils.checkpoint.progress import TrainProgress
+from utils.checkpoint.start import resolve_start
 from utils.checkpoint.state_dicts import gather_full_state_dict, save_full_model, sharded_model_state
 from utils.data.loaders import build_loader
 from utils.data.samplers import PaddedEvalSampler
+from utils.distributed.process_group import DistInfo
 from utils.fsdp.shard import shard_model
-from utils.model.loading import load_full_model_state
+from utils.model.loading import load_full_model_state, load_model, load_tokenizer
 from utils.model.lora import apply_lora
 from utils.model.rank0_loading import UnitMaterializer
 from utils.observe.memory import optim_state_numel_local
@@ -56,11 +61,11 @@ def tiny_t5(seed: int = 0, on_meta: bool = False) -> T5ForConditionalGeneration:
     return T5ForConditionalGeneration(config)
 
 
-def make_batch(seed: int, rows: int = 3, src_len: int = 12, tgt_len: int = 7) -> dict:
+def make_batch(seed: int, rows: int = 3, src_len: int = 12, tgt_len: int = 7, vocab: int = VOCAB) -> dict:
     """Random token ids with random right padding: ranks get different numbers of target tokens."""
     gen = torch.Generator().manual_seed(seed)
-    source = torch.randint(2, VOCAB, (rows, src_len), generator=gen)
-    target = torch.randint(2, VOCAB, (rows, tgt_len), generator=gen)
+    source = torch.randint(2, vocab, (rows, src_len), generator=gen)
+    target = torch.randint(2, vocab, (rows, tgt_len), generator=gen)
     source_mask = (torch.arange(src_len) < torch.randint(3, src_len + 1, (rows, 1), generator=gen)).long()
     target_mask = (torch.arange(tgt_len) < torch.randint(2, tgt_len + 1, (rows, 1), generator=gen)).long()
     return {
@@ -75,20 +80,22 @@ def batch_seed(step: int, rank: int) -> int:
     return 1000 * step + rank
 
 
-def global_batch(step: int, world_size: int) -> dict:
+def global_batch(step: int, world_size: int, vocab: int = VOCAB) -> dict:
     """What all ranks see at `step`, as one batch (the unsharded reference's input)."""
-    parts = [make_batch(batch_seed(step, rank)) for rank in range(world_size)]
+    parts = [make_batch(batch_seed(step, rank), vocab=vocab) for rank in range(world_size)]
     return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
 
-def reference_run(steps: int, world_size: int, model: nn.Module | None = None) -> tuple[list[float], dict]:
+def reference_run(
+    steps: int, world_size: int, model: nn.Module | None = None, vocab: int = VOCAB
+) -> tuple[list[float], dict]:
     """Unsharded model (tiny_t5 unless given), no process group: token-mean loss over the global batch,
     AdamW over the parameters that train (all of them, or a PEFT model's adapters)."""
     model = tiny_t5() if model is None else model
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(steps):
-        token_losses, labels = forward_token_losses(model, global_batch(step, world_size))
+        token_losses, labels = forward_token_losses(model, global_batch(step, world_size, vocab))
         loss = token_losses.sum() / (labels != -100).sum()
         loss.backward()
         optimizer.step()
@@ -126,12 +133,15 @@ def fsdp_run(
     return losses, gather_full_state_dict(model, CPU)
 
 
-def train_wrapped(model: nn.Module, optimizer, rank: int, world_size: int, steps: int) -> list[float]:
-    """`steps` of train_step on this rank's batches; the reported (global token-mean) loss of each."""
+def train_wrapped(
+    model: nn.Module, optimizer, rank: int, world_size: int, steps: int, vocab: int = VOCAB, first: int = 0
+) -> list[float]:
+    """Steps `first` to `steps` - 1 of train_step on this rank's batches; the reported (global token-mean)
+    loss of each."""
     records: list[dict] = []
     step_log = StepLog(every=steps, on_flush=records.extend)
-    for step in range(steps):
-        stats = train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
+    for step in range(first, steps):
+        stats = train_step(model, make_batch(batch_seed(step, rank), vocab=vocab), optimizer, None, world_size)
         step_log.add(step + 1, LR, stats)
     step_log.flush()
     return [r["loss"] for r in records]
@@ -780,4 +790,52 @@ def source_parity_worker(rank: int, world_size: int, sources: dict, steps: int) 
                 step_log.add(step + 1, LR, train_step(model, move_batch(batch, CPU), optimizer, None, world_size))
             step_log.flush()
             out["losses"][(name, version)] = [record["loss"] for record in records]
+    return out
+
+
+FAMILY_CHECKPOINT_TYPES = {1: layout.FULL, 2: layout.SHARDED}  # a resume through each type, one per backend
+
+
+def family_worker(rank: int, world_size: int, folder: str, steps: int, output_root: str) -> dict:
+    """Another encoder-decoder family (a scripts/make_tiny_family.py folder), loaded as a run loads it, per
+    backend: the losses of `steps` fp32 steps, saved by the checkpoint manager halfway; the final full state
+    (rank 0); the model exported from the shards to output_root/fsdp<version>/hf_model; and the second half
+    again, resumed from the checkpoint into an empty skeleton (load_model(on_meta=True), as a resumed run
+    builds it). The unsharded model's losses and state on rank 0."""
+    reference = load_model(folder, dropout_rate=0.0)
+    vocab = reference.config.vocab_size
+    out = {"reference": reference_run(steps, world_size, reference, vocab) if rank == 0 else None}
+    tokenizer = load_tokenizer(folder)
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+
+    def checkpointer(version: int, on_meta: bool) -> CheckpointManager:
+        model = load_model(folder, on_meta=on_meta, dropout_rate=0.0)
+        fsdp = _fsdp_config({"fsdp_version": version, "checkpoint_type": FAMILY_CHECKPOINT_TYPES[version]})
+        model_config = model.config
+        model = shard_model(model, fsdp, FP32, CPU, restores=on_meta)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        return CheckpointManager(CheckpointConfig(save_every_n_steps=0, keep_last_n=1), fsdp,
+                                 f"{output_root}/fsdp{version}", model, optimizer, scheduler, None, model_config,
+                                 tokenizer, info, LoraConfig(), folder)  # fmt: skip
+
+    half = steps // 2
+    for version in (1, 2):
+        run = checkpointer(version, on_meta=False)
+        losses = train_wrapped(run.model, run.optimizer, rank, world_size, half, vocab)
+        checkpoint = run.save(TrainProgress(epoch=1, samples_consumed=half, global_step=half))
+        losses += train_wrapped(run.model, run.optimizer, rank, world_size, steps, vocab, first=half)
+        run.export_hf()
+        resumed = checkpointer(version, on_meta=True)
+        resumed.load(resolve_start(checkpoint, f"{output_root}/fsdp{version}"))
+        resumed_losses = train_wrapped(
+            resumed.model, resumed.optimizer, rank, world_size, steps, vocab, first=half
+        )
+        out[version] = {
+            "losses": losses,
+            "checkpoint": checkpoint,
+            "resumed_losses": resumed_losses,
+            "state": gather_full_state_dict(run.model, CPU),  # rank 0's, {} elsewhere
+            "resumed_state": gather_full_state_dict(resumed.model, CPU),
+        }
     return out

@@ -14,6 +14,9 @@ from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR
 from policies.wrapping import layer_classes
 from scripts.make_tiny_family import FAMILIES, make
+from tests.dist_harness import run_ranks
+from tests.dist_workers import family_worker
+from utils.checkpoint.hf_export import convert_checkpoint
 from utils.model.loading import load_model, load_tokenizer
 from utils.model.lora import target_modules
 
@@ -71,6 +74,10 @@ def test_a_skeleton_has_the_loaded_models_parameters_and_ties(family_dirs, famil
         n: p.shape for n, p in loaded.state_dict().items()
     }
     assert all(p.is_meta for p in skeleton.parameters())
+    # The same weights train (PEGASUS's position table is frozen when built from a config, not when loaded):
+    # else FSDP1 would wrap the skeleton in other units than the run it restores.
+    trains = {name: p.requires_grad for name, p in loaded.named_parameters()}
+    assert {name: p.requires_grad for name, p in skeleton.named_parameters()} == trains
 
 
 def test_a_decoder_only_model_is_refused_at_start(tmp_path):
@@ -111,3 +118,48 @@ def test_missing_weights_stop_the_run_naming_them_and_unused_ones_are_named_in_a
     with caplog.at_level("WARNING"):
         load_model(str(tmp_path))
     assert "extra.weight" in caplog.text and "does not use" in caplog.text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_trains_as_unsharded_resumes_exactly_and_exports_what_it_trained(
+    family_dirs, family, tmp_path
+):
+    """FSDP1 and FSDP2 (2 gloo ranks, fp32) against the unsharded model, 4 AdamW steps; a checkpoint after step
+    2 (FULL under FSDP1, SHARDED under FSDP2) restored into an empty skeleton continues with the same losses
+    and weights; the folder each writes from its shards loads with AutoModelForSeq2SeqLM in the family's
+    class, every weight equal to the trained one (tied names tied again, an untied lm_head its own, BART's
+    final_logits_bias kept)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    rank0, rank1 = run_ranks(family_worker, family_dirs[family], 4, str(tmp_path), timeout_s=300)
+    reference_losses, reference_state = rank0["reference"]
+    source = AutoModelForSeq2SeqLM.from_pretrained(family_dirs[family])
+    for version in (1, 2):
+        result = rank0[version]
+        assert result["losses"] == rank1[version]["losses"]
+        for step, (got, want) in enumerate(zip(result["losses"], reference_losses, strict=True)):
+            assert abs(got - want) <= 1e-5 * abs(want), f"FSDP{version} step {step + 1}: {got} vs {want}"
+        assert result["resumed_losses"] == result["losses"][2:], f"FSDP{version} resumed"
+        state = result["state"]
+        assert state.keys() == reference_state.keys() == result["resumed_state"].keys()
+        for name, tensor in reference_state.items():
+            # A tenth of one AdamW step (lr 1e-3): Adam divides each update by its gradient's own scale, so a
+            # near-zero gradient summed in another order can move a weight by a visible fraction of a step.
+            assert (state[name] - tensor).abs().max().item() < 1e-4, f"FSDP{version} {name}"
+            assert torch.equal(result["resumed_state"][name], state[name]), f"FSDP{version} resumed {name}"
+        exported, info = AutoModelForSeq2SeqLM.from_pretrained(
+            tmp_path / f"fsdp{version}" / "hf_model", output_loading_info=True
+        )
+        assert type(exported) is type(source)
+        assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+        loaded = exported.state_dict()
+        for name, tensor in state.items():
+            assert torch.equal(loaded[name], tensor), f"FSDP{version} export {name}"
+        head_tied = exported.get_output_embeddings().weight is exported.get_input_embeddings().weight
+        assert head_tied == (source.get_output_embeddings().weight is source.get_input_embeddings().weight)
+        # The same folder, converted afterwards from the halfway checkpoint, holds the halfway weights.
+        converted = tmp_path / f"converted{version}"
+        convert_checkpoint(result["checkpoint"], str(converted), 10**9)
+        again, info = AutoModelForSeq2SeqLM.from_pretrained(converted, output_loading_info=True)
+        assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+        assert (again.get_output_embeddings().weight is again.get_input_embeddings().weight) == head_tied

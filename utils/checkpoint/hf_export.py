@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig
 
 from configs.errors import FAILURES, CheckpointError, UserError, error_summary
 from configs.lora import LoraConfig
@@ -52,7 +52,7 @@ from utils.checkpoint.state_dicts import (
 from utils.eval.generation import GENERATION_KEYS
 from utils.files import atomic_path, tmp_path
 from utils.log import get_logger, warnings_ignored
-from utils.model.loading import skeleton
+from utils.model.loading import saved_config, skeleton
 from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
 
 # Each rank serializes its rows of a batch of tensors in memory before writing them (DCP's safetensors
@@ -210,7 +210,7 @@ def convert_checkpoint(checkpoint: str, output: str, max_file_bytes: int) -> str
     problem = find_damage(checkpoint, read_train_state(checkpoint))  # every file, in this one process
     if problem is not None:
         raise CheckpointError(f"{checkpoint} is damaged: {problem}. Convert another checkpoint.")
-    config = AutoConfig.from_pretrained(checkpoint)
+    config = saved_config(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint, layout.TOKENIZER_DIR))
     try:
         shapes, read = _checkpoint_tensors(checkpoint)

@@ -43,7 +43,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from configs.fsdp import FSDPConfig
+from configs.fsdp import TESTED_LAYER_CLASSES, FSDPConfig
 from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
 from policies.mixed_precision import Precision
 from policies.private_api import wrapped_module
@@ -57,10 +57,7 @@ from utils.model.rank0_loading import UnitMaterializer, broadcast_rank0_weights,
 # FSDP2 parity tests of each (T5 with and without activation checkpointing, mT5, UMT5, BART, PEGASUS) end
 # with the unsharded reference's weights. Ignored for the layer units and checkpoint wrappers, around the
 # loops that run forwards (`forward_warnings_ignored`); any other unit that returns a view still warns.
-VIEW_RETURNING_UNITS = (
-    "CheckpointWrapper", "T5Block", "MT5Block", "UMT5Block", "BartEncoderLayer", "BartDecoderLayer",
-    "PegasusEncoderLayer", "PegasusDecoderLayer",
-)  # fmt: skip
+VIEW_RETURNING_UNITS = ("CheckpointWrapper", *TESTED_LAYER_CLASSES)
 FSDP2_VIEW_WARNINGS = tuple(
     (UserWarning, f"FSDP2-wrapped module (FSDP{name}) returned a view tensor") for name in VIEW_RETURNING_UNITS
 )

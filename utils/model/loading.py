@@ -14,7 +14,9 @@ the shards (utils/checkpoint/manager.py), so the pretrained weights are never re
 full-model .pt (--resume file.pt) takes its weights from that file instead of the pretrained ones.
 """
 
+import copy
 import glob
+import json
 import os
 from dataclasses import dataclass
 
@@ -185,9 +187,13 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
     config = load_model_config(model_name, **config_overrides)
     model_name = resolved_name(model_name)
     if on_meta:
+        if holds_own_head(model_name, skeleton(config)):
+            config.tie_word_embeddings = False
         model = skeleton(config)
-        if holds_own_head(model_name, model):
-            untie_head(model)
+        # As from_pretrained returns it, every weight trainable: built from a config, PEGASUS's sinusoidal
+        # position table is frozen, and one frozen weight makes FSDP1 wrap every module apart, as LoRA's
+        # adapters (policies/wrapping.py), so a restored run would have other units than the one it continues.
+        model.requires_grad_(True)
         return model
     try:
         model, info = AutoModelForSeq2SeqLM.from_pretrained(model_name, config=config, output_loading_info=True)
@@ -201,6 +207,8 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
             "would train them from a random initialisation. Is the folder complete and saved by this family's "
             "class (config.json's model_type)?"
         )
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        model.config.tie_word_embeddings = False  # as loaded; checkpoints and the export record it (skeleton)
     if info["unexpected_keys"]:
         get_logger().warning(
             "model %s: the checkpoint holds weights its %s does not use, left out: %s",
@@ -210,16 +218,34 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
 
 
 def skeleton(config: PretrainedConfig) -> nn.Module:
-    """The model of `config` on the meta device: its parameters' names, shapes and ties, no memory."""
+    """The model of `config` on the meta device: its parameters' names, shapes and ties, no memory. With
+    tie_word_embeddings False, only the lm_head is untied: a T5-family model built so would also untie its
+    embed_tokens from `shared`, which its checkpoints never do."""
+    untied_head = not config.tie_word_embeddings
+    config = copy.deepcopy(config)
+    config.tie_word_embeddings = True
     with torch.device("meta"):
-        return AutoModelForSeq2SeqLM.from_config(config)
+        model = AutoModelForSeq2SeqLM.from_config(config)
+    if untied_head:
+        untie_head(model)
+    return model
+
+
+def saved_config(folder: str) -> PretrainedConfig:
+    """The config a checkpoint or an export saved, with its tie_word_embeddings as written: transformers 5
+    reads every T5-family config as tied (docs/pitfalls.md #32), where T5 v1.1, flan-t5, mT5 and UMT5 hold
+    an lm_head of their own."""
+    config = AutoConfig.from_pretrained(folder)
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config.tie_word_embeddings = json.load(f).get("tie_word_embeddings", True)
+    return config
 
 
 def holds_own_head(model_name: str, model: nn.Module) -> bool:
     """Whether the checkpoint has an lm_head of its own though the model ties it to the embedding: T5 v1.1,
     flan-t5, mT5 and UMT5 do, and transformers 5 builds every T5 tied (docs/pitfalls.md #32), untying only when
-    it loads both weights. A skeleton must be untied the same way (untie_head), or the two would share one
-    tensor. Read from the safetensors headers (a folder's, or the hub's by range
+    it loads both weights. A skeleton must be untied the same way (tie_word_embeddings False), or the two
+    would share one tensor. Read from the safetensors headers (a folder's, or the hub's by range
     request), not the weights."""
     head = model.get_output_embeddings()
     if head is None or head.weight is not model.get_input_embeddings().weight:
