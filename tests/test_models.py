@@ -120,6 +120,7 @@ def test_missing_weights_stop_the_run_naming_them_and_unused_ones_are_named_in_a
     assert "extra.weight" in caplog.text and "does not use" in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_trains_as_unsharded_resumes_exactly_and_exports_what_it_trained(
     family_dirs, family, tmp_path
