@@ -135,7 +135,10 @@ def resolved_name(model_name: str) -> str:
 
 
 def load_tokenizer(model_name: str) -> PreTrainedTokenizerBase:
-    """The model's tokenizer alone (seconds), so the data can be read and checked before the model loads."""
+    """The model's tokenizer alone (seconds), so the data can be read and checked before the model loads. The
+    model's config is checked first (load_model_config): a model this package cannot train stops the run
+    before any data is read or cached."""
+    load_model_config(model_name)
     model_name = resolved_name(model_name)
     try:
         return AutoTokenizer.from_pretrained(model_name)
