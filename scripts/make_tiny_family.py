@@ -3,11 +3,11 @@ offline: what the tests train to show that every supported family works (docs/mo
 
     python scripts/make_tiny_family.py --family bart --out /tmp/tiny-bart
 
-mT5 and UMT5 take the embedded tiny T5's sentencepiece tokenizer, PEGASUS the same
-sentencepiece model through its own tokenizer class (which puts its special tokens first), BART a
-byte-level BPE trained here by `tokenizers` on the embedded sample's texts. T5 itself is the embedded
-data/tiny-t5. Each model has two encoder and
-two decoder layers of width 64, and is saved by its own class, as a hub checkpoint is.
+T5 v1.1 (flan-t5's architecture: gated GELU, an lm_head of its own), mT5 and UMT5 take the embedded tiny
+T5's sentencepiece tokenizer, PEGASUS the same sentencepiece model through its own tokenizer class (which
+puts its special tokens first), BART a byte-level BPE trained here by `tokenizers` on the embedded sample's
+texts. T5 v1.0 itself is the embedded data/tiny-t5. Each model has two encoder and two decoder layers of
+width 64, and is saved by its own class, as a hub checkpoint is.
 """
 
 import argparse
@@ -28,7 +28,7 @@ BART_SHAPE = {
     "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
     "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 96, "max_position_embeddings": 512,
 }  # fmt: skip
-FAMILIES = ("mt5", "umt5", "bart", "pegasus")  # T5 itself: the embedded data/tiny-t5
+FAMILIES = ("t5-v1_1", "mt5", "umt5", "bart", "pegasus")  # T5 v1.0 itself: the embedded data/tiny-t5
 BPE_VOCAB = 1000
 
 
@@ -73,9 +73,11 @@ def make(family: str, out: str) -> int:
     hf_logging.disable_progress_bar()
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    if family in ("mt5", "umt5"):
+    if family in ("t5-v1_1", "mt5", "umt5"):
         tokenizer = sentencepiece_tokenizer(transformers.T5Tokenizer, folder)
-        config_class = transformers.MT5Config if family == "mt5" else transformers.UMT5Config
+        config_class = {"t5-v1_1": transformers.T5Config, "mt5": transformers.MT5Config}.get(
+            family, transformers.UMT5Config
+        )
         config = config_class(
             vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
             feed_forward_proj="gated-gelu", **T5_SHAPE,
@@ -97,8 +99,8 @@ def make(family: str, out: str) -> int:
         raise SystemExit(f"--family must be one of {', '.join(FAMILIES)}, not {family!r}")
     torch.manual_seed(SEED)
     model = transformers.AutoModelForSeq2SeqLM.from_config(config)
-    if family in ("mt5", "umt5"):
-        untie_head(model)  # the published mT5 and UMT5 checkpoints have an lm_head of their own
+    if family in ("t5-v1_1", "mt5", "umt5"):
+        untie_head(model)  # the published T5 v1.1, flan-t5, mT5 and UMT5 checkpoints have an lm_head of their own
     if family == "bart":  # a trained BART's final_logits_bias is not zero: show that the export keeps it
         model.final_logits_bias.normal_(0, 0.1)
     model.save_pretrained(str(folder))

@@ -19,10 +19,9 @@ from scripts import make_tiny_family
 from utils.observe.flops import Seq2SeqFlops, Throughput, gpu_peak_flops
 from utils.train.step import forward_token_losses
 
-GATED = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False}  # the v1.1 / flan-t5 shape
 # The embedded T5 as it is and gated, make_tiny_family's folders, and mBART (BART's matmuls, pre-norm), which
 # has no folder of its own: built from BART's tiny shape.
-FAMILIES = ("t5", "gated", *make_tiny_family.FAMILIES, "mbart")
+FAMILIES = ("t5", *make_tiny_family.FAMILIES, "mbart")  # t5-v1_1: flan-t5's gated feed-forward
 
 
 def embedded_config(**overrides) -> T5Config:
@@ -69,12 +68,8 @@ def family_model(request, tiny_family_dir):
     matmuls that FlopCounterMode counts."""
     family = request.param
     torch.manual_seed(0)
-    if family in ("t5", "gated"):
-        config = embedded_config(
-            dropout_rate=0.0, attn_implementation="eager", **(GATED if family == "gated" else {})
-        )
-        assert config.is_gated_act == (family == "gated")
-        return T5ForConditionalGeneration(config)
+    if family == "t5":
+        return T5ForConditionalGeneration(embedded_config(dropout_rate=0.0, attn_implementation="eager"))
     if family == "mbart":
         config = MBartConfig(
             vocab_size=1000,

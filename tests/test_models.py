@@ -22,13 +22,14 @@ from utils.model.lora import target_modules
 
 LAYERS = {
     "t5": {"T5Block"},
+    "t5-v1_1": {"T5Block"},
     "mt5": {"MT5Block"},
     "umt5": {"UMT5Block"},
     "bart": {"BartEncoderLayer", "BartDecoderLayer"},
     "pegasus": {"PegasusEncoderLayer", "PegasusDecoderLayer"},  # transformers declares no _no_split_modules
 }
-LORA_DEFAULTS = {"t5": ["q", "v"], "mt5": ["q", "v"], "umt5": ["q", "v"], "bart": ["q_proj", "v_proj"],
-                 "pegasus": ["q_proj", "v_proj"]}  # fmt: skip
+LORA_DEFAULTS = {"t5": ["q", "v"], "t5-v1_1": ["q", "v"], "mt5": ["q", "v"], "umt5": ["q", "v"],
+                 "bart": ["q_proj", "v_proj"], "pegasus": ["q_proj", "v_proj"]}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +46,7 @@ def family_dirs(tmp_path_factory):
 def test_each_family_loads_in_its_own_class_with_its_units_tokenizer_and_lora_targets(family_dirs, family):
     folder = family_dirs[family]
     model = load_model(folder, dropout_rate=0.0)
-    assert model.config.model_type == family
+    assert model.config.model_type == family.removesuffix("-v1_1")
     assert {cls.__name__ for cls in layer_classes(model)} == LAYERS[family]
     layers = [m for m in model.modules() if type(m) in layer_classes(model)]
     assert len(layers) == 4  # two encoder and two decoder layers: every stack layer is a unit
