@@ -229,9 +229,9 @@ ONLY_FALSE = FALSE_WORDS
 CHECKED_VARIABLES = {
     "FSDP_TRANSFORMER_CLS_TO_WRAP": (
         TESTED_LAYER_CLASSES,
-        "the transformer policy here makes each layer of the model's encoder and decoder stacks a unit: set "
-        "fsdp_transformer_layer_cls_to_wrap to them (T5: T5Block; BART: BartEncoderLayer,BartDecoderLayer; "
-        f"the families tested: {','.join(TESTED_LAYER_CLASSES)})",
+        "the transformer policy here makes each layer of the model's encoder and decoder stacks a unit, read "
+        "from the model (docs/models.md): set fsdp_transformer_layer_cls_to_wrap to its layer classes, "
+        "comma-separated (T5: T5Block; BART: BartEncoderLayer,BartDecoderLayer)",
     ),
     "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": (
         ONLY_FALSE,
@@ -241,7 +241,7 @@ CHECKED_VARIABLES = {
     "ACCELERATE_DYNAMO_BACKEND": (
         ("NO",),
         "accelerate's torch.compile of the whole model does not run here: set dynamo_backend: NO and give "
-        "--compile true (each T5Block compiled with inductor)",
+        "--compile true (each stack layer compiled with inductor)",
     ),
     "ACCELERATE_USE_DEEPSPEED": (ONLY_FALSE, "this package trains with FSDP: use distributed_type: FSDP"),
     "ACCELERATE_USE_MEGATRON_LM": (ONLY_FALSE, "this package trains with FSDP: use distributed_type: FSDP"),
@@ -330,7 +330,7 @@ def mapping_markdown() -> str:
         variables = " + ".join(f"`{variable}`" for variable in rule.variables)
         lines.append(f"| {variables} | `--{rule.field}` | {rule.values} |")
     for name, (accepted, reason) in CHECKED_VARIABLES.items():
-        shown = "false" if accepted == ONLY_FALSE else accepted[0] if accepted else ""
+        shown = "false" if accepted == ONLY_FALSE else ", ".join(accepted)
         allowed = f"`{shown}` only" if shown else "any value refused"
         lines.append(f"| `{name}` | (checked) | {allowed}: {reason} |")
     for name, reason in IGNORED_VARIABLES.items():

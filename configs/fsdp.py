@@ -91,14 +91,15 @@ class FSDPConfig:
     fsdp_activation_checkpointing: bool = option(
         default=True,
         help=(
-            "Recompute each T5Block's activations in backward instead of storing them (non-reentrant): "
-            "much less activation memory for about 30% more compute."
+            "Recompute each stack layer's activations (T5Block for T5) in backward instead of storing them "
+            "(non-reentrant): much less activation memory for about 30% more compute."
         ),
     )
     compile: bool = option(
         default=False,
         help=(
-            "torch.compile each T5Block before sharding (inductor: a C++ compiler on CPU, Triton on GPU). "
+            "torch.compile each stack layer (T5Block) before sharding (inductor: a C++ compiler on CPU, Triton "
+            "on GPU). "
             "The first steps compile (seconds to minutes); dropout masks then come from inductor's own "
             "generator. FSDP1 needs --use_orig_params true. Off by default: slower on CPU (docs/throughput.md: "
             "Throughput)."
@@ -115,9 +116,10 @@ class FSDPConfig:
     wrap_policy: Literal["transformer", "size_based"] = option(
         default="transformer",
         help=(
-            "transformer: each T5Block is one FSDP unit, the shared embedding in the root unit (the "
-            "tutorial's policy). size_based: a unit whenever min_num_params parameters accumulate (FSDP1 only; "
-            "modules holding tied weights are never units of their own)."
+            "transformer: each layer of the encoder and decoder stacks (T5Block for T5, read from the model) is "
+            "one FSDP unit, the shared embedding in the root unit (the tutorial's policy). size_based: a unit "
+            "whenever min_num_params parameters accumulate (FSDP1 only; modules holding tied weights are never "
+            "units of their own)."
         ),
     )
     min_num_params: int = option(

@@ -83,7 +83,7 @@ class RecipeConfig:
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = option(
         default="sdpa",
         help=(
-            "T5's attention kernel (transformers' attn_implementation): sdpa (torch's "
+            "The attention kernel (transformers' attn_implementation): sdpa (torch's "
             "scaled_dot_product_attention with the position bias as an additive mask; what transformers 5.15+ "
             "picks by default), eager (matmul, softmax, matmul: the reference), flex_attention (torch "
             "FlexAttention). T5's learned position bias rules out flash attention."

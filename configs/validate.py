@@ -109,8 +109,8 @@ def check_fsdp2_settings(fsdp_config: FSDPConfig) -> None:
         )
     if fsdp_config.wrap_policy != "transformer":
         raise ConfigError(
-            "--wrap_policy size_based has no FSDP2 equivalent (FSDP2 has no auto-wrap policies; each T5Block "
-            "is sharded). Use --wrap_policy transformer with --fsdp_version 2."
+            "--wrap_policy size_based has no FSDP2 equivalent (FSDP2 has no auto-wrap policies; each stack "
+            "layer is sharded). Use --wrap_policy transformer with --fsdp_version 2."
         )
     if fsdp_config.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
         raise ConfigError(

@@ -1,11 +1,10 @@
 """The tutorial's FSDP MixedPrecision policies, and the one place that chooses between them.
 
-param_dtype is the compute dtype of the gathered parameters, reduce_dtype the dtype of the gradient
-reduce-scatter/all-reduce, buffer_dtype the dtype of buffers (T5 has none that matter). The sharded fp32
-master copy that the optimizer updates is unaffected by all of them. A policy is named by its key in
-POLICIES everywhere (config.json, the log). `resolve_precision` turns the settings into one Precision,
-once per run; everything that depends on the precision asks that object.
-"""
+param_dtype is the compute dtype of the gathered parameters, reduce_dtype the dtype of the gradient reduce-
+scatter/all-reduce, buffer_dtype the dtype of buffers (T5 has none; BART's final_logits_bias is one). The
+sharded fp32 master copy that the optimizer updates is unaffected by all of them. A policy is named by its key
+in POLICIES everywhere (config.json, the log). `resolve_precision` turns the settings into one Precision, once
+per run; everything that depends on the precision asks that object."""
 
 import dataclasses
 from dataclasses import dataclass

@@ -27,6 +27,7 @@ T5_SHAPE = {"d_model": 64, "d_kv": 16, "num_heads": 4, "d_ff": 128, "num_layers"
 BART_SHAPE = {
     "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
     "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 96, "max_position_embeddings": 512,
+    "attention_dropout": 0.1, "activation_dropout": 0.1,  # as the published PEGASUS configs
 }  # fmt: skip
 FAMILIES = ("t5-v1_1", "mt5", "umt5", "bart", "pegasus")  # T5 v1.0 itself: the embedded data/tiny-t5
 BPE_VOCAB = 1000

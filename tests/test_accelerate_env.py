@@ -133,7 +133,7 @@ def test_keys_left_out_take_accelerate_launchs_defaults_not_the_packages(tmp_pat
     assert parse_args([], launch_environment(path)) == parse_args(flags, {})
 
 
-@pytest.mark.parametrize("layers", ["T5Block", "MT5Block", "BartEncoderLayer,BartDecoderLayer",
+@pytest.mark.parametrize("layers", ["T5Block", "MT5Block", "UMT5Block", "BartEncoderLayer,BartDecoderLayer",
                                     "PegasusEncoderLayer, PegasusDecoderLayer"])  # fmt: skip
 def test_each_tested_familys_layer_classes_are_accepted_as_the_units(tmp_path, layers):
     env = launch_environment(config_file(tmp_path, {"fsdp_transformer_layer_cls_to_wrap": layers}, {}))

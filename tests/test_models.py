@@ -50,8 +50,9 @@ def test_each_family_loads_in_its_own_class_with_its_units_tokenizer_and_lora_ta
     assert {cls.__name__ for cls in layer_classes(model)} == LAYERS[family]
     layers = [m for m in model.modules() if type(m) in layer_classes(model)]
     assert len(layers) == 4  # two encoder and two decoder layers: every stack layer is a unit
-    dropout = model.config.dropout_rate if hasattr(model.config, "dropout_rate") else model.config.dropout
-    assert dropout == 0.0  # --dropout_rate reaches BART's `dropout` too
+    names = ["dropout_rate"] if hasattr(model.config, "dropout_rate") else ["dropout", "attention_dropout",
+                                                                            "activation_dropout"]  # fmt: skip
+    assert {getattr(model.config, name) for name in names} == {0.0}  # --dropout_rate reaches BART's three
     tokenizer = load_tokenizer(folder)
     assert len(tokenizer) <= model.config.vocab_size
     assert target_modules(LoraConfig(peft="lora"), model) == LORA_DEFAULTS[family]

@@ -1,11 +1,11 @@
 """Summaries from the sharded model, on every rank at once, for either FSDP backend.
 
-T5's `generate` calls the encoder directly, not the model's forward, so FSDP never gathers the root unit's
-parameters (the shared embedding, the final norms, the tied lm_head) and generation fails on shards
+`generate` (T5's, BART's) calls the encoder directly, not the model's forward, so FSDP never gathers the root
+unit's parameters (the shared embedding, the final norms, the tied lm_head) and generation fails on shards
 (docs/pitfalls.md #18). The root unit is therefore gathered around the whole call: FSDP1 with
-`summon_full_params(recurse=False)`, FSDP2 by registering `generate` as a forward method at wrap time.
-Each T5Block unit is still gathered only while it runs and freed after, so a rank holds at most the root
-unit and about one block unit unsharded at any time, never the whole model.
+`summon_full_params(recurse=False)`, FSDP2 by registering `generate` as a forward method at wrap time. Each
+layer unit (T5Block) is still gathered only while it runs and freed after, so a rank holds at most the root
+unit and about one layer unit unsharded at any time, never the whole model.
 
 Ranks that finish decoding early must keep joining the all-gathers of the others: `synced_gpus=True`
 makes every rank step until all are done. The evaluation sampler gives every rank the same number of
@@ -68,9 +68,10 @@ def generate(model: nn.Module, batch: dict, generation: dict) -> torch.Tensor:
 
 
 def _fsdp1_compute_dtype(model: FSDP):
-    """FSDP1 casts a unit's inputs to its compute dtype only at the root's forward, which generate skips,
-    and the summoned root parameters come back in full precision: autocast to the policy's compute dtype
-    keeps the fp32 root and the bf16/fp16 blocks compatible. Nothing to do in fp32."""
+    """The summoned root parameters come back in full precision, and the root's forward, which casts to the
+    compute dtype, is skipped: autocast to the policy's compute dtype keeps the fp32 root's matmuls (the
+    embedding's output, the lm_head) compatible with the bf16/fp16 layer units, which cast their own inputs
+    (policies/mixed_precision.py, docs/pitfalls.md #43). Nothing to do in fp32."""
     dtype = model.mixed_precision.param_dtype
     if dtype is None or dtype == torch.float32:
         return contextlib.nullcontext()

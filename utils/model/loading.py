@@ -15,15 +15,12 @@ full-model .pt (--resume file.pt) takes its weights from that file instead of th
 """
 
 import copy
-import glob
 import json
 import os
 from dataclasses import dataclass
 
 import torch
 import transformers
-from huggingface_hub import get_safetensors_metadata
-from huggingface_hub.errors import HfHubHTTPError
 from safetensors import safe_open
 from torch import nn
 from transformers import (
@@ -34,6 +31,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
+from transformers.utils import cached_file
 
 from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
 from configs.recipe import RecipeConfig
@@ -45,6 +43,9 @@ HUB_HINT = (
     "t5-base on a machine that can reach huggingface.co (or has it in its HF cache)."
 )
 MAX_KEYS_NAMED = 8  # a message names this many weights, then counts the rest
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHT_FILES = (INDEX_FILE, SINGLE_FILE, "pytorch_model.bin.index.json", "pytorch_model.bin")
 
 
 @dataclass
@@ -77,14 +78,17 @@ def model_config_overrides(recipe: RecipeConfig) -> dict:
     return overrides if recipe.dropout_rate is None else {**overrides, "dropout_rate": recipe.dropout_rate}
 
 
+BART_DROPOUTS = ("dropout", "attention_dropout", "activation_dropout")  # BART's family: one per place
+
+
 def family_overrides(config: PretrainedConfig, overrides: dict) -> dict:
-    """`overrides` with the dropout under this family's field name: T5's family has `dropout_rate`, BART's
-    `dropout`."""
+    """`overrides` with the dropout under this family's field names: T5's family has one, `dropout_rate`;
+    BART's has three, each set to it."""
     if "dropout_rate" not in overrides or hasattr(config, "dropout_rate"):
         return overrides
     overrides = dict(overrides)
-    overrides["dropout"] = overrides.pop("dropout_rate")
-    return overrides
+    rate = overrides.pop("dropout_rate")
+    return {**overrides, **{name: rate for name in BART_DROPOUTS if hasattr(config, name)}}
 
 
 def load_model_for_run(
@@ -160,6 +164,11 @@ def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
     except (OSError, ValueError) as err:
         raise ConfigError(f"could not load model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
     check_encoder_decoder(model_name, config)
+    if config.decoder_start_token_id is None:
+        raise ConfigError(
+            f"model {model_name!r} ({config.model_type}) has no decoder_start_token_id in its config.json: "
+            "training needs the token its decoder starts from (mBART: the target language's id). Set it there."
+        )
     return AutoConfig.from_pretrained(model_name, use_cache=False, **family_overrides(config, config_overrides))
 
 
@@ -190,7 +199,7 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
     config = load_model_config(model_name, **config_overrides)
     model_name = resolved_name(model_name)
     if on_meta:
-        if holds_own_head(model_name, skeleton(config)):
+        if forces_tie(config) and holds_own_head(model_name, skeleton(config)):
             config.tie_word_embeddings = False
         model = skeleton(config)
         # As from_pretrained returns it, every weight trainable: built from a config, PEGASUS's sinusoidal
@@ -210,7 +219,7 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
             "would train them from a random initialisation. Is the folder complete and saved by this family's "
             "class (config.json's model_type)?"
         )
-    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+    if forces_tie(config) and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         model.config.tie_word_embeddings = False  # as loaded; checkpoints and the export record it (skeleton)
     if info["unexpected_keys"]:
         get_logger().warning(
@@ -221,17 +230,28 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
 
 
 def skeleton(config: PretrainedConfig) -> nn.Module:
-    """The model of `config` on the meta device: its parameters' names, shapes and ties, no memory. With
-    tie_word_embeddings False, only the lm_head is untied: a T5-family model built so would also untie its
-    embed_tokens from `shared`, which its checkpoints never do."""
-    untied_head = not config.tie_word_embeddings
-    config = copy.deepcopy(config)
-    config.tie_word_embeddings = True
-    with torch.device("meta"):
-        model = AutoModelForSeq2SeqLM.from_config(config)
-    if untied_head:
+    """The model of `config` on the meta device: its parameters' names, shapes and ties, no memory, as
+    from_pretrained would build it. For the T5 family (whose config class forces the tie, docs/pitfalls.md
+    #32) tie_word_embeddings False unties the lm_head only: built so, T5 would also untie its embed_tokens
+    from `shared`, which no T5 checkpoint does."""
+    if forces_tie(config) and not config.tie_word_embeddings:
+        config = copy.deepcopy(config)
+        config.tie_word_embeddings = True
+        with torch.device("meta"):
+            model = AutoModelForSeq2SeqLM.from_config(config)
         untie_head(model)
-    return model
+        return model
+    with torch.device("meta"):
+        return AutoModelForSeq2SeqLM.from_config(config)
+
+
+def forces_tie(config: PretrainedConfig) -> bool:
+    """Whether transformers' config class reads every config as tied (T5, mT5, UMT5 in transformers 5),
+    whatever tie_word_embeddings says: its untied checkpoints are told apart by their weights instead."""
+    try:
+        return type(config)(tie_word_embeddings=False).tie_word_embeddings
+    except (TypeError, ValueError):  # a config that needs more to build (encoder-decoder): honours the flag
+        return False
 
 
 def saved_config(folder: str) -> PretrainedConfig:
@@ -246,10 +266,10 @@ def saved_config(folder: str) -> PretrainedConfig:
 
 def holds_own_head(model_name: str, model: nn.Module) -> bool:
     """Whether the checkpoint has an lm_head of its own though the model ties it to the embedding: T5 v1.1,
-    flan-t5, mT5 and UMT5 do, and transformers 5 builds every T5 tied (docs/pitfalls.md #32), untying only when
-    it loads both weights. A skeleton must be untied the same way (tie_word_embeddings False), or the two
-    would share one tensor. Read from the safetensors headers (a folder's, or the hub's by range
-    request), not the weights."""
+    flan-t5, mT5 and UMT5 do, and transformers 5 builds every T5 tied (docs/pitfalls.md #32), untying when it
+    loads both weights and they differ. A skeleton must be untied the same way (tie_word_embeddings False), or
+    the two would share one tensor. Read from the checkpoint's weight names, not its weights: a checkpoint
+    that stores an lm_head equal to its embedding (which transformers ties) is taken as untied."""
     head = model.get_output_embeddings()
     if head is None or head.weight is not model.get_input_embeddings().weight:
         return False
@@ -258,17 +278,31 @@ def holds_own_head(model_name: str, model: nn.Module) -> bool:
 
 
 def checkpoint_weight_names(model_name: str) -> set[str]:
-    """The weight names of a model's safetensors files (empty when it has none: a .bin-only checkpoint)."""
-    if os.path.isdir(model_name):
-        names = set()
-        for file in glob.glob(os.path.join(model_name, "*.safetensors")):
-            with safe_open(file, framework="pt") as weights:
-                names.update(weights.keys())
-        return names
+    """The weight names of a model's checkpoint (a folder's, or a hub model's through the HF cache): from its
+    index, else its safetensors header, else its PyTorch .bin (memory-mapped, nothing read but the names)."""
+    for file in WEIGHT_FILES:
+        path = cached_file_or_none(model_name, file)
+        if path is None:
+            continue
+        if file.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                return set(json.load(f)["weight_map"])
+        if file.endswith(".safetensors"):
+            with safe_open(path, framework="pt") as weights:
+                return set(weights.keys())
+        return set(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    raise ConfigError(f"model {model_name!r} has no weights file ({', '.join(WEIGHT_FILES)}). {HUB_HINT}")
+
+
+def cached_file_or_none(model_name: str, name: str) -> str | None:
+    """The path of a model's file (downloaded to the HF cache for a hub name), or None where the model has no
+    such file; any other failure (no network, no permission) is a ConfigError that says so."""
     try:
-        return set(get_safetensors_metadata(model_name).weight_map)
-    except (OSError, ValueError, HfHubHTTPError):  # offline, or no safetensors: the config's tie stands
-        return set()
+        return cached_file(model_name, name)
+    except OSError as err:
+        if "does not appear to have a file named" in str(err):  # transformers' words for a missing file
+            return None
+        raise ConfigError(f"cannot read {name} of {model_name!r}: {str(err).splitlines()[0]}") from None
 
 
 def untie_head(model: nn.Module) -> None:

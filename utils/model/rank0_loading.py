@@ -26,13 +26,10 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from transformers.utils import cached_file
 
 from configs.errors import ConfigError
+from utils.model.loading import INDEX_FILE, SINGLE_FILE, cached_file_or_none
 from utils.observe.memory import trim_host_heap
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class SafetensorsReader:
@@ -51,13 +48,13 @@ class SafetensorsReader:
 
 def _weight_files(model_name: str) -> dict[str, str]:
     """{tensor name: file} of a local folder or hub model stored as safetensors (single file or shards)."""
-    index = _cached_file_or_none(model_name, INDEX_FILE)
+    index = cached_file_or_none(model_name, INDEX_FILE)
     if index is not None:
         folder = os.path.dirname(index)
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
         return {name: os.path.join(folder, file) for name, file in weight_map.items()}
-    single = _cached_file_or_none(model_name, SINGLE_FILE)
+    single = cached_file_or_none(model_name, SINGLE_FILE)
     if single is None:
         raise ConfigError(
             f"{model_name!r} has no {SINGLE_FILE} (only PyTorch .bin weights?): rank-0-only loading with FSDP1 "
@@ -66,17 +63,6 @@ def _weight_files(model_name: str) -> dict[str, str]:
         )
     with safe_open(single, framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
-
-
-def _cached_file_or_none(model_name: str, name: str) -> str | None:
-    """The path of a model's file (downloaded to the HF cache for a hub name), or None where the model has no
-    such file; any other failure (no network, no permission) is a ConfigError that says so."""
-    try:
-        return cached_file(model_name, name)
-    except OSError as err:
-        if "does not appear to have a file named" in str(err):  # transformers' words for a missing file
-            return None
-        raise ConfigError(f"cannot read {name} of {model_name!r}: {str(err).splitlines()[0]}") from None
 
 
 def weight_reader(source: str) -> tuple[Callable[[str], torch.Tensor], set[str]]:
