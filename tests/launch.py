@@ -119,7 +119,9 @@ def program_tracebacks(output: str) -> list[str]:
     for block in output.split("Traceback (most recent call last):")[1:]:
         exception_line = next((line for line in block.splitlines() if line and not line[0].isspace()), "")
         if not exception_line.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError"):
-            found.append("Traceback (most recent call last):" + block[:2000])
+            # Cut to 2000 characters, the exception line kept: callers tell tracebacks apart by it (torchrun's
+            # SignalException on Ctrl-C sits past 2000 characters when the signal lands deep in its stack).
+            found.append("Traceback (most recent call last):" + block[:2000] + f"\n... {exception_line}")
     return found
 
 
