@@ -35,6 +35,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
 
 from configs.errors import FAILURES, CheckpointError, UserError, error_summary
 from configs.lora import LoraConfig
@@ -172,7 +173,7 @@ def write_model_description(model_config, tokenizer, dtype: torch.dtype, folder:
     # Training runs without the KV cache (activation checkpointing needs that); whoever loads the folder
     # generates, which wants it.
     config.use_cache = True
-    config.architectures = [type(skeleton(config)).__name__]
+    config.architectures = [MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING[type(config)].__name__]
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(folder)
     # generation_config.json gets the run's generation settings, so `generate()` summarises as evaluated.

@@ -199,9 +199,10 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
     config = load_model_config(model_name, **config_overrides)
     model_name = resolved_name(model_name)
     if on_meta:
-        if forces_tie(config) and holds_own_head(model_name, skeleton(config)):
-            config.tie_word_embeddings = False
         model = skeleton(config)
+        if forces_tie(config) and holds_own_head(model_name, model):
+            config.tie_word_embeddings = False  # as skeleton() builds it from now on (the export's tied names)
+            untie_head(model)
         # As from_pretrained returns it, every weight trainable: built from a config, PEGASUS's sinusoidal
         # position table is frozen, and one frozen weight makes FSDP1 wrap every module apart, as LoRA's
         # adapters (policies/wrapping.py), so a restored run would have other units than the one it continues.
