@@ -32,7 +32,7 @@ from utils import layout
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.run_lock import claimed_output_dir
 from utils.checkpoint.start import StartPoint, recorded_run, resolve_start
-from utils.distributed import process_group
+from utils.distributed import hang_report, process_group
 from utils.eval import generation
 from utils.eval.evaluator import Evaluator
 from utils.fsdp.shard import forward_warnings_ignored, log_fsdp_layout, shard_model
@@ -237,11 +237,8 @@ def evaluate_saved_model(
     if info.is_main:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     sink = tensorboard.tensorboard_sink(path, info.is_main and config.observe.tensorboard)
-    writer = metrics.MetricsWriter(path, info.is_main, append=True, tensorboard=sink)
-    try:
+    with metrics.MetricsWriter(path, info.is_main, append=True, sinks=[sink] if sink else []) as writer:
         writer.write({**scores, "model": start.path or train.model_name})
-    finally:
-        writer.close()
 
 
 @record
@@ -269,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
             get_logger().info("from accelerate launch's environment: %s", ", ".join(taken))
         info = process_group.describe_launch(config.train.device)
         validate.check_settings(config, info.world_size, info.device.type)
-        process_group.init_distributed(info, config.train.dist_timeout_s)
-        with claimed_output_dir(config.train.output_dir):  # one run per output_dir: a second one stops here
+        process_group.init_distributed(info, config.train.dist_timeout_s, config.train.output_dir)
+        with (
+            claimed_output_dir(config.train.output_dir),  # one run per output_dir: a second one stops here
+            hang_report.reported_hangs(config.train.output_dir, config.train.dist_timeout_s),  # a hang: reports
+        ):
             fsdp_main(config, info, from_accelerate)
     except KeyboardInterrupt:
         # A second Ctrl-C (the first asks for a save, utils/train/preemption.py), or one before training. At
@@ -290,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(RANK0_MESSAGE_GRACE_S)
         return 2 if isinstance(err, ConfigError) else 1
-    except process_group.GroupNotFormed as err:
-        # Every rank that waited says so: the rank that never joined may be hanging, silent.
+    except (process_group.GroupNotFormed, hang_report.CollectiveTimedOut) as err:
+        # Every rank that waited says so (a timed-out collective: naming its report, which holds the traceback):
+        # the rank that never joined, or hangs, may be silent.
         get_logger().error("%s", err)
         return 1
     except FAILURES as err:  # Exception, and DCP's CheckpointException (a BaseException)

@@ -2,6 +2,7 @@
 
 Booleans take true/false (given alone, a boolean flag means true), enums and choices take a name, an
 unknown flag or a bad value is a ConfigError that lists what is valid. The tutorial's flags are aliases.
+`--config FILE` gives the same fields from a YAML or JSON file (configs/config_file.py), under the flags.
 There is no other config system: the dataclasses are the single source of defaults and documentation.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 from configs.accelerate_env import settings_from_accelerate
+from configs.config_file import read_config_file
 from configs.errors import ConfigError
 from configs.run import RECORD_KEYS, SECTION_TITLES, RunConfig
 
@@ -30,6 +32,7 @@ ALIASES = {
     "save_model": ["--save-model"],
 }
 NO_CUDA_FLAG = "--no-cuda"  # the tutorial's flag: same as --device cpu
+CONFIG_FLAG = "--config"
 
 BOOL_WORDS = {"true": True, "false": False}
 NONE_WORD = "NONE"
@@ -213,6 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="The tutorial's flag: train on CPU with gloo (same as --device cpu).",
     )
+    parser.add_argument(
+        CONFIG_FLAG,
+        dest="config_file",
+        metavar="FILE",
+        default=None,
+        help=(
+            "A YAML or JSON file of settings, in the sections below (train, fsdp, data, ...; or config.json's "
+            "keys) or at its top level: e.g. configs/examples/t5_3b_8gpu.yaml, or a run's config.json, which "
+            "starts the same run again. Flags given beside it win. Default: none."
+        ),
+    )
     return parser
 
 
@@ -229,7 +243,8 @@ def _unknown_flag_message(unknown: list[str], parser: argparse.ArgumentParser) -
 
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> RunConfig:
     """Defaults of the dataclasses, overridden by the settings `accelerate launch` passed in the environment
-    (configs/accelerate_env.py), overridden by argv. Raises ConfigError on any bad flag or value."""
+    (configs/accelerate_env.py), overridden by a --config file's, overridden by argv's flags. Raises ConfigError
+    on any bad flag, key or value."""
     overrides, _ = _resolve(argv, environ)
     defaults = RunConfig()
     return RunConfig(
@@ -319,20 +334,34 @@ def fields_from_accelerate(argv: list[str] | None = None, environ: Mapping[str, 
 
 def _resolve(argv: list[str] | None, environ: Mapping[str, str] | None) -> tuple[dict, dict[str, str]]:
     """{"train": {field: value}, "fsdp": {...}, ...}: the typed values that the environment (accelerate launch's
-    settings) or argv give, argv winning; and {field: variables} of those taken from the environment."""
+    settings), a --config file or argv give, argv winning over the file, the file over the environment; and
+    {field: variables} of those taken from the environment."""
     parser = build_parser()
     namespace, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if unknown:
         raise ConfigError(_unknown_flag_message(unknown, parser))
     specs = {s.name: s for s in field_specs()}
-    explicit = {dest.split(".", 1)[1]: text for dest, text in vars(namespace).items()}
-    settings = settings_from_accelerate(os.environ if environ is None else environ, explicit)
+    flags = vars(namespace)
+    config_file = flags.pop("config_file")
+    from_file = _settings_from_file(config_file, specs) if config_file else {}
+    explicit = {dest.split(".", 1)[1]: text for dest, text in flags.items()}
+    settings = settings_from_accelerate(os.environ if environ is None else environ, {**from_file, **explicit})
     overrides = {section: {} for section in SECTION_TITLES}
-    for name, (text, variables) in settings.items():  # first: the flags given below win
+    for name, (text, variables) in settings.items():  # first: the file's and the flags' values below win
         overrides[specs[name].section][name] = _parse_from_environment(specs[name], text, variables)
+    for name, text in from_file.items():
+        overrides[specs[name].section][name] = _parse_from(
+            specs[name], text, f"--config {config_file}", f"Fix the file, or give --{name} on the command line."
+        )
     for name, text in explicit.items():
         overrides[specs[name].section][name] = parse_value(specs[name], text)
     return overrides, {name: variables for name, (_, variables) in settings.items()}
+
+
+def _settings_from_file(path: str, specs: dict[str, FieldSpec]) -> dict[str, str]:
+    """{field: text} of a --config file (configs/config_file.py)."""
+    section_of = {name: spec.section for name, spec in specs.items()}
+    return read_config_file(path, section_of, lambda name: specs[name].on_resume == "launch")
 
 
 def _parse_from_environment(spec: FieldSpec, text: str, variables: str):

@@ -44,7 +44,8 @@ class TrainConfig:
         default=600,
         help=(
             "Process-group timeout in seconds: how long a rank waits in a collective for a stuck peer "
-            "before failing (torch's default is 30 minutes)."
+            "before failing (torch's default is 30 minutes); each rank that can then writes where it was into "
+            "output_dir/hang_reports (docs/observability.md)."
         ),
         minimum=1,
     )

@@ -41,6 +41,7 @@ def check_settings(config: RunConfig, world_size: int, device_type: str) -> None
     check_evaluation(config.evaluation, config.train)
     check_schedule(config.recipe)
     check_optional_packages(config.observe, config.lora)
+    check_profile(config.observe, config.recipe)
     check_lora(config.lora, fsdp)
     check_decay_groups(config.train, fsdp)
     check_compile(fsdp)
@@ -207,6 +208,21 @@ def check_optional_packages(observe: ObserveConfig, lora: LoraConfig) -> None:
         raise ConfigError(TENSORBOARD_HINT)
     if lora.peft == "lora" and importlib.util.find_spec("peft") is None:
         raise ConfigError("--peft lora needs the peft package: pip install peft")
+    if observe.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--wandb true needs the wandb package: pip install wandb")
+    if observe.mlflow and importlib.util.find_spec("mlflow") is None:
+        raise ConfigError("--mlflow true needs the mlflow package: pip install mlflow (or mlflow-skinny)")
+
+
+def check_profile(observe: ObserveConfig, recipe: RecipeConfig) -> None:
+    """The profiled steps must be steps the run trains (--max_steps is the one bound known before the data)."""
+    start, count = observe.profile_start_step, observe.profile_num_steps
+    last = start + count - 1
+    if start and recipe.max_steps and last > recipe.max_steps:
+        raise ConfigError(
+            f"--profile_start_step {start} --profile_num_steps {count} profiles steps {start}-{last}, past "
+            f"--max_steps {recipe.max_steps}: choose steps up to {recipe.max_steps}, or a higher --max_steps"
+        )
 
 
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora")

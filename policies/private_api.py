@@ -8,6 +8,8 @@ Not here, on purpose: `ShardingStrategy._HYBRID_SHARD_ZERO2` is a member of the 
 FSDP1's API reference despite its underscore (users spell it on the command line); the test checks it too.
 """
 
+import json
+
 import torch
 from torch import nn
 
@@ -74,3 +76,34 @@ def fsdp1_unsharded_flat_parameter(unit) -> torch.Tensor | None:
     measures it). Public replacement: none; FSDP2 frees unsharded parameters by itself."""
     handle = unit._handle
     return getattr(handle.flat_param, "_full_param_padded", None) if handle is not None else None
+
+
+def record_memory_history(max_entries: int) -> None:
+    """From now on the CUDA allocator records every allocation and free with its Python and C++ stack, the
+    newest `max_entries` kept, for `dump_memory_snapshot`. Public replacement: none in torch 2.13; this is
+    the function torch's guide to CUDA memory ("Understanding CUDA Memory Usage") documents."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def stop_memory_history() -> None:
+    """Stop the recording `record_memory_history` started. Public replacement: none (above)."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """The CUDA allocator's state (every segment and block) and the history recorded so far, as the pickle that
+    https://pytorch.org/memory_viz draws. Public replacement: none; `torch.cuda.memory_snapshot()` returns the
+    segments without the history."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def flight_recorder_dump() -> dict | None:
+    """torch's flight recorder as JSON: `entries`, this process's last collectives (each with its name, e.g.
+    "gloo:all_gather", `collective_seq_id`, `input_sizes`, `state`, `time_created_ns`, `process_group`,
+    `timeout_ms`), and `pg_status`; no `entries` while the recorder is off (TORCH_FR_BUFFER_SIZE=0). None where
+    this torch has no such call. No communication. Public replacement: none in torch 2.13; the dump NCCL's
+    watchdog writes on a timeout (TORCH_FR_DUMP_TEMP_FILE), read with `torchfrtrace`, is NCCL's only."""
+    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_fr_trace_json", None)
+    if dump is None:
+        return None
+    return json.loads(dump(True, False))  # every collective recorded, not only those still in flight

@@ -628,3 +628,51 @@ def test_optional_number_takes_none_or_a_bounded_number():
     for text, words in (("2", "<= 1"), ("x", "a number")):
         with pytest.raises(ConfigError, match=words):
             parse_args(["--dropout_rate", text])
+
+
+# ------------------------------------------------------------------------------------------ --config FILE
+
+
+def test_config_file_fills_the_sections_under_the_flags(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "train:\n  epochs: 3\n  lr: 0.01\nfsdp_config:\n  sharding_strategy: SHARD_GRAD_OP\n"
+        "batch_size_training: 2\nrecipe:\n  dropout_rate: null\n"
+    )
+    config = parse_args(["--config", str(path), "--epochs", "5"])
+    assert config.train.epochs == 5  # the flag wins
+    assert config.train.lr == 0.01 and config.train.batch_size_training == 2  # a section; the top level
+    assert config.fsdp.sharding_strategy == ShardingStrategy.SHARD_GRAD_OP  # config.json's section key
+    assert config.recipe.dropout_rate is None  # null: the flag's NONE
+    json_path = tmp_path / "run.json"
+    json_path.write_text(json.dumps({"train": {"epochs": 4, "run_validation": False}}))
+    config = parse_args([f"--config={json_path}"])
+    assert config.train.epochs == 4 and config.train.run_validation is False
+
+
+def test_a_run_record_replays_its_settings_but_not_where_it_wrote_or_started(tmp_path):
+    ran = parse_args(["--epochs", "3", "--lr", "0.02", "--output_dir", "elsewhere", "--resume", "true"])
+    record = {**config_to_dict(ran), "world_size": 2, "versions": {"torch": "2.13.0"}, "command": ["x"]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(record))
+    replay = parse_args(["--config", str(path)])
+    launch_defaults = {"output_dir": TrainConfig().output_dir, "resume": CheckpointConfig().resume}
+    expected = replace(
+        ran,
+        train=replace(ran.train, output_dir=launch_defaults["output_dir"]),
+        checkpointing=replace(ran.checkpointing, resume=launch_defaults["resume"]),
+    )
+    assert config_to_dict(replay) == config_to_dict(expected)
+    assert replay.train.lr == 0.02 and replay.train.epochs == 3
+
+
+def test_the_example_config_files_parse_and_pass_the_checks():
+    from configs.validate import check_settings
+
+    examples = sorted((REPO_ROOT / "configs" / "examples").glob("*.yaml"))
+    assert [p.name for p in examples] == ["lora.yaml", "t5_3b_8gpu.yaml", "your_data.yaml"]
+    for path in examples:
+        config = parse_args(["--config", str(path)])
+        check_settings(config, world_size=8, device_type="cuda")
+        assert config.train.model_name != TrainConfig().model_name, path  # each names a real model
+    assert parse_args(["--config", str(examples[0])]).lora.peft == "lora"

@@ -350,15 +350,22 @@ def test_progress_is_logged_by_rank_zero_only_once(finished):
 
 
 @pytest.mark.slow
-def test_console_has_no_library_noise_and_the_bar_shows_loss_and_throughput(finished):
+def test_console_has_no_library_noise_and_progress_lines_show_rates_and_time_left(finished):
     run, _ = finished
     warnings = [line for line in run.output.splitlines() if "Warning" in line]
     assert not warnings, warnings
     # transformers' weight-loading bar: rank 0's only (it used to come once per rank).
     assert run.output.count("Loading weights: 100%") <= 1, run.describe()
-    assert re.search(r"Training epoch 2: 100%.*loss=\d+\.\d{3}, tokens_per_s=\d+, mfu=\d+\.\d%", run.stderr), (
-        run.stderr[-2000:]
+    # Not a terminal: no bar (its redrawn lines would fill the log), a progress line per step-log flush.
+    assert "Training epoch" not in run.stderr, run.stderr[-2000:]
+    line = (
+        r"step (\d+)/(\d+) \(epoch \d\) \| loss \d+\.\d{3} \| samples/s [\d.]+ \| tokens/s \d+ \| mfu [\d.]+% \|"
     )
+    progress = re.findall(line + r" epoch left \d+:\d\d \| run left (\d+):(\d\d)", run.stdout)
+    assert progress, run.stdout[-3000:]
+    steps = [int(found[0]) for found in progress]
+    assert steps == sorted(steps) and {int(found[1]) for found in progress} == {EPOCHS * 12}, progress
+    assert steps[-1] > 12  # epoch 2's too
 
 
 # ------------------------------------------------------------------------------------------ bad inputs

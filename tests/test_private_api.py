@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import ShardingStrategy
 
@@ -67,6 +68,29 @@ def test_fsdp1_units_have_the_unsharded_flat_parameter_the_memory_script_reads()
     assert "_full_param_padded" in inspect.getsource(FlatParameter)
 
 
+def test_cuda_memory_history_and_snapshot_keep_their_arguments():
+    """utils/observe/profiler.py records and dumps CUDA memory history through these (CUDA only: the
+    arguments are checked here, the calls on a GPU)."""
+    record = inspect.signature(torch.cuda.memory._record_memory_history)
+    assert {"enabled", "max_entries"} <= set(record.parameters), record
+    assert list(inspect.signature(torch.cuda.memory._dump_snapshot).parameters)[:1] == ["filename"]
+
+
+def test_the_flight_recorder_lists_this_process_collectives():
+    """What a hang report reads (utils/distributed/hang_report.py): each collective's name, sequence number,
+    sizes, state, creation time, process group and timeout, the newest last."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(3, 2))
+        entries = private_api.flight_recorder_dump()["entries"]
+    finally:
+        dist.destroy_process_group()
+    newest = max(entries, key=lambda entry: entry["record_id"])
+    assert newest["profiling_name"] == "gloo:all_reduce" and newest["input_sizes"] == [[3, 2]], newest
+    assert newest["process_group"][1] == "default_pg" and newest["timeout_ms"] > 0, newest
+    assert {"collective_seq_id", "input_dtypes", "state", "time_created_ns", "thread_name"} <= set(newest), newest
+
+
 def test_the_underscored_sharding_strategy_is_still_in_the_public_enum():
     assert ShardingStrategy["_HYBRID_SHARD_ZERO2"] is ShardingStrategy._HYBRID_SHARD_ZERO2
 
@@ -75,8 +99,9 @@ def test_no_private_torch_or_transformers_api_outside_the_module():
     """Every `torch.*._private` import, and the private attributes the module wraps, appear only there."""
     private_import = re.compile(r"^\s*(from|import) (torch|transformers)\S*\._\w", re.M)
     private_names = re.compile(
-        r"(?<!self)\._(process_group|handle|base|checkpoint_wrapped_module|init_from_local_shards|full_param_padded)\b"
-        r"|\.found_inf\b|_raise_exceptions_for_missing_entries"
+        r"(?<!self)\._(process_group|handle|base|checkpoint_wrapped_module|init_from_local_shards|full_param_padded"
+        r"|record_memory_history|dump_snapshot)\b"
+        r"|\.found_inf\b|_raise_exceptions_for_missing_entries|_dump_fr_trace"
     )
     offenders = []
     for folder in ("configs", "policies", "utils", "scripts", "T5_training.py", "summarization_dataset.py"):

@@ -10,7 +10,7 @@ from configs.observability import ObserveConfig
 from configs.validate import TENSORBOARD_HINT, check_optional_packages
 from utils.layout import TENSORBOARD_DIR
 from utils.observe.metrics import open_metrics
-from utils.observe.tensorboard import scalars_of
+from utils.observe.scalars import scalars_of
 
 RECORDS = [
     {"type": "step", "epoch": 1, "step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 3.0, "mfu": 0.25},
@@ -47,7 +47,7 @@ def read_scalars(log_dir) -> dict:
 
 def test_event_files_hold_the_records_and_a_resume_purges_the_steps_it_writes_again(tmp_path):
     pytest.importorskip("tensorboard")
-    metrics = open_metrics(str(tmp_path / "metrics.jsonl"), True, None, tensorboard=True)
+    metrics = open_metrics(str(tmp_path / "metrics.jsonl"), True, None, ObserveConfig(tensorboard=True))
     for record in RECORDS:
         metrics.write(record)
     metrics.close()
@@ -58,7 +58,7 @@ def test_event_files_hold_the_records_and_a_resume_purges_the_steps_it_writes_ag
     assert scalars["epoch/tokens_per_s"] == [(1, 900.0)]
 
     # Resumed from a checkpoint at step 1: step 2 is written again, and the first run's step 2 is purged.
-    resumed = open_metrics(str(tmp_path / "metrics.jsonl"), True, (1, 1), tensorboard=True)
+    resumed = open_metrics(str(tmp_path / "metrics.jsonl"), True, (1, 1), ObserveConfig(tensorboard=True))
     resumed.write({"type": "step", "epoch": 1, "step": 2, "loss": 1.5, "lr": 5e-4})
     resumed.close()
     scalars = read_scalars(tmp_path / TENSORBOARD_DIR)

@@ -24,9 +24,21 @@
       hf_model_last/                      the final model, when it is not the best
       predictions/<split>_step_<N>.jsonl  the summaries of each ROUGE evaluation (utils/eval/evaluator.py)
       tensorboard/                        --tensorboard true: the metrics as TensorBoard scalars
+      profile/steps_<A>-<B>/              --profile_start_step: global steps A to B profiled (utils/observe/
+                                            profiler.py), a TensorBoard run folder:
+        rank_<r>.pt.trace.json.gz           each rank's torch.profiler trace
+        rank_<r>.memory_snapshot.pickle     CUDA: each rank's allocations during those steps
+      profile/out_of_memory_after_step_<N>/rank_<r>.memory_snapshot.pickle
+                                          CUDA: the allocator's state when rank r ran out of memory
+      trackers.json                       --wandb / --mlflow: the tracker runs a resume continues
+      wandb/                              --wandb true: W&B's own files (its offline runs among them)
       T5-model-<run>-epoch<E>-val<L>.pt   --save_model: the tutorial's full state dict per best epoch
       evaluate_only/                      --evaluate_only: its eval records (metrics.jsonl) and predictions
                                             (<split>_step_<N>_<time>.jsonl), apart from training's
+      hang_reports/                       a collective outlived --dist_timeout_s (utils/distributed/
+                                            hang_report.py):
+        rank_<r>_<time>.txt                 where rank r was: the error, step, phase, last collectives, stacks
+        flight_recorder_rank_<r>            NCCL: torch's flight recorder dump on the timeout (torchfrtrace)
 
 Also here: finding complete checkpoints. Nothing here deletes a set-aside checkpoint: they are the user's.
 """
@@ -55,7 +67,10 @@ WRITTEN_DIR = "written"  # inside a save in progress: each rank's record of the 
 TOKENIZER_DIR = "tokenizer"
 PREDICTIONS_DIR = "predictions"
 TENSORBOARD_DIR = "tensorboard"
+PROFILE_DIR = "profile"
+TRACKERS_FILE = "trackers.json"
 EVALUATE_ONLY_DIR = "evaluate_only"
+HANG_REPORTS_DIR = "hang_reports"
 DAMAGED_DIR = "damaged"
 ABANDONED_DIR = "abandoned"
 BEST_MODEL_PREFIX = "T5-model"
@@ -129,6 +144,37 @@ def predictions_file(output_dir: str, split: str, step: int) -> str:
 def evaluate_only_predictions_file(output_dir: str, split: str, step: int, stamp: str) -> str:
     """--evaluate_only's predictions: named apart from training's, and per evaluation."""
     return os.path.join(output_dir, EVALUATE_ONLY_DIR, f"{split}_step_{step:08d}_{stamp}.jsonl")
+
+
+def profile_dir(output_dir: str, first_step: int, last_step: int) -> str:
+    """Where the profile of global steps first_step to last_step goes: a run folder for TensorBoard's profiler
+    plugin (`tensorboard --logdir output_dir/profile`), which names each trace's worker by its file name."""
+    return os.path.join(output_dir, PROFILE_DIR, f"steps_{first_step}-{last_step}")
+
+
+def trace_file(folder: str, rank: int) -> str:
+    """A rank's torch.profiler trace: Chrome trace JSON, gzipped (TensorBoard and Perfetto read it as is)."""
+    return os.path.join(folder, f"rank_{rank}.pt.trace.json.gz")
+
+
+def memory_snapshot_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank_{rank}.memory_snapshot.pickle")
+
+
+def out_of_memory_dir(output_dir: str, steps_done: int) -> str:
+    """Where the ranks that ran out of memory after `steps_done` optimizer steps write the allocator's state."""
+    return os.path.join(output_dir, PROFILE_DIR, f"out_of_memory_after_step_{steps_done}")
+
+
+def hang_report_file(output_dir: str, rank: int, stamp: str) -> str:
+    """Where rank `rank` says where it was when a collective timed out (`stamp`: when; each hang its own)."""
+    return os.path.join(output_dir, HANG_REPORTS_DIR, f"rank_{rank}_{stamp}.txt")
+
+
+def flight_recorder_prefix(output_dir: str) -> str:
+    """The file name prefix of NCCL's flight recorder dumps (torch appends the rank), absolute: torch's own C++
+    code writes them, from whatever the working directory is then."""
+    return os.path.join(os.path.abspath(output_dir), HANG_REPORTS_DIR, "flight_recorder_rank_")
 
 
 def best_model_filename(run_id: str, epoch: int, val_loss: float | None) -> str:

@@ -70,6 +70,7 @@ from utils.checkpoint.state_dicts import (
     sharded_model_state,
     tensor_only_optimizer_state,
 )
+from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo
 from utils.files import write_json
 from utils.log import get_logger
@@ -149,6 +150,7 @@ class CheckpointManager:
         in host memory; the folder appears when their background write has finished (see `poll`)."""
         if self.checkpointing.keep_last_n == 0:
             return None
+        WHERE.enter("checkpoint save")
         self.finish_pending()  # at most one save in flight
         started = time.perf_counter()
         final = os.path.join(layout.checkpoint_root(self.output_dir), layout.step_dir_name(progress.global_step))
@@ -441,6 +443,7 @@ class CheckpointManager:
         """Write output_dir/hf_model (or, `last`, hf_model_last) from the shards: every rank writes its own
         rows, no rank gathers the model (utils/checkpoint/hf_export.py). With --peft lora, the adapter folder
         (and with --merge_lora the merged model). Collective. Returns the folder on rank 0."""
+        WHERE.enter("export")
         self.finish_pending()
         started = time.perf_counter()
         is_main = self.info.is_main

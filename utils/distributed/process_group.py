@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from configs.errors import ConfigError, UserError
+from utils.distributed import hang_report
 from utils.log import get_logger
 
 # Phrases of the errors a rank gets when a peer died mid-collective: a consequence, not the cause.
@@ -134,12 +135,15 @@ def group_attempt(attempt: int, device: torch.device) -> int:
     return int(value.item())
 
 
-def init_distributed(info: DistInfo, timeout_s: int) -> None:
+def init_distributed(info: DistInfo, timeout_s: int, output_dir: str | None = None) -> None:
     """Create the default process group (before any DistributedSampler is built) and pin the GPU.
 
     Collective: every rank must call it. The timeout bounds how long a rank waits in a collective for a
-    peer that died or diverged.
+    peer that died or diverged. With `output_dir`, torch's flight recorder keeps the last collectives, and NCCL
+    dumps them into output_dir/hang_reports/ on a timeout (utils/distributed/hang_report.py).
     """
+    if output_dir is not None:
+        hang_report.record_collectives(output_dir)  # read when the group forms
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if info.world_size == 1:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from configs.evaluation import METRIC_NAMES
 from utils.data.loaders import EvalSet, move_batch
+from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, stop_if_any_rank
 from utils.eval.generation import generate
 from utils.eval.rouge import lead_sentences, lead_steps
@@ -54,6 +55,7 @@ class Evaluator:
         """Generate and score every row of the set; the eval record, on every rank. Collective.
         `stop_requested` (a callable): when it is true on any rank, every rank abandons the pass at the next
         batch (StopAgreed), writing nothing."""
+        WHERE.enter("generation")
         started = time.perf_counter()
         model.eval()
         rows = self._generate_share(model, stop_requested)

@@ -1,42 +1,53 @@
-"""metrics.jsonl: one JSON record per line (step, memory, epoch, ...), written by rank 0 as the run goes
-(and, with --tensorboard true, the same records as TensorBoard scalars: utils/observe/tensorboard.py)."""
+"""metrics.jsonl: one JSON record per line (step, memory, epoch, ...), written by rank 0 as the run goes,
+and handed to the sinks asked for: TensorBoard (--tensorboard true, utils/observe/tensorboard.py), W&B and
+MLflow (--wandb true, --mlflow true, utils/observe/trackers.py)."""
 
 import json
 import math
 import os
 
+from configs.observability import ObserveConfig
 from utils.files import atomic_path
-from utils.observe.tensorboard import TensorBoardSink, tensorboard_sink
+from utils.observe.tensorboard import tensorboard_sink
+from utils.observe.trackers import open_trackers
 
 
 class MetricsWriter:
     """Appends one JSON object per line and flushes it, so a crash loses at most the line being written.
 
     A disabled writer (every rank but 0) ignores records, so callers need no rank checks. Unlike the other
-    files of a run, metrics.jsonl is appended in place (a resumed run first cuts it back atomically).
+    files of a run, metrics.jsonl is appended in place (a resumed run first cuts it back atomically). `sinks`:
+    where the same records also go (TensorBoard, W&B, MLflow; rank 0 only), each with write(record) and
+    close(failed). As a context manager it closes them however the block ends, telling them if it failed.
     """
 
-    def __init__(self, path: str, enabled: bool, append: bool = False, tensorboard: TensorBoardSink | None = None):
+    def __init__(self, path: str, enabled: bool, append: bool = False, sinks: list | None = None):
         self.path = path
         mode = "a" if append else "w"
         self.file = open(path, mode, encoding="utf-8") if enabled else None  # noqa: SIM115 - closed in close()
-        self.tensorboard = tensorboard  # the same records as scalars (--tensorboard true), rank 0 only
+        self.sinks = sinks or []
 
     def write(self, record: dict) -> None:
         if self.file is None:
             return
         self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
+        for sink in self.sinks:
+            sink.write(record)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+        for sink in self.sinks:
+            sink.close(failed)
+        self.sinks = []
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def json_safe(value):
@@ -75,11 +86,18 @@ def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> N
         f.writelines(kept)
 
 
-def open_metrics(path: str, is_main: bool, resumed_at: tuple[int, int] | None, tensorboard: bool) -> MetricsWriter:
+def open_metrics(
+    path: str, is_main: bool, resumed_at: tuple[int, int] | None, observe: ObserveConfig
+) -> MetricsWriter:
     """The run's metrics writer (rank 0 writes; others ignore). `resumed_at`: (global step, epoch) of the
-    checkpoint a resumed run continues from; the file is cut back to it and appended to. `tensorboard`:
-    also write the records as TensorBoard scalars, beside metrics.jsonl."""
-    if is_main and resumed_at is not None:
+    checkpoint a resumed run continues from; the file is cut back to it and appended to. `observe`: which
+    sinks also get the records (TensorBoard beside metrics.jsonl, W&B, MLflow)."""
+    if not is_main:
+        return MetricsWriter(path, enabled=False)
+    if resumed_at is not None:
         truncate_metrics_for_resume(path, *resumed_at)
-    sink = tensorboard_sink(path, is_main and tensorboard, purge_step=resumed_at[0] + 1 if resumed_at else None)
-    return MetricsWriter(path, enabled=is_main, append=resumed_at is not None, tensorboard=sink)
+    purge_step = resumed_at[0] + 1 if resumed_at else None
+    tensorboard = tensorboard_sink(path, observe.tensorboard, purge_step)
+    sinks = [tensorboard] if tensorboard else []
+    sinks += open_trackers(observe, os.path.dirname(path), resumed=resumed_at is not None)
+    return MetricsWriter(path, enabled=True, append=resumed_at is not None, sinks=sinks)

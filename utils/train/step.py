@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from policies.private_api import skip_next_step_if
 from utils.data.loaders import move_batch
+from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import stop_if_any_rank
 from utils.observe.flops import Seq2SeqFlops
 from utils.observe.memory import SavedTensorCounter
@@ -118,13 +119,17 @@ def train_step(
         last = index == len(micro_batches) - 1
         counting = settings.saved_counter if index == 0 and settings.saved_counter else contextlib.nullcontext()
         with gradient_sync(model, last or settings.sync_each_micro_batch), counting:
+            WHERE.enter("forward")  # where a hang report says the rank was (utils/distributed/hang_report.py)
             token_losses, labels = forward_token_losses(model, batch)
             loss = token_losses.sum() * world_size / global_tokens.clamp(min=1)
+            WHERE.enter("backward")
             (scaler.scale(loss) if scaler is not None else loss).backward()
         stats.append(batch_stats(token_losses, labels, batch, settings))
+    WHERE.enter("gradient norm and clipping")
     grad_norm = clip_gradients(model, optimizer, scaler, settings.max_grad_norm)
     if settings.skip_nonfinite and scaler is None:
         flag_nonfinite_step(optimizer, grad_norm)
+    WHERE.enter("optimizer step")
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -193,6 +198,7 @@ def validate(
     biased by duplicates (docs/pitfalls.md #14). One all-reduce and one host sync at the end. With
     `stop_requested`, every rank abandons the pass at the next batch once it is true on any (StopAgreed).
     """
+    WHERE.enter("validation")
     model.eval()
     sums = torch.zeros(2, dtype=STAT_DTYPE, device=device)  # loss sum, target tokens
     position = 0

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from configs.errors import TrainingDivergedError
+from utils.distributed.hang_report import WHERE
 from utils.log import get_logger
 from utils.observe.flops import Throughput
 from utils.train.step import (
@@ -16,6 +17,7 @@ from utils.train.step import (
     INPUT_TOKENS,
     LOSS_SUM,
     MODEL_FLOPS,
+    SAMPLES,
     STAT_COLUMNS,
     STAT_DTYPE,
     TARGET_TOKENS,
@@ -56,10 +58,13 @@ class StepLog:
         self.totals = torch.tensor(totals, dtype=STAT_DTYPE)
         self.stop_requested = False
         self.window_start = time.perf_counter()
-        # The newest flushed window, for the progress bar: its last step's loss, all ranks' tokens per second
-        # and the window's MFU (None without a peak to divide by).
+        # The newest flushed window, for the progress bar and line: its last step, that step's loss, all ranks'
+        # samples and tokens per second, seconds per step, and the window's MFU (None without a peak).
+        self.latest_step: int | None = None
         self.latest_loss: float | None = None
+        self.latest_samples_per_s: float | None = None
         self.latest_tokens_per_s: float | None = None
+        self.latest_step_seconds: float | None = None
         self.latest_mfu: float | None = None
 
     def add(self, step: int, lr: float, stats: torch.Tensor) -> None:
@@ -71,6 +76,7 @@ class StepLog:
         """Reduce the pending steps over ranks and hand their records to on_flush. Collective."""
         if not self.pending:
             return
+        WHERE.enter("step-log all-reduce")
         stacked = torch.stack([stats for _, _, stats in self.pending])
         stop = torch.zeros(len(self.pending), 1, dtype=STAT_DTYPE, device=stacked.device)
         stop[-1] = float(self.local_stop())
@@ -92,8 +98,10 @@ class StepLog:
                     record["skipped"] = True
         window = torch.tensor([row[:STAT_COLUMNS] for row in rows], dtype=STAT_DTYPE).sum(dim=0)
         self.totals += window
-        self.latest_loss = records[-1]["loss"]
+        self.latest_step, self.latest_loss = records[-1]["step"], records[-1]["loss"]
+        self.latest_samples_per_s = float(window[SAMPLES]) / max(elapsed, 1e-9)
         self.latest_tokens_per_s = float(window[INPUT_TOKENS]) / max(elapsed, 1e-9)
+        self.latest_step_seconds = seconds
         if self.throughput is not None:
             flops = float(window[MODEL_FLOPS]), float(window[HARDWARE_FLOPS])
             self.latest_mfu = self.throughput.rates(*flops, elapsed).get("mfu")

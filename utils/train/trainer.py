@@ -31,6 +31,7 @@ from utils import layout
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
 from utils.data.loaders import Loaders, move_batch
+from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, StopAgreed, any_rank, rank0_decides
 from utils.eval.evaluator import Evaluator
 from utils.fsdp.shard import forward_warnings_ignored
@@ -44,6 +45,7 @@ from utils.observe.memory import (
     reset_peak_memory,
 )
 from utils.observe.metrics import MetricsWriter, open_metrics
+from utils.observe.profiler import StepProfiler
 from utils.train.preemption import StopRequest
 from utils.train.step import (
     HARDWARE_FLOPS,
@@ -95,6 +97,11 @@ class Trainer:
             flops=throughput.flops,
             recompute=throughput.recompute,
         )
+        # The run's optimizer steps (--max_steps or every epoch's), for the time left; and the step last shown.
+        batches_per_epoch = len(loaders.train) if loaders.train is not None else 0
+        per_epoch = math.ceil(batches_per_epoch / recipe.gradient_accumulation_steps)
+        self.total_steps = min(recipe.max_steps or math.inf, train.epochs * per_epoch)
+        self.shown_step: int | None = None
         self.memory_account_due = True  # written once, after the run's first optimizer step
         self.metrics: MetricsWriter | None = None  # open while train() runs
 
@@ -104,10 +111,15 @@ class Trainer:
         Collective."""
         resumed_at = (progress.global_step, progress.epoch) if resumed else None
         path = os.path.join(self.train_config.output_dir, layout.METRICS_FILE)
-        self.metrics = open_metrics(path, self.info.is_main, resumed_at, self.observe.tensorboard)
+        self.metrics = open_metrics(path, self.info.is_main, resumed_at, self.observe)
         last_epoch = 0  # the epoch trained last in this run
-        try:
-            with StopRequest() as stop, forward_warnings_ignored():
+        # The metrics and their sinks are closed however training ends; a tracker learns if it failed.
+        with self.metrics:
+            # --profile_start_step's traces, and on CUDA an out-of-memory error's memory snapshot.
+            profiler = StepProfiler(
+                self.observe, self.train_config.output_dir, self.info.rank, self.info.device, progress.global_step
+            )
+            with StopRequest() as stop, forward_warnings_ignored(), profiler:
                 while not self.done(progress):
                     epoch = last_epoch = progress.epoch
                     epoch_start = time.perf_counter()
@@ -116,7 +128,7 @@ class Trainer:
 
                     # ---- train: one pass over the loader (the whole epoch, or its rest after a resume),
                     # ended early by --max_steps, or by a stop request (which saves first).
-                    run = self._train_pass(progress, stop)
+                    run = self._train_pass(progress, stop, profiler)
                     if run.stopped:
                         get_logger().info("stopped at step %d on %s; %s", run.step, stop.name, run.continue_with)
                         return False
@@ -148,14 +160,12 @@ class Trainer:
             get_logger().info("training ends: %s", self.done(progress))
             self.final_export(progress, last_epoch)
             return True
-        finally:
-            self.metrics.close()
 
-    def _train_pass(self, progress: TrainProgress, stop: StopRequest) -> "EpochPass":
-        """One pass over the train loader from `progress` (inside the epoch after a resume): the steps, their
-        records, periodic evaluation and checkpoints, --max_steps, and a stop request (agreed at the next
-        step-log flush, saved, then the pass ends). Evaluation and saves inside the epoch are off the training
-        clock. Collective."""
+    def _train_pass(self, progress: TrainProgress, stop: StopRequest, profiler: StepProfiler) -> "EpochPass":
+        """One pass over the train loader from `progress` (inside the epoch after a resume): the steps (each
+        inside `profiler.step`, which traces the --profile_start_step range), their records, periodic
+        evaluation and checkpoints, --max_steps, and a stop request (agreed at the next step-log flush, saved,
+        then the pass ends). Evaluation and saves inside the epoch are off the training clock. Collective."""
         train, recipe, info = self.train_config, self.recipe, self.info
         epoch, every_eval = progress.epoch, self.evaluation.eval_every_n_steps
         # Without set_epoch every epoch would see the same order; a resumed epoch skips what the checkpoint
@@ -195,10 +205,11 @@ class Trainer:
         with _bar(total_batches + done_before, f"Training epoch {epoch}", "blue", info, done_before) as bar:
             for micro_batches in _groups(self.loaders.train, recipe.gradient_accumulation_steps):
                 run.step += 1
-                self._step(run.step, micro_batches, step_log)
+                with profiler.step(run.step):
+                    self._step(run.step, micro_batches, step_log)
                 run.batches_done += len(micro_batches)
                 bar.update(len(micro_batches))
-                _show_latest(bar, step_log)
+                self._show_progress(bar, step_log, epoch, total_batches - run.batches_done)
                 if run.batches_done == total_batches:
                     break  # the epoch's end: validation, evaluation and the checkpoint follow
                 # Inside the epoch: the step budget, periodic evaluation, periodic and stop checkpoints.
@@ -224,10 +235,37 @@ class Trainer:
         run.position = position()
         return run
 
+    def _show_progress(self, bar: tqdm, step_log: StepLog, epoch: int, batches_left: int) -> None:
+        """After each flush of the step log (rank 0): the loss, samples/s, tokens/s, MFU and the time left in
+        the epoch and the run at the window's pace, beside the bar on a terminal, else (a log file, where the
+        bar is off) as a log line. The time left counts training steps only: evaluations and saves add to it."""
+        if not self.info.is_main or step_log.latest_step in (None, self.shown_step):
+            return
+        self.shown_step = step = step_log.latest_step
+        step_seconds = step_log.latest_step_seconds
+        epoch_left = math.ceil(batches_left / self.recipe.gradient_accumulation_steps) * step_seconds
+        run_left = max(self.total_steps - step, 0) * step_seconds
+        shown = {
+            "loss": f"{step_log.latest_loss:.3f}",
+            "samples/s": f"{step_log.latest_samples_per_s:.1f}",
+            "tokens/s": f"{step_log.latest_tokens_per_s:.0f}",
+        }
+        if step_log.latest_mfu is not None:
+            shown["mfu"] = f"{step_log.latest_mfu:.1%}"
+        if not bar.disable:
+            bar.set_postfix({**shown, "run left": _duration(run_left)}, refresh=False)  # tqdm shows the epoch's
+            return
+        get_logger().info(
+            "step %d/%d (epoch %d) | %s | epoch left %s | run left %s",
+            step, self.total_steps, epoch, " | ".join(f"{k} {v}" for k, v in shown.items()),
+            _duration(epoch_left), _duration(run_left),
+        )  # fmt: skip
+
     def _step(self, step: int, micro_batches: list[dict], step_log: StepLog) -> None:
         """One optimizer step (utils/train/step.py: train_step) and what follows it: its statistics, a finished
         background save completed, the per-step LR schedule, and after the run's first step the memory
         account."""
+        WHERE.enter("training step", step)  # where a hang report says the rank was
         batches = [move_batch(batch, self.info.device) for batch in micro_batches]
         settings = self.step_settings
         if self.memory_account_due:  # the run's first step also counts what backward keeps
@@ -444,19 +482,23 @@ class EpochClock:
 
 
 def _bar(total: int, desc: str, colour: str, info: DistInfo, initial: int = 0) -> tqdm:
-    # Rank 0 only: N ranks drawing N bars on one terminal is unreadable.
+    # Rank 0 only: N ranks drawing N bars on one terminal is unreadable. disable=None: no bar where stderr is not
+    # a terminal (a log file would fill with redrawn lines; the training pass logs plain progress lines there).
     return tqdm(
-        total=total, initial=initial, desc=desc, colour=colour, disable=not info.is_main, dynamic_ncols=True
+        total=total,
+        initial=initial,
+        desc=desc,
+        colour=colour,
+        disable=None if info.is_main else True,
+        dynamic_ncols=True,
     )
 
 
-def _show_latest(bar: tqdm, step_log: StepLog) -> None:
-    """The newest flushed window's loss, all ranks' tokens per second and MFU, beside the bar (rank 0)."""
-    if step_log.latest_loss is not None:
-        shown = {"loss": f"{step_log.latest_loss:.3f}", "tokens_per_s": f"{step_log.latest_tokens_per_s:.0f}"}
-        if step_log.latest_mfu is not None:
-            shown["mfu"] = f"{step_log.latest_mfu:.1%}"
-        bar.set_postfix(shown, refresh=False)
+def _duration(seconds: float) -> str:
+    """h:mm:ss, or m:ss under an hour."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def is_better(metric_name: str, value: float, best: float | None) -> bool:

@@ -1,0 +1,115 @@
+"""`--config FILE`: the settings of a run from a YAML or JSON file, in the sections of configs/run.py.
+
+    train:                      # a section, by its name (configs/run.py) or its config.json key (train_config)
+      model_name: t5-base
+      epochs: 3
+    fsdp:
+      sharding_strategy: FULL_SHARD
+
+A field may also stand at the top level (field names are unique across sections). Values are checked as the
+flags are, with the same types, choices and bounds; flags given beside the file win. A run's own
+output_dir/config.json is such a file: it starts the same run again, except for the fields that belong to
+one launch (output_dir, resume, evaluate_only), which it leaves to the command line.
+"""
+
+import difflib
+import json
+import os
+from collections.abc import Callable
+
+import yaml
+
+from configs.errors import ConfigError
+from configs.run import RECORD_KEYS, SECTION_TITLES
+
+SUFFIXES = (".yaml", ".yml", ".json")
+# What a run record (output_dir/config.json) holds besides its sections: the setting it ran in, not settings.
+RUN_RECORD_KEYS = (
+    "from_accelerate",
+    "world_size",
+    "torchrun_job",
+    "backend",
+    "device",
+    "mixed_precision_policy",
+    "mfu_peak_tflops",
+    "mfu_peak_source",
+    "started_at",
+    "versions",
+    "command",
+    "resumed_from",
+)
+
+
+def read_config_file(path: str, section_of: dict[str, str], is_launch_field: Callable[[str], bool]) -> dict:
+    """{field: its command-line spelling} of every setting in the file at `path`. `section_of`: {field: its
+    section}; `is_launch_field(field)`: whether a field belongs to one launch (left out of a run record).
+    Raises ConfigError naming the file and the fix for an unreadable file, an unknown key, or a field under
+    another section than its own."""
+    content = _load(path)
+    is_run_record = any(key in content for key in RUN_RECORD_KEYS)
+    section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
+    texts = {}
+    for key, value in content.items():
+        if key in RUN_RECORD_KEYS and is_run_record:
+            continue
+        if key in section_keys:
+            if not isinstance(value, dict):
+                raise ConfigError(f"--config {path}: {key} is a section and takes fields, not {value!r}")
+            for name, field_value in value.items():
+                _check_section(path, name, section_keys[key], section_of, is_run_record)
+                texts[name] = _text(path, name, field_value)
+        elif key in section_of:
+            texts[key] = _text(path, key, value)
+        else:
+            raise ConfigError(_unknown_key(path, key, [*section_keys, *section_of]))
+    if is_run_record:  # where this command writes and starts from is its own, not the recorded run's
+        texts = {name: text for name, text in texts.items() if not is_launch_field(name)}
+    return texts
+
+
+def _load(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in SUFFIXES:
+        raise ConfigError(f"--config {path}: a config file is YAML (.yaml, .yml) or JSON (.json)")
+    with open(path, encoding="utf-8") as f:
+        try:
+            content = json.load(f) if suffix == ".json" else yaml.safe_load(f)
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise ConfigError(f"--config {path} is not valid {suffix[1:].upper()}: {err}") from None
+    if content is None:  # an empty YAML file
+        return {}
+    if not isinstance(content, dict):
+        raise ConfigError(f"--config {path}: the file must hold a mapping of sections and fields")
+    return content
+
+
+def _check_section(path: str, name: str, section: str, section_of: dict[str, str], is_run_record: bool) -> None:
+    if name not in section_of:
+        if is_run_record:  # a field an older or newer version recorded: not this version's to take
+            return
+        raise ConfigError(_unknown_key(path, name, list(section_of)))
+    if section_of[name] != section:
+        raise ConfigError(
+            f"--config {path}: {name} is a field of section {section_of[name]}, not {section}: move it there "
+            "(or to the top level)"
+        )
+
+
+def _text(path: str, name: str, value) -> str:
+    """A file value in the spelling of its flag (true/false, NONE for null), so that the command line's own
+    parser checks it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "NONE"
+    if isinstance(value, int | float | str):
+        return str(value)
+    raise ConfigError(f"--config {path}: {name} takes one value, not {value!r}")
+
+
+def _unknown_key(path: str, key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(str(key), valid, n=3)
+    hint = f": did you mean {' or '.join(close)}?" if close else " (sections: " + ", ".join(SECTION_TITLES) + ")"
+    return f"--config {path}: unknown key {key!r}{hint}"

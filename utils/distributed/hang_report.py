@@ -1,0 +1,209 @@
+"""Hang reports: where each rank was when a collective did not complete within --dist_timeout_s.
+
+A collective that waits past the process group's timeout raises on the rank that waited (gloo: "Timed out
+waiting 10000ms for send operation to complete"). Inside `reported_hangs` such an error, before it ends the run,
+makes the rank write output_dir/hang_reports/rank_<r>_<time>.txt:
+
+- the error, and where the rank was: the step and the phase the training loop last entered (`WHERE`);
+- the last collectives it entered, from torch's flight recorder (name, sequence number, sizes, state, age);
+- the Python stacks: the timed-out call's own (its traceback; by the time the report is written the main thread
+  is in the handler) and every other thread's.
+
+The error becomes `CollectiveTimedOut`, whose one line names the file. Every rank that can writes its own; a
+rank that is itself stuck (stopped, or blocked in C code that never returns to Python) cannot, and the others'
+reports show which collective they waited for it in.
+
+NCCL: torch's watchdog notices the timeout in its own thread, dumps the flight recorder (to
+hang_reports/flight_recorder_rank_<r> here, `record_collectives`; `torchfrtrace` reads them) and, by torch's
+default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), takes the process down before Python sees an error; faulthandler,
+which torchrun's `record` switches on, then prints every thread's Python stack to the log. Where the error
+reaches Python instead, the report is written as on gloo.
+
+Cost while nothing hangs: an attribute write or three per phase (`WHERE`), and the flight recorder's ring buffer
+of 2,000 collectives per process (measured: about 1 KB an entry, no time measurable against a gloo all-reduce).
+"""
+
+import contextlib
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator, MutableMapping
+
+import torch.distributed as dist
+
+from configs.errors import FAILURES, error_summary
+from policies.private_api import flight_recorder_dump
+from utils import files, layout
+
+# How a wait that outlived the process group's timeout is worded: gloo's send and recv ("Timed out waiting
+# 10000ms for recv operation to complete"), NCCL's watchdog ("Watchdog caught collective operation timeout: ...
+# ran for 600011 milliseconds before timing out"), the store's wait and barrier ("wait timeout after 10000ms"),
+# monitored_barrier. Not "timed out" alone: a hub download's "Read timed out" is no hang of the group.
+TIMEOUT_PHRASES = re.compile(
+    r"Timed out waiting \d+ms|collective operation timeout|before timing out|wait timeout after \d+ms"
+    r"|barrier timeout after \d+ms|timed out in monitoredBarrier"
+)
+REPORTED_COLLECTIVES = 8  # the newest flight-recorder entries a report lists
+
+# The flight recorder's settings, each under both of torch's names: torch 2.13 reads the TORCH_FR_* one first
+# (and warns when only the older is set), older releases and ProcessGroupNCCL itself read the older one. How
+# many collectives it keeps (2,000 is torch 2.13's default, made explicit for releases that kept none), whether
+# NCCL's watchdog dumps it on a timeout, and where (the prefix of one file per rank).
+BUFFER_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+DUMP_ON_TIMEOUT = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
+DUMP_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+BUFFER_ENTRIES = "2000"
+
+
+class Position:
+    """Where this rank is: the step and the phase the training loop last entered, and since when. Plain
+    attribute writes, no collective, no sync: cheap enough for every micro-batch."""
+
+    def __init__(self):
+        self.step: int | None = None
+        self.phase = "setup"
+        self.since = time.monotonic()
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        self.phase, self.since = phase, time.monotonic()
+        if step is not None:
+            self.step = step
+
+    def describe(self) -> str:
+        step = "before the first step" if self.step is None else f"step {self.step}"
+        return f"{step}, {self.phase} (for {time.monotonic() - self.since:.1f} s)"
+
+
+WHERE = Position()  # this process's; the training loop, validation, generation and saves update it
+
+
+class CollectiveTimedOut(RuntimeError):
+    """A collective outlived --dist_timeout_s on this rank; the message names the report it wrote."""
+
+
+def record_collectives(output_dir: str, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Before the process group forms: torch's flight recorder on, and NCCL's dump of it on a timeout going to
+    output_dir/hang_reports/; each setting only where the user has set none of its names."""
+    settings = {
+        BUFFER_SIZE: BUFFER_ENTRIES,
+        DUMP_ON_TIMEOUT: "1",
+        DUMP_FILE: layout.flight_recorder_prefix(output_dir),
+    }
+    for names, value in settings.items():
+        if not any(name in environ for name in names):
+            environ.update(dict.fromkeys(names, value))
+
+
+@contextlib.contextmanager
+def reported_hangs(output_dir: str, timeout_s: int) -> Iterator[None]:
+    """Inside: a collective that times out writes this rank's report, and its error becomes CollectiveTimedOut.
+
+    NCCL's watchdog writes its dump into the reports' folder, which must exist by then; left empty, the folder
+    goes again when the block ends."""
+    folder = os.path.join(output_dir, layout.HANG_REPORTS_DIR)
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    if nccl:
+        os.makedirs(folder, exist_ok=True)
+    try:
+        yield
+    except FAILURES as err:
+        if not is_collective_timeout(err):
+            raise
+        raise CollectiveTimedOut(write_report(err, output_dir, timeout_s)) from err
+    finally:
+        if nccl:
+            with contextlib.suppress(OSError):  # not empty: it holds a report
+                os.rmdir(folder)
+
+
+def is_collective_timeout(err: BaseException | None) -> bool:
+    """Whether `err`, or an error it was raised from or while handling, is a wait that outlived the group's
+    timeout (a background checkpoint write's CheckpointError carries its cause's text)."""
+    while err is not None:
+        if TIMEOUT_PHRASES.search(str(err)) or TIMEOUT_PHRASES.search(error_summary(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def write_report(err: BaseException, output_dir: str, timeout_s: int) -> str:
+    """Write this rank's report of `err`, a collective's timeout; returns the one line that names it. No
+    collective: the group is broken."""
+    rank, backend = dist.get_rank(), dist.get_backend()
+    path = layout.hang_report_file(output_dir, rank, layout.time_stamp())
+    entries, none_because = recorded_collectives()
+    now = time.time_ns()
+    text = "\n".join(
+        [
+            f"Hang report of rank {rank} of {dist.get_world_size()} ({backend}), pid {os.getpid()} on "
+            f"{socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M:%S')}",
+            f"error: {type(err).__name__}: {error_summary(err)}",
+            f"where: {WHERE.describe()}",
+            f"timeout: {timeout_s} s (--dist_timeout_s)",
+            "",
+            "Last collectives this rank entered (torch's flight recorder, oldest first; gloo leaves every "
+            "state at 'scheduled'):",
+            *(f"  {describe_collective(entry, now)}" for entry in entries),
+            *([] if entries else [f"  {none_because}"]),
+            "",
+            "Main thread, where the collective timed out (the error's traceback):",
+            "".join(traceback.format_exception(err)),
+            *thread_stacks(),
+        ]
+    )
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with files.atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        written = f"Where this rank was: {path}; every other rank that could write wrote its own beside it"
+    except OSError as write_error:
+        written = f"This rank's report could not be written ({write_error})"
+    if backend == "nccl":
+        written += ", and NCCL's flight recorder its dump (torchfrtrace reads them)"
+    last = entries[-1] if entries else {}
+    waited = f" in {last.get('profiling_name', '?')} #{last.get('collective_seq_id', '?')}" if last else ""
+    return (
+        f"a collective did not complete within {timeout_s} s (--dist_timeout_s): this rank waited{waited} at "
+        f"{WHERE.describe()}; another rank is hung, stopped or far behind. {written}."
+    )
+
+
+def recorded_collectives() -> tuple[list[dict], str]:
+    """The newest collectives of this process as the flight recorder holds them, oldest first; and, where there
+    are none, why."""
+    try:
+        dump = flight_recorder_dump()
+    except (RuntimeError, ValueError) as err:  # the dump failed, or was no JSON
+        return [], f"(the flight recorder could not be read: {err})"
+    if dump is None:
+        return [], "(this torch has no flight recorder to read)"
+    if "entries" not in dump:
+        return [], f"(the flight recorder is off: {BUFFER_SIZE[0]}=0)"
+    entries = sorted(dump["entries"], key=lambda entry: entry.get("record_id", 0))
+    return entries[-REPORTED_COLLECTIVES:], "(none recorded)"
+
+
+def describe_collective(entry: dict, now_ns: int) -> str:
+    """One flight-recorder entry: '#57 gloo:all_gather on default_pg, inputs [[4096]] Float, scheduled, entered
+    10.2 s ago (thread python3)'."""
+    group = entry.get("process_group") or ["?", ""]
+    age = (now_ns - entry["time_created_ns"]) / 1e9 if "time_created_ns" in entry else float("nan")
+    return (
+        f"#{entry.get('collective_seq_id', '?')} {entry.get('profiling_name', '?')} on {group[-1] or group[0]}, "
+        f"inputs {entry.get('input_sizes', '?')} {' '.join(entry.get('input_dtypes', []))}, "
+        f"{entry.get('state', '?')}, entered {age:.1f} s ago (thread {entry.get('thread_name', '?')})"
+    )
+
+
+def thread_stacks() -> list[str]:
+    """Every other thread's Python stack, by name (the calling thread's would show only this report)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return [
+        f"Thread {names.get(ident, '?')} ({ident}):\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+        if ident != threading.get_ident()
+    ]
