@@ -236,6 +236,8 @@ def evaluate_saved_model(
     path = os.path.join(train.output_dir, layout.EVALUATE_ONLY_DIR, layout.METRICS_FILE)
     if info.is_main:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+    if config.observe.wandb or config.observe.mlflow:
+        get_logger().info("--evaluate_only logs to %s (and TensorBoard), not to W&B or MLflow", path)
     sink = tensorboard.tensorboard_sink(path, info.is_main and config.observe.tensorboard)
     with metrics.MetricsWriter(path, info.is_main, append=True, sinks=[sink] if sink else []) as writer:
         writer.write({**scores, "model": start.path or train.model_name})

@@ -285,8 +285,8 @@ def continue_run(
         if held:
             raise ConfigError(
                 f"--{spec.name} {format_value(value)}: the run being resumed was trained with --{spec.name} "
-                f"{text} ({record_path}), and {held}. Leave the flag out to keep the run's value, or start a new "
-                "run in another --output_dir."
+                f"{text} ({record_path}), and {held}. Leave it out (the flag, or the --config file's key) to "
+                "keep the run's value, or start a new run in another --output_dir."
             )
         changes.append(f"--{spec.name} {format_value(value)} (the run had {text})")
     defaults = RunConfig()
@@ -361,7 +361,12 @@ def _resolve(argv: list[str] | None, environ: Mapping[str, str] | None) -> tuple
 def _settings_from_file(path: str, specs: dict[str, FieldSpec]) -> dict[str, str]:
     """{field: text} of a --config file (configs/config_file.py)."""
     section_of = {name: spec.section for name, spec in specs.items()}
-    return read_config_file(path, section_of, lambda name: specs[name].on_resume == "launch")
+    return read_config_file(
+        path,
+        section_of,
+        is_launch_field=lambda name: specs[name].on_resume == "launch",
+        takes_none=lambda name: _optional_inner(specs[name].type_hint) is not None,
+    )
 
 
 def _parse_from_environment(spec: FieldSpec, text: str, variables: str):

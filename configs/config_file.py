@@ -40,31 +40,41 @@ RUN_RECORD_KEYS = (
 )
 
 
-def read_config_file(path: str, section_of: dict[str, str], is_launch_field: Callable[[str], bool]) -> dict:
+def read_config_file(
+    path: str,
+    section_of: dict[str, str],
+    is_launch_field: Callable[[str], bool],
+    takes_none: Callable[[str], bool],
+) -> dict:
     """{field: its command-line spelling} of every setting in the file at `path`. `section_of`: {field: its
-    section}; `is_launch_field(field)`: whether a field belongs to one launch (left out of a run record).
-    Raises ConfigError naming the file and the fix for an unreadable file, an unknown key, or a field under
-    another section than its own."""
+    section}; `is_launch_field(field)`: whether a field belongs to one launch (left out of a run record);
+    `takes_none(field)`: whether null is a value of the field. Raises ConfigError naming the file and the fix
+    for an unreadable file, an unknown key, a field under another section than its own, or a value that is
+    not one. A run record's fields and keys that this version does not know (an older or newer version wrote
+    them) are left out, as a resume leaves them out."""
     content = _load(path)
-    is_run_record = any(key in content for key in RUN_RECORD_KEYS)
+    # A run record holds keys that no setting has (a setting may share a record key: --device).
+    is_run_record = any(key in content and key not in section_of for key in RUN_RECORD_KEYS)
     section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
-    texts = {}
+    values = {}
     for key, value in content.items():
-        if key in RUN_RECORD_KEYS and is_run_record:
+        if is_run_record and (key in RUN_RECORD_KEYS or key not in {**section_keys, **section_of}):
             continue
         if key in section_keys:
+            if value is None:  # a section whose fields are all commented out
+                continue
             if not isinstance(value, dict):
                 raise ConfigError(f"--config {path}: {key} is a section and takes fields, not {value!r}")
             for name, field_value in value.items():
-                _check_section(path, name, section_keys[key], section_of, is_run_record)
-                texts[name] = _text(path, name, field_value)
+                if _in_section(path, name, section_keys[key], section_of, is_run_record):
+                    values[name] = field_value
         elif key in section_of:
-            texts[key] = _text(path, key, value)
+            values[key] = value
         else:
             raise ConfigError(_unknown_key(path, key, [*section_keys, *section_of]))
     if is_run_record:  # where this command writes and starts from is its own, not the recorded run's
-        texts = {name: text for name, text in texts.items() if not is_launch_field(name)}
-    return texts
+        values = {name: value for name, value in values.items() if not is_launch_field(name)}
+    return {name: _text(path, name, value, takes_none(name)) for name, value in values.items()}
 
 
 def _load(path: str) -> dict:
@@ -85,28 +95,39 @@ def _load(path: str) -> dict:
     return content
 
 
-def _check_section(path: str, name: str, section: str, section_of: dict[str, str], is_run_record: bool) -> None:
+def _in_section(path: str, name: str, section: str, section_of: dict[str, str], is_run_record: bool) -> bool:
+    """Whether `name` is a field this version takes (in its own section: else a ConfigError)."""
     if name not in section_of:
         if is_run_record:  # a field an older or newer version recorded: not this version's to take
-            return
+            return False
         raise ConfigError(_unknown_key(path, name, list(section_of)))
     if section_of[name] != section:
         raise ConfigError(
             f"--config {path}: {name} is a field of section {section_of[name]}, not {section}: move it there "
             "(or to the top level)"
         )
+    return True
 
 
-def _text(path: str, name: str, value) -> str:
+def _text(path: str, name: str, value, takes_none: bool) -> str:
     """A file value in the spelling of its flag (true/false, NONE for null), so that the command line's own
     parser checks it."""
     if isinstance(value, bool):
         return str(value).lower()
     if value is None:
+        if not takes_none:
+            raise ConfigError(f'--config {path}: {name} takes no null (an empty text is "")')
         return "NONE"
     if isinstance(value, int | float | str):
         return str(value)
-    raise ConfigError(f"--config {path}: {name} takes one value, not {value!r}")
+    if isinstance(value, list):
+        raise ConfigError(
+            f"--config {path}: {name} takes one value, not a list (a comma-separated list is one text: q,v)"
+        )
+    raise ConfigError(
+        f"--config {path}: {name} takes one value, not {value!r} (YAML reads some unquoted texts, such as dates, "
+        "as other types: quote it)"
+    )
 
 
 def _unknown_key(path: str, key: str, valid: list[str]) -> str:

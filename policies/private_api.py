@@ -97,13 +97,16 @@ def dump_memory_snapshot(path: str) -> None:
     torch.cuda.memory._dump_snapshot(path)
 
 
-def flight_recorder_dump() -> dict | None:
+def flight_recorder_dump(backend: str) -> dict | None:
     """torch's flight recorder as JSON: `entries`, this process's last collectives (each with its name, e.g.
     "gloo:all_gather", `collective_seq_id`, `input_sizes`, `state`, `time_created_ns`, `process_group`,
-    `timeout_ms`), and `pg_status`; no `entries` while the recorder is off (TORCH_FR_BUFFER_SIZE=0). None where
-    this torch has no such call. No communication. Public replacement: none in torch 2.13; the dump NCCL's
-    watchdog writes on a timeout (TORCH_FR_DUMP_TEMP_FILE), read with `torchfrtrace`, is NCCL's only."""
-    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_fr_trace_json", None)
+    `timeout_ms`), and `pg_status`; no `entries` while the recorder is off (TORCH_FR_BUFFER_SIZE=0). NCCL keeps
+    a recorder of its own (`_dump_nccl_trace_json`; gloo's and others' go to the generic one). None where this
+    torch has no such call. No communication. Public replacement: none in torch 2.13; the dump NCCL's watchdog
+    writes on a timeout (TORCH_FR_DUMP_TEMP_FILE), read with `torchfrtrace`, is NCCL's only."""
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    dump = getattr(c10d, "_dump_nccl_trace_json", None) if backend == "nccl" else None
+    dump = dump or getattr(c10d, "_dump_fr_trace_json", None)
     if dump is None:
         return None
     return json.loads(dump(True, False))  # every collective recorded, not only those still in flight

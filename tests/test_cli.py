@@ -30,6 +30,7 @@ from configs.cli import (
     format_value,
     parse_args,
 )
+from configs.config_file import RUN_RECORD_KEYS
 from configs.data import DataConfig
 from configs.errors import ConfigError, UserError
 from configs.evaluation import EvalConfig
@@ -676,3 +677,51 @@ def test_the_example_config_files_parse_and_pass_the_checks():
         check_settings(config, world_size=8, device_type="cuda")
         assert config.train.model_name != TrainConfig().model_name, path  # each names a real model
     assert parse_args(["--config", str(examples[0])]).lora.peft == "lora"
+
+
+def test_a_record_of_another_version_replays_what_this_version_knows(tmp_path):
+    from types import SimpleNamespace
+
+    from utils.observe.run_record import run_record
+
+    ran = parse_args(["--epochs", "3", "--device", "cpu"])
+    info = SimpleNamespace(world_size=2, backend="gloo", device="cpu")
+    record = run_record(
+        ran, {}, info, SimpleNamespace(name="fp32"), SimpleNamespace(peak_flops=0, peak_source="-")
+    )
+    record["resumed_from"] = None
+    # Every key a record holds is a section or a key config files know to skip.
+    assert set(record) <= {*RECORD_KEYS.values(), *RUN_RECORD_KEYS}, set(record) - set(RECORD_KEYS.values())
+    record["train_config"]["a_removed_field"] = 1  # an older version's field, and a newer version's key
+    record["git_commit"] = "abc"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(record))
+    assert config_to_dict(parse_args(["--config", str(path)])) == config_to_dict(ran)
+
+
+def test_a_top_level_device_is_the_setting_in_a_file_of_your_own(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("device: cpu\noutput_dir: runs/mine\nfsdp:\n")  # an empty section: its fields commented out
+    config = parse_args(["--config", str(path)])
+    assert config.train.device == "cpu" and config.train.output_dir == "runs/mine"
+
+
+def test_config_file_errors_name_the_file_and_the_fix(tmp_path):
+    path = tmp_path / "run.yaml"
+    cases = {
+        "train:\n  epoch: 3\n": "unknown key 'epoch': did you mean epochs?",
+        "fsdp:\n  lr: 0.1\n": "lr is a field of section train, not fsdp",
+        "train:\n  lr: fast\n": "--lr takes a number, not 'fast'. Fix the file, or give --lr on the command line.",
+        "trian:\n  lr: 0.1\n": "unknown key 'trian': did you mean train?",
+        "train: [1, 2]\n": "train is a section and takes fields",
+        "train:\n  lr: [0.1\n": "is not valid YAML",
+        "data:\n  source_prefix: null\n": 'source_prefix takes no null \\(an empty text is ""\\)',
+        "lora:\n  lora_target_modules: [q, v]\n": "not a list \\(a comma-separated list is one text: q,v\\)",
+        "train:\n  model_name: 2024-01-01\n": "quote it",
+    }
+    for text, message in cases.items():
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("?", r"\?")):
+            parse_args(["--config", str(path)])
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_args(["--config", str(tmp_path / "missing.yaml")])

@@ -12,7 +12,6 @@ import struct
 
 import pytest
 
-from configs.errors import ConfigError
 from configs.observability import ObserveConfig
 from tests.launch import torchrun
 from tests.reference_run import read_records
@@ -167,21 +166,51 @@ def test_config_json_replays_the_run_exactly_and_the_trackers_hold_its_metrics(
     assert mlflow_history(tracker_environment, ids["mlflow"]) == expected
 
 
-def test_config_file_errors_name_the_file_and_the_fix(tmp_path):
-    from configs import cli
+class BrokenSink:
+    """A tracker whose server went away: writing (after `writes_ok` records) and closing raise."""
 
-    path = tmp_path / "run.yaml"
-    cases = {
-        "train:\n  epoch: 3\n": "unknown key 'epoch': did you mean epochs?",
-        "fsdp:\n  lr: 0.1\n": "lr is a field of section train, not fsdp",
-        "train:\n  lr: fast\n": "--lr takes a number, not 'fast'. Fix the file, or give --lr on the command line.",
-        "trian:\n  lr: 0.1\n": "unknown key 'trian': did you mean train?",
-        "train: [1, 2]\n": "train is a section and takes fields",
-        "train:\n  lr: [0.1\n": "is not valid YAML",
-    }
-    for text, message in cases.items():
-        path.write_text(text)
-        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("?", r"\?")):
-            cli.parse_args(["--config", str(path)])
-    with pytest.raises(ConfigError, match="no such file"):
-        cli.parse_args(["--config", str(tmp_path / "missing.yaml")])
+    name = "Broken"
+
+    def __init__(self, writes_ok: int):
+        self.writes_ok, self.written, self.closed = writes_ok, 0, None
+
+    def write(self, record: dict) -> None:
+        if self.written == self.writes_ok:
+            raise ConnectionError("server gone")
+        self.written += 1
+
+    def close(self, failed: bool) -> None:
+        self.closed = failed
+        raise ConnectionError("server gone")
+
+
+class GoodSink(BrokenSink):
+    name = "Good"
+
+    def write(self, record: dict) -> None:
+        self.written += 1
+
+    def close(self, failed: bool) -> None:
+        self.closed = failed
+
+
+def test_a_failing_tracker_is_dropped_and_training_goes_on(tmp_path, log_records):
+    from utils.observe.metrics import MetricsWriter
+
+    broken, closes_badly, good = BrokenSink(writes_ok=1), BrokenSink(writes_ok=len(RECORDS)), GoodSink(0)
+    path = tmp_path / "metrics.jsonl"
+    with (
+        pytest.raises(ValueError, match="the run's own error"),
+        MetricsWriter(str(path), True, sinks=[broken, closes_badly, good]) as metrics,
+    ):
+        for record in RECORDS:
+            metrics.write(record)
+        raise ValueError("the run's own error")  # stays the error raised, though a sink's close fails
+    assert len(path.read_text().splitlines()) == len(RECORDS)
+    assert broken.written == 1 and broken.closed is None  # dropped at its failure
+    assert closes_badly.closed is True and good.written == len(RECORDS) and good.closed is True  # told it failed
+    warnings = [r.getMessage() for r in log_records if r.levelname == "WARNING"]
+    assert warnings == [
+        "Broken failed (server gone): it gets no more records in this run",
+        "Broken could not be closed (server gone)",
+    ], warnings

@@ -49,10 +49,10 @@ TIMEOUT_PHRASES = re.compile(
 )
 REPORTED_COLLECTIVES = 8  # the newest flight-recorder entries a report lists
 
-# The flight recorder's settings, each under both of torch's names: torch 2.13 reads the TORCH_FR_* one first
-# (and warns when only the older is set), older releases and ProcessGroupNCCL itself read the older one. How
-# many collectives it keeps (2,000 is torch 2.13's default, made explicit for releases that kept none), whether
-# NCCL's watchdog dumps it on a timeout, and where (the prefix of one file per rank).
+# The flight recorder's settings, each by its name since torch 2.9 and the older one it still reads (torch reads
+# the first it finds, and warns about the older one being set): how many collectives it keeps (2,000 is torch
+# 2.13's default, made explicit), whether NCCL's watchdog dumps it on a timeout, and where (the prefix of one file
+# per rank). The package sets only the current names, and none where the user set either.
 BUFFER_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 DUMP_ON_TIMEOUT = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
 DUMP_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
@@ -95,7 +95,7 @@ def record_collectives(output_dir: str, environ: MutableMapping[str, str] = os.e
     }
     for names, value in settings.items():
         if not any(name in environ for name in names):
-            environ.update(dict.fromkeys(names, value))
+            environ[names[0]] = value
 
 
 @contextlib.contextmanager
@@ -135,7 +135,7 @@ def write_report(err: BaseException, output_dir: str, timeout_s: int) -> str:
     collective: the group is broken."""
     rank, backend = dist.get_rank(), dist.get_backend()
     path = layout.hang_report_file(output_dir, rank, layout.time_stamp())
-    entries, none_because = recorded_collectives()
+    entries, none_because = recorded_collectives(backend)
     now = time.time_ns()
     text = "\n".join(
         [
@@ -159,7 +159,7 @@ def write_report(err: BaseException, output_dir: str, timeout_s: int) -> str:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with files.atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
-        written = f"Where this rank was: {path}; every other rank that could write wrote its own beside it"
+        written = f"Where this rank was: {path}; each other rank that could write has its own in hang_reports/"
     except OSError as write_error:
         written = f"This rank's report could not be written ({write_error})"
     if backend == "nccl":
@@ -172,11 +172,11 @@ def write_report(err: BaseException, output_dir: str, timeout_s: int) -> str:
     )
 
 
-def recorded_collectives() -> tuple[list[dict], str]:
+def recorded_collectives(backend: str) -> tuple[list[dict], str]:
     """The newest collectives of this process as the flight recorder holds them, oldest first; and, where there
     are none, why."""
     try:
-        dump = flight_recorder_dump()
+        dump = flight_recorder_dump(backend)
     except (RuntimeError, ValueError) as err:  # the dump failed, or was no JSON
         return [], f"(the flight recorder could not be read: {err})"
     if dump is None:

@@ -8,6 +8,7 @@ import os
 
 from configs.observability import ObserveConfig
 from utils.files import atomic_path
+from utils.log import get_logger
 from utils.observe.tensorboard import tensorboard_sink
 from utils.observe.trackers import open_trackers
 
@@ -17,8 +18,9 @@ class MetricsWriter:
 
     A disabled writer (every rank but 0) ignores records, so callers need no rank checks. Unlike the other
     files of a run, metrics.jsonl is appended in place (a resumed run first cuts it back atomically). `sinks`:
-    where the same records also go (TensorBoard, W&B, MLflow; rank 0 only), each with write(record) and
-    close(failed). As a context manager it closes them however the block ends, telling them if it failed.
+    where the same records also go (TensorBoard, W&B, MLflow; rank 0 only), each with a name, write(record)
+    and close(failed); a sink that fails is dropped with a warning. As a context manager it closes them however
+    the block ends, telling them if it failed.
     """
 
     def __init__(self, path: str, enabled: bool, append: bool = False, sinks: list | None = None):
@@ -32,16 +34,23 @@ class MetricsWriter:
             return
         self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
-        for sink in self.sinks:
-            sink.write(record)
+        for sink in list(self.sinks):
+            try:
+                sink.write(record)
+            except Exception as err:  # a tracker's server gone must not end training: metrics.jsonl has it all
+                get_logger().warning("%s failed (%s): it gets no more records in this run", sink.name, err)
+                self.sinks.remove(sink)
 
     def close(self, failed: bool = False) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
-        for sink in self.sinks:
-            sink.close(failed)
-        self.sinks = []
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            try:
+                sink.close(failed)
+            except Exception as err:  # the others are closed still, and the run's own error stays the one told
+                get_logger().warning("%s could not be closed (%s)", sink.name, err)
 
     def __enter__(self) -> "MetricsWriter":
         return self

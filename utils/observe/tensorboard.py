@@ -14,6 +14,8 @@ class TensorBoardSink:
     """Writes metrics records as TensorBoard scalars (rank 0 only: build it there). `purge_step`: on resume,
     the first step the resumed run writes again; TensorBoard then hides the old run's later events."""
 
+    name = "TensorBoard"
+
     def __init__(self, log_dir: str, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked for
 

@@ -19,12 +19,15 @@ from utils.log import get_logger
 from utils.observe.scalars import AXIS_OF_TYPE, scalars_of
 
 MLFLOW_BATCH = 100  # MLflow's log_batch takes at most 100 parameters per call
+MLFLOW_PARAM_CHARS = 6000  # and a parameter's value at most this many characters (a long command line is cut)
 
 
 class WandbSink:
     """A W&B run: each record's scalars logged against the record's own x-axis (step, epoch or rank, declared
     with define_metric), so that W&B's internal step counter is not the x-axis and the steps a resume logs
     again are accepted."""
+
+    name = "W&B"
 
     def __init__(self, observe: ObserveConfig, output_dir: str, run_id: str | None, settings: dict):
         import wandb
@@ -65,9 +68,13 @@ class MlflowSink:
     """An MLflow run in experiment --tracker_project, through MlflowClient (no global active run): each
     record's scalars logged at the record's x (its step, epoch or rank)."""
 
+    name = "MLflow"
+
     def __init__(self, observe: ObserveConfig, output_dir: str, run_id: str | None, settings: dict):
         from mlflow import MlflowClient, MlflowException
-        from mlflow.entities import Param
+        from mlflow.entities import Metric, Param
+
+        self.metric = Metric
 
         try:
             self.client = MlflowClient()
@@ -79,11 +86,19 @@ class MlflowSink:
                 ).info.run_id
                 # Parameters cannot change once logged: a resume keeps the first run's (config.json has the
                 # resumed run's own).
-                params = [Param(key, str(value)) for key, value in flat_settings(settings).items()]
+                flat = flat_settings(settings)
+                params = [Param(key, str(value)[:MLFLOW_PARAM_CHARS]) for key, value in flat.items()]
                 for start in range(0, len(params), MLFLOW_BATCH):
                     self.client.log_batch(run_id, params=params[start : start + MLFLOW_BATCH])
         except MlflowException as err:
             uri = os.environ.get("MLFLOW_TRACKING_URI", "MLflow's default")
+            if run_id is not None:
+                raise UserError(
+                    f"--mlflow true: the MLflow run {run_id} that this run logged to "
+                    f"({os.path.join(output_dir, layout.TRACKERS_FILE)}) is not in the tracking store ({uri}): "
+                    f"{err.message}. Set MLFLOW_TRACKING_URI to the store it was in, or remove the mlflow entry "
+                    "from that file to log to a new run."
+                ) from None
             raise UserError(
                 f"--mlflow true: MLflow could not log to its tracking store ({uri}): {err.message}. Set "
                 "MLFLOW_TRACKING_URI to a server (http://host:5000) or a database (sqlite:///mlflow.db, "
@@ -96,10 +111,8 @@ class MlflowSink:
         return experiment.experiment_id if experiment else self.client.create_experiment(name)
 
     def write(self, record: dict) -> None:
-        from mlflow.entities import Metric
-
         now_ms = int(time.time() * 1000)
-        metrics = [Metric(tag, value, now_ms, int(x)) for tag, value, x in scalars_of(record)]
+        metrics = [self.metric(tag, value, now_ms, int(x)) for tag, value, x in scalars_of(record)]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 
@@ -120,11 +133,16 @@ def open_trackers(observe: ObserveConfig, output_dir: str, resumed: bool) -> lis
     known = read_json(ids_file) if resumed else {}
     settings = read_json(os.path.join(output_dir, layout.CONFIG_FILE))
     sinks = []
-    for name in asked:
-        sink = TRACKERS[name](observe, output_dir, known.get(name), settings)
-        continued = "continues" if known.get(name) == sink.run_id else "starts"
-        get_logger().info("%s: this run %s tracker run %s", name, continued, sink.run_id)
-        sinks.append(sink)
+    try:
+        for name in asked:
+            sink = TRACKERS[name](observe, output_dir, known.get(name), settings)
+            continued = "continues" if known.get(name) == sink.run_id else "starts"
+            get_logger().info("%s: this run %s tracker run %s", name, continued, sink.run_id)
+            sinks.append(sink)
+    except BaseException:
+        for sink in sinks:  # those started are closed as failed, not left running
+            sink.close(failed=True)
+        raise
     write_json(ids_file, {**known, **{name: sink.run_id for name, sink in zip(asked, sinks, strict=True)}})
     return sinks
 
@@ -148,4 +166,7 @@ def read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path} is not valid JSON ({err}): fix it, or remove it to log to new runs") from None

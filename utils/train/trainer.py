@@ -119,6 +119,11 @@ class Trainer:
             profiler = StepProfiler(
                 self.observe, self.train_config.output_dir, self.info.rank, self.info.device, progress.global_step
             )
+            if self.observe.profile_start_step > self.total_steps:
+                get_logger().warning(
+                    "--profile_start_step %d: this run trains steps up to %d, so nothing is profiled",
+                    self.observe.profile_start_step, self.total_steps,
+                )  # fmt: skip
             with StopRequest() as stop, forward_warnings_ignored(), profiler:
                 while not self.done(progress):
                     epoch = last_epoch = progress.epoch
@@ -229,7 +234,8 @@ class Trainer:
                 if step_log.stop_requested:
                     run.stopped = True
                     break
-        step_log.flush()
+            step_log.flush()  # the pass's last steps, shown too
+            self._show_progress(bar, step_log, epoch, total_batches - run.batches_done)
         run.epoch_finished = run.batches_done == total_batches
         run.train_seconds = clock.train_seconds()
         run.position = position()
