@@ -25,7 +25,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 import summarization_dataset
 from configs import cli, validate
 from configs.errors import FAILURES, ConfigError, UserError
-from configs.evaluation import METRIC_NAMES
+from configs.evaluation import METRIC_NAMES, generation_rows
 from configs.run import RunConfig
 from policies.mixed_precision import Precision, resolve_precision
 from utils import layout
@@ -106,7 +106,8 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
         model_config, tokenizer, info, config.lora, base_model,
     )  # fmt: skip
     with checkpoints:
-        throughput = build_throughput(model_config, config, info, precision)  # a GEMM probe on CPU: before load
+        # A GEMM probe on CPU: before the load. --evaluate_only trains nothing, so it has no MFU to say.
+        throughput = None if evaluation.evaluate_only else build_throughput(model_config, config, info, precision)
         progress = checkpoints.load(start)
         memory_baseline = loaded.memory_baseline()  # loading measured until sharded and restored
         memory.trim_host_heap()  # what loading freed goes back to the OS instead of inflating the run's peak
@@ -152,7 +153,7 @@ def log_evaluation_plan(config: RunConfig) -> None:
     metric = METRIC_NAMES[evaluation.eval_metric]
     scores = f"no {metric} (--eval_rouge false)"
     if evaluation.eval_rouge:
-        rows = evaluation.eval_num_samples or "all"
+        rows = generation_rows(evaluation, config.data.num_val_samples) or "all"
         scores = f"{metric} of {rows} generated outputs (--eval_rouge false switches it off)"
     when = "after each epoch"
     if evaluation.eval_every_n_steps:
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     """Parse and check the settings, set up the process group, run, tear down; one message on bad input."""
     rank, _, _ = process_group.launcher_ranks()
     setup_logging(rank)
+    args = sys.argv[1:] if argv is None else argv
+    if rank != 0 and ("-h" in args or "--help" in args):
+        return 0  # under torchrun every rank would print the same help: rank 0 does
     try:
         config = cli.parse_args(argv)
         # A resume continues the run that was saved: its recorded settings are the defaults, and a flag given
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             config, changes = cli.continue_run(argv, recorded[1], recorded[0])
             changed = f"; changed here: {', '.join(changes)}" if changes else ""
             get_logger().info("resuming with the settings of %s%s", recorded[0], changed)
-        from_accelerate = cli.fields_from_accelerate(sys.argv[1:] if argv is None else argv)
+        from_accelerate = cli.fields_from_accelerate(args)
         if from_accelerate:
             values = {
                 name: value for section in cli.config_to_dict(config).values() for name, value in section.items()
@@ -289,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         # rank 0 is not killed before its message is out.
         if rank == 0:
             get_logger().error("%s", err)
+            process_group.point_launcher_to_the_log(rank)
         else:
             time.sleep(RANK0_MESSAGE_GRACE_S)
         return 2 if isinstance(err, ConfigError) else 1
@@ -296,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank that waited says so (a timed-out collective: naming its report, which holds the traceback):
         # the rank that never joined, or hangs, may be silent.
         get_logger().error("%s", err)
+        process_group.point_launcher_to_the_log(rank)
         return 1
     except FAILURES as err:  # Exception, and DCP's CheckpointException (a BaseException)
         if process_group.is_peer_failure(err):
@@ -304,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # Logged here once; re-raising would print it again, and again in torchrun's summary.
             get_logger().exception("failed: %s", err)
+            process_group.point_launcher_to_the_log(rank)
         return 1
     finally:
         process_group.destroy_distributed()

@@ -60,7 +60,7 @@ from tqdm import tqdm
 
 from configs.data import DataConfig
 from configs.errors import ConfigError, DataError, DataFileNotFoundError
-from configs.evaluation import EvalConfig
+from configs.evaluation import EvalConfig, generation_rows
 from configs.training import TrainConfig
 from utils.data import sources
 from utils.data.loaders import EvalSet, Loaders, build_loader
@@ -68,6 +68,7 @@ from utils.data.samplers import LengthGrouping, PaddedEvalSampler, train_sampler
 from utils.data.shared_cache import complete_folders, shared_folder
 from utils.data.sources import SPLITS, SplitWriter, TextSource, file_fingerprint, not_utf8
 from utils.distributed.process_group import DistInfo
+from utils.files import closest_folder
 from utils.log import get_logger
 
 CSV_NAME = "wikihowAll.csv"
@@ -317,7 +318,9 @@ def text_source(data: DataConfig) -> TextSource:
         return named
     folder = Path(data.data_dir)
     if not folder.is_dir():
-        raise DataFileNotFoundError(f"--data_dir {data.data_dir}: no such folder ({folder.resolve()}).")
+        close = closest_folder(folder)
+        hint = f" Did you mean --data_dir {close}?" if close else ""
+        raise DataFileNotFoundError(f"--data_dir {data.data_dir}: no such folder ({folder.resolve()}).{hint}")
     if (folder / CSV_NAME).is_file():
         return wikihow_source(folder)
     found = sources.folder_source(folder, data)
@@ -696,10 +699,11 @@ def build_loaders(
 def build_eval_set(
     tokenizer, data: DataConfig, train: TrainConfig, evaluation: EvalConfig, info: DistInfo, split: str
 ) -> EvalSet:
-    """The first --eval_num_samples rows of `split`, each batch padded to its longest source only
-    (generation needs no fixed shapes)."""
+    """The first --eval_num_samples rows of `split` (by default as many as the validation loss reads), each
+    batch padded to its longest source only (generation needs no fixed shapes)."""
     dynamic = dataclasses.replace(data, pad_to_max_length=False)
-    dataset = build_dataset(tokenizer, split, evaluation.eval_num_samples, dynamic, info.world_size)
+    rows = generation_rows(evaluation, data.num_val_samples)
+    dataset = build_dataset(tokenizer, split, rows, dynamic, info.world_size)
     sampler = PaddedEvalSampler(len(dataset), info.rank, info.world_size)
     collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)
     loader = build_loader(

@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         aliases = ALIASES.get(spec.name, [])
         alias_note = f" Alias: {', '.join(aliases)} (the tutorial's flag)." if aliases else ""
         bool_note = " Given alone: true." if spec.type_hint is bool else ""
+        # A field whose help explains its default in words (the embedded model, <data_dir>/cache) keeps those.
+        default_note = "" if "Default:" in spec.help else f" Default: {default}."
         groups[spec.section].add_argument(
             f"--{spec.name}",
             *aliases,
@@ -206,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
             const="true" if spec.type_hint is bool else None,
             default=argparse.SUPPRESS,
             # argparse %-formats help strings: escape the literal % signs of the field docs.
-            help=f"{help_text(spec)}{alias_note}{bool_note} Default: {default}.".replace("%", "%%"),
+            help=f"{help_text(spec)}{alias_note}{bool_note}{default_note}".replace("%", "%%"),
         )
     groups["train"].add_argument(
         NO_CUDA_FLAG,

@@ -99,7 +99,10 @@ class DataConfig:
     )
     num_val_samples: int = option(
         default=300,
-        help="Use the first N validation rows (tutorial: 300); 0 = all.",
+        help=(
+            "Use the first N validation rows (tutorial: 300); 0 = all. Generation scores the same rows unless "
+            "--eval_num_samples says otherwise."
+        ),
         minimum=0,
         on_resume="fixed",
     )

@@ -21,7 +21,8 @@ class EvalConfig:
         default=True,
         help=(
             "With --run_validation true: after each epoch (and every eval_every_n_steps), also generate "
-            "outputs for the first eval_num_samples validation rows on every rank and score them with "
+            "outputs for the first eval_num_samples validation rows (by default the validation loss's own "
+            "--num_val_samples) on every rank and score them with "
             "--eval_metric (ROUGE by default): an eval record in metrics.jsonl and "
             "output_dir/predictions/validation_step_<N>.jsonl. false: the validation loss alone."
         ),
@@ -34,9 +35,13 @@ class EvalConfig:
             "text, such as FinancialPhraseBank's positive/negative/neutral)."
         ),
     )
-    eval_num_samples: int = option(
-        default=300,
-        help="Validation rows (the first N, each scored once) that generation evaluates; 0 = the whole split.",
+    eval_num_samples: int | None = option(
+        default=None,
+        help=(
+            "Rows that generation evaluates: the first N of the split, each scored once; 0 = the whole split. "
+            "NONE: the rows the validation loss reads, the first --num_val_samples (with --evaluate_only, of "
+            "--eval_split), so a small run's evaluation is as small as the run."
+        ),
         minimum=0,
     )
     eval_every_n_steps: int = option(
@@ -92,3 +97,9 @@ class EvalConfig:
         default="validation",
         help="The split --evaluate_only scores (training runs always evaluate the validation split).",
     )
+
+
+def generation_rows(evaluation: EvalConfig, num_val_samples: int) -> int:
+    """How many rows of its split generation scores (0: all): --eval_num_samples, or with NONE as many as the
+    validation loss reads (--num_val_samples), so that both see the same articles."""
+    return num_val_samples if evaluation.eval_num_samples is None else evaluation.eval_num_samples

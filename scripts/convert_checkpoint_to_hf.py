@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_file_gb <= 0:
         parser.error(f"--max_file_gb must be > 0, got {args.max_file_gb}")
-    setup_logging(rank=0)
+    setup_logging()
     try:
         convert_checkpoint(args.checkpoint, args.output, int(args.max_file_gb * 1e9))
     except UserError as err:

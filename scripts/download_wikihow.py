@@ -165,7 +165,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logger = setup_logging(rank=0)
+    logger = setup_logging()
     try:
         download_wikihow(args.data_dir, args.csv_url, args.force)
     except UserError as exc:

@@ -27,6 +27,15 @@ from pathlib import Path
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 SCORE_COLORS = {"rouge1": "tab:blue", "rouge2": "tab:orange", "rougeL": "tab:green", "rougeLsum": "tab:purple",
                 "accuracy": "tab:red"}  # fmt: skip
+# rouge1, rougeL and rougeLsum are often equal on short summaries: each its own marker and size, so that one
+# line drawn over another still shows.
+SCORE_MARKERS = {
+    "rouge1": ("o", 8),
+    "rouge2": ("s", 6),
+    "rougeL": ("^", 6),
+    "rougeLsum": ("x", 7),
+    "accuracy": ("o", 6),
+}
 SPLIT_STYLES = ("-", "--", ":", "-.")
 NO_MATPLOTLIB = "scripts/plot_metrics.py needs matplotlib: pip install matplotlib"
 
@@ -126,6 +135,7 @@ def draw_losses(ax, records: list[dict]) -> None:
     mid = [r["step"] for r in validation], [number(r["val_loss"]) for r in validation]
     plot_some(ax, mid, "^", color="tab:orange", label="val loss (mid-epoch)")
     ax.set_xlabel("global step")
+    ax.xaxis.set_major_locator(whole_steps())
     ax.set_ylabel("cross-entropy per target token")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -141,19 +151,33 @@ def draw_rouge(ax, records: list[dict]) -> None:
         say_empty(ax, "no ROUGE evaluations in this run")
         return
     splits = list(dict.fromkeys(r.get("split", "validation") for r in evals))
+    scores = []
     for split, style in zip(splits, SPLIT_STYLES, strict=False):
         chosen = [r for r in evals if r.get("split", "validation") == split]
         for key in ("accuracy",) if accuracy else ROUGE_KEYS:
             label = key if len(splits) == 1 else f"{key} ({split})"
             y = [number(r.get(key)) for r in chosen]
-            ax.plot([r["step"] for r in chosen], y, "o" + style, color=SCORE_COLORS[key], label=label)
+            marker, size = SCORE_MARKERS[key]
+            ax.plot([r["step"] for r in chosen], y, marker + style, markersize=size, fillstyle="none",
+                    color=SCORE_COLORS[key], label=label)  # fmt: skip
+            scores += y
     lead3 = evals[-1].get("baselines", {}).get("lead3", {}).get("rougeL")
     if lead3 is not None:
         ax.axhline(lead3, color="0.3", linestyle="--", linewidth=1, label="lead-3 baseline rougeL")
+        scores.append(lead3)
     ax.set_xlabel("global step")
+    ax.xaxis.set_major_locator(whole_steps())
     ax.set_ylabel("accuracy" if accuracy else "ROUGE")
+    ax.set_ylim(0, top_limit(scores, 1.5))  # room above the lines for the legend
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small", ncol=2)
+    ax.legend(fontsize="small", ncol=2, loc="upper left")
+
+
+def whole_steps():
+    """A tick locator of whole steps only (a short run's axis would get 4.5, 5.5)."""
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
 
 
 def top_limit(values: list[float], headroom: float) -> float:

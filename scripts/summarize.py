@@ -19,13 +19,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForSeq2SeqLM  # noqa: E402
 
 from configs.errors import UserError  # noqa: E402
 from summarization_dataset import CLEANINGS  # noqa: E402
 from utils.data import sources  # noqa: E402
 from utils.log import get_logger, setup_logging  # noqa: E402
-from utils.model.loading import check_local_model_dir, looks_like_local_path  # noqa: E402
+from utils.model import loading  # noqa: E402
 
 DEFAULT_MAX_SOURCE_LENGTH = 512
 
@@ -72,7 +72,11 @@ def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="The summaries go to stdout, one per line in input order; messages go to stderr, so "
+        "`> summaries.txt` keeps the summaries alone.",
+    )
     parser.add_argument("--model", required=True, help="a folder such as OUTPUT_DIR/hf_model, or a hub name")
     parser.add_argument("--input", help="a data file (.csv, .jsonl, .json, .parquet), or a text file with one "
                         "article per line; default: stdin")  # fmt: skip
@@ -80,16 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--batch_size", type=int, default=8)
     args = parser.parse_args(argv)
-    setup_logging(rank=0)
+    setup_logging(stream=sys.stderr)  # stdout holds the summaries alone
     try:
-        if looks_like_local_path(args.model):
-            check_local_model_dir(args.model)
+        # A mistyped folder, or a hub name offline, fails here in seconds (the model's config and tokenizer
+        # checked), before the articles are read and the model loads.
+        tokenizer = loading.load_tokenizer(args.model)
         device = (
             "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
         )
         articles = read_articles(args.input, args.text_column)
-        model = AutoModelForSeq2SeqLM.from_pretrained(args.model).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForSeq2SeqLM.from_pretrained(loading.resolved_name(args.model)).to(device).eval()
         for summary in summarize(model, tokenizer, articles, args.batch_size):
             print(summary)
     except (UserError, OSError) as err:

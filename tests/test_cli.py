@@ -153,6 +153,8 @@ def non_default_value(spec, default):
         return default + "_other"
     if hint == float | None:
         return 0.5 if default is None else None
+    if hint == int | None:
+        return 5 if default is None else None
     raise AssertionError(f"{spec.name}: unexpected type {hint!r}")
 
 

@@ -366,6 +366,11 @@ def test_console_has_no_library_noise_and_progress_lines_show_rates_and_time_lef
     steps = [int(found[0]) for found in progress]
     assert steps == sorted(steps) and {int(found[1]) for found in progress} == {EPOCHS * 12}, progress
     assert steps[-1] == EPOCHS * 12 and progress[-1][2:] == ("0", "00")  # the last: no time left
+    # The closing line: how long, how far, the best metric, where the model and the metrics are.
+    closing = re.findall(
+        r"run finished in \d+:\d\d: step (\d+), best val_loss [\d.]+ \(epoch (\d)\); model: (\S+);", run.stdout
+    )
+    assert closing and closing[0][0] == str(EPOCHS * 12) and closing[0][2].endswith("hf_model"), run.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------------------------ bad inputs
@@ -379,6 +384,8 @@ def check_user_error(run: Run, phrase: str) -> str:
     assert len(lines) == 1, f"{phrase!r} printed {len(lines)} times, expected once\n{run.describe()}"
     tracebacks = program_tracebacks(run.output)
     assert not tracebacks, f"traceback for a user error:\n{tracebacks[0]}\n{run.describe()}"
+    # torchrun's closing report names that line as the cause (utils/distributed/process_group.py).
+    assert "traceback : the cause is the [rank 0] ERROR line above this report" in run.output, run.describe()
     # Nothing that looks like training ran.
     assert "epoch 1:" not in run.output
     return lines[0]

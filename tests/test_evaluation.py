@@ -13,11 +13,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
-from configs.paths import EMBEDDED_DATA_DIR, REPO_ROOT
-from summarization_dataset import load_wikihow
+from configs.data import DataConfig
+from configs.evaluation import EvalConfig
+from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
+from configs.training import TrainConfig
+from summarization_dataset import build_loaders, load_wikihow
 from tests.dist_harness import run_ranks
 from tests.dist_workers import generation_worker
 from tests.launch import torchrun
+from utils.distributed.process_group import DistInfo
 from utils.eval.rouge import ROUGE_KEYS, rouge_scores
 from utils.eval.scores import mean_scores
 
@@ -60,6 +64,38 @@ def test_ranks_with_different_generated_lengths_finish(generated):
     for key, length in rank0["uneven"].items():
         # 1 decoder start token + max_new_tokens (3 on rank 0, 9 on rank 1): nobody waited for the other.
         assert (length, rank1["uneven"][key]) == (4, 10), key
+
+
+# ------------------------------------------------------------------------------ which rows, one process
+
+
+def row_ids(dataset) -> list[str]:
+    return [dataset.row_id(i) for i in range(len(dataset))]
+
+
+def test_generation_scores_the_validation_loss_rows_unless_asked_otherwise():
+    """A small run's evaluation is as small as the run: by default generation scores exactly the rows whose
+    validation loss the run measures; --eval_num_samples N asks for the first N (beyond them too); 0 for all."""
+    tokenizer = AutoTokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+
+    def loaders(evaluation: EvalConfig, num_val_samples: int):
+        data = DataConfig(num_train_samples=8, num_val_samples=num_val_samples)
+        return build_loaders(tokenizer, data, TrainConfig(), evaluation, info)
+
+    small = loaders(EvalConfig(), 8)
+    val_rows = row_ids(small.val.dataset)
+    assert len(val_rows) == 8 and row_ids(small.evaluation.dataset) == val_rows
+    asked = loaders(EvalConfig(eval_num_samples=20), 8)
+    assert len(asked.evaluation.dataset) == 20 and row_ids(asked.evaluation.dataset)[:8] == val_rows
+    fewer = loaders(EvalConfig(eval_num_samples=3), 8)
+    assert row_ids(fewer.evaluation.dataset) == val_rows[:3]
+    whole = loaders(EvalConfig(), 0)
+    split_rows = len(load_wikihow(EMBEDDED_DATA_DIR, "validation"))
+    assert len(whole.evaluation.dataset) == len(whole.val.dataset) == split_rows
+    # --evaluate_only scores the first --num_val_samples rows of its split.
+    test = loaders(EvalConfig(evaluate_only=True, eval_split="test"), 8)
+    assert test.evaluation.split == "test" and len(test.evaluation.dataset) == 8
 
 
 # ------------------------------------------------------------------------------- through torchrun

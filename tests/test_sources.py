@@ -469,6 +469,10 @@ def test_missing_files_and_folders(tmp_path):
         == f"data file not found: {tmp_path / 'nope.csv'}"
     )
     assert "no such folder" in _error(DataConfig(data_dir=str(tmp_path / "nope")))
+    (tmp_path / "sample").mkdir()  # a typo of a folder that exists: named
+    assert _error(DataConfig(data_dir=str(tmp_path / "sampel"))).endswith(
+        f"Did you mean --data_dir {tmp_path / 'sample'}?"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ complete. A checkpoint is assembled by every rank in one temporary folder and re
 utils/checkpoint/manager.py.
 """
 
+import difflib
 import json
 import os
 import shutil
@@ -66,3 +67,28 @@ def disk_bytes(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def closest_folder(path: str | os.PathLike, holding: str | None = None) -> str | None:
+    """For a folder that does not exist: the existing folder whose path is closest to it, component by component
+    (a typo: data/sampel -> data/sample, output/hf_model -> outputs/hf_model), and that holds the file `holding`
+    when given; else None."""
+    path = os.path.normpath(os.path.expanduser(path))
+    parts = path.split(os.sep)
+    found = [parts[0] or os.sep] if os.path.isabs(path) else []  # '/a/b' splits into '', 'a', 'b'
+    for part in parts[1:] if found else parts:
+        here = os.path.join(*found) if found else "."
+        if not os.path.isdir(os.path.join(here, part)):
+            try:
+                folders = [entry.name for entry in os.scandir(here) if entry.is_dir()]
+            except OSError:
+                return None
+            close = difflib.get_close_matches(part, folders, n=1)
+            if not close:
+                return None
+            part = close[0]
+        found.append(part)
+    candidate = os.path.join(*found)
+    if candidate == path or (holding and not os.path.isfile(os.path.join(candidate, holding))):
+        return None
+    return candidate

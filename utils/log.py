@@ -39,16 +39,19 @@ def quiet_helper_process() -> None:
     logging.disable(logging.INFO)
 
 
-def setup_logging(rank: int) -> logging.Logger:
-    """Configure the package logger for this process; safe to call again (replaces the handler)."""
+def setup_logging(rank: int | None = None, stream=None) -> logging.Logger:
+    """Configure the package logger for this process; safe to call again (replaces the handler). `rank`: this
+    process's rank under torchrun, which prefixes every line; None for a single-process script (no prefix).
+    `stream`: where lines go (stdout; a script whose output is its stdout logs to stderr)."""
     logger = get_logger()
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s"))
+    handler = logging.StreamHandler(stream or sys.stdout)
+    prefix = "" if rank is None else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(f"{prefix}%(levelname)s %(message)s"))
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.setLevel(logging.INFO if rank in (None, 0) else logging.WARNING)
     logger.propagate = False
-    if rank != 0:
+    if rank not in (None, 0):
         hf_logging.disable_progress_bar()
     return logger

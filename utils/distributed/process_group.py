@@ -5,10 +5,13 @@ torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a plain
 runs as a world of one.
 """
 
+import contextlib
 import datetime
 import gc
+import json
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +136,19 @@ def group_attempt(attempt: int, device: torch.device) -> int:
     value = torch.tensor([attempt], dtype=torch.int64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return int(value.item())
+
+
+def point_launcher_to_the_log(rank: int) -> None:
+    """Under torchrun: its closing report (ChildFailedError) shows, for the rank that failed first, what that
+    rank's error file says, else only a link to torch's docs. The file says the cause is this rank's ERROR line
+    above the report, rather than repeating it: a refusal stays one message."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = f"the cause is the [rank {rank}] ERROR line above this report"
+    with contextlib.suppress(OSError):  # the launcher's report is a courtesy: never a second failure
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": message, "timestamp": str(int(time.time()))}, f)
 
 
 def init_distributed(info: DistInfo, timeout_s: int, output_dir: str | None = None) -> None:

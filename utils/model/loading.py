@@ -2,10 +2,18 @@
 facebook/bart-large-cnn) or a local folder: any encoder-decoder that AutoModelForSeq2SeqLM and AutoTokenizer
 load (docs/models.md).
 
+Where the model comes from is decided before anything is read (resolved_name): a folder that exists; a path
+that cannot be a hub id (absolute, ./, ../, ~, two or more '/', a trailing '/'), which must exist; else a
+hub id, which rank 0 looks up once with one request and no retries. Where the hub cannot be reached, the HF
+cache's copy is read as HF_HUB_OFFLINE=1 would, and without one the run stops in seconds with the offline
+fixes, instead of huggingface_hub's minutes of retries. A name that is neither a folder nor on the hub, but
+close to a model folder that exists ('output/hf_model' for 'outputs/hf_model'), says "no such folder".
+
 A checkpoint is taken only whole: a model that is not an encoder-decoder, a config.json whose architecture is
-another family's than its model_type, and weights missing from the checkpoint (the model would train partly
-from a random initialisation) each stop the run with one message before anything is trained. Weights the
-model does not use get one warning naming them.
+another family's than its model_type, a tokenizer that does not fit the model (check_tokenizer: more tokens
+than embeddings, other special tokens, or no vocabulary at all), and weights missing from the checkpoint (the
+model would train partly from a random initialisation) each stop the run with one message before anything
+is trained or cached. Weights the model does not use get one warning naming them.
 
 With rank-0-only loading (--cpu_ram_efficient_loading) some or all ranks build only a skeleton on the
 meta device, which allocates nothing; utils/model/rank0_loading.py fills it with rank 0's weights while or
@@ -15,12 +23,17 @@ full-model .pt (--resume file.pt) takes its weights from that file instead of th
 """
 
 import copy
+import functools
 import json
 import os
 from dataclasses import dataclass
 
 import torch
 import transformers
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import get_hf_file_metadata, hf_hub_url, is_offline_mode, try_to_load_from_cache
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 from torch import nn
 from transformers import (
@@ -35,13 +48,17 @@ from transformers.utils import cached_file
 
 from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
 from configs.recipe import RecipeConfig
+from utils.distributed.process_group import rank0_decides
+from utils.files import closest_folder
 from utils.log import get_logger
 from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 HUB_HINT = (
     "Pass a local folder made by save_pretrained (e.g. the embedded data/tiny-t5), or a hub name such as "
-    "t5-base on a machine that can reach huggingface.co (or has it in its HF cache)."
+    "t5-base on a machine that can reach huggingface.co or has the model in its HF cache (offline: "
+    "HF_HUB_OFFLINE=1)."
 )
+PROBE_TEXT = "hello world how are you"  # any vocabulary of a text model has these words (or their letters)
 MAX_KEYS_NAMED = 8  # a message names this many weights, then counts the rest
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -115,41 +132,174 @@ def load_model_for_run(
 
 
 def looks_like_local_path(model_name: str) -> bool:
-    """A path a user typed (not a hub id such as 't5-base' or 'google/flan-t5-base')."""
-    return os.path.isabs(model_name) or model_name.startswith(("./", "../", "~")) or os.path.exists(model_name)
+    """A path a user typed, not a hub id ('t5-base', 'google/flan-t5-base'): it exists, or a hub id cannot be
+    spelled so (absolute, ./, ../, ~, two or more '/', a trailing '/'; huggingface_hub's own rule)."""
+    if os.path.exists(model_name):
+        return True
+    try:
+        validate_repo_id(model_name)
+    except HFValidationError:
+        return True  # e.g. 'outputs/run1/hf_model': a hub id has at most one '/'
+    return False
 
 
 def check_local_model_dir(path: str) -> None:
     """Fail early, on every rank, with the fix, instead of a hub lookup of a mistyped path."""
     path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"no such folder: model path {path!r} does not exist{did_you_mean(path)}. {HUB_HINT}")
     if not os.path.isdir(path):
-        raise ConfigError(f"model path {path!r} does not exist or is not a folder. {HUB_HINT}")
+        raise ConfigError(f"model path {path!r} is a file, not a folder. {HUB_HINT}")
     if not os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a --peft lora run's hf_adapter/
+            raise ConfigError(
+                f"model folder {path!r} is a LoRA adapter, not a whole model: use the merged model a --peft lora "
+                "--merge_lora true run writes (hf_model/), or load the adapter onto its base model with "
+                "peft.PeftModel.from_pretrained (docs/ecosystem.md)"
+            )
         raise ConfigError(
             f"model folder {path!r} has no config.json: it is not a saved transformers model. {HUB_HINT}"
         )
 
 
+def did_you_mean(path: str) -> str:
+    """' (did you mean X?)' for the model folder that exists with the path closest to `path`, if any."""
+    meant = closest_folder(path, holding="config.json")
+    return f" (did you mean {meant!r}?)" if meant else ""
+
+
 def resolved_name(model_name: str) -> str:
-    """A local folder checked and expanded (a mistyped path fails here, not as a hub lookup); a hub id as is."""
+    """What from_pretrained reads: a local folder, checked and expanded (a mistyped path fails here, not as a
+    hub lookup); else a hub id as is, or its HF cache copy where the hub cannot be reached (hub_source)."""
     if looks_like_local_path(model_name):
         check_local_model_dir(model_name)
         return os.path.expanduser(model_name)
-    return model_name
+    return hub_source(model_name)
+
+
+@functools.cache  # one lookup per process: every later read of the model (config, weights) takes its answer
+def hub_source(model_id: str) -> str:
+    """A hub id as from_pretrained should read it, decided by rank 0 for every rank (collective the first time
+    for an id: load_tokenizer, which every rank calls at the same point, is the first reader of the model)."""
+    return rank0_decides(lambda: _hub_source(model_id))
+
+
+def _hub_source(model_id: str) -> str:
+    """The id itself where the hub answers for it (or HF_HUB_OFFLINE=1 is set and the HF cache holds it), the
+    HF cache's snapshot folder where the hub cannot be reached, else a ConfigError with the offline fixes.
+
+    One HEAD request for config.json, without retries, with huggingface_hub's own timeout (HF_HUB_ETAG_TIMEOUT,
+    10 s by default; instant where the name does not resolve or the port is closed). Left to transformers, each
+    file of an unreachable hub costs huggingface_hub's 5 retries (23 s, two log lines per retry)."""
+    cached = try_to_load_from_cache(model_id, "config.json")  # a path, or None / a marker when not cached
+    in_cache = isinstance(cached, str)
+    if is_offline_mode():
+        if in_cache:
+            return model_id  # transformers reads the HF cache itself, without the network
+        why = "HF_HUB_OFFLINE=1 is set"
+    else:
+        why = hub_unreachable(model_id)
+        if why is None:
+            return model_id
+        if in_cache:
+            snapshot = os.path.dirname(cached)
+            get_logger().warning(
+                "%s; reading %s from the HF cache (%s), as HF_HUB_OFFLINE=1 would", why, model_id, snapshot
+            )
+            return snapshot
+    meant = did_you_mean(model_id)
+    if meant:
+        raise ConfigError(
+            f"no such folder: {model_id!r} does not exist here{meant}, and as a hub name it cannot be read "
+            f"either: {why}."
+        )
+    raise ConfigError(
+        f"model {model_id!r} is not a folder here, and as a hub name it cannot be read: {why}, and the HF cache "
+        f"({hub_constants.HF_HUB_CACHE}) does not hold it. Offline, pass a local folder made by save_pretrained "
+        "(e.g. the embedded data/tiny-t5); or fill the HF cache on a machine with network (`hf download "
+        f"{model_id}`), copy it here (or point HF_HOME at it) and set HF_HUB_OFFLINE=1; or run where "
+        f"{hub_host()} can be reached."
+    )
+
+
+def hub_unreachable(model_id: str) -> str | None:
+    """Why the hub cannot serve `model_id` now (no connection, no answer, a server error), or None where it
+    answers. A refusal (no such model, a gated one) is an answer: transformers says it at once, in its words,
+    unless a model folder that exists has a path close to the id, which the user more likely meant."""
+    url = hf_hub_url(model_id, "config.json")
+    try:
+        get_hf_file_metadata(url, timeout=hub_constants.HF_HUB_ETAG_TIMEOUT)  # no retries by default
+    except HfHubHTTPError as err:
+        status = err.response.status_code
+        if status >= 500 or status == 429:
+            return f"{hub_host()} answers HTTP {status}"
+        meant = did_you_mean(model_id)
+        if meant:
+            raise ConfigError(
+                f"no such folder: {model_id!r} does not exist here{meant}, and {hub_host()} has no such model "
+                f"(HTTP {status})."
+            ) from None
+    except Exception as err:  # the HTTP library's connection errors and timeouts: the hub cannot be reached
+        return f"{hub_host()} cannot be reached ({type(err).__name__}: {err})"
+    return None
+
+
+def hub_host() -> str:
+    """The hub's address (HF_ENDPOINT, huggingface.co by default) as a message names it."""
+    return hub_constants.ENDPOINT.split("://", 1)[-1]
 
 
 def load_tokenizer(model_name: str) -> PreTrainedTokenizerBase:
     """The model's tokenizer alone (seconds), so the data can be read and checked before the model loads. The
-    model's config is checked first (load_model_config): a model this package cannot train stops the run
-    before any data is read or cached."""
-    load_model_config(model_name)
+    model's config is checked first (load_model_config), and the tokenizer against it (check_tokenizer): a
+    model this package cannot train, or a tokenizer that does not fit it, stops the run before any data is
+    read or cached. Collective for a hub name the first time (rank 0 looks it up: hub_source)."""
+    config = load_model_config(model_name)
     model_name = resolved_name(model_name)
     try:
-        return AutoTokenizer.from_pretrained(model_name)
+        tokenizer = AutoTokenizer.from_pretrained(model_name)
     except (OSError, ValueError) as err:
         raise ConfigError(
             f"could not load the tokenizer of {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}"
         ) from None
+    check_tokenizer(model_name, tokenizer, config)
+    return tokenizer
+
+
+def check_tokenizer(model_name: str, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
+    """ConfigError unless the tokenizer fits the model: no more tokens than the embedding has rows (T5's
+    embedding is padded beyond its tokenizer, so fewer is fine), the padding and end-of-sequence tokens the
+    model's config names, the decoder's start token among its tokens, and a vocabulary that knows plain words.
+    A folder (or HF cache entry) with a config.json but no tokenizer files gets, from transformers, a
+    tokenizer of special tokens alone (T5: 104), which turns every word into <unk> without an error."""
+    size = len(tokenizer)
+    problems = []
+    if size > config.vocab_size:
+        problems.append(
+            f"it has more tokens than the model has embeddings: ids {config.vocab_size} to {size - 1} would "
+            "index past the embedding"
+        )
+    for role, what in (("pad", "padding"), ("eos", "end-of-sequence")):
+        own, models = getattr(tokenizer, f"{role}_token_id"), getattr(config, f"{role}_token_id", None)
+        if own is None:
+            problems.append(f"it has no {what} token")
+        elif isinstance(models, int) and own != models:
+            problems.append(f"its {what} token is id {own}, the model's {role}_token_id is {models}")
+    start = config.decoder_start_token_id
+    if start >= size:
+        problems.append(f"the model's decoder_start_token_id {start} is not one of its ids")
+    ids = tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
+    if not set(tokenizer.decode(ids, skip_special_tokens=True).split()) & set(PROBE_TEXT.split()):
+        tokens = " ".join(tokenizer.convert_ids_to_tokens(ids))
+        problems.append(f"it knows no word of {PROBE_TEXT!r} ({tokens}): its vocabulary is missing")
+    if problems:
+        files = ", ".join(getattr(tokenizer, "vocab_files_names", {}).values())
+        raise ConfigError(
+            f"the tokenizer of {model_name!r} ({type(tokenizer).__name__}, {size} tokens) does not fit the model "
+            f"({config.model_type}, vocab_size {config.vocab_size}): {'; '.join(problems)}. Put the tokenizer "
+            f"the model was trained with beside its config.json (tokenizer.save_pretrained(folder) writes "
+            f"{files or 'its files'}), or download the model whole."
+        )
 
 
 def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
@@ -299,7 +449,7 @@ def cached_file_or_none(model_name: str, name: str) -> str | None:
     """The path of a model's file (downloaded to the HF cache for a hub name), or None where the model has no
     such file; any other failure (no network, no permission) is a ConfigError that says so."""
     try:
-        return cached_file(model_name, name)
+        return cached_file(resolved_name(model_name), name)
     except OSError as err:
         if "does not appear to have a file named" in str(err):  # transformers' words for a missing file
             return None

@@ -109,6 +109,7 @@ class Trainer:
         """Train from `progress` (a new run's, or a checkpoint's) to the last epoch, then export the final
         model. Returns False if a stop request (SIGTERM, Ctrl-C) ended it early, after a checkpoint.
         Collective."""
+        started = time.perf_counter()
         resumed_at = (progress.global_step, progress.epoch) if resumed else None
         path = os.path.join(self.train_config.output_dir, layout.METRICS_FILE)
         self.metrics = open_metrics(path, self.info.is_main, resumed_at, self.observe)
@@ -164,6 +165,7 @@ class Trainer:
                         return False
             get_logger().info("training ends: %s", self.done(progress))
             self.final_export(progress, last_epoch)
+            self._log_summary(progress, last_epoch, time.perf_counter() - started)
             return True
 
     def _train_pass(self, progress: TrainProgress, stop: StopRequest, profiler: StepProfiler) -> "EpochPass":
@@ -341,6 +343,22 @@ class Trainer:
             self.checkpoints.export_hf()
         elif progress.best_epoch != last_epoch:
             self.checkpoints.export_hf(last=True)
+
+    def _log_summary(self, progress: TrainProgress, last_epoch: int, seconds: float) -> None:
+        """The run's closing line: how long, how far, the best metric, where the model and the metrics are."""
+        output_dir, metric = self.train_config.output_dir, self.evaluation.metric_for_best
+        best = "no metric to choose a best epoch by"
+        if progress.best_epoch is not None:
+            best = f"best {metric} {progress.best_metric:.4f} (epoch {progress.best_epoch})"
+        models = [self.checkpoints.final_folder(last=False)]
+        if progress.best_epoch not in (None, last_epoch):
+            models.append(f"{self.checkpoints.final_folder(last=True)} (the last epoch's)")
+        get_logger().info(
+            "run finished in %s: step %d, %s; model: %s; metrics: %s",
+            _duration(seconds), progress.global_step, best,
+            ", ".join(os.path.join(output_dir, folder) for folder in models),
+            os.path.join(output_dir, layout.METRICS_FILE),
+        )  # fmt: skip
 
     def finish_finished_run(self, progress: TrainProgress) -> None:
         """A resume of a run that had ended: it says so and changes nothing, unless its final export is
