@@ -49,7 +49,11 @@ def lr_scheduler(
     return LambdaLR(optimizer, lambda step: lr_factor(step, recipe.lr_scheduler, warmup, total_steps))
 
 
+def steps_per_epoch(recipe: RecipeConfig, batches_per_epoch: int) -> int:
+    """An epoch's optimizer steps: its batches in groups of the accumulation (the last group may be shorter)."""
+    return math.ceil(batches_per_epoch / recipe.gradient_accumulation_steps)
+
+
 def total_optimizer_steps(recipe: RecipeConfig, epochs: int, batches_per_epoch: int) -> int:
     """The run's optimizer steps: --max_steps, or every epoch's batches in groups of the accumulation."""
-    per_epoch = math.ceil(batches_per_epoch / recipe.gradient_accumulation_steps)
-    return recipe.max_steps or epochs * per_epoch
+    return recipe.max_steps or epochs * steps_per_epoch(recipe, batches_per_epoch)

@@ -46,6 +46,7 @@ from utils.observe.memory import (
 )
 from utils.observe.metrics import MetricsWriter, open_metrics
 from utils.observe.profiler import StepProfiler
+from utils.train import optim
 from utils.train.preemption import StopRequest
 from utils.train.step import (
     HARDWARE_FLOPS,
@@ -98,9 +99,10 @@ class Trainer:
             recompute=throughput.recompute,
         )
         # The run's optimizer steps (--max_steps or every epoch's), for the time left; and the step last shown.
+        # (--max_steps may exceed what the epochs hold: the epochs then end the run first.)
         batches_per_epoch = len(loaders.train) if loaders.train is not None else 0
-        per_epoch = math.ceil(batches_per_epoch / recipe.gradient_accumulation_steps)
-        self.total_steps = min(recipe.max_steps or math.inf, train.epochs * per_epoch)
+        every_epoch = train.epochs * optim.steps_per_epoch(recipe, batches_per_epoch)
+        self.total_steps = min(recipe.max_steps or every_epoch, every_epoch)
         self.shown_step: int | None = None
         self.memory_account_due = True  # written once, after the run's first optimizer step
         self.metrics: MetricsWriter | None = None  # open while train() runs
@@ -251,7 +253,7 @@ class Trainer:
             return
         self.shown_step = step = step_log.latest_step
         step_seconds = step_log.latest_step_seconds
-        epoch_left = math.ceil(batches_left / self.recipe.gradient_accumulation_steps) * step_seconds
+        epoch_left = optim.steps_per_epoch(self.recipe, batches_left) * step_seconds
         run_left = max(self.total_steps - step, 0) * step_seconds
         shown = {
             "loss": f"{step_log.latest_loss:.3f}",
