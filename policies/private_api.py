@@ -78,11 +78,11 @@ def fsdp1_unsharded_flat_parameter(unit) -> torch.Tensor | None:
     return getattr(handle.flat_param, "_full_param_padded", None) if handle is not None else None
 
 
-def record_memory_history(max_entries: int) -> None:
-    """From now on the CUDA allocator records every allocation and free with its Python and C++ stack, the
-    newest `max_entries` kept, for `dump_memory_snapshot`. Public replacement: none in torch 2.13; this is
-    the function torch's guide to CUDA memory ("Understanding CUDA Memory Usage") documents."""
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+def record_memory_history(max_entries: int, stacks: bool) -> None:
+    """From now on the CUDA allocator records every allocation and free, with its Python and C++ stack if
+    `stacks`, the newest `max_entries` kept, for `dump_memory_snapshot`. Public replacement: none in torch
+    2.13; this is the function torch's guide to CUDA memory ("Understanding CUDA Memory Usage") documents."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, context="all" if stacks else None)
 
 
 def stop_memory_history() -> None:

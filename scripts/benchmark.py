@@ -162,6 +162,10 @@ PEERS_OF_SUITE = {
 }
 
 
+class CaseFailed(Exception):
+    """A case's run ended with an error; its output is the exception's text."""
+
+
 def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
     """One scripts/peers.py run: step time and peak memory per rank."""
     out = work / f"peer{len(list(work.iterdir()))}.json"
@@ -171,7 +175,7 @@ def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
                "--target_length", str(args.max_target_length), "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"peer failed: {' '.join(peer_args)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise CaseFailed(done.stdout + done.stderr)
     result = json.loads(out.read_text())
     return {"step_seconds": result["step_seconds"], "peak_memory_bytes": result["peak_memory_bytes"]}
 
@@ -255,7 +259,7 @@ def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, commo
     ]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"case failed: {' '.join(case_args)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise CaseFailed(done.stdout + done.stderr)
     records = [json.loads(line) for line in open(out / "metrics.jsonl", encoding="utf-8")]
     windows = [r["seconds"] for r in records if r["type"] == "step"][2:]  # first window: warm-up
     epoch = next(r for r in records if r["type"] == "epoch")
@@ -619,6 +623,7 @@ def main() -> int:
         "--cases", nargs="+", metavar="CASE", help="only these cases of the suite, by name (default: all)"
     )
     args = parser.parse_args()
+    args.failures = []  # cases that ended with an error (report_failure): listed under the table
     known = set(SUITES[args.suite]) | (set(EXPORT_CASE_NAMES) if args.suite == "checkpoint" else set())
     unknown = sorted(set(args.cases or []) - known)
     if unknown:
@@ -670,10 +675,15 @@ def main() -> int:
 def write_results(args, results: list[dict], table: str) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=1))
+    settings = {name: value for name, value in vars(args).items() if name != "failures"}
+    summary = {"settings": settings, "results": results, "failed": args.failures}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    if args.failures:
+        listed = "".join(f"- {f['model']}, {f['case']}: {f['error']}\n" for f in args.failures)
+        table += "\nFailed cases:\n" + listed
     (out / "results.md").write_text(table)
     print(f"\n{table}\nwritten: {out / 'results.json'}, {out / 'results.md'}")
-    return 0
+    return 1 if args.failures else 0
 
 
 def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
@@ -686,19 +696,36 @@ def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
         if GPU_ONLY & set(case_args) and not torch.cuda.is_available():
             print(f"{model} | {case} | skipped: needs a GPU", flush=True)
             continue
-        result = run_case(folder, case_args, args.nproc, args.steps, common, work / "runs")
+        try:
+            result = run_case(folder, case_args, args.nproc, args.steps, common, work / "runs")
+        except CaseFailed as failure:
+            report_failure(model, case, str(failure), args)
+            continue
         results.append({"model": model, "case": case, **result, **planner_bytes(folder, case_args, args)})
         print(f"{model} | {case} | {result['step_seconds']:.3f} s/step", flush=True)
     for case, peer_args in PEERS_OF_SUITE.get(args.suite, {}).items():
-        results.append({"model": model, "case": case, **run_peer(folder, peer_args, args, work / "runs")})
+        try:
+            results.append({"model": model, "case": case, **run_peer(folder, peer_args, args, work / "runs")})
+        except CaseFailed as failure:
+            report_failure(model, case, str(failure), args)
+            continue
         print(f"{model} | {case} | {results[-1]['step_seconds']:.3f} s/step", flush=True)
-    if args.suite in PEERS_OF_SUITE:
+    if args.suite in PEERS_OF_SUITE and results:
         # Each of this package's rows against the peak of its own compute dtype (its config.json); the peers
         # against the first row's (fp32 for the peers suite, bf16 for the gpu suite's bf16 unwrapped model).
         for result in results:
             peak = result.get("peak_tflops") or results[0]["peak_tflops"]
             result.update(fixed_shape_rates(result, folder, args, peak))
     return results
+
+
+def report_failure(model: str, case: str, output: str, args) -> None:
+    """A failed case is printed with the end of its output and listed under the table; the other cases go on
+    (on a GPU, one case that runs out of memory should not lose the suite's other rows)."""
+    print(f"{model} | {case} | FAILED\n{output[-3000:]}", flush=True)
+    errors = [line for line in output.splitlines() if "ERROR" in line or "Error" in line]
+    last_error = (errors or output.splitlines() or [""])[-1][:300]
+    args.failures.append({"model": model, "case": case, "error": last_error})
 
 
 def planner_bytes(model_dir: str, case_args: list[str], args) -> dict:

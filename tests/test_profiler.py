@@ -87,6 +87,24 @@ def test_no_profile_without_a_start_step_or_after_the_range(tmp_path):
     assert not (tmp_path / layout.PROFILE_DIR).exists()
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+@pytest.mark.parametrize("recompute", [False, True])
+def test_memory_history_is_recorded_over_the_range_on_cuda_without_stacks_under_activation_checkpointing(
+    tmp_path, monkeypatch, recompute
+):
+    """On CUDA the profiled steps also record the allocator's history; with activation checkpointing its
+    stacks are left out (they made the recompute fail under torch 2.11 on an H200)."""
+    calls = []
+    monkeypatch.setattr(profiler_module, "record_memory_history", lambda entries, stacks: calls.append(stacks))
+    monkeypatch.setattr(profiler_module, "stop_memory_history", lambda: calls.append("stop"))
+    monkeypatch.setattr(profiler_module, "dump_memory_snapshot", lambda path: open(path, "wb").close())
+    monkeypatch.setattr(profiler_module, "write_gzipped_trace", lambda profiler, path: None)
+    observe = ObserveConfig(profile_start_step=2, profile_num_steps=2)
+    cuda = torch.device("cuda")
+    run_steps(StepProfiler(observe, str(tmp_path), 0, cuda, steps_done=0, recompute=recompute), range(1, 5))
+    assert calls == [not recompute, "stop"]
+
+
 def test_an_out_of_memory_error_on_cuda_leaves_the_allocators_state_and_still_ends_the_run(
     tmp_path, monkeypatch, log_records
 ):

@@ -42,7 +42,15 @@ class StepProfiler:
     trains (a resume inside the range profiles the rest of it), and on CUDA the allocator's state at an
     out-of-memory error. `steps_done`: the global step training starts after."""
 
-    def __init__(self, observe: ObserveConfig, output_dir: str, rank: int, device: torch.device, steps_done: int):
+    def __init__(
+        self,
+        observe: ObserveConfig,
+        output_dir: str,
+        rank: int,
+        device: torch.device,
+        steps_done: int,
+        recompute: bool = False,
+    ):
         start = observe.profile_start_step
         self.first = max(start, steps_done + 1)
         self.last = start + observe.profile_num_steps - 1
@@ -53,6 +61,12 @@ class StepProfiler:
         self.wanted = start > 0 and self.first <= self.last
         self.profiler: torch.profiler.profile | None = None  # while the range is ahead or being traced
         self.recording_memory = False
+        # Where activation checkpointing recomputes blocks in the backward pass, recording each allocation's
+        # stack fails in torch 2.11 on CUDA: an op of the recompute (dropout) raises "SystemError: ... returned
+        # NULL without setting an exception" (seen on an H200 with this package's default settings; the same
+        # failure as pytorch/pytorch#179536). The snapshot then keeps every allocation and free, without the
+        # code that made them.
+        self.memory_stacks = not recompute
 
     def __enter__(self) -> "StepProfiler":
         if self.wanted:
@@ -83,7 +97,7 @@ class StepProfiler:
         if self.profiler is not None:
             self.profiler.step()  # its count becomes `step`: this step's action and its span begin
             if self.on_cuda and step == self.first:
-                record_memory_history(MEMORY_HISTORY_ENTRIES)
+                record_memory_history(MEMORY_HISTORY_ENTRIES, stacks=self.memory_stacks)
                 self.recording_memory = True
         yield
         self.steps_done = step
@@ -109,7 +123,8 @@ class StepProfiler:
             with atomic_path(layout.memory_snapshot_file(self.folder, self.rank)) as tmp:
                 dump_memory_snapshot(tmp)
             self._stop_recording_memory()
-            snapshot = f" and memory snapshots ({MEMORY_VIZ})"
+            snapshot = f" and memory snapshots ({MEMORY_VIZ}"
+            snapshot += ")" if self.memory_stacks else "; without stacks under activation checkpointing)"
         get_logger().info(
             "profile of steps %d-%d: every rank's trace%s in %s (tensorboard --logdir %s, or ui.perfetto.dev)",
             self.first, self.last, snapshot, self.folder, os.path.dirname(self.folder),

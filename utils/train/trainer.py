@@ -120,7 +120,12 @@ class Trainer:
         with self.metrics:
             # --profile_start_step's traces, and on CUDA an out-of-memory error's memory snapshot.
             profiler = StepProfiler(
-                self.observe, self.train_config.output_dir, self.info.rank, self.info.device, progress.global_step
+                self.observe,
+                self.train_config.output_dir,
+                self.info.rank,
+                self.info.device,
+                progress.global_step,
+                recompute=self.throughput.recompute,
             )
             if self.observe.profile_start_step > self.total_steps:
                 get_logger().warning(
