@@ -44,7 +44,6 @@ import functools
 import hashlib
 import io
 import json
-import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -69,7 +68,7 @@ from utils.data.shared_cache import complete_folders, shared_folder
 from utils.data.sources import SPLITS, SplitWriter, TextSource, file_fingerprint, not_utf8
 from utils.distributed.process_group import DistInfo
 from utils.files import closest_folder
-from utils.log import get_logger
+from utils.log import ProgressLines, bars_shown, get_logger, progress_bar
 
 CSV_NAME = "wikihowAll.csv"
 EXPECTED_HEADER = ["headline", "title", "text"]
@@ -195,7 +194,7 @@ def require_csv(data_dir: str | os.PathLike) -> Path:
     return csv_path
 
 
-def _csv_rows(csv_path: Path, progress: tqdm | None = None) -> Iterator[list[str]]:
+def _csv_rows(csv_path: Path, progress: tqdm | ProgressLines | None = None) -> Iterator[list[str]]:
     """The data rows of wikihowAll.csv that have the header's number of fields, as the builder read them.
 
     The builder opened the file in text mode (universal newlines), so the published file's "\r\n" line ends,
@@ -255,11 +254,6 @@ _MAX_TOKENISING_PROCESSES = 8
 _WARNED: set[tuple[Path, str]] = set()
 
 
-def _show_progress() -> bool:
-    """Bars where the rank-aware logger shows INFO (rank 0): N ranks drawing N bars is unreadable."""
-    return get_logger().isEnabledFor(logging.INFO)
-
-
 def _write_wikihow_cache(csv_path: Path, lists: dict[str, Path] | None, folder: Path) -> dict:
     """Read wikihowAll.csv once and write each split's rows (the builder's, in file order) to <split>.arrow:
     id the title, source the text, target the headline."""
@@ -269,10 +263,7 @@ def _write_wikihow_cache(csv_path: Path, lists: dict[str, Path] | None, folder: 
     with contextlib.ExitStack() as stack:
         for writer in writers.values():
             stack.callback(writer.close)
-        progress = stack.enter_context(
-            tqdm(total=csv_path.stat().st_size, unit="B", unit_scale=True, unit_divisor=1024,
-                 desc=f"Caching {CSV_NAME}", disable=not _show_progress(), dynamic_ncols=True)
-        )  # fmt: skip
+        progress = stack.enter_context(progress_bar(csv_path.stat().st_size, f"Caching {CSV_NAME}", unit="B"))
         for fields in _csv_rows(csv_path, progress):
             n_read += 1
             headline, title, text = (field.strip() for field in fields)
@@ -439,8 +430,8 @@ def _tokenising_processes(rows: int) -> int | None:
 
 
 def _write_token_cache(rows: datasets.Dataset, split: str, encode: functools.partial, folder: Path) -> dict:
-    if not _show_progress():
-        datasets.disable_progress_bars()  # this process only: it is not rank 0
+    if not bars_shown():
+        datasets.disable_progress_bars()  # this process only: not rank 0, or no terminal
     rows.map(
         encode,
         batched=True,

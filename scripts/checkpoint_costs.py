@@ -14,7 +14,7 @@ scripts/make_random_t5.py) and watch it from this process, without any hook in t
   per save; and, within each run (steadier on a machine whose speed drifts between runs), the time of the two
   steps after each save over two of that run's median step. Cases: no checkpoints; synchronous
   SHARDED_STATE_DICT saves; --async_checkpoint true. FSDP2 (--fsdp_version).
-- `resume`: each rank's peak resident memory (VmHWM, /proc) when its "Training epoch" progress bar appears
+- `resume`: each rank's peak resident memory (VmHWM, /proc) when it logs "training steps ..."
   (the load phase: data, model, sharding, the restore) and when it exits (the whole run), for a fresh run of 2
   steps that saves, and its resume to step 3, per checkpoint type, as multiples of the fp32 model.
 
@@ -49,7 +49,7 @@ BATCH = 4
 COMMON = ["--mixed_precision", "false", "--run_validation", "false", "--eval_rouge", "false",
           "--max_source_length", "128", "--max_target_length", "32", "--batch_size_training", str(BATCH),
           "--log_every_n_steps", "1"]  # fmt: skip
-TRAINING_BAR = re.compile(r"Training epoch \d+:")
+TRAINING_STARTS = re.compile(r"INFO training steps \d+-\d+")  # the load phase is over
 
 
 def launch(repo: Path, args: list[str], log: Path) -> subprocess.Popen:
@@ -83,17 +83,17 @@ def peak_rss(pid: int) -> int | None:
 
 
 def run_and_watch(repo: Path, args: list[str], log: Path, metrics: Path | None = None) -> dict:
-    """One run: every step record's arrival time (with `metrics`), each rank's VmHWM when the training bar
-    first appears and at its last reading before exit."""
+    """One run: every step record's arrival time (with `metrics`), each rank's VmHWM when training starts
+    (rank 0 logs "training steps ...") and at its last reading before exit."""
     process = launch(repo, args, log)
     lines: list[str] = []
-    bar_seen = threading.Event()
+    training_seen = threading.Event()
 
     def read_output() -> None:
         for line in process.stdout:
             lines.append(line)
-            if TRAINING_BAR.search(line):
-                bar_seen.set()
+            if TRAINING_STARTS.search(line):
+                training_seen.set()
 
     reader = threading.Thread(target=read_output, daemon=True)
     reader.start()
@@ -108,7 +108,7 @@ def run_and_watch(repo: Path, args: list[str], log: Path, metrics: Path | None =
             peak = peak_rss(pid)
             if peak is not None:
                 last_peaks[pid] = peak
-                if bar_seen.is_set() and pid not in load_peaks:
+                if training_seen.is_set() and pid not in load_peaks:
                     load_peaks[pid] = peak
         if metrics is not None and metrics.exists():
             text = metrics.read_bytes()[seen_bytes:]

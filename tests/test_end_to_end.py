@@ -344,7 +344,7 @@ def test_checkpoint_loads_into_a_fresh_unwrapped_model(finished):
 def test_progress_is_logged_by_rank_zero_only_once(finished):
     run, _ = finished
     for epoch in range(1, EPOCHS + 1):
-        assert run.stdout.count(f"epoch {epoch}:") == 1, run.describe()
+        assert run.stdout.count(f"INFO epoch {epoch}: train_loss") == 1, run.describe()
     assert "[rank 1] INFO" not in run.output
     assert "Traceback" not in run.output, run.describe()
 

@@ -33,7 +33,6 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
 
@@ -52,7 +51,7 @@ from utils.checkpoint.state_dicts import (
 )
 from utils.eval.generation import GENERATION_KEYS
 from utils.files import atomic_path, tmp_path
-from utils.log import get_logger, warnings_ignored
+from utils.log import get_logger, progress_bar, warnings_ignored
 from utils.model.loading import saved_config, skeleton
 from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
 
@@ -229,11 +228,13 @@ def convert_checkpoint(checkpoint: str, output: str, max_file_bytes: int) -> str
         with atomic_path(output) as tmp:
             os.makedirs(tmp)
             weight_map = {}
-            for index in tqdm(range(1, files + 1), desc="writing safetensors files", unit="file"):
-                names = [name for name, number in plan.items() if number == index]
-                file = layout.hf_weights_file(index, files)
-                save_file(read(names), os.path.join(tmp, file), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(names, file))
+            with progress_bar(files, "writing safetensors files", unit="file") as bar:
+                for index in range(1, files + 1):
+                    names = [name for name, number in plan.items() if number == index]
+                    file = layout.hf_weights_file(index, files)
+                    save_file(read(names), os.path.join(tmp, file), metadata={"format": "pt"})
+                    weight_map.update(dict.fromkeys(names, file))
+                    bar.update(1)
             if files > 1:
                 index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
                 with open(os.path.join(tmp, layout.HF_WEIGHTS_INDEX), "w", encoding="utf-8") as f:

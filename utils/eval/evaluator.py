@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
 
 from configs.evaluation import METRIC_NAMES
 from utils.data.loaders import EvalSet, move_batch
@@ -28,7 +27,7 @@ from utils.eval.generation import generate
 from utils.eval.rouge import lead_sentences, lead_steps
 from utils.eval.scores import SCORERS, mean_scores
 from utils.files import atomic_path
-from utils.log import get_logger
+from utils.log import get_logger, progress_bar
 
 EXAMPLES_LOGGED = 3
 
@@ -77,9 +76,8 @@ class Evaluator:
         pad_id = dataset.tokenizer.pad_token_id
         rows, position = [], 0
         score = SCORERS[self.metric]
-        bar = tqdm(total=len(self.eval_set.loader), desc=f"{METRIC_NAMES[self.metric]} evaluation",
-                   colour="magenta", disable=not self.info.is_main, dynamic_ncols=True)  # fmt: skip
-        with bar:
+        desc = f"{METRIC_NAMES[self.metric]} evaluation"
+        with progress_bar(len(self.eval_set.loader), desc, unit="batch", colour="magenta") as bar:
             for batch in self.eval_set.loader:
                 stop_if_any_rank(stop_requested, self.info.device)
                 ids = generate(model, move_batch(batch, self.info.device), self.generation).cpu()

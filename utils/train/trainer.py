@@ -35,7 +35,7 @@ from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, StopAgreed, any_rank, rank0_decides
 from utils.eval.evaluator import Evaluator
 from utils.fsdp.shard import forward_warnings_ignored
-from utils.log import get_logger
+from utils.log import format_duration, get_logger, progress_bar
 from utils.observe.flops import Throughput
 from utils.observe.memory import (
     MemoryBaseline,
@@ -132,6 +132,11 @@ class Trainer:
                     "--profile_start_step %d: this run trains steps up to %d, so nothing is profiled",
                     self.observe.profile_start_step, self.total_steps,
                 )  # fmt: skip
+            if not self.done(progress):  # the load phase is over: scripts/checkpoint_costs.py reads this line
+                get_logger().info(
+                    "training steps %d-%d, from epoch %d of %d",
+                    progress.global_step + 1, self.total_steps, progress.epoch, self.train_config.epochs,
+                )  # fmt: skip
             with StopRequest() as stop, forward_warnings_ignored(), profiler:
                 while not self.done(progress):
                     epoch = last_epoch = progress.epoch
@@ -216,7 +221,8 @@ class Trainer:
                     return run
             progress = dataclasses.replace(progress, evaluation_due=False)
         self.model.train()
-        with _bar(total_batches + done_before, f"Training epoch {epoch}", "blue", info, done_before) as bar:
+        with progress_bar(total_batches + done_before, f"Training epoch {epoch}", unit="batch", colour="blue",
+                      initial=done_before, lines=False) as bar:  # fmt: skip
             for micro_batches in _groups(self.loaders.train, recipe.gradient_accumulation_steps):
                 run.step += 1
                 with profiler.step(run.step):
@@ -268,12 +274,13 @@ class Trainer:
         if step_log.latest_mfu is not None:
             shown["mfu"] = f"{step_log.latest_mfu:.1%}"
         if not bar.disable:
-            bar.set_postfix({**shown, "run left": _duration(run_left)}, refresh=False)  # tqdm shows the epoch's
+            # tqdm shows the epoch's time left itself
+            bar.set_postfix({**shown, "run left": format_duration(run_left)}, refresh=False)
             return
         get_logger().info(
             "step %d/%d (epoch %d) | %s | epoch left %s | run left %s",
             step, self.total_steps, epoch, " | ".join(f"{k} {v}" for k, v in shown.items()),
-            _duration(epoch_left), _duration(run_left),
+            format_duration(epoch_left), format_duration(run_left),
         )  # fmt: skip
 
     def _step(self, step: int, micro_batches: list[dict], step_log: StepLog) -> None:
@@ -362,7 +369,7 @@ class Trainer:
             models.append(f"{self.checkpoints.final_folder(last=True)} (the last epoch's)")
         get_logger().info(
             "run finished in %s: step %d, %s; model: %s; metrics: %s",
-            _duration(seconds), progress.global_step, best,
+            format_duration(seconds), progress.global_step, best,
             ", ".join(os.path.join(output_dir, folder) for folder in models),
             os.path.join(output_dir, layout.METRICS_FILE),
         )  # fmt: skip
@@ -391,7 +398,7 @@ class Trainer:
         Abandoned on every rank at the next batch after a SIGTERM on any (StopAgreed)."""
         if self.loaders.val is None:
             return None
-        with _bar(len(self.loaders.val), f"Validation epoch {epoch}", "green", self.info) as bar:
+        with progress_bar(len(self.loaders.val), f"Validation epoch {epoch}", unit="batch", colour="green") as bar:
             return validate(
                 self.model,
                 self.loaders.val,
@@ -510,26 +517,6 @@ class EpochClock:
             paused = time.perf_counter() - start
             self.started += paused
             step_log.window_start += paused
-
-
-def _bar(total: int, desc: str, colour: str, info: DistInfo, initial: int = 0) -> tqdm:
-    # Rank 0 only: N ranks drawing N bars on one terminal is unreadable. disable=None: no bar where stderr is not
-    # a terminal (a log file would fill with redrawn lines; the training pass logs plain progress lines there).
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=desc,
-        colour=colour,
-        disable=None if info.is_main else True,
-        dynamic_ncols=True,
-    )
-
-
-def _duration(seconds: float) -> str:
-    """h:mm:ss, or m:ss under an hour."""
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def is_better(metric_name: str, value: float, best: float | None) -> bool:

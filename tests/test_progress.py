@@ -1,0 +1,56 @@
+"""Progress bars on a terminal, plain lines in a log (utils/log.py: progress_bar, ProgressLines)."""
+
+import logging
+import sys
+
+import pytest
+
+from utils.log import ProgressLines, get_logger, progress_bar
+
+
+def test_a_log_gets_a_line_when_work_starts_then_at_most_one_per_interval(log_records):
+    lines = ProgressLines(30, "ROUGE evaluation", "batch", every_s=3600)
+    with lines:
+        for _ in range(5):
+            lines.update(1)
+    messages = [r.getMessage() for r in log_records]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("ROUGE evaluation: 1/30 batches (3%), 0:00 so far, about ")
+    assert lines.n == 5
+
+    every = ProgressLines(4 * 2**20, "Caching wikihowAll.csv", "B", every_s=0)
+    every.update(2**20)
+    every.update(3 * 2**20)
+    assert [r.getMessage().split(",")[0] for r in log_records[1:]] == [
+        "Caching wikihowAll.csv: 1/4 MiB (25%)",
+        "Caching wikihowAll.csv: 4/4 MiB (100%)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("terminal", "tqdm_disable", "level", "lines", "expected"),
+    [
+        (True, "", logging.INFO, True, "bar"),  # rank 0 on a terminal
+        (False, "", logging.INFO, True, "lines"),  # rank 0 into a log file
+        (True, "1", logging.INFO, True, "lines"),  # TQDM_DISABLE: tqdm's own switch
+        (False, "", logging.INFO, False, "nothing"),  # work that logs its own progress (training)
+        (True, "", logging.WARNING, True, "nothing"),  # another rank: rank 0 shows it
+    ],
+)
+def test_bars_only_on_rank_0_at_a_terminal_and_lines_in_a_log(
+    monkeypatch, terminal, tqdm_disable, level, lines, expected
+):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    monkeypatch.setenv("TQDM_DISABLE", tqdm_disable)
+    logger, old_level = get_logger(), get_logger().level
+    logger.setLevel(level)  # (setLevel, not the attribute: the logger caches isEnabledFor's answers)
+    try:
+        bar = progress_bar(10, "work", lines=lines)
+    finally:
+        logger.setLevel(old_level)
+    with bar:
+        if isinstance(bar, ProgressLines):
+            shown = "lines"
+        else:
+            shown = "nothing" if bar.disable else "bar"
+    assert shown == expected
