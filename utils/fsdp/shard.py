@@ -67,6 +67,9 @@ FSDP2_VIEW_WARNINGS = tuple(
 # strategies, kept for comparisons (docs/throughput.md says when to use which); the warning is ignored where
 # FSDP1 is constructed, and nowhere else.
 FSDP1_NO_SHARD_WARNING = (FutureWarning, "The `NO_SHARD` sharding strategy is deprecated")
+# At world size 1 FSDP1 runs NO_SHARD whatever strategy it is given, and warns; log_fsdp_layout's line names
+# the strategy it runs instead (seen on one GPU: the warning came raw, the log did not say it).
+FSDP1_ONE_RANK_WARNING = (UserWarning, "FSDP is switching to use `NO_SHARD` instead of")
 
 
 def forward_warnings_ignored():
@@ -110,7 +113,7 @@ def shard_model(
             read, available = weight_reader(weights_source) if dist.get_rank() == 0 else (None, set())
             param_init_fn = UnitMaterializer(model, device, fill=True, read=read, available=available)
         mesh = fsdp1_mesh(fsdp.sharding_strategy, dist.get_world_size(), device, fsdp.hybrid_shard_group_size)
-        with warnings_ignored(FSDP1_NO_SHARD_WARNING):
+        with warnings_ignored(FSDP1_NO_SHARD_WARNING, FSDP1_ONE_RANK_WARNING):
             model = FSDP(
                 model,
                 auto_wrap_policy=get_wrap_policy(fsdp.wrap_policy, model, fsdp.min_num_params),
@@ -202,11 +205,14 @@ def log_fsdp_layout(model: nn.Module, precision: Precision) -> None:
     """One line at INFO (units by class, precision); the whole wrapped module tree at DEBUG (long for t5-3b)."""
     units = fsdp_units(model)
     by_class = Counter(unit_class_name(unit) for unit in units[1:])
+    # FSDP1's strategy as it runs (NO_SHARD at world size 1, whatever was asked)
+    strategy = "" if isinstance(model, FSDPModule) else f", {model.sharding_strategy.name}"
     get_logger().info(
-        "FSDP%d: %d units (root + %s), mixed precision %s",
+        "FSDP%d: %d units (root + %s)%s, mixed precision %s",
         2 if isinstance(model, FSDPModule) else 1,
         len(units),
         " + ".join(f"{count} {name}" for name, count in by_class.items()),
+        strategy,
         precision.name,
     )
     get_logger().debug("FSDP model:\n%s", model)
