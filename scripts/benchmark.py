@@ -163,7 +163,11 @@ PEERS_OF_SUITE = {
 
 
 class CaseFailed(Exception):
-    """A case's run ended with an error; its output is the exception's text."""
+    """A case's run ended with an error: its stdout (the package's log, with the ERROR line) and stderr."""
+
+    def __init__(self, stdout: str, stderr: str):
+        super().__init__(stdout[-300:])
+        self.stdout, self.stderr = stdout, stderr
 
 
 def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
@@ -175,13 +179,14 @@ def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
                "--target_length", str(args.max_target_length), "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if done.returncode != 0:
-        raise CaseFailed(done.stdout + done.stderr)
+        raise CaseFailed(done.stdout, done.stderr)
     result = json.loads(out.read_text())
     return {"step_seconds": result["step_seconds"], "peak_memory_bytes": result["peak_memory_bytes"]}
 
 
-def fixed_shape_rates(result: dict, model_dir: str, args, peak_tflops: float) -> dict:
-    """Tokens/s and MFU of a fixed-shape step (every position a real token), the same count for every row."""
+def fixed_shape_rates(result: dict, model_dir: str, args, peak_tflops: float | None) -> dict:
+    """Tokens/s and MFU of a fixed-shape step (every position a real token), the same count for every row; no
+    MFU without a peak."""
     from transformers import AutoConfig
 
     from utils.observe.flops import Seq2SeqFlops
@@ -194,7 +199,13 @@ def fixed_shape_rates(result: dict, model_dir: str, args, peak_tflops: float) ->
     flops = counter.training(batch, recompute=False)[0].item()
     seconds = result["step_seconds"]
     tokens = 4 * (args.max_source_length + args.max_target_length)
-    return {"tokens_per_s": args.nproc * tokens / seconds, "mfu": flops / seconds / (peak_tflops * 1e12)}
+    mfu = flops / seconds / (peak_tflops * 1e12) if peak_tflops else None
+    return {"tokens_per_s": args.nproc * tokens / seconds, "mfu": mfu}
+
+
+def percent(share: float | None) -> str:
+    """A table cell: 12.3%, or - where there is no figure."""
+    return "-" if share is None else f"{share:.1%}"
 
 
 def markdown_table(header: str, rows: list[str]) -> str:
@@ -215,7 +226,7 @@ def peers_markdown(results: list[dict]) -> str:
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
         rows.append(
             f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {ratio} | {r['tokens_per_s']:.0f} "
-            f"| {r['mfu']:.1%} | {peaks} |"
+            f"| {percent(r['mfu'])} | {peaks} |"
         )
     return markdown_table(header, rows)
 
@@ -259,7 +270,7 @@ def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, commo
     ]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if done.returncode != 0:
-        raise CaseFailed(done.stdout + done.stderr)
+        raise CaseFailed(done.stdout, done.stderr)
     records = [json.loads(line) for line in open(out / "metrics.jsonl", encoding="utf-8")]
     windows = [r["seconds"] for r in records if r["type"] == "step"][2:]  # first window: warm-up
     epoch = next(r for r in records if r["type"] == "epoch")
@@ -510,7 +521,7 @@ def markdown(results: list[dict]) -> str:
     rows = []
     for r in results:
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
-        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        mfu = percent(r["mfu"])
         rows.append(
             f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {r['samples_per_s']:.1f} "
             f"| {r['tokens_per_s']:.0f} | {mfu} | {r['train_loss']:.4f} | {peaks} "
@@ -699,7 +710,7 @@ def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
         try:
             result = run_case(folder, case_args, args.nproc, args.steps, common, work / "runs")
         except CaseFailed as failure:
-            report_failure(model, case, str(failure), args)
+            report_failure(model, case, failure, args)
             continue
         results.append({"model": model, "case": case, **result, **planner_bytes(folder, case_args, args)})
         print(f"{model} | {case} | {result['step_seconds']:.3f} s/step", flush=True)
@@ -707,25 +718,27 @@ def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
         try:
             results.append({"model": model, "case": case, **run_peer(folder, peer_args, args, work / "runs")})
         except CaseFailed as failure:
-            report_failure(model, case, str(failure), args)
+            report_failure(model, case, failure, args)
             continue
         print(f"{model} | {case} | {results[-1]['step_seconds']:.3f} s/step", flush=True)
-    if args.suite in PEERS_OF_SUITE and results:
+    if args.suite in PEERS_OF_SUITE:
         # Each of this package's rows against the peak of its own compute dtype (its config.json); the peers
-        # against the first row's (fp32 for the peers suite, bf16 for the gpu suite's bf16 unwrapped model).
+        # against the first row's (fp32 for the peers suite, bf16 for the gpu suite's bf16 unwrapped model);
+        # no MFU for them if every case of the package failed.
+        reference_peak = next((r["peak_tflops"] for r in results if "peak_tflops" in r), None)
         for result in results:
-            peak = result.get("peak_tflops") or results[0]["peak_tflops"]
-            result.update(fixed_shape_rates(result, folder, args, peak))
+            result.update(fixed_shape_rates(result, folder, args, result.get("peak_tflops") or reference_peak))
     return results
 
 
-def report_failure(model: str, case: str, output: str, args) -> None:
-    """A failed case is printed with the end of its output and listed under the table; the other cases go on
-    (on a GPU, one case that runs out of memory should not lose the suite's other rows)."""
-    print(f"{model} | {case} | FAILED\n{output[-3000:]}", flush=True)
-    errors = [line for line in output.splitlines() if "ERROR" in line or "Error" in line]
-    last_error = (errors or output.splitlines() or [""])[-1][:300]
-    args.failures.append({"model": model, "case": case, "error": last_error})
+def report_failure(model: str, case: str, failure: CaseFailed, args) -> None:
+    """A failed case is printed with the end of its output and listed under the table with its error line (the
+    package's first ERROR line, else stderr's last line); the other cases go on (on a GPU, one case that runs
+    out of memory should not lose the suite's other rows)."""
+    print(f"{model} | {case} | FAILED\n{failure.stdout[-3000:]}\n{failure.stderr[-3000:]}", flush=True)
+    errors = [line for line in failure.stdout.splitlines() if re.match(r"(\[rank \d+\] )?ERROR ", line)]
+    last_lines = [line for line in failure.stderr.splitlines() if line.strip()] or [""]
+    args.failures.append({"model": model, "case": case, "error": (errors or last_lines[-1:])[0][:300]})
 
 
 def planner_bytes(model_dir: str, case_args: list[str], args) -> dict:
@@ -758,8 +771,8 @@ def gpu_markdown(results: list[dict]) -> str:
         planner = f"{r['planner_bytes'] / 2**20:.0f}" if "planner_bytes" in r else "-"
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
         rows.append(
-            f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} "
-            f"| {peaks} | {planner} |"
+            f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {r['tokens_per_s']:.0f} "
+            f"| {percent(r['mfu'])} | {peaks} | {planner} |"
         )
     return markdown_table(header, rows)
 

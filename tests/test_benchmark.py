@@ -84,3 +84,19 @@ def test_the_data_suites_full_size_file_has_the_real_files_format_and_is_reused(
     assert rows[0]["document"] == clean_text(train[0]["text"]) and rows[0]["summary"] == clean_text(
         train[0]["headline"]
     )
+
+
+def test_a_failed_case_is_listed_with_the_packages_error_line_and_the_suite_goes_on(capsys):
+    """On a GPU one case running out of memory must not lose the others: run_suite records it and goes on;
+    the line listed is the package's ERROR line, not torchrun's report that points to it."""
+    args = type("Args", (), {"failures": []})()
+    stdout = "[rank 0] INFO model ...\n[rank 0] ERROR failed: CUDA out of memory. Tried to allocate 11.72 GiB\n"
+    stderr = "...\n  traceback : the cause is the [rank 0] ERROR line above this report\n=====\n"
+    benchmark.report_failure("t5-large", "fp32, FSDP1", benchmark.CaseFailed(stdout, stderr), args)
+    assert args.failures == [
+        {"model": "t5-large", "case": "fp32, FSDP1", "error": "[rank 0] ERROR failed: CUDA out of memory. "
+         "Tried to allocate 11.72 GiB"}
+    ]  # fmt: skip
+    assert "t5-large | fp32, FSDP1 | FAILED" in capsys.readouterr().out
+    benchmark.report_failure("t5-large", "bf16, FSDP1", benchmark.CaseFailed("", "Killed\n\n"), args)
+    assert args.failures[-1]["error"] == "Killed"

@@ -72,7 +72,7 @@ def test_cuda_memory_history_and_snapshot_keep_their_arguments():
     """utils/observe/profiler.py records and dumps CUDA memory history through these (CUDA only: the
     arguments are checked here, the calls on a GPU)."""
     record = inspect.signature(torch.cuda.memory._record_memory_history)
-    assert {"enabled", "max_entries"} <= set(record.parameters), record
+    assert {"enabled", "context", "max_entries"} <= set(record.parameters), record
     assert list(inspect.signature(torch.cuda.memory._dump_snapshot).parameters)[:1] == ["filename"]
 
 

@@ -59,7 +59,7 @@ def labels_traced(events: list[dict], label: str) -> list[int]:
 
 def test_only_the_chosen_steps_are_traced_each_a_span_named_by_its_global_step(tmp_path, log_records):
     observe = ObserveConfig(profile_start_step=3, profile_num_steps=2)
-    run_steps(StepProfiler(observe, str(tmp_path), 0, CPU, steps_done=0), range(1, 7))
+    run_steps(StepProfiler(observe, str(tmp_path), 0, CPU, steps_done=0, recompute=False), range(1, 7))
     folder = layout.profile_dir(str(tmp_path), 3, 4)
     events = read_trace(layout.trace_file(folder, 0))
     # Step 2, the warmup, and steps 5 and 6 ran under the profiler too, but left nothing in the trace; what
@@ -75,15 +75,16 @@ def test_only_the_chosen_steps_are_traced_each_a_span_named_by_its_global_step(t
 def test_a_resume_inside_the_range_traces_its_rest_and_an_early_end_what_it_trained(tmp_path):
     observe = ObserveConfig(profile_start_step=3, profile_num_steps=3)
     # Resumed after step 3 (no step before the range to warm up in), ended by --max_steps after step 4.
-    run_steps(StepProfiler(observe, str(tmp_path), 1, CPU, steps_done=3), range(4, 5))
+    run_steps(StepProfiler(observe, str(tmp_path), 1, CPU, steps_done=3, recompute=False), range(4, 5))
     events = read_trace(layout.trace_file(layout.profile_dir(str(tmp_path), 4, 5), 1))
     assert steps_traced(events) == [4] and labels_traced(events, "work") == [4]
 
 
 def test_no_profile_without_a_start_step_or_after_the_range(tmp_path):
-    run_steps(StepProfiler(ObserveConfig(), str(tmp_path), 0, CPU, steps_done=0), range(1, 4))
+    run_steps(StepProfiler(ObserveConfig(), str(tmp_path), 0, CPU, steps_done=0, recompute=False), range(1, 4))
     after = ObserveConfig(profile_start_step=2, profile_num_steps=2)
-    run_steps(StepProfiler(after, str(tmp_path), 0, CPU, steps_done=3), range(4, 6))  # resumed past it
+    resumed_past_it = StepProfiler(after, str(tmp_path), 0, CPU, steps_done=3, recompute=False)
+    run_steps(resumed_past_it, range(4, 6))
     assert not (tmp_path / layout.PROFILE_DIR).exists()
 
 
@@ -116,7 +117,7 @@ def test_an_out_of_memory_error_on_cuda_leaves_the_allocators_state_and_still_en
             f.write(b"snapshot")
 
     monkeypatch.setattr(profiler_module, "dump_memory_snapshot", dump_memory_snapshot)
-    profiler = StepProfiler(ObserveConfig(), str(tmp_path), 1, torch.device("cuda"), steps_done=4)
+    profiler = StepProfiler(ObserveConfig(), str(tmp_path), 1, torch.device("cuda"), steps_done=4, recompute=False)
     with pytest.raises(torch.OutOfMemoryError), profiler:
         with profiler.step(5):
             pass
@@ -189,7 +190,7 @@ def profiled_fsdp2_worker(rank: int, world_size: int, output_dir: str) -> str:
     model = shard_model(tiny_t5(), config, FP32, CPU)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     observe = ObserveConfig(profile_start_step=2, profile_num_steps=2)
-    with StepProfiler(observe, output_dir, rank, CPU, steps_done=0) as profiler:
+    with StepProfiler(observe, output_dir, rank, CPU, steps_done=0, recompute=False) as profiler:
         for step in range(1, 4):
             with profiler.step(step):
                 train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)

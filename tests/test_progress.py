@@ -22,8 +22,8 @@ def test_a_log_gets_a_line_when_work_starts_then_at_most_one_per_interval(log_re
     every.update(2**20)
     every.update(3 * 2**20)
     assert [r.getMessage().split(",")[0] for r in log_records[1:]] == [
-        "Caching wikihowAll.csv: 1/4 MiB (25%)",
-        "Caching wikihowAll.csv: 4/4 MiB (100%)",
+        "Caching wikihowAll.csv: 1.0/4.0 MiB (25%)",
+        "Caching wikihowAll.csv: 4.0/4.0 MiB (100%)",
     ]
 
 
@@ -33,6 +33,7 @@ def test_a_log_gets_a_line_when_work_starts_then_at_most_one_per_interval(log_re
         (True, "", logging.INFO, True, "bar"),  # rank 0 on a terminal
         (False, "", logging.INFO, True, "lines"),  # rank 0 into a log file
         (True, "1", logging.INFO, True, "lines"),  # TQDM_DISABLE: tqdm's own switch
+        (True, "0", logging.INFO, True, "bar"),  # (tqdm alone would take any value as set)
         (False, "", logging.INFO, False, "nothing"),  # work that logs its own progress (training)
         (True, "", logging.WARNING, True, "nothing"),  # another rank: rank 0 shows it
     ],

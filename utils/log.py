@@ -64,7 +64,7 @@ def setup_logging(rank: int | None = None, stream=None) -> logging.Logger:
 
 def bars_shown() -> bool:
     """Whether this process draws progress bars: it logs INFO (rank 0, or a script), stderr (where tqdm draws)
-    is a terminal, and TQDM_DISABLE is not set."""
+    is a terminal, and TQDM_DISABLE is not 1, true, yes or on."""
     disabled = os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
     return get_logger().isEnabledFor(logging.INFO) and sys.stderr.isatty() and not disabled
 
@@ -75,8 +75,9 @@ def progress_bar(total: int, desc: str, *, unit: str = "it", colour: str | None 
     a tqdm bar where bars are drawn (`bars_shown`); elsewhere, on the process that logs INFO, plain log
     lines (`ProgressLines`), unless `lines` is False (work that logs its own progress); else nothing."""
     if bars_shown():
+        # disable=False: bars_shown has decided (tqdm alone would take any TQDM_DISABLE value, even 0, as set)
         return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024, colour=colour,
-                    initial=initial, dynamic_ncols=True)  # fmt: skip
+                    initial=initial, dynamic_ncols=True, disable=False)  # fmt: skip
     if lines and get_logger().isEnabledFor(logging.INFO):
         return ProgressLines(total, desc, unit, initial)
     return tqdm(total=total, initial=initial, disable=True)
@@ -112,7 +113,7 @@ class ProgressLines:
 
     def line(self, elapsed: float) -> str:
         if self.unit == "B":
-            amount = f"{self.n / 2**20:.0f}/{self.total / 2**20:.0f} MiB"
+            amount = f"{self.n / 2**20:.1f}/{self.total / 2**20:.1f} MiB"
         else:
             plural = "es" if self.unit.endswith(("s", "sh", "ch", "x")) else "s"
             amount = f"{self.n}/{self.total} {self.unit}{plural if self.total != 1 else ''}"

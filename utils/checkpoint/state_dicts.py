@@ -43,7 +43,8 @@ FSDP1_STATE_DICT_WARNINGS = (
     (FutureWarning, "FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated"),
     # NO_SHARD (asked for, or FSDP1's choice at world size 1): a sharded state dict holds whole tensors,
     # which local_rows and fill_from_full take as they are
-    (UserWarning, "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned"),
+    # ("will be returned" when saving, "willbe returned" when loading)
+    (UserWarning, "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"),
 )
 
 

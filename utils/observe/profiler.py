@@ -49,7 +49,8 @@ class StepProfiler:
         rank: int,
         device: torch.device,
         steps_done: int,
-        recompute: bool = False,
+        *,
+        recompute: bool,
     ):
         start = observe.profile_start_step
         self.first = max(start, steps_done + 1)
@@ -132,7 +133,8 @@ class StepProfiler:
 
     def _write_out_of_memory(self) -> None:
         """The allocator's state when this rank ran out of memory: every segment and block, and where memory
-        history was being recorded (the profiled steps), which code allocated each block."""
+        history was being recorded (the profiled steps) the allocations and frees, with their stacks unless
+        activation checkpointing left them out."""
         path = layout.memory_snapshot_file(layout.out_of_memory_dir(self.output_dir, self.steps_done), self.rank)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -23,6 +23,7 @@ from policies.private_api import skip_next_step_if
 from utils.data.loaders import move_batch
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import stop_if_any_rank
+from utils.log import ProgressLines
 from utils.observe.flops import Seq2SeqFlops
 from utils.observe.memory import SavedTensorCounter
 
@@ -187,7 +188,7 @@ def validate(
     *,
     device: torch.device,
     num_real_samples: int,
-    progress: tqdm,
+    progress: "tqdm | ProgressLines",
     stop_requested: Callable[[], bool] | None = None,
 ):
     """Token-mean validation loss over the real samples of every rank.

@@ -132,7 +132,9 @@ class Trainer:
                     "--profile_start_step %d: this run trains steps up to %d, so nothing is profiled",
                     self.observe.profile_start_step, self.total_steps,
                 )  # fmt: skip
-            if not self.done(progress):  # the load phase is over: scripts/checkpoint_costs.py reads this line
+            if not self.done(progress) and progress.global_step < self.total_steps:
+                # The load phase is over (scripts/checkpoint_costs.py reads this line). A run resumed for its
+                # last evaluation alone has no step left to name.
                 get_logger().info(
                     "training steps %d-%d, from epoch %d of %d",
                     progress.global_step + 1, self.total_steps, progress.epoch, self.train_config.epochs,
