@@ -430,8 +430,6 @@ def _tokenising_processes(rows: int) -> int | None:
 
 
 def _write_token_cache(rows: datasets.Dataset, split: str, encode: functools.partial, folder: Path) -> dict:
-    if not bars_shown():
-        datasets.disable_progress_bars()  # this process only: not rank 0, or no terminal
     rows.map(
         encode,
         batched=True,
@@ -663,6 +661,8 @@ def build_loaders(
     """This rank's training loader (shuffled, resumable), validation loader (in order, padded) and generation
     set; --run_validation false builds neither of the last two. --evaluate_only: its split's set alone (a test
     file alone will do)."""
+    if not bars_shown():  # datasets' own bars (loading, tokenising) follow the package's rule, in this process
+        datasets.disable_progress_bars()
     if evaluation.evaluate_only:
         eval_set = build_eval_set(tokenizer, data, train, evaluation, info, evaluation.eval_split)
         get_logger().info("samples: %s %d", evaluation.eval_split, len(eval_set.dataset))
