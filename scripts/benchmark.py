@@ -175,8 +175,9 @@ def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
     out = work / f"peer{len(list(work.iterdir()))}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--standalone",
                str(REPO_ROOT / "scripts" / "peers.py"), *peer_args, "--model_name", model_dir,
-               "--steps", str(args.steps), "--source_length", str(args.max_source_length),
-               "--target_length", str(args.max_target_length), "--out", str(out)]  # fmt: skip
+               "--steps", str(args.steps), "--batch_size", str(args.batch_size),
+               "--source_length", str(args.max_source_length), "--target_length", str(args.max_target_length),
+               "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise CaseFailed(done.stdout, done.stderr)
@@ -192,13 +193,13 @@ def fixed_shape_rates(result: dict, model_dir: str, args, peak_tflops: float | N
     from utils.observe.flops import Seq2SeqFlops
 
     batch = {
-        "source_mask": torch.ones(4, args.max_source_length),
-        "target_mask": torch.ones(4, args.max_target_length),
+        "source_mask": torch.ones(args.batch_size, args.max_source_length),
+        "target_mask": torch.ones(args.batch_size, args.max_target_length),
     }
     counter = Seq2SeqFlops.from_config(AutoConfig.from_pretrained(model_dir))
     flops = counter.training(batch, recompute=False)[0].item()
     seconds = result["step_seconds"]
-    tokens = 4 * (args.max_source_length + args.max_target_length)
+    tokens = args.batch_size * (args.max_source_length + args.max_target_length)
     mfu = flops / seconds / (peak_tflops * 1e12) if peak_tflops else None
     return {"tokens_per_s": args.nproc * tokens / seconds, "mfu": mfu}
 
@@ -231,9 +232,10 @@ def peers_markdown(results: list[dict]) -> str:
     return markdown_table(header, rows)
 
 
-def run_case(model_dir: str, case_args: list[str], nproc: int, steps: int, common: list[str], work: Path) -> dict:
+def run_case(
+    model_dir: str, case_args: list[str], nproc: int, steps: int, batch: int, common: list[str], work: Path
+) -> dict:
     out = work / f"run{len(list(work.iterdir()))}"
-    batch = 4
     accumulation = int(case_args[case_args.index("--gradient_accumulation_steps") + 1]) if (
         "--gradient_accumulation_steps" in case_args) else 1  # fmt: skip
     args = [
@@ -615,6 +617,9 @@ def main() -> int:
     )
     parser.add_argument("--repo", help="data suite: run this checkout's T5_training.py instead (the control)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per case")
+    parser.add_argument(
+        "--batch_size", type=int, default=4, help="training batch per rank of every case and peer (default 4)"
+    )
     parser.add_argument("--max_source_length", type=int, default=128)
     parser.add_argument("--max_target_length", type=int, default=32)
     parser.add_argument(
@@ -648,6 +653,12 @@ def main() -> int:
         parser.error(f"--suite {args.suite} rates fixed shapes: it needs --data full_lengths")
     if args.suite == "gpu" and args.nproc != 1:
         parser.error("--suite gpu measures one device: --nproc 1")
+    wanted = args.steps * args.batch_size * args.nproc
+    if args.data == "embedded" and args.suite != "data" and wanted > len(load_wikihow(EMBEDDED_DATA_DIR, "train")):
+        parser.error(
+            f"--steps x --batch_size x --nproc = {wanted} samples, more than the embedded sample's train split: "
+            "use --data wikihow_lengths or full_lengths (generated with as many rows as needed)"
+        )
     if args.suite == "data":
         with tempfile.TemporaryDirectory() as tmp:
             results = run_data_suite(args, Path(tmp))
@@ -667,7 +678,9 @@ def main() -> int:
             # full_lengths: about 400 and 100 tokens, past the max lengths the fixed-shape suites use
             # (short enough that tokenizing them costs the same as tokenizing WikiHow's articles).
             means, sigma = ((500, 46), 0.6) if args.data == "wikihow_lengths" else ((300, 80), 0.0)
-            common += ["--data_dir", wikihow_length_sample(work / "data", means, sigma)]
+            # Rows for every case's samples (up to 4 micro-batches a step), about 9 in 10 of them in train.
+            rows = max(1600, 2 * args.steps * args.batch_size * args.nproc * 4)
+            common += ["--data_dir", wikihow_length_sample(work / "data", means, sigma, rows)]
         results = [result for model in args.models for result in run_suite(model, args, common, work)]
         if args.suite == "checkpoint":
             for model in args.models:
@@ -708,7 +721,7 @@ def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
             print(f"{model} | {case} | skipped: needs a GPU", flush=True)
             continue
         try:
-            result = run_case(folder, case_args, args.nproc, args.steps, common, work / "runs")
+            result = run_case(folder, case_args, args.nproc, args.steps, args.batch_size, common, work / "runs")
         except CaseFailed as failure:
             report_failure(model, case, failure, args)
             continue
@@ -755,7 +768,7 @@ def planner_bytes(model_dir: str, case_args: list[str], args) -> dict:
         sharding_strategy="FULL_SHARD",
         mixed_precision="fp16" if flag("--use_fp16", "false") == "true" else precision,
         activation_checkpointing=flag("--fsdp_activation_checkpointing", "true") == "true",
-        batch_size=4,
+        batch_size=args.batch_size,
         max_source_length=args.max_source_length,
         max_target_length=args.max_target_length,
         device="cuda" if torch.cuda.is_available() else "cpu",

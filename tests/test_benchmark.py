@@ -27,7 +27,8 @@ def test_every_case_is_a_valid_gpu_run(suite):
 @pytest.mark.slow
 def test_gpu_suite_runs_at_tiny_scale_on_cpu(tmp_path):
     command = [sys.executable, "scripts/benchmark.py", "--suite", "gpu", "--steps", "3", "--cases", *RUN_CASES,
-               "--max_source_length", "32", "--max_target_length", "8", "--out", str(tmp_path)]  # fmt: skip
+               "--batch_size", "2", "--max_source_length", "32", "--max_target_length", "8",
+               "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     chosen = [case for case in SUITES["gpu"] if case in RUN_CASES]  # in the suite's order
@@ -37,7 +38,8 @@ def test_gpu_suite_runs_at_tiny_scale_on_cpu(tmp_path):
     assert [r["case"] for r in results] == runnable + list(PEERS_OF_SUITE["gpu"])
     assert skipped and all(f"{case} | skipped: needs a GPU" in done.stdout for case in skipped)
     for r in results:
-        assert r["step_seconds"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1, r
+        assert r["step_seconds"] > 0 and 0 < r["mfu"] < 1, r
+        assert r["tokens_per_s"] == pytest.approx(2 * (32 + 8) / r["step_seconds"]), r  # --batch_size 2
         assert len(r["peak_memory_bytes"]) == 1, r  # one device
     assert all("planner_bytes" in r for r in results if r["case"] in runnable)
     table = (tmp_path / "results.md").read_text()
