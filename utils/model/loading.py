@@ -209,10 +209,7 @@ def _hub_source(model_id: str) -> str:
             return snapshot
     meant = did_you_mean(model_id)
     if meant:
-        raise ConfigError(
-            f"no such folder: {model_id!r} does not exist here{meant}, and as a hub name it cannot be read "
-            f"either: {why}."
-        )
+        raise no_such_folder(model_id, meant, f"as a hub name it cannot be read either: {why}")
     raise ConfigError(
         f"model {model_id!r} is not a folder here, and as a hub name it cannot be read: {why}, and the HF cache "
         f"({hub_constants.HF_HUB_CACHE}) does not hold it. Offline, pass a local folder made by save_pretrained "
@@ -235,13 +232,16 @@ def hub_unreachable(model_id: str) -> str | None:
             return f"{hub_host()} answers HTTP {status}"
         meant = did_you_mean(model_id)
         if meant:
-            raise ConfigError(
-                f"no such folder: {model_id!r} does not exist here{meant}, and {hub_host()} has no such model "
-                f"(HTTP {status})."
-            ) from None
+            raise no_such_folder(model_id, meant, f"{hub_host()} has no such model (HTTP {status})") from None
     except Exception as err:  # the HTTP library's connection errors and timeouts: the hub cannot be reached
         return f"{hub_host()} cannot be reached ({type(err).__name__}: {err})"
     return None
+
+
+def no_such_folder(model_id: str, meant: str, hub_answer: str) -> ConfigError:
+    """The error for a name that is no folder here but close to one that is (`meant`: did_you_mean's words),
+    with what the hub made of it."""
+    return ConfigError(f"no such folder: {model_id!r} does not exist here{meant}, and {hub_answer}.")
 
 
 def hub_host() -> str:
