@@ -10,10 +10,13 @@ import dataclasses
 import functools
 import gc
 import math
+import os
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.data import Dataset
@@ -28,6 +31,7 @@ from configs.paths import EMBEDDED_MODEL_DIR
 from policies.mixed_precision import POLICIES, Precision
 from summarization_dataset import pad_collate
 from utils import layout
+from utils.checkpoint import manager as checkpoint_manager
 from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
@@ -329,6 +333,47 @@ def checkpoint_worker(rank: int, world_size: int, path: str, fsdp_version: int =
             logit_scale=fsdp_logits.abs().max().item(),
             tied=plain.lm_head.weight.data_ptr() == plain.shared.weight.data_ptr(),
         )
+    return out
+
+
+def self_closing_stager_worker(rank: int, world_size: int, output_root: str) -> dict:
+    """FSDP2 background saves (--async_checkpoint) under the DefaultStager of torch 2.11 and 2.12, which closes
+    itself at the end of every stage: emulated here by its public `close` after each `stage`. Three saves
+    through the checkpoint manager, with a stager per save (what the manager does before torch 2.13) and with
+    one stager for the run (the control, which those versions break). The checkpoints completed, or the error."""
+    original_stage = DefaultStager.stage
+
+    def stage_then_close(stager, state_dict, **kwargs):
+        staged = original_stage(stager, state_dict, **kwargs)
+        stager.close()
+        return staged
+
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    fsdp = _fsdp_config({"fsdp_version": 2, "checkpoint_type": layout.SHARDED})
+    checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=3, async_checkpoint=True)
+    out = {}
+    for stager_per_save in (True, False):
+        output_dir = os.path.join(output_root, f"per_save_{stager_per_save}")
+        model = shard_model(tiny_t5(), fsdp, FP32, CPU)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        manager = CheckpointManager(checkpointing, fsdp, output_dir, model, optimizer, scheduler, None,
+                                    model.config, tokenizer, info, LoraConfig(), EMBEDDED_MODEL_DIR)  # fmt: skip
+        with (
+            mock.patch.object(DefaultStager, "stage", stage_then_close),
+            mock.patch.object(checkpoint_manager, "STAGER_SERVES_ONE_SAVE", stager_per_save),
+            manager as checkpoints,
+        ):
+            try:
+                for step in (1, 2, 3):
+                    train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
+                    checkpoints.save(TrainProgress(epoch=1, samples_consumed=step, global_step=step))
+                checkpoints.finish_pending()
+                dist.barrier()  # rank 0 completes (renames) the last one
+                out[stager_per_save] = sorted(os.listdir(layout.checkpoint_root(output_dir)))
+            except Exception as err:  # the control's failure, returned to be asserted
+                out[stager_per_save] = f"{type(err).__name__}: {err}"
     return out
 
 

@@ -67,3 +67,16 @@ def test_async_checkpoint_needs_sharded_checkpoints():
     with pytest.raises(ConfigError, match="--async_checkpoint true .* Add --checkpoint_type SHARDED_STATE_DICT"):
         check_settings(parse_args(["--async_checkpoint", "true"]), 2, "cpu")
     check_settings(parse_args(ASYNC), 2, "cpu")
+
+
+def test_background_saves_survive_a_stager_that_closes_itself_after_each_save(tmp_path):
+    """torch 2.11 and 2.12's DefaultStager closes itself after each stage (the GPU machine's torch 2.11 failed
+    at the second FSDP2 background save with "KeyError: <class 'type'>"): the manager gives each save a stager
+    of its own there. The control, one stager for the run, fails as those versions did."""
+    from tests.dist_harness import run_ranks
+    from tests.dist_workers import self_closing_stager_worker
+
+    results = run_ranks(self_closing_stager_worker, str(tmp_path), world_size=2)
+    for out in results:
+        assert out[True] == ["step_00000001", "step_00000002", "step_00000003"]
+        assert out[False].startswith("KeyError: <class 'type'>"), out[False]

@@ -38,6 +38,7 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim.lr_scheduler import LRScheduler
+from torch.torch_version import TorchVersion
 
 from configs.checkpointing import CheckpointConfig
 from configs.errors import FAILURES, CheckpointError, UserError, error_summary
@@ -123,6 +125,7 @@ class CheckpointManager:
         self.base_model = base_model  # what the adapter names as its base (utils/model/lora.py: adapter_base)
         self.run_id = layout.time_stamp()  # names this run's .pt files
         self.pending: BackgroundSave | None = None
+        self.said_saves_wait = False  # a save waited for the previous one's write (warned once)
         # Rank 0 deletes pruned checkpoints in a thread: an rmtree of gigabytes between two steps would hold up
         # every rank at the next collective.
         self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if info.is_main else None
@@ -133,7 +136,8 @@ class CheckpointManager:
         self.background_group = self.stager = self.background_writer = None
         if checkpointing.async_checkpoint:
             self.background_group = dist.new_group(backend="gloo")
-            self.stager, self.background_writer = _background_writer(model, info.device)
+            self.new_stager, self.background_writer = _background_writer(model, info.device)
+            self.stager = self.new_stager()
 
     # ------------------------------------------------------------------------------------ resumable
 
@@ -151,7 +155,7 @@ class CheckpointManager:
         if self.checkpointing.keep_last_n == 0:
             return None
         WHERE.enter("checkpoint save")
-        self.finish_pending()  # at most one save in flight
+        self._wait_for_the_previous_write(progress.global_step)  # at most one save in flight
         started = time.perf_counter()
         final = os.path.join(layout.checkpoint_root(self.output_dir), layout.step_dir_name(progress.global_step))
         tmp = layout.tmp_checkpoint_dir(self.output_dir, progress.global_step)
@@ -199,6 +203,9 @@ class CheckpointManager:
     def _write_in_background(self, payload: dict, folder: str) -> Future:
         """DCP's async_save of `payload` into `folder` with this run's stager and writer: staged (copied to
         host memory) before it returns, written in the background. Collective."""
+        if STAGER_SERVES_ONE_SAVE and isinstance(self.stager, DefaultStager):
+            self.stager.close()
+            self.stager = self.new_stager()
         return dcp.async_save(
             payload,
             storage_writer=RecordingWriter(folder),
@@ -206,6 +213,23 @@ class CheckpointManager:
             async_checkpointer_type=self.background_writer,
             async_stager=self.stager,
         )
+
+    def _wait_for_the_previous_write(self, step: int) -> None:
+        """Finish the background save in flight before the next one. Training waits for it only where the
+        steps between two saves took less time than a write: said once, with the fix."""
+        if self.pending is None:
+            return
+        still_writing, waited_from = not self.pending.future.done(), time.perf_counter()
+        self.finish_pending()
+        if still_writing and not self.said_saves_wait:
+            self.said_saves_wait = True
+            say = get_logger().warning if self.info.is_main else get_logger().info  # said once, by rank 0
+            say(
+                "the checkpoint of step %d waited %.2f s for the previous checkpoint's background write to "
+                "finish: the steps between two saves took less time than one write. Save less often "
+                "(--save_every_n_steps) so that the writes run behind training",
+                step, time.perf_counter() - waited_from,
+            )  # fmt: skip
 
     def poll(self) -> None:
         """Between steps: complete a background save whose write has finished (rank 0 renames it; no
@@ -475,17 +499,24 @@ class CheckpointManager:
         return layout.HF_LAST_DIR if last else layout.HF_DIR
 
 
+# torch 2.11 and 2.12's DefaultStager clears its copy tables at the end of every stage (to break a reference
+# cycle), so a second save through it fails with "KeyError: <class 'type'>"; from 2.13 on it serves every save
+# and keeps its buffers for the next. Before 2.13 each background save gets a DefaultStager of its own (those
+# versions freed the buffers after each save anyway, so this costs nothing there).
+STAGER_SERVES_ONE_SAVE = TorchVersion(torch.__version__) < (2, 13)
+
+
 def _background_writer(model: nn.Module, device: torch.device) -> tuple:
-    """(what copies the shards to host memory, who writes them) for a background save. FSDP2: into shared
-    memory kept for the next save (pinned too on GPU), which DCP's writer process reads directly. FSDP1: a
-    plain copy (on GPU into pinned buffers kept for the next save) that a thread writes."""
+    """(what makes the stager that copies the shards to host memory, who writes them) for a background save.
+    FSDP2: into shared memory kept for the next save (pinned too on GPU), which DCP's writer process reads
+    directly. FSDP1: a plain copy (on GPU into pinned buffers kept for the next save) that a thread writes."""
     on_gpu = device.type == "cuda"
     if isinstance(model, FSDPModule):
         options = StagingOptions(
             use_pinned_memory=on_gpu, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=on_gpu
         )
-        return DefaultStager(options), AsyncCheckpointerType.PROCESS
-    return BlockingAsyncStager(cache_staged_state_dict=on_gpu), AsyncCheckpointerType.THREAD
+        return partial(DefaultStager, options), AsyncCheckpointerType.PROCESS
+    return partial(BlockingAsyncStager, cache_staged_state_dict=on_gpu), AsyncCheckpointerType.THREAD
 
 
 def _rng_state(device: torch.device) -> dict:
