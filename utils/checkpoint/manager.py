@@ -76,6 +76,7 @@ from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo
 from utils.files import write_json
 from utils.log import get_logger
+from utils.observe.memory import trim_host_heap
 
 
 @dataclass
@@ -133,11 +134,11 @@ class CheckpointManager:
         # Background writes (collective: every rank creates the group). DCP's writer process needs a group
         # to agree on its own store's address; a writer thread talks over it, so that its collectives never
         # interleave with training's.
-        self.background_group = self.stager = self.background_writer = None
+        self.background_group = self.stager = self.make_stager = self.background_writer = None
         if checkpointing.async_checkpoint:
             self.background_group = dist.new_group(backend="gloo")
-            self.new_stager, self.background_writer = _background_writer(model, info.device)
-            self.stager = self.new_stager()
+            self.make_stager, self.background_writer = _background_writer(model, info.device)
+            self.stager = self.make_stager()
 
     # ------------------------------------------------------------------------------------ resumable
 
@@ -155,7 +156,10 @@ class CheckpointManager:
         if self.checkpointing.keep_last_n == 0:
             return None
         WHERE.enter("checkpoint save")
-        self._wait_for_the_previous_write(progress.global_step)  # at most one save in flight
+        self._wait_for_the_previous_write(progress.global_step, periodic=not blocking)  # one save in flight
+        # glibc keeps the freed activations of the last steps resident in its heaps, laid out as the process's
+        # history left them: given back first, the save's peak is what it holds (a resumed run's included).
+        trim_host_heap()
         started = time.perf_counter()
         final = os.path.join(layout.checkpoint_root(self.output_dir), layout.step_dir_name(progress.global_step))
         tmp = layout.tmp_checkpoint_dir(self.output_dir, progress.global_step)
@@ -170,7 +174,7 @@ class CheckpointManager:
         self._write_small_files(tmp, optim_state)
         written = {}  # rank 0's files hashed as they were written (model.pt, optimizer.pt)
         if full:
-            # With CPU offload (GPU runs) only rank 0 receives the gathered state; the others get {}.
+            # With CPU offload (GPU runs; FSDP2 on CPU too) only rank 0 receives the gathered state; others get {}.
             if self.info.is_main:
                 with hashed_file(tmp, layout.MODEL_FILE, written) as f:
                     torch.save(model_state, f)
@@ -205,7 +209,7 @@ class CheckpointManager:
         host memory) before it returns, written in the background. Collective."""
         if STAGER_SERVES_ONE_SAVE and isinstance(self.stager, DefaultStager):
             self.stager.close()
-            self.stager = self.new_stager()
+            self.stager = self.make_stager()
         return dcp.async_save(
             payload,
             storage_writer=RecordingWriter(folder),
@@ -214,21 +218,25 @@ class CheckpointManager:
             async_stager=self.stager,
         )
 
-    def _wait_for_the_previous_write(self, step: int) -> None:
-        """Finish the background save in flight before the next one. Training waits for it only where the
-        steps between two saves took less time than a write: said once, with the fix."""
-        if self.pending is None:
+    def _wait_for_the_previous_write(self, step: int, periodic: bool) -> None:
+        """Finish the background save in flight before the next one. Where a periodic save had to wait for the
+        previous periodic one, the steps between two saves took less time than a write, and training waits
+        for every write: said once, with the fix."""
+        pending = self.pending
+        if pending is None:
             return
-        still_writing, waited_from = not self.pending.future.done(), time.perf_counter()
+        still_writing, waited_from = not pending.future.done(), time.perf_counter()
         self.finish_pending()
-        if still_writing and not self.said_saves_wait:
+        since = step - pending.train_state["progress"]["global_step"]
+        cadence = periodic and since == self.checkpointing.save_every_n_steps
+        if still_writing and cadence and not self.said_saves_wait:
             self.said_saves_wait = True
             say = get_logger().warning if self.info.is_main else get_logger().info  # said once, by rank 0
             say(
-                "the checkpoint of step %d waited %.2f s for the previous checkpoint's background write to "
-                "finish: the steps between two saves took less time than one write. Save less often "
-                "(--save_every_n_steps) so that the writes run behind training",
-                step, time.perf_counter() - waited_from,
+                "the checkpoint of step %d waited %.2f s for the background write of step %d's: the %d steps "
+                "between two saves took less time than one write. Save less often (--save_every_n_steps) so "
+                "that the writes run behind training",
+                step, time.perf_counter() - waited_from, step - since, since,
             )  # fmt: skip
 
     def poll(self) -> None:
@@ -500,16 +508,17 @@ class CheckpointManager:
 
 
 # torch 2.11 and 2.12's DefaultStager clears its copy tables at the end of every stage (to break a reference
-# cycle), so a second save through it fails with "KeyError: <class 'type'>"; from 2.13 on it serves every save
-# and keeps its buffers for the next. Before 2.13 each background save gets a DefaultStager of its own (those
-# versions freed the buffers after each save anyway, so this costs nothing there).
-STAGER_SERVES_ONE_SAVE = TorchVersion(torch.__version__) < (2, 13)
+# cycle), so a second save through it fails with "KeyError: <class 'type'>" (docs/pitfalls.md #45); 2.10 and
+# 2.13 on keep them, and the stager's buffers, for the next save. On 2.11 and 2.12 each background save gets a
+# DefaultStager of its own (those versions freed the buffers after each save anyway: this costs nothing there).
+STAGER_SERVES_ONE_SAVE = (2, 11) <= TorchVersion(torch.__version__) < (2, 13)
 
 
 def _background_writer(model: nn.Module, device: torch.device) -> tuple:
     """(what makes the stager that copies the shards to host memory, who writes them) for a background save.
-    FSDP2: into shared memory kept for the next save (pinned too on GPU), which DCP's writer process reads
-    directly. FSDP1: a plain copy (on GPU into pinned buffers kept for the next save) that a thread writes."""
+    FSDP2: into shared memory (pinned too on GPU), kept for the next save except on torch 2.11 and 2.12, which
+    DCP's writer process reads directly. FSDP1: a plain copy (on GPU into pinned buffers kept for the next
+    save) that a thread writes."""
     on_gpu = device.type == "cuda"
     if isinstance(model, FSDPModule):
         options = StagingOptions(

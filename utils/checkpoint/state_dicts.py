@@ -56,10 +56,12 @@ def fsdp1_state_dict_warnings_ignored():
 def model_and_optimizer_state(model: nn.Module, optimizer, full: bool, device: torch.device) -> tuple[dict, dict]:
     """Model and optimizer state dicts: full (gathered on rank 0) or this rank's shards. Collective.
 
-    On GPU, full state is copied to rank 0's host memory unit by unit. On a CPU group the tensors already are
-    in host memory and cpu_offload crashes FSDP1 (docs/pitfalls.md #1), so it is never asked for there.
+    Full state is gathered unit by unit and kept on rank 0 only (cpu_offload: copied to its host memory on
+    GPU; the other ranks drop each unit once gathered). Except FSDP1 on a CPU group, where cpu_offload crashes
+    (docs/pitfalls.md #1): there every rank holds the whole state until the save is written.
     """
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full and device.type == "cuda")
+    offload = full and (device.type == "cuda" or not isinstance(model, FSDP))
+    options = StateDictOptions(full_state_dict=full, cpu_offload=offload)
     return get_state_dict(model, optimizer, options=options)
 
 
