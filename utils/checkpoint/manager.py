@@ -516,8 +516,8 @@ STAGER_SERVES_ONE_SAVE = (2, 11) <= TorchVersion(torch.__version__) < (2, 13)
 
 def _background_writer(model: nn.Module, device: torch.device) -> tuple:
     """(what makes the stager that copies the shards to host memory, who writes them) for a background save.
-    FSDP2: into shared memory (pinned too on GPU), kept for the next save except on torch 2.11 and 2.12, which
-    DCP's writer process reads directly. FSDP1: a plain copy (on GPU into pinned buffers kept for the next
+    FSDP2: into shared memory (pinned too on GPU) that DCP's writer process reads directly, kept for the next
+    save (except on torch 2.11 and 2.12). FSDP1: a plain copy (on GPU into pinned buffers kept for the next
     save) that a thread writes."""
     on_gpu = device.type == "cuda"
     if isinstance(model, FSDPModule):

@@ -78,8 +78,8 @@ def trim_host_heap() -> None:
     chunks of tens of MB in its heaps, so while a model is materialised and sharded unit by unit each
     freed unit stays resident: with rank-0-only loading under FSDP1 that held 0.87x of a t5-base model on
     rank 1 instead of 0.73x; before a checkpoint save, the last steps' freed activations (1.2-1.5 GB per rank
-    of t5-base on CPU) would add to the save's peak. Costs a walk of the heaps (about a millisecond), and the
-    next step faults its activations' pages in again."""
+    of t5-base on CPU) would add to the save's peak. Costs a walk of the heaps (milliseconds), and the next step
+    faults its activations' pages in again."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
