@@ -16,18 +16,14 @@ import sys
 import torch
 from utils.observe import memory
 
-def resident() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
-
 warm = torch.ones(2 * 2**20)
 del warm  # an 8 MB block freed: glibc now serves 8 MB from its heap
 blocks = [torch.ones(2 * 2**20) for _ in range(32)]
-before = resident()
+before = memory.current_rss_bytes()
 del blocks[::2]
 if sys.argv[1] == "trimmed":
     memory.trim_host_heap()
-print(before - resident())
+print(before - memory.current_rss_bytes())
 """
 
 
