@@ -10,9 +10,10 @@ import datetime
 import gc
 import json
 import os
+import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,6 +222,21 @@ def destroy_distributed() -> None:
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def sigterm_deferred() -> Iterator[list[int]]:
+    """SIGTERM is noted (in the list yielded), not obeyed, for the block's length; the main thread only.
+
+    For short work that must not be cut, such as completing a checkpoint whose files are all written: when one
+    rank fails, torchrun sends SIGTERM to the others 0.1 s after it exits, which Python's default disposition
+    turns into an instant death. torchrun's SIGKILL, 30 s later, still ends a block that hangs."""
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def free_port() -> int:
