@@ -5,8 +5,8 @@ of a resume.
     python scripts/checkpoint_costs.py resume --model t5-base [--repo CONTROL_CHECKOUT] --out bench/resume
     python scripts/checkpoint_costs.py writer --model t5-small --out bench/writer
 
-Both launch T5_training.py through torchrun on 2 CPU ranks (fp32, random weights of the published shape,
-scripts/make_random_t5.py) and watch it from this process, without any hook in the run:
+Each launches T5_training.py through torchrun on 2 ranks (--nproc; fp32, random weights of the published
+shape, scripts/make_random_t5.py) and watches it from this process, without any hook in the run:
 
 - `stall`: the arrival time of every step record in metrics.jsonl (one record per step, polled every 5 ms).
   Training time lost to a checkpoint is measured two ways: the wall time from the first save's step to the
@@ -44,7 +44,6 @@ from configs.paths import REPO_ROOT  # noqa: E402
 from scripts.benchmark import markdown_table  # noqa: E402
 from scripts.make_random_t5 import make  # noqa: E402
 
-NPROC = 2
 BATCH = 4
 COMMON = ["--mixed_precision", "false", "--run_validation", "false", "--eval_rouge", "false",
           "--max_source_length", "128", "--max_target_length", "32", "--batch_size_training", str(BATCH),
@@ -52,8 +51,8 @@ COMMON = ["--mixed_precision", "false", "--run_validation", "false", "--eval_rou
 TRAINING_STARTS = re.compile(r"INFO training steps \d+-\d+")  # the load phase is over
 
 
-def launch(repo: Path, args: list[str], log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC), "--standalone",
+def launch(repo: Path, args: list[str], log: Path, nproc: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
                str(repo / "T5_training.py"), *args]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     return subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
@@ -82,10 +81,10 @@ def peak_rss(pid: int) -> int | None:
     return None
 
 
-def run_and_watch(repo: Path, args: list[str], log: Path, metrics: Path | None = None) -> dict:
+def run_and_watch(repo: Path, args: list[str], log: Path, nproc: int, metrics: Path | None = None) -> dict:
     """One run: every step record's arrival time (with `metrics`), each rank's VmHWM when training starts
     (rank 0 logs "training steps ...") and at its last reading before exit."""
-    process = launch(repo, args, log)
+    process = launch(repo, args, log, nproc)
     lines: list[str] = []
     training_seen = threading.Event()
 
@@ -103,7 +102,7 @@ def run_and_watch(repo: Path, args: list[str], log: Path, metrics: Path | None =
     last_peaks: dict[int, int] = {}
     pids: list[int] = []
     while process.poll() is None:
-        pids = pids if len(pids) == NPROC else workers(process.pid)
+        pids = pids if len(pids) == nproc else workers(process.pid)
         for pid in pids:
             peak = peak_rss(pid)
             if peak is not None:
@@ -146,8 +145,9 @@ def writer(args, work: Path) -> list[dict]:
     results = []
     for case in WRITERS:
         out = work / f"writer{len(results)}"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC), "--standalone",
-                   __file__, "writer_worker", "--case", case, "--model", model, "--out", str(out)]  # fmt: skip
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+                   "--standalone", __file__, "writer_worker", "--case", case, "--model", model,
+                   "--out", str(out)]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
         done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -234,7 +234,7 @@ def stall(args, work: Path) -> list[dict]:
     make(args.model, model)
     steps = args.steps
     base = ["--model_name", model, "--fsdp_version", str(args.fsdp_version), "--epochs", "1",
-            "--num_train_samples", str(steps * BATCH * NPROC), *COMMON]  # fmt: skip
+            "--num_train_samples", str(steps * BATCH * args.nproc), *COMMON]  # fmt: skip
     saving = ["--checkpoint_type", "SHARDED_STATE_DICT", "--save_every_n_steps", str(args.save_every),
               "--keep_last_n", "2"]  # fmt: skip
     cases = {
@@ -249,7 +249,7 @@ def stall(args, work: Path) -> list[dict]:
             continue
         out = work / f"stall{len(results)}"
         watched = run_and_watch(args.repo, [*base, *case_args, "--output_dir", str(out)], work / f"{out.name}.log",
-                                out / "metrics.jsonl")  # fmt: skip
+                                args.nproc, out / "metrics.jsonl")  # fmt: skip
         arrivals = watched["arrivals"]
         shutil.rmtree(out)
         gaps = [arrivals[step + 1] - arrivals[step] for step in range(first, steps)]
@@ -281,14 +281,16 @@ def resume(args, work: Path) -> list[dict]:
     parameters = make(args.model, model)
     model_bytes = 4 * parameters
     base = ["--model_name", model, "--fsdp_version", str(args.fsdp_version), "--epochs", "1",
-            "--num_train_samples", str(4 * BATCH * NPROC), "--save_every_n_steps", "2", *COMMON]  # fmt: skip
+            "--num_train_samples", str(4 * BATCH * args.nproc), "--save_every_n_steps", "2", *COMMON]  # fmt: skip
     results = []
     for checkpoint_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
         out = work / f"resume_{checkpoint_type}"
         args_type = [*base, "--checkpoint_type", checkpoint_type, "--output_dir", str(out)]
         for run, extra in (("fresh, 2 steps", ["--max_steps", "2"]),
                            ("resumed to step 3", ["--max_steps", "3", "--resume", "true"])):  # fmt: skip
-            watched = run_and_watch(args.repo, [*args_type, *extra], work / f"{out.name}_{len(results)}.log")
+            watched = run_and_watch(
+                args.repo, [*args_type, *extra], work / f"{out.name}_{len(results)}.log", args.nproc
+            )
             results.append({"checkpoint_type": checkpoint_type, "run": run, "model_bytes": model_bytes,
                             "load_peaks": watched["load_peaks"], "run_peaks": watched["run_peaks"]})  # fmt: skip
             print(f"{checkpoint_type} {run}: load {watched['load_peaks']}, run {watched['run_peaks']}", flush=True)
@@ -345,6 +347,7 @@ def main() -> int:
     parser.add_argument("--case", help="writer_worker: the case (run by `writer` under torchrun)")
     parser.add_argument("--model", default="t5-small", help="a scripts/make_random_t5.py shape")
     parser.add_argument("--fsdp_version", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (torchrun's --nproc_per_node); 1 on one GPU")
     parser.add_argument("--steps", type=int, default=20, help="stall: steps of each run")
     parser.add_argument("--save_every", type=int, default=4, help="stall: a checkpoint every N steps")
     parser.add_argument("--cases", nargs="+", help="stall: only these cases (besides the run without checkpoints)")
