@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 from configs.paths import EMBEDDED_MODEL_DIR  # noqa: E402
 
@@ -50,6 +51,7 @@ def untie_head(model: T5ForConditionalGeneration) -> None:
 
 def make(shape: str, out: str, seed: int = 0) -> int:
     """Write the folder; returns the parameter count."""
+    hf_logging.disable_progress_bar()  # the benchmarks' logs: one shard, written in a second
     config = T5Config(
         vocab_size=32128,
         decoder_start_token_id=0,

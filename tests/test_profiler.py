@@ -206,6 +206,7 @@ def test_fsdp2_steps_hold_their_all_gathers_and_reduce_scatters(tmp_path):
         assert any(e["name"].startswith("FSDP::all_gather (encoder.block.0)") for e in events)
 
 
+@pytest.mark.slow  # a whole training through torchrun
 def test_a_profiled_run_writes_each_ranks_trace_of_the_chosen_steps(tmp_path, capsys):
     """Through torchrun (FSDP1, the default): --profile_start_step 2 --profile_num_steps 2 of 3 steps."""
     output_dir = tmp_path / "out"

@@ -159,6 +159,7 @@ def test_max_steps_ends_the_run_before_the_next_epoch_whatever_epochs_says(globa
     assert reason == ("--max_steps 5 reached" if stops else None)
 
 
+@pytest.mark.slow  # a whole training through torchrun
 def test_early_stopping_ends_a_run_that_got_worse_and_keeps_the_best(tmp_path):
     # gamma 1000 takes the LR from 0.002 to 2 after epoch 1, so the second epoch is far worse than the first
     # (val_loss measured 5.73 -> 9.13): patience 1 ends the run there, of 3 epochs.
