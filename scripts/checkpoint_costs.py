@@ -5,8 +5,9 @@ of a resume.
     python scripts/checkpoint_costs.py resume --model t5-base [--repo CONTROL_CHECKOUT] --out bench/resume
     python scripts/checkpoint_costs.py writer --model t5-small --out bench/writer
 
-Each launches T5_training.py through torchrun on 2 ranks (--nproc; fp32, random weights of the published
-shape, scripts/make_random_t5.py) and watches it from this process, without any hook in the run:
+`stall` and `resume` launch T5_training.py through torchrun on --nproc ranks (2 by default; fp32, random
+weights of the published shape, scripts/make_random_t5.py) and watch it from this process, without any hook
+in the run; `writer` launches this script's own worker:
 
 - `stall`: the arrival time of every step record in metrics.jsonl (one record per step, polled every 5 ms).
   Training time lost to a checkpoint is measured two ways: the wall time from the first save's step to the
@@ -321,10 +322,8 @@ def resume_markdown(results: list[dict], args) -> str:
         f"| {multiples(r['run_peaks'], r['model_bytes'])} |"
         for r in results
     ]
-    header = (
-        f"| {args.model} (fp32 model = 1) | run | load-phase peak, rank 0 / rank 1 "
-        "| whole-run peak, rank 0 / rank 1 |"
-    )
+    ranks = " / ".join(f"rank {rank}" for rank in range(args.nproc))
+    header = f"| {args.model} (fp32 model = 1) | run | load-phase peak, {ranks} | whole-run peak, {ranks} |"
     return markdown_table(header, rows)
 
 

@@ -51,7 +51,7 @@ def untie_head(model: T5ForConditionalGeneration) -> None:
 
 def make(shape: str, out: str, seed: int = 0) -> int:
     """Write the folder; returns the parameter count."""
-    hf_logging.disable_progress_bar()  # the benchmarks' logs: one shard, written in a second
+    hf_logging.disable_progress_bar()  # the benchmarks call this: a bar is noise in their logs (for the process)
     config = T5Config(
         vocab_size=32128,
         decoder_start_token_id=0,

@@ -27,7 +27,7 @@ def test_exception_on_one_rank_ends_all_ranks_with_one_traceback(tmp_path, fail_
         script="tests/fault_entry.py",
         timeout=LIMIT_S + 60,
         # When rank 1 fails, rank 0 completes step 2's save while torchrun sends it SIGTERM: 3 s of delay make
-        # that certain (the race a loaded machine loses at times without it).
+        # that all but certain (the race a loaded machine loses at times without it).
         env={"FAIL_RANK": fail_rank, "FAIL_STEP": "3", "COMPLETE_DELAY_S": "3" if fail_rank == "1" else "0"},
     )
     elapsed = time.monotonic() - started

@@ -197,7 +197,7 @@ def profiled_fsdp2_worker(rank: int, world_size: int, output_dir: str) -> str:
     return layout.trace_file(layout.profile_dir(output_dir, 2, 3), rank)
 
 
-@pytest.mark.slow  # 11 to 17 s (a spawned group); FSDP1's, through torchrun below, is in the fast subset
+@pytest.mark.slow  # 11 to 17 s (a spawned group); FSDP1's, through torchrun below, is slow too
 def test_fsdp2_steps_hold_their_all_gathers_and_reduce_scatters(tmp_path):
     for trace in run_ranks(profiled_fsdp2_worker, str(tmp_path), timeout_s=120):
         events = read_trace(trace)
