@@ -227,8 +227,8 @@ class CheckpointManager:
             return
         still_writing, waited_from = not pending.future.done(), time.perf_counter()
         self.finish_pending()
-        since = step - pending.train_state["progress"]["global_step"]
-        cadence = periodic and since == self.checkpointing.save_every_n_steps
+        previous_step = pending.train_state["progress"]["global_step"]
+        cadence = periodic and step - previous_step == self.checkpointing.save_every_n_steps
         if still_writing and cadence and not self.said_saves_wait:
             self.said_saves_wait = True
             say = get_logger().warning if self.info.is_main else get_logger().info  # said once, by rank 0
@@ -236,7 +236,7 @@ class CheckpointManager:
                 "the checkpoint of step %d waited %.2f s for the background write of step %d's: the %d steps "
                 "between two saves took less time than one write. Save less often (--save_every_n_steps) so "
                 "that the writes run behind training",
-                step, time.perf_counter() - waited_from, step - since, since,
+                step, time.perf_counter() - waited_from, previous_step, step - previous_step,
             )  # fmt: skip
 
     def poll(self) -> None:
