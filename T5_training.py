@@ -40,6 +40,7 @@ from utils.log import get_logger, quiet_helper_process, setup_logging
 from utils.model import loading, lora
 from utils.observe import flops, memory, metrics, run_record, tensorboard
 from utils.train import optim
+from utils.train.preemption import StopRequest
 from utils.train.trainer import Trainer
 
 RANK0_MESSAGE_GRACE_S = 2.0
@@ -100,12 +101,14 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
 
     # The checkpoint manager owns every save and load; it restores where the run starts from, and is closed
     # however the run ends (a background save still being written is finished, or said to be abandoned).
+    # SIGTERM and Ctrl-C ask for a save and a stop from the first training step until it is closed
+    # (utils/train/preemption.py); before that they end the run at once, as they always do.
     base_model = lora.adapter_base(train.model_name)
     checkpoints = CheckpointManager(
         config.checkpointing, config.fsdp, train.output_dir, model, optimizer, scheduler, scaler,
         model_config, tokenizer, info, config.lora, base_model,
     )  # fmt: skip
-    with checkpoints:
+    with StopRequest() as stop, checkpoints:
         # A GEMM probe on CPU: before the load. --evaluate_only trains nothing, so it has no MFU to say.
         throughput = None if evaluation.evaluate_only else build_throughput(model_config, config, info, precision)
         progress = checkpoints.load(start)
@@ -134,7 +137,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
                     record_ = run_record.run_record(config, from_accelerate, info, precision, throughput, job)
                     config_file = os.path.join(train.output_dir, layout.CONFIG_FILE)
                     run_record.write_run_record(config_file, record_, start.path)
-                trainer.train(progress, resumed=start.is_checkpoint)
+                trainer.train(progress, resumed=start.is_checkpoint, stop=stop)
         # No rank tears its process group down while another still communicates (seen once as an abort,
         # "terminate called without an active exception", on a loaded 2-core machine).
         dist.barrier()

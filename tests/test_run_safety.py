@@ -223,18 +223,18 @@ def test_a_refused_start_leaves_no_folder_behind_and_never_removes_one_it_did_no
 
 
 def test_ctrl_c_asks_for_a_save_and_a_second_one_stops_at_once():
-    with StopRequest() as stop:
+    with StopRequest() as stop, stop.watching():
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # SIGTERM again: still the same request
         assert stop.requested and stop.name == "SIGTERM"
-    with StopRequest() as stop:
+    with StopRequest() as stop, stop.watching():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)
         assert stop.requested and stop.name == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
-    with StopRequest() as stop:  # torchrun forwards a second Ctrl-C as SIGTERM
+    with StopRequest() as stop, stop.watching():  # torchrun forwards a second Ctrl-C as SIGTERM
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)
         with pytest.raises(KeyboardInterrupt):
@@ -242,21 +242,27 @@ def test_ctrl_c_asks_for_a_save_and_a_second_one_stops_at_once():
             time.sleep(1)
 
 
-def test_sigterm_is_held_off_while_a_failed_run_completes_its_save_and_the_handler_is_restored_after():
-    """torchrun's SIGTERM to the surviving ranks (utils/checkpoint/manager.py: close): noted, not obeyed; the
-    handler before the block is back after it. The control: the same SIGTERM outside the block reaches it."""
-    from utils.distributed.process_group import sigterm_held_off
-
+def test_signals_act_as_before_until_training_and_are_noted_until_the_run_has_ended(caplog):
+    """Before training (loading) a SIGTERM reaches the handler the run found, as Python's default would end it;
+    after a failed training, torchrun's SIGTERM to the surviving ranks is noted while they finish their saves
+    (utils/checkpoint/manager.py: close); the handler found is back once the owner exits."""
     reached = []
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: reached.append(signum))
     try:
-        with sigterm_held_off() as held:
+        with StopRequest() as stop:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.01)
-        assert held == [signal.SIGTERM] and reached == []
+            assert reached == [signal.SIGTERM] and not stop.requested  # the control: not yet watched
+            with pytest.raises(RuntimeError), stop.watching():
+                raise RuntimeError("a rank failed")
+            with caplog.at_level(logging.INFO):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)
+            assert reached == [signal.SIGTERM] and stop.requested
+            assert "received SIGTERM as the run ends: its saves are finished first" in caplog.text
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
-        assert reached == [signal.SIGTERM]
+        assert reached == [signal.SIGTERM, signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -73,7 +73,7 @@ from utils.checkpoint.state_dicts import (
     tensor_only_optimizer_state,
 )
 from utils.distributed.hang_report import WHERE
-from utils.distributed.process_group import DistInfo, sigterm_held_off
+from utils.distributed.process_group import DistInfo
 from utils.files import write_json
 from utils.log import get_logger
 from utils.observe.memory import trim_host_heap
@@ -281,16 +281,13 @@ class CheckpointManager:
                 say("the background save of %s was abandoned (stopped at once): resume from the newest complete "
                     "checkpoint", pending.final)  # fmt: skip
             else:
-                # After a failure on another rank torchrun's SIGTERM comes while this rank completes the save.
-                with sigterm_held_off() as sigterm:
-                    try:
-                        self.finish_pending()
-                        if failed:
-                            say("the background save of %s was completed before stopping", pending.final)
-                        if sigterm:
-                            say("SIGTERM came while the background save was being finished: it was finished first")
-                    except UserError as err:
-                        say("the background save was abandoned: %s", err)
+                # torchrun's SIGTERM after another rank failed waits for this (utils/train/preemption.py).
+                try:
+                    self.finish_pending()
+                    if failed:
+                        say("the background save of %s was completed before stopping", pending.final)
+                except UserError as err:
+                    say("the background save was abandoned: %s", err)
         if self.purger is not None:
             self.purger.shutdown(wait=not at_once)
         if self.stager is not None:

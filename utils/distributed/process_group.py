@@ -10,11 +10,9 @@ import datetime
 import gc
 import json
 import os
-import signal
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,26 +221,6 @@ def destroy_distributed() -> None:
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def sigterm_held_off() -> Iterator[list[int]]:
-    """For the block's length SIGTERM is noted (in the list yielded) and dropped, not obeyed; the caller
-    then ends as it would have. Signals reach the main thread only: elsewhere this changes nothing.
-
-    For work that must not be cut on the way out of a failed run, such as completing a checkpoint: when one
-    rank fails, torchrun sends SIGTERM to the others 0.1 s after it exits, which Python's default disposition
-    turns into an instant death. It signals each rank's whole process group, so a process the rank started
-    (DCP's writer) is not covered. torchrun's SIGKILL, 30 s later, still ends a block that hangs."""
-    received: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield received
-        return
-    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
-    try:
-        yield received
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def free_port() -> int:

@@ -1,9 +1,19 @@
 """SIGTERM (what SLURM and Kubernetes send before killing a job) and Ctrl-C (SIGINT) turn into "save, then stop".
 
+`StopRequest` is the run's one owner of both signals. Before training (loading, `--evaluate_only`) they act
+as they always do: the process ends at once, with nothing to lose. From the first training step until the
+run is over (the final export, the metrics' close, the checkpoint manager's close) they are a stop request.
+
 The handler only sets a flag; the ranks agree on it at the next step-log flush, which already is a
 collective (utils/train/step_log.py), so noticing costs no extra synchronisation. The reaction time is at
 most log_every_n_steps steps plus the time of one checkpoint: keep it within the scheduler's grace period
 (SLURM's KillWait, 30 s by default; torchrun waits 30 s before SIGKILL when it forwards a signal).
+
+After training, however it ended, a signal is noted and the run's saves are finished first: when one rank
+fails, torchrun sends SIGTERM to the others 0.1 s after it exits, often while rank 0 completes a background
+save (train_state.json, the rename). Python's default disposition would kill it there; torchrun's SIGKILL, 30 s
+later, still ends an end that hangs. torchrun signals each rank's whole process group, so a process the rank
+started (DCP's writer) is not covered.
 
 Ctrl-C in a terminal reaches torchrun, which forwards SIGINT to every rank once (each rank runs in a session
 of its own, so the terminal does not signal them itself). A second Ctrl-C means "stop now"; torchrun passes
@@ -11,20 +21,26 @@ it on as SIGTERM, so after a SIGINT either signal raises KeyboardInterrupt, whic
 one line and exit code 130, without saving. (A SIGTERM after a SIGTERM changes nothing: schedulers repeat it.)
 """
 
+import contextlib
 import signal
+from collections.abc import Iterator
 
 from utils.log import get_logger
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SAID_IN_TRAINING = "received %s: saving a checkpoint at the next step boundary (or evaluation batch), then stop%s"
+SAID_AT_THE_END = "received %s as the run ends: its saves are finished first%s"
 
 
 class StopRequest:
-    """Installs SIGTERM and SIGINT handlers for its lifetime; `requested` tells whether one came, `name`
-    which."""
+    """Owns SIGTERM and SIGINT for the run (a context manager, entered around everything that must not be cut
+    short: training and the closes after it): `watching()` turns them into a request, `requested` tells whether
+    one came, `name` which. The handlers found at entry are back when it exits."""
 
     def __init__(self) -> None:
         self.requested = False
         self.name = "a stop request"  # where another rank received the signal, this one learns only that
+        self.training_over = False
         self._previous: dict = {}
 
     def _handle(self, signum, _frame) -> None:
@@ -33,18 +49,24 @@ class StopRequest:
             raise KeyboardInterrupt  # a second Ctrl-C (torchrun forwards it as SIGTERM): stop at once
         if not self.requested:
             again = " (Ctrl-C again stops at once, without saving)" if signum == signal.SIGINT else ""
-            get_logger().info(
-                "received %s: saving a checkpoint at the next step boundary (or evaluation batch), then stop%s",
-                name,
-                again,
-            )
+            get_logger().info(SAID_AT_THE_END if self.training_over else SAID_IN_TRAINING, name, again)
             self.name = name
         self.requested = True
 
     def __enter__(self) -> "StopRequest":
-        self._previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
         return self
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator["StopRequest"]:
+        """Training: a signal is a stop request from here on. When the block ends, however it ends, signals
+        stay noted, not obeyed, until this owner exits, so the saves still in flight are finished."""
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
+        try:
+            yield self
+        finally:
+            self.training_over = True
 
     def __exit__(self, *exc) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+        self._previous = {}

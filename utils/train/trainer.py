@@ -107,10 +107,10 @@ class Trainer:
         self.memory_account_due = True  # written once, after the run's first optimizer step
         self.metrics: MetricsWriter | None = None  # open while train() runs
 
-    def train(self, progress: TrainProgress, resumed: bool) -> bool:
+    def train(self, progress: TrainProgress, resumed: bool, stop: StopRequest) -> bool:
         """Train from `progress` (a new run's, or a checkpoint's) to the last epoch, then export the final
-        model. Returns False if a stop request (SIGTERM, Ctrl-C) ended it early, after a checkpoint.
-        Collective."""
+        model. Returns False if a stop request (SIGTERM, Ctrl-C, which `stop` watches from the first step on)
+        ended it early, after a checkpoint. Collective."""
         started = time.perf_counter()
         resumed_at = (progress.global_step, progress.epoch) if resumed else None
         path = os.path.join(self.train_config.output_dir, layout.METRICS_FILE)
@@ -139,7 +139,7 @@ class Trainer:
                     "training steps %d-%d, from epoch %d of %d",
                     progress.global_step + 1, self.total_steps, progress.epoch, self.train_config.epochs,
                 )  # fmt: skip
-            with StopRequest() as stop, forward_warnings_ignored(), profiler:
+            with stop.watching(), forward_warnings_ignored(), profiler:
                 while not self.done(progress):
                     epoch = last_epoch = progress.epoch
                     epoch_start = time.perf_counter()
