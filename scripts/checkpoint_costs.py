@@ -17,7 +17,8 @@ in the run; `writer` launches this script's own worker:
   SHARDED_STATE_DICT saves; --async_checkpoint true. FSDP2 (--fsdp_version).
 - `resume`: each rank's peak resident memory (VmHWM, /proc) when it logs "training steps ..."
   (the load phase: data, model, sharding, the restore) and when it exits (the whole run), for a fresh run of 2
-  steps that saves, and its resume to step 3, per checkpoint type, as multiples of the fp32 model.
+  steps that saves, its resume to step 3, and the control of equal length (the same 3 steps uninterrupted),
+  per checkpoint type, as multiples of the fp32 model.
 
 - `writer`: who pays for a background save, on an otherwise idle machine: the CPU seconds of the training
   process (staging, handing over, and a writer thread's write) and of DCP's writer processes, per save, for
@@ -286,16 +287,19 @@ def resume(args, work: Path) -> list[dict]:
     results = []
     for checkpoint_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
         out = work / f"resume_{checkpoint_type}"
-        args_type = [*base, "--checkpoint_type", checkpoint_type, "--output_dir", str(out)]
-        for run, extra in (("fresh, 2 steps", ["--max_steps", "2"]),
-                           ("resumed to step 3", ["--max_steps", "3", "--resume", "true"])):  # fmt: skip
-            watched = run_and_watch(
-                args.repo, [*args_type, *extra], work / f"{out.name}_{len(results)}.log", args.nproc
-            )
+        # The control of equal length: the same 3 steps uninterrupted, in a folder of its own (a third step
+        # alone raises a CPU run's peak, as glibc's heaps grow with each step's activations).
+        control = work / f"{out.name}_control"
+        for run, folder, extra in (("fresh, 2 steps", out, ["--max_steps", "2"]),
+                                   ("resumed to step 3", out, ["--max_steps", "3", "--resume", "true"]),
+                                   ("uninterrupted to step 3", control, ["--max_steps", "3"])):  # fmt: skip
+            run_args = [*base, "--checkpoint_type", checkpoint_type, "--output_dir", str(folder), *extra]
+            watched = run_and_watch(args.repo, run_args, work / f"{out.name}_{len(results)}.log", args.nproc)
             results.append({"checkpoint_type": checkpoint_type, "run": run, "model_bytes": model_bytes,
                             "load_peaks": watched["load_peaks"], "run_peaks": watched["run_peaks"]})  # fmt: skip
             print(f"{checkpoint_type} {run}: load {watched['load_peaks']}, run {watched['run_peaks']}", flush=True)
-        shutil.rmtree(out)
+            if run != "fresh, 2 steps":
+                shutil.rmtree(folder)
     return results
 
 
