@@ -101,8 +101,8 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
 
     # The checkpoint manager owns every save and load; it restores where the run starts from, and is closed
     # however the run ends (a background save still being written is finished, or said to be abandoned).
-    # SIGTERM and Ctrl-C ask for a save and a stop from the first training step until it is closed
-    # (utils/train/preemption.py); before that they end the run at once, as they always do.
+    # SIGTERM and Ctrl-C: before training they end the run at once, as they always do; in training they ask
+    # for a save and a stop; after it they are noted until the manager is closed (utils/train/preemption.py).
     base_model = lora.adapter_base(train.model_name)
     checkpoints = CheckpointManager(
         config.checkpointing, config.fsdp, train.output_dir, model, optimizer, scheduler, scaler,

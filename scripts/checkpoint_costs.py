@@ -287,18 +287,23 @@ def resume(args, work: Path) -> list[dict]:
     results = []
     for checkpoint_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
         out = work / f"resume_{checkpoint_type}"
-        # The control of equal length: the same 3 steps uninterrupted, in a folder of its own (a third step
-        # alone raises a CPU run's peak, as glibc's heaps grow with each step's activations).
+        # The control of equal length: a resume to step 3 trains one step and saves once more than the run it
+        # continues; the same 3 steps uninterrupted, in a folder of their own, do as much.
         control = work / f"{out.name}_control"
-        for run, folder, extra in (("fresh, 2 steps", out, ["--max_steps", "2"]),
-                                   ("resumed to step 3", out, ["--max_steps", "3", "--resume", "true"]),
-                                   ("uninterrupted to step 3", control, ["--max_steps", "3"])):  # fmt: skip
+        for folder in (out, control):  # a failed invocation's leftovers would refuse the fresh runs
+            shutil.rmtree(folder, ignore_errors=True)
+        runs = [  # (run, output_dir, flags, whether its folder is removed after it)
+            ("fresh, 2 steps", out, ["--max_steps", "2"], False),  # the resume continues in its folder
+            ("resumed to step 3", out, ["--max_steps", "3", "--resume", "true"], True),
+            ("uninterrupted to step 3", control, ["--max_steps", "3"], True),
+        ]
+        for run, folder, extra, done in runs:
             run_args = [*base, "--checkpoint_type", checkpoint_type, "--output_dir", str(folder), *extra]
             watched = run_and_watch(args.repo, run_args, work / f"{out.name}_{len(results)}.log", args.nproc)
             results.append({"checkpoint_type": checkpoint_type, "run": run, "model_bytes": model_bytes,
                             "load_peaks": watched["load_peaks"], "run_peaks": watched["run_peaks"]})  # fmt: skip
             print(f"{checkpoint_type} {run}: load {watched['load_peaks']}, run {watched['run_peaks']}", flush=True)
-            if run != "fresh, 2 steps":
+            if done:
                 shutil.rmtree(folder)
     return results
 

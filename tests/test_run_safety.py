@@ -240,9 +240,17 @@ def test_ctrl_c_asks_for_a_save_and_a_second_one_stops_at_once():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
+    with StopRequest() as stop, stop.watching():  # a scheduler's SIGTERM, then Ctrl-C twice
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert stop.requested and stop.name == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
 
 
-def test_signals_act_as_before_until_training_and_are_noted_until_the_run_has_ended(caplog):
+def test_signals_act_as_before_until_training_and_are_noted_until_the_run_has_ended(log_records):
     """Before training (loading) a SIGTERM reaches the handler the run found, as Python's default would end it;
     after a failed training, torchrun's SIGTERM to the surviving ranks is noted while they finish their saves
     (utils/checkpoint/manager.py: close); the handler found is back once the owner exits."""
@@ -255,16 +263,34 @@ def test_signals_act_as_before_until_training_and_are_noted_until_the_run_has_en
             assert reached == [signal.SIGTERM] and not stop.requested  # the control: not yet watched
             with pytest.raises(RuntimeError), stop.watching():
                 raise RuntimeError("a rank failed")
-            with caplog.at_level(logging.INFO):
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
             assert reached == [signal.SIGTERM] and stop.requested
-            assert "received SIGTERM as the run ends: its saves are finished first" in caplog.text
+            said = [record.getMessage() for record in log_records]
+            assert said == ["received SIGTERM as the run ends: its saves are finished first"]
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
         assert reached == [signal.SIGTERM, signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_signal_dispositions(batch):
+    return [signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)]
+
+
+def test_dataloader_workers_leave_stop_signals_to_their_rank():
+    """torchrun signals a rank's whole process group: a worker that obeyed (or logged) the signal would crash
+    or repeat the rank's stop. The control: without workers the batch is made where the rank's handlers are."""
+    from utils.data.loaders import build_loader
+
+    def dispositions(num_workers: int) -> list:
+        loader = build_loader([0], None, 1, _stop_signal_dispositions, num_workers, torch.device("cpu"))
+        return next(iter(loader))
+
+    with StopRequest() as stop, stop.watching():
+        assert dispositions(1) == [signal.SIG_IGN, signal.SIG_IGN]
+        assert dispositions(0) == [stop._handle, stop._handle]
 
 
 INTERRUPTED = textwrap.dedent("""

@@ -38,10 +38,12 @@ def move_batch(batch: dict, device: torch.device) -> dict:
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
-def _ignore_sigterm_in_worker(_worker_id: int) -> None:
-    # SIGTERM (preemption) is for the training process, which saves a checkpoint before it exits; a
-    # DataLoader worker dying on it would crash the training process first.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _ignore_stop_signals_in_worker(_worker_id: int) -> None:
+    # SIGTERM (preemption) and Ctrl-C are for the training process, which saves a checkpoint before it exits;
+    # a DataLoader worker dying on them would crash the training process first (torchrun signals the rank's
+    # whole process group, workers included), and one inheriting the rank's handler would log it again.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def build_loader(
@@ -61,7 +63,7 @@ def build_loader(
         # Pinned host memory makes the copy to the GPU asynchronous; pointless on CPU.
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
-        worker_init_fn=_ignore_sigterm_in_worker if num_workers > 0 else None,
+        worker_init_fn=_ignore_stop_signals_in_worker if num_workers > 0 else None,
         # Its own generator: starting an iterator would otherwise draw from the global RNG, and a resumed
         # run (which starts one iterator more or fewer) would see different dropout masks.
         generator=torch.Generator().manual_seed(0),

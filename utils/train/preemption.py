@@ -1,19 +1,22 @@
 """SIGTERM (what SLURM and Kubernetes send before killing a job) and Ctrl-C (SIGINT) turn into "save, then stop".
 
-`StopRequest` is the run's one owner of both signals. Before training (loading, `--evaluate_only`) they act
-as they always do: the process ends at once, with nothing to lose. From the first training step until the
-run is over (the final export, the metrics' close, the checkpoint manager's close) they are a stop request.
+`StopRequest` is the run's one owner of both signals, entered before loading and left after the checkpoint
+manager's close. Until training starts (loading, `--evaluate_only`, a finished run resumed, which only
+exports) it installs nothing: the signals end the process at once, with nothing to lose. From the first
+training step on they are a stop request.
 
 The handler only sets a flag; the ranks agree on it at the next step-log flush, which already is a
 collective (utils/train/step_log.py), so noticing costs no extra synchronisation. The reaction time is at
 most log_every_n_steps steps plus the time of one checkpoint: keep it within the scheduler's grace period
 (SLURM's KillWait, 30 s by default; torchrun waits 30 s before SIGKILL when it forwards a signal).
 
-After training, however it ended, a signal is noted and the run's saves are finished first: when one rank
-fails, torchrun sends SIGTERM to the others 0.1 s after it exits, often while rank 0 completes a background
-save (train_state.json, the rename). Python's default disposition would kill it there; torchrun's SIGKILL, 30 s
-later, still ends an end that hangs. torchrun signals each rank's whole process group, so a process the rank
-started (DCP's writer) is not covered.
+After training, however it ended, a signal is noted and the run's saves are finished first (the final
+export, the trackers' close, a background save's completion): when one rank fails, torchrun sends SIGTERM to
+the others 0.1 s after it exits, often while rank 0 still completes a background save, and Python's default
+disposition would kill it there. torchrun's SIGKILL, 30 s later, still kills a rank whose shutdown hangs
+(a rank blocked inside a collective does not run Python handlers: it waits for that SIGKILL, or for
+--dist_timeout_s). torchrun signals each rank's whole process group, so a process the rank started (DCP's
+writer) is not covered.
 
 Ctrl-C in a terminal reaches torchrun, which forwards SIGINT to every rank once (each rank runs in a session
 of its own, so the terminal does not signal them itself). A second Ctrl-C means "stop now"; torchrun passes
@@ -33,23 +36,28 @@ SAID_AT_THE_END = "received %s as the run ends: its saves are finished first%s"
 
 
 class StopRequest:
-    """Owns SIGTERM and SIGINT for the run (a context manager, entered around everything that must not be cut
-    short: training and the closes after it): `watching()` turns them into a request, `requested` tells whether
-    one came, `name` which. The handlers found at entry are back when it exits."""
+    """Owns SIGTERM and SIGINT for the run, as a context manager: `watching()` turns them into a request from
+    the first training step on, `requested` tells whether one came, `name` which. The handlers that
+    `watching()` replaced are back when the owner exits."""
 
     def __init__(self) -> None:
         self.requested = False
         self.name = "a stop request"  # where another rank received the signal, this one learns only that
+        self.interrupted = False  # a Ctrl-C came: the next signal stops at once
         self.training_over = False
         self._previous: dict = {}
 
     def _handle(self, signum, _frame) -> None:
-        name = signal.Signals(signum).name
-        if self.requested and self.name == "SIGINT":
+        if self.interrupted:
             raise KeyboardInterrupt  # a second Ctrl-C (torchrun forwards it as SIGTERM): stop at once
-        if not self.requested:
-            again = " (Ctrl-C again stops at once, without saving)" if signum == signal.SIGINT else ""
+        name = signal.Signals(signum).name
+        again = ""
+        if signum == signal.SIGINT:
+            self.interrupted = True
+            again = " (Ctrl-C again stops at once, without saving)"
+        if not self.requested or again:
             get_logger().info(SAID_AT_THE_END if self.training_over else SAID_IN_TRAINING, name, again)
+        if not self.requested:
             self.name = name
         self.requested = True
 

@@ -1,7 +1,7 @@
 """The training loop: epochs of steps, validation, ROUGE, the LR schedule, the epoch record and checkpoints.
 
     trainer = Trainer(model, optimizer, scheduler, scaler, loaders, checkpoints, evaluator, info, ...)
-    finished = trainer.train(progress, resumed)   # False: stopped early (SIGTERM, Ctrl-C), after a checkpoint
+    finished = trainer.train(progress, resumed, stop)   # False: stopped early (SIGTERM, Ctrl-C), saved first
 
 `train` is the tutorial's `for epoch in range(1, epochs + 1): train(); validation(); scheduler.step(); save`,
 read top to bottom in one method, with what this package adds as named steps inside it: a resumed epoch
@@ -139,7 +139,7 @@ class Trainer:
                     "training steps %d-%d, from epoch %d of %d",
                     progress.global_step + 1, self.total_steps, progress.epoch, self.train_config.epochs,
                 )  # fmt: skip
-            with stop.watching(), forward_warnings_ignored(), profiler:
+            with forward_warnings_ignored(), profiler, stop.watching():
                 while not self.done(progress):
                     epoch = last_epoch = progress.epoch
                     epoch_start = time.perf_counter()
@@ -378,7 +378,7 @@ class Trainer:
 
     def finish_finished_run(self, progress: TrainProgress) -> None:
         """A resume of a run that had ended: it says so and changes nothing, unless its final export is
-        missing (a stop during it), which it writes. Collective."""
+        missing (killed during it), which it writes. Collective."""
         last_epoch = progress.epoch if progress.samples_consumed else progress.epoch - 1
         last = progress.best_epoch is not None and progress.best_epoch != last_epoch
         folder = os.path.join(self.train_config.output_dir, self.checkpoints.final_folder(last))
