@@ -222,32 +222,25 @@ def test_a_refused_start_leaves_no_folder_behind_and_never_removes_one_it_did_no
 # ---------------------------------------------------------------------------------------------------- Ctrl-C
 
 
-def test_ctrl_c_asks_for_a_save_and_a_second_one_stops_at_once():
+@pytest.mark.parametrize(
+    ("received", "name", "stops_at_once"),
+    [
+        ((signal.SIGTERM, signal.SIGTERM), "SIGTERM", None),  # SIGTERM again: still the same request
+        ((signal.SIGINT,), "SIGINT", signal.SIGINT),
+        ((signal.SIGINT,), "SIGINT", signal.SIGTERM),  # torchrun forwards a second Ctrl-C as SIGTERM
+        ((signal.SIGTERM, signal.SIGINT), "SIGTERM", signal.SIGTERM),  # a scheduler's SIGTERM, then Ctrl-C twice
+    ],
+)
+def test_ctrl_c_asks_for_a_save_and_a_second_one_stops_at_once(received, name, stops_at_once):
     with StopRequest() as stop, stop.watching():
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)  # SIGTERM again: still the same request
-        assert stop.requested and stop.name == "SIGTERM"
-    with StopRequest() as stop, stop.watching():
-        os.kill(os.getpid(), signal.SIGINT)
+        for signum in received:
+            os.kill(os.getpid(), signum)
         time.sleep(0.01)
-        assert stop.requested and stop.name == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-    with StopRequest() as stop, stop.watching():  # torchrun forwards a second Ctrl-C as SIGTERM
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(1)
-    with StopRequest() as stop, stop.watching():  # a scheduler's SIGTERM, then Ctrl-C twice
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)
-        assert stop.requested and stop.name == "SIGTERM"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(1)
+        assert stop.requested and stop.name == name
+        if stops_at_once is not None:
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), stops_at_once)
+                time.sleep(1)
 
 
 def test_signals_act_as_before_until_training_and_are_noted_until_the_run_has_ended(log_records):
