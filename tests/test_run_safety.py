@@ -22,7 +22,7 @@ from utils import layout
 from utils.checkpoint.integrity import HashingFile, checkpoint_files, file_record, find_damage, hashed_file
 from utils.checkpoint.run_lock import RunLock
 from utils.checkpoint.start import StartPoint, recorded_run, resolve_start, set_aside_newer
-from utils.train.preemption import StopRequest
+from utils.train.preemption import STOP_SIGNALS, StopRequest
 
 # ------------------------------------------------------------------------------ checkpoints verify themselves
 
@@ -269,7 +269,7 @@ def test_signals_act_as_before_until_training_and_are_noted_until_the_run_has_en
 
 
 def _stop_signal_dispositions(batch):
-    return [signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)]
+    return [signal.getsignal(signum) for signum in STOP_SIGNALS]
 
 
 def test_dataloader_workers_leave_stop_signals_to_their_rank():

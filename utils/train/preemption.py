@@ -50,13 +50,11 @@ class StopRequest:
     def _handle(self, signum, _frame) -> None:
         if self.interrupted:
             raise KeyboardInterrupt  # a second Ctrl-C (torchrun forwards it as SIGTERM): stop at once
-        name = signal.Signals(signum).name
-        again = ""
-        if signum == signal.SIGINT:
-            self.interrupted = True
-            again = " (Ctrl-C again stops at once, without saving)"
-        if not self.requested or again:
+        name, ctrl_c = signal.Signals(signum).name, signum == signal.SIGINT
+        if not self.requested or ctrl_c:  # said once, and again for a Ctrl-C: what a second one would do
+            again = " (Ctrl-C again stops at once, without saving)" if ctrl_c else ""
             get_logger().info(SAID_AT_THE_END if self.training_over else SAID_IN_TRAINING, name, again)
+        self.interrupted = ctrl_c
         if not self.requested:
             self.name = name
         self.requested = True
