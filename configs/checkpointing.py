@@ -34,8 +34,9 @@ class CheckpointConfig:
             "the state is copied to host memory, and a writer writes it in the background (with FSDP2 a "
             "process per rank, started before the first step; with FSDP1 a thread). The checkpoint counts as "
             "complete once every rank's part is on disk; the next save, the export and the end of the run "
-            "(a failed one too) wait for it; a stop's save (SIGTERM, Ctrl-C) is written at once. Needs "
-            "--checkpoint_type SHARDED_STATE_DICT."
+            "(a failed one too) wait for it; a stop's save (SIGTERM, Ctrl-C) is written at once. The write needs "
+            "CPU of its own: where the ranks' threads take every core (CPU runs) it costs training more than a "
+            "synchronous save, and the run says so. Needs --checkpoint_type SHARDED_STATE_DICT."
         ),
     )
     export_max_file_gb: float = option(

@@ -3,6 +3,7 @@ goes on, with every guarantee of a synchronous save (tests/reference_run.py's ru
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -119,3 +120,29 @@ def test_a_periodic_save_that_waits_for_the_previous_write_says_so_once(log_reco
     assert "for the background write of step 8's: the 4 steps between two saves" in said[0]
     assert "--save_every_n_steps" in said[0]
     assert manager.pending is None
+
+
+def test_a_background_save_on_cores_that_all_train_says_it_costs_as_much_as_a_synchronous_one(
+    monkeypatch, log_records
+):
+    """2 ranks of 1 thread on 2 cores (this machine under torchrun): the writes have no core of their own, said
+    once with the fix. The controls: with a spare core per rank, and on a GPU, nothing is said."""
+    import torch
+
+    from utils.checkpoint.manager import say_if_background_writes_have_no_core
+
+    def said(cores: int, ranks: int, device: str) -> list[str]:
+        log_records.clear()
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        say_if_background_writes_have_no_core(torch.device(device))
+        return [record.getMessage() for record in log_records if record.levelname == "WARNING"]
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    (warning,) = said(cores=2, ranks=2, device="cpu")
+    assert warning.startswith("--async_checkpoint true: 2 CPU cores, 2 ranks, 1 threads per rank: the background")
+    assert "OMP_NUM_THREADS" in warning and "--async_checkpoint false" in warning
+    assert said(cores=4, ranks=2, device="cpu") == []  # a core per rank for its writer
+    assert said(cores=2, ranks=2, device="cuda") == []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert len(said(cores=4, ranks=1, device="cpu")) == 1  # one rank whose threads take every core
