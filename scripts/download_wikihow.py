@@ -20,15 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from tqdm import tqdm
-
 # Run as `python scripts/download_wikihow.py`: sys.path[0] is scripts/, the package is its parent.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from configs.errors import UserError  # noqa: E402
 from summarization_dataset import CSV_NAME, CSV_SOURCE_URL, SPLIT_FILES, check_csv_header  # noqa: E402
 from utils.files import atomic_path  # noqa: E402
-from utils.log import get_logger, setup_logging  # noqa: E402
+from utils.log import get_logger, progress_bar, setup_logging  # noqa: E402
 
 SPLIT_LIST_BASE_URL = "https://raw.githubusercontent.com/mahnazkoupaee/WikiHow-Dataset/master/"
 _CHUNK_BYTES = 1 << 20
@@ -112,11 +110,9 @@ def download(
 
 
 def _stream(response: Response, out: BinaryIO, name: str, html_refusal: Callable[[], str] | None) -> None:
-    """Copy the response body to `out` with a progress bar; a web page instead of data is refused."""
-    with (
-        response.stream as stream,
-        tqdm(total=response.length, unit="B", unit_scale=True, unit_divisor=1024, desc=name) as bar,
-    ):
+    """Copy the response body to `out` with a progress bar (log lines where no terminal shows one); a web page
+    instead of data is refused."""
+    with response.stream as stream, progress_bar(response.length, name, unit="B") as bar:
         first = True
         while chunk := stream.read(_CHUNK_BYTES):
             if first and html_refusal and looks_like_html(response.content_type, chunk):

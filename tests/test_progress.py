@@ -26,6 +26,10 @@ def test_a_log_gets_a_line_when_work_starts_then_at_most_one_per_interval(log_re
         "Caching wikihowAll.csv: 4.0/4.0 MiB (100%)",
     ]
 
+    unknown = ProgressLines(None, "wikihowAll.csv", "B", every_s=0)  # a download without a length
+    unknown.update(3 * 2**20)
+    assert log_records[-1].getMessage() == "wikihowAll.csv: 3.0 MiB, 0:00 so far"
+
 
 @pytest.mark.parametrize(
     ("terminal", "tqdm_disable", "level", "lines", "expected"),

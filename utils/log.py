@@ -69,11 +69,12 @@ def bars_shown() -> bool:
     return get_logger().isEnabledFor(logging.INFO) and sys.stderr.isatty() and not disabled
 
 
-def progress_bar(total: int, desc: str, *, unit: str = "it", colour: str | None = None, initial: int = 0,
+def progress_bar(total: int | None, desc: str, *, unit: str = "it", colour: str | None = None, initial: int = 0,
              lines: bool = True) -> "tqdm | ProgressLines":  # fmt: skip
     """A progress bar for `total` units of work (use as a context manager; `update(n)` as work is done):
     a tqdm bar where bars are drawn (`bars_shown`); elsewhere, on the process that logs INFO, plain log
-    lines (`ProgressLines`), unless `lines` is False (work that logs its own progress); else nothing."""
+    lines (`ProgressLines`), unless `lines` is False (work that logs its own progress); else nothing. `total`
+    None: not known (a download without a length), so no share or time left is shown."""
     if bars_shown():
         # disable=False: bars_shown has decided (tqdm alone would take any TQDM_DISABLE value, even 0, as set)
         return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024, colour=colour,
@@ -91,7 +92,7 @@ class ProgressLines:
 
     disable = False
 
-    def __init__(self, total: int, desc: str, unit: str, initial: int = 0, every_s: float = 30.0):
+    def __init__(self, total: int | None, desc: str, unit: str, initial: int = 0, every_s: float = 30.0):
         self.total, self.desc, self.unit, self.n = total, desc, unit, initial
         self.initial = initial  # done before this process started: not counted in its pace
         self.every_s = every_s
@@ -112,6 +113,9 @@ class ProgressLines:
             get_logger().info("%s", self.line(now - self.started))
 
     def line(self, elapsed: float) -> str:
+        if self.total is None:
+            amount = f"{self.n / 2**20:.1f} MiB" if self.unit == "B" else f"{self.n} {self.unit}"
+            return f"{self.desc}: {amount}, {format_duration(elapsed)} so far"
         if self.unit == "B":
             amount = f"{self.n / 2**20:.1f}/{self.total / 2**20:.1f} MiB"
         else:
