@@ -9,13 +9,13 @@ of a resume.
 weights of the published shape, scripts/make_random_t5.py) and watch it from this process, without any hook
 in the run; `writer` launches this script's own worker:
 
-- `stall`: the arrival time of every step record in metrics.jsonl (one record per step, polled every 20 ms).
-  Training time lost to a checkpoint is measured two ways: the wall time from the first save's step to the
-  last step of a run that saves every --save_every steps, minus that of the same run without checkpoints,
-  per save; and, within each run (steadier on a machine whose speed drifts between runs), the time of the two
-  steps after each save over two of that run's median step. Cases: no checkpoints; synchronous
-  SHARDED_STATE_DICT saves; --async_checkpoint true. FSDP2 (--fsdp_version). `--nproc 1` leaves a core of
-  this 2-core machine to the background writer, as a GPU node does; with 2 ranks every core trains.
+- `stall`: the arrival time of every step record in metrics.jsonl (one record per step, read every --poll_s
+  seconds). Training time lost to a checkpoint is measured two ways: the wall time from the first save's step
+  to the last step of a run that saves every --save_every steps, minus that of the same run without
+  checkpoints, per save; and, within each run (steadier on a machine whose speed drifts between runs), the
+  time of the two steps after each save over two of that run's median step. Cases: no checkpoints;
+  synchronous SHARDED_STATE_DICT saves; --async_checkpoint true. FSDP2 (--fsdp_version). `--nproc 1` leaves
+  a core of this 2-core machine to the background writer, as a GPU node does; with 2 ranks every core trains.
 - `resume`: each rank's peak resident memory (VmHWM, /proc) when it logs "training steps ..."
   (the load phase: data, model, sharding, the restore) and when it exits (the whole run), for a fresh run of 2
   steps that saves, its resume to step 3, and the control of equal length (the same 3 steps uninterrupted),
@@ -30,6 +30,7 @@ in the run; `writer` launches this script's own worker:
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -51,10 +52,6 @@ BATCH = 4
 COMMON = ["--mixed_precision", "false", "--run_validation", "false", "--eval_rouge", "false",
           "--max_source_length", "128", "--max_target_length", "32", "--batch_size_training", str(BATCH),
           "--log_every_n_steps", "1"]  # fmt: skip
-# This watcher's own CPU comes out of the ranks' on a machine without a spare core: a poll every 5 ms that read
-# the whole metrics.jsonl took 0.09 of a core here; every 20 ms, reading only what was appended, a step's arrival
-# is still known to 0.02 s of a 5 s step.
-POLL_S = 0.02
 TRAINING_STARTS = re.compile(r"INFO training steps \d+-\d+")  # the load phase is over
 
 
@@ -88,9 +85,11 @@ def peak_rss(pid: int) -> int | None:
     return None
 
 
-def run_and_watch(repo: Path, args: list[str], log: Path, nproc: int, metrics: Path | None = None) -> dict:
+def run_and_watch(
+    repo: Path, args: list[str], log: Path, nproc: int, poll_s: float, metrics: Path | None = None
+) -> dict:
     """One run: every step record's arrival time (with `metrics`), each rank's VmHWM when training starts
-    (rank 0 logs "training steps ...") and at its last reading before exit."""
+    (rank 0 logs "training steps ...") and at its last reading before exit, read every `poll_s` seconds."""
     process = launch(repo, args, log, nproc)
     lines: list[str] = []
     training_seen = threading.Event()
@@ -105,31 +104,29 @@ def run_and_watch(repo: Path, args: list[str], log: Path, nproc: int, metrics: P
     reader.start()
     arrivals: dict[int, float] = {}
     unread = b""  # metrics.jsonl's last line, until it is complete
-    records = None  # metrics.jsonl, read from where the last poll stopped
     load_peaks: dict[int, int] = {}
     last_peaks: dict[int, int] = {}
     pids: list[int] = []
-    while process.poll() is None:
-        pids = pids if len(pids) == nproc else workers(process.pid)
-        for pid in pids:
-            peak = peak_rss(pid)
-            if peak is not None:
-                last_peaks[pid] = peak
-                if training_seen.is_set() and pid not in load_peaks:
-                    load_peaks[pid] = peak
-        if records is None and metrics is not None and metrics.exists():
-            records = metrics.open("rb")
-        if records is not None:
-            text = unread + records.read()
-            complete, unread = text[: text.rfind(b"\n") + 1], text[text.rfind(b"\n") + 1 :]
-            now = time.perf_counter()
-            for line in complete.decode().splitlines():
-                record = json.loads(line)
-                if record.get("type") == "step":
-                    arrivals.setdefault(record["step"], now)
-        time.sleep(POLL_S)
-    if records is not None:
-        records.close()
+    with contextlib.ExitStack() as files:
+        records = None  # metrics.jsonl, read from where the last poll stopped
+        while process.poll() is None:
+            pids = pids if len(pids) == nproc else workers(process.pid)
+            for pid in pids:
+                peak = peak_rss(pid)
+                if peak is not None:
+                    last_peaks[pid] = peak
+                    if training_seen.is_set() and pid not in load_peaks:
+                        load_peaks[pid] = peak
+            if records is None and metrics is not None and metrics.exists():
+                records = files.enter_context(metrics.open("rb"))
+            if records is not None:
+                complete, _, unread = (unread + records.read()).rpartition(b"\n")
+                now = time.perf_counter()
+                for line in complete.decode().splitlines():
+                    record = json.loads(line)
+                    if record.get("type") == "step":
+                        arrivals.setdefault(record["step"], now)
+            time.sleep(poll_s)
     reader.join(10)
     log.write_text("".join(lines))
     if process.returncode != 0:
@@ -260,7 +257,7 @@ def stall(args, work: Path) -> list[dict]:
             continue
         out = work / f"stall{len(results)}"
         watched = run_and_watch(args.repo, [*base, *case_args, "--output_dir", str(out)], work / f"{out.name}.log",
-                                args.nproc, out / "metrics.jsonl")  # fmt: skip
+                                args.nproc, args.poll_s, out / "metrics.jsonl")  # fmt: skip
         arrivals = watched["arrivals"]
         shutil.rmtree(out)
         gaps = [arrivals[step + 1] - arrivals[step] for step in range(first, steps)]
@@ -308,7 +305,8 @@ def resume(args, work: Path) -> list[dict]:
         ]
         for run, folder, extra, done in runs:
             run_args = [*base, "--checkpoint_type", checkpoint_type, "--output_dir", str(folder), *extra]
-            watched = run_and_watch(args.repo, run_args, work / f"{out.name}_{len(results)}.log", args.nproc)
+            watched = run_and_watch(args.repo, run_args, work / f"{out.name}_{len(results)}.log", args.nproc,
+                                    args.poll_s)  # fmt: skip
             results.append({"checkpoint_type": checkpoint_type, "run": run, "model_bytes": model_bytes,
                             "load_peaks": watched["load_peaks"], "run_peaks": watched["run_peaks"]})  # fmt: skip
             print(f"{checkpoint_type} {run}: load {watched['load_peaks']}, run {watched['run_peaks']}", flush=True)
@@ -368,6 +366,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="stall: steps of each run")
     parser.add_argument("--save_every", type=int, default=4, help="stall: a checkpoint every N steps")
     parser.add_argument("--cases", nargs="+", help="stall: only these cases (besides the run without checkpoints)")
+    parser.add_argument(
+        "--poll_s", type=float, default=0.02,
+        help="stall, resume: seconds between two readings of the run (metrics.jsonl's new records, /proc). The "
+        "watcher's CPU comes out of the ranks' where no core is spare: every 5 ms it took 0.09 of a core here "
+        "(reading the whole file then); every 20 ms a step's arrival is known to 0.02 s of a 5 s CPU step. On a "
+        "GPU, whose steps take 0.1-0.2 s, use 0.005",
+    )  # fmt: skip
     parser.add_argument(
         "--repo", type=Path, default=REPO_ROOT, help="the checkout to run (a control: another one)"
     )

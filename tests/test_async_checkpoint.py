@@ -18,6 +18,7 @@ from tests.reference_run import (
     complete_checkpoint_steps,
     logged_steps,
 )
+from utils.distributed.process_group import usable_cpus
 
 ASYNC = ["--checkpoint_type", SHARDED, "--async_checkpoint", "true"]
 SLOW_STEP = 10  # its write stalls (tests/slow_write_entry.py); the complete checkpoint before it is step 5
@@ -58,6 +59,8 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint_e
     assert complete_checkpoint_steps(output_dir) == [20, TOTAL_STEPS]
     assert "written in the background" in resumed.output
     assert not any(path.name.startswith(".tmp") for path in (output_dir / "checkpoints").iterdir())
+    # The manager says when the writes have no core of their own: 2 ranks of 1 thread (tests/launch.py) need 4.
+    assert ("have no core of their own" in resumed.output) == (usable_cpus() < 4), resumed.describe()
 
 
 def test_async_checkpoint_needs_sharded_checkpoints():
@@ -126,23 +129,28 @@ def test_a_background_save_on_cores_that_all_train_says_it_costs_as_much_as_a_sy
     monkeypatch, log_records
 ):
     """2 ranks of 1 thread on 2 cores (this machine under torchrun): the writes have no core of their own, said
-    once with the fix. The controls: with a spare core per rank, and on a GPU, nothing is said."""
+    with the fix. The controls: with a spare core per rank, and on a GPU, nothing is said."""
     import torch
 
     from utils.checkpoint.manager import say_if_background_writes_have_no_core
 
-    def said(cores: int, ranks: int, device: str) -> list[str]:
+    def said(cores: int, ranks_here: int | None, device: str = "cpu", world_size: int = 2) -> list[str]:
         log_records.clear()
-        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
-        say_if_background_writes_have_no_core(torch.device(device))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+        if ranks_here is None:  # not launched by torchrun: every rank on this host
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks_here))
+        say_if_background_writes_have_no_core(torch.device(device), world_size)
         return [record.getMessage() for record in log_records if record.levelname == "WARNING"]
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    (warning,) = said(cores=2, ranks=2, device="cpu")
-    assert warning.startswith("--async_checkpoint true: 2 CPU cores, 2 ranks, 1 threads per rank: the background")
+    (warning,) = said(cores=2, ranks_here=2)
+    assert warning.startswith("--async_checkpoint true: 2 CPU core(s), 2 rank(s) of 1 thread(s) each: the")
     assert "OMP_NUM_THREADS" in warning and "--async_checkpoint false" in warning
-    assert said(cores=4, ranks=2, device="cpu") == []  # a core per rank for its writer
-    assert said(cores=2, ranks=2, device="cuda") == []
+    assert said(cores=4, ranks_here=2) == []  # a core per rank for its writer
+    assert said(cores=2, ranks_here=2, device="cuda") == []
+    assert said(cores=2, ranks_here=1, world_size=2) == []  # the other rank is on another host
+    assert len(said(cores=2, ranks_here=None, world_size=2)) == 1
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    assert len(said(cores=4, ranks=1, device="cpu")) == 1  # one rank whose threads take every core
+    assert len(said(cores=4, ranks_here=1)) == 1  # one rank whose threads take every core

@@ -26,9 +26,19 @@ def test_a_log_gets_a_line_when_work_starts_then_at_most_one_per_interval(log_re
         "Caching wikihowAll.csv: 4.0/4.0 MiB (100%)",
     ]
 
-    unknown = ProgressLines(None, "wikihowAll.csv", "B", every_s=0)  # a download without a length
-    unknown.update(3 * 2**20)
-    assert log_records[-1].getMessage() == "wikihowAll.csv: 3.0 MiB, 0:00 so far"
+
+def test_work_of_unknown_size_says_how_much_is_done(log_records):
+    """A download without a length: what arrived and for how long, no share or time left."""
+    download = ProgressLines(None, "wikihowAll.csv", "B", every_s=0)
+    download.update(3 * 2**20)
+    rows = ProgressLines(None, "Reading", "row", every_s=0)
+    rows.update(1)
+    rows.update(1)
+    assert [record.getMessage() for record in log_records] == [
+        "wikihowAll.csv: 3.0 MiB, 0:00 so far",
+        "Reading: 1 row, 0:00 so far",
+        "Reading: 2 rows, 0:00 so far",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -113,14 +113,15 @@ class ProgressLines:
             get_logger().info("%s", self.line(now - self.started))
 
     def line(self, elapsed: float) -> str:
-        if self.total is None:
-            amount = f"{self.n / 2**20:.1f} MiB" if self.unit == "B" else f"{self.n} {self.unit}"
-            return f"{self.desc}: {amount}, {format_duration(elapsed)} so far"
         if self.unit == "B":
-            amount = f"{self.n / 2**20:.1f}/{self.total / 2**20:.1f} MiB"
+            of = "" if self.total is None else f"/{self.total / 2**20:.1f}"
+            amount = f"{self.n / 2**20:.1f}{of} MiB"
         else:
-            plural = "es" if self.unit.endswith(("s", "sh", "ch", "x")) else "s"
-            amount = f"{self.n}/{self.total} {self.unit}{plural if self.total != 1 else ''}"
+            of, count = ("", self.n) if self.total is None else (f"/{self.total}", self.total)
+            plural = ("es" if self.unit.endswith(("s", "sh", "ch", "x")) else "s") if count != 1 else ""
+            amount = f"{self.n}{of} {self.unit}{plural}"
+        if self.total is None:  # not known: no share, no time left
+            return f"{self.desc}: {amount}, {format_duration(elapsed)} so far"
         share = self.n / self.total if self.total else 1.0
         done_here = self.n - self.initial
         left = elapsed * (self.total - self.n) / done_here if done_here > 0 else 0.0

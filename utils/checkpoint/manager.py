@@ -73,7 +73,7 @@ from utils.checkpoint.state_dicts import (
     tensor_only_optimizer_state,
 )
 from utils.distributed.hang_report import WHERE
-from utils.distributed.process_group import DistInfo
+from utils.distributed.process_group import DistInfo, usable_cpus
 from utils.files import write_json
 from utils.log import get_logger
 from utils.observe.memory import trim_host_heap
@@ -137,7 +137,7 @@ class CheckpointManager:
         self.background_group = self.stager = self.make_stager = self.background_writer = None
         if checkpointing.async_checkpoint:
             if info.is_main:
-                say_if_background_writes_have_no_core(info.device)
+                say_if_background_writes_have_no_core(info.device, info.world_size)
             self.background_group = dist.new_group(backend="gloo")
             self.make_stager, self.background_writer = _background_writer(model, info.device)
             self.stager = self.make_stager()
@@ -531,21 +531,22 @@ def _background_writer(model: nn.Module, device: torch.device) -> tuple:
     return partial(BlockingAsyncStager, cache_staged_state_dict=on_gpu), AsyncCheckpointerType.THREAD
 
 
-def say_if_background_writes_have_no_core(device: torch.device) -> None:
+def say_if_background_writes_have_no_core(device: torch.device, world_size: int) -> None:
     """A background write needs CPU of its own: on a CPU run whose ranks' threads take every core of the host,
     it takes that CPU from training, and seen from outside a background save costs training as much as a
     synchronous one, or more (docs/checkpoints.md: 2 ranks on 2 cores; with 1 rank on them, 0.13-0.43 of one).
-    Said once, with the fix. GPU ranks leave their cores mostly free."""
+    Rank 0 calls it once, when the manager is made, and it says so with the fix. GPU ranks leave their cores
+    mostly free."""
     if device.type != "cpu":
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    ranks, threads = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.get_num_threads()
+    cores, threads = usable_cpus(), torch.get_num_threads()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's ranks on this host
     if cores < ranks * (threads + 1):
         get_logger().warning(
-            "--async_checkpoint true: %d CPU cores, %d ranks, %d threads per rank: the background writes have "
-            "no core of their own, so they take their CPU from training, and a background save costs it as much "
-            "as a synchronous one, or more. Leave a core per rank free (fewer threads: OMP_NUM_THREADS, or fewer "
-            "ranks) or keep --async_checkpoint false",
+            "--async_checkpoint true: %d CPU core(s), %d rank(s) of %d thread(s) each: the background writes "
+            "have no core of their own, so they take their CPU from training, and a background save costs it as "
+            "much as a synchronous one, or more. Leave a core per rank free (fewer threads: OMP_NUM_THREADS, or "
+            "fewer ranks) or keep --async_checkpoint false",
             cores, ranks, threads,
         )  # fmt: skip
 

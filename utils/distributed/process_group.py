@@ -49,6 +49,11 @@ def launcher_ranks() -> tuple[int, int, int]:
     )
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; macOS has no affinity call: all of them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def resolve_device(choice: str, local_rank: int) -> torch.device:
     """`auto`: this rank's GPU (cuda:LOCAL_RANK) when CUDA is available, else the CPU."""
     if choice == "auto":
