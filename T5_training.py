@@ -10,12 +10,94 @@ embedded tiny T5 on the embedded WikiHow sample (offline, CPU or GPU).
 AdamW and the LR scheduler -> the epoch loop (utils/train/trainer.py: train, validation, scheduler.step(),
 save) -> cleanup. What this package adds (where a run starts from, LoRA, evaluation, checkpoints,
 measurement) appears as named steps inside it.
+
+Run as a program, the file reads and checks the settings and the inputs they name (`read_settings`,
+`check_inputs`) before it imports torch, transformers and the training modules, which take 5-10 s of a run's
+start: a refused setting, a missing model folder or data file, or --help, answers in about a second.
 """
 
-import functools
+import logging
 import os
 import sys
 import time
+
+from configs import cli, validate
+from configs.errors import ConfigError, UserError
+from configs.run import RunConfig
+from utils.checkpoint.record import recorded_run
+from utils.data import sources
+from utils.distributed.launcher import launcher_ranks, point_launcher_to_the_log
+from utils.log import get_logger, setup_logging
+from utils.model.folder import check_local_model_dir, looks_like_local_path
+
+RANK0_MESSAGE_GRACE_S = 2.0
+
+
+def read_settings(argv: list[str] | None) -> tuple[RunConfig, dict]:
+    """The run's settings (the flags, a --config file, accelerate launch's environment, and a resume's run
+    record under them), checked against each other and the number of ranks; the fields taken from accelerate
+    launch's environment. The device's rules wait for torch (main checks them)."""
+    config = cli.parse_args(argv)
+    # A resume continues the run that was saved: its recorded settings are the defaults, and a flag given
+    # that differs is taken with one line, or refused where the checkpoints cannot honour it.
+    recorded = recorded_run(config.checkpointing.resume, config.train.output_dir)
+    if recorded is not None:
+        config, changes = cli.continue_run(argv, recorded[1], recorded[0])
+        changed = f"; changed here: {', '.join(changes)}" if changes else ""
+        get_logger().info("resuming with the settings of %s%s", recorded[0], changed)
+    from_accelerate = cli.fields_from_accelerate(sys.argv[1:] if argv is None else argv)
+    if from_accelerate:
+        values = {
+            name: value for section in cli.config_to_dict(config).values() for name, value in section.items()
+        }
+        taken = (
+            f"--{name} {cli.format_value(values[name])} ({source})" for name, source in from_accelerate.items()
+        )
+        get_logger().info("from accelerate launch's environment: %s", ", ".join(taken))
+    validate.check_settings(config, launcher_ranks()[2])
+    return config, from_accelerate
+
+
+def check_inputs(config: RunConfig) -> None:
+    """The model folder and the data the settings name are there: looked at, not read (a hub name is looked up
+    when the model loads, a dataset name when it is read). The same checks run again where they are read."""
+    if looks_like_local_path(config.train.model_name):
+        check_local_model_dir(config.train.model_name)
+    sources.check_data_found(config.data)
+
+
+def refusal(err: UserError, rank: int) -> int:
+    """The exit status of a run refused for `err`. The same input error happens on every rank: rank 0 says it
+    once, every rank exits non-zero (2 for a setting). torchrun stops the other ranks as soon as one exits
+    non-zero; the other ranks wait a moment so rank 0 is not killed before its message is out."""
+    if rank == 0:
+        get_logger().error("%s", err)
+        point_launcher_to_the_log(rank)
+    else:
+        time.sleep(RANK0_MESSAGE_GRACE_S)
+    return 2 if isinstance(err, ConfigError) else 1
+
+
+def answer_before_the_imports(argv: list[str]) -> None:
+    """--help, a refused setting or a missing input (which end the run here), before the imports below. Says
+    nothing else: main reads the settings again and says what they are."""
+    rank = launcher_ranks()[0]
+    if rank != 0 and ("-h" in argv or "--help" in argv):
+        sys.exit(0)  # under torchrun every rank would print the same help: rank 0 does
+    setup_logging(rank)
+    get_logger().setLevel(logging.ERROR)
+    try:
+        config, _ = read_settings(argv)  # --help: prints it and exits
+        check_inputs(config)
+    except UserError as err:
+        sys.exit(refusal(err, rank))
+
+
+if __name__ == "__main__":
+    answer_before_the_imports(sys.argv[1:])
+
+# The rest of the program: imported after the settings are known to be good (E402 allowed here).
+import functools
 
 import torch
 import torch.distributed as dist
@@ -23,27 +105,23 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import summarization_dataset
-from configs import cli, validate
-from configs.errors import FAILURES, ConfigError, UserError
+from configs.errors import FAILURES
 from configs.evaluation import METRIC_NAMES, generation_rows
-from configs.run import RunConfig
 from policies.mixed_precision import Precision, resolve_precision
 from utils import layout
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.run_lock import claimed_output_dir
-from utils.checkpoint.start import StartPoint, recorded_run, resolve_start
+from utils.checkpoint.start import StartPoint, resolve_start
 from utils.distributed import hang_report, process_group
 from utils.eval import generation
 from utils.eval.evaluator import Evaluator
 from utils.fsdp.shard import forward_warnings_ignored, log_fsdp_layout, shard_model
-from utils.log import get_logger, quiet_helper_process, setup_logging
+from utils.log import quiet_helper_process
 from utils.model import loading, lora
 from utils.observe import flops, memory, metrics, run_record, tensorboard
 from utils.train import optim
 from utils.train.preemption import StopRequest
 from utils.train.trainer import Trainer
-
-RANK0_MESSAGE_GRACE_S = 2.0
 
 if __name__ == "__mp_main__":  # imported by a process torch starts from this one: the background checkpoint
     quiet_helper_process()  # writer of --async_checkpoint (utils/checkpoint/manager.py)
@@ -249,32 +327,16 @@ def evaluate_saved_model(
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    """Parse and check the settings, set up the process group, run, tear down; one message on bad input."""
-    rank, _, _ = process_group.launcher_ranks()
+    """Read and check the settings, set up the process group, run, tear down; one message on bad input."""
+    rank = launcher_ranks()[0]
     setup_logging(rank)
     args = sys.argv[1:] if argv is None else argv
     if rank != 0 and ("-h" in args or "--help" in args):
         return 0  # under torchrun every rank would print the same help: rank 0 does
     try:
-        config = cli.parse_args(argv)
-        # A resume continues the run that was saved: its recorded settings are the defaults, and a flag given
-        # that differs is taken with one line, or refused where the checkpoints cannot honour it.
-        recorded = recorded_run(config.checkpointing.resume, config.train.output_dir)
-        if recorded is not None:
-            config, changes = cli.continue_run(argv, recorded[1], recorded[0])
-            changed = f"; changed here: {', '.join(changes)}" if changes else ""
-            get_logger().info("resuming with the settings of %s%s", recorded[0], changed)
-        from_accelerate = cli.fields_from_accelerate(args)
-        if from_accelerate:
-            values = {
-                name: value for section in cli.config_to_dict(config).values() for name, value in section.items()
-            }
-            taken = (
-                f"--{name} {cli.format_value(values[name])} ({source})" for name, source in from_accelerate.items()
-            )
-            get_logger().info("from accelerate launch's environment: %s", ", ".join(taken))
+        config, from_accelerate = read_settings(argv)
         info = process_group.describe_launch(config.train.device)
-        validate.check_settings(config, info.world_size, info.device.type)
+        validate.check_settings(config, info.world_size, info.device.type)  # now with the device's rules
         process_group.init_distributed(info, config.train.dist_timeout_s, config.train.output_dir)
         with (
             claimed_output_dir(config.train.output_dir),  # one run per output_dir: a second one stops here
@@ -291,20 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(130)
     except UserError as err:
-        # The same input error happens on every rank: rank 0 says it once, every rank exits non-zero.
-        # torchrun stops the other ranks as soon as one exits non-zero; the other ranks wait a moment so
-        # rank 0 is not killed before its message is out.
-        if rank == 0:
-            get_logger().error("%s", err)
-            process_group.point_launcher_to_the_log(rank)
-        else:
-            time.sleep(RANK0_MESSAGE_GRACE_S)
-        return 2 if isinstance(err, ConfigError) else 1
+        return refusal(err, rank)
     except (process_group.GroupNotFormed, hang_report.CollectiveTimedOut) as err:
         # Every rank that waited says so (a timed-out collective: naming its report, which holds the traceback):
         # the rank that never joined, or hangs, may be silent.
         get_logger().error("%s", err)
-        process_group.point_launcher_to_the_log(rank)
+        point_launcher_to_the_log(rank)
         return 1
     except FAILURES as err:  # Exception, and DCP's CheckpointException (a BaseException)
         if process_group.is_peer_failure(err):
@@ -313,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # Logged here once; re-raising would print it again, and again in torchrun's summary.
             get_logger().exception("failed: %s", err)
-            process_group.point_launcher_to_the_log(rank)
+            point_launcher_to_the_log(rank)
         return 1
     finally:
         process_group.destroy_distributed()

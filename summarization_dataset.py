@@ -65,16 +65,21 @@ from utils.data import sources
 from utils.data.loaders import EvalSet, Loaders, build_loader
 from utils.data.samplers import LengthGrouping, PaddedEvalSampler, train_sampler_for
 from utils.data.shared_cache import complete_folders, shared_folder
-from utils.data.sources import SPLITS, SplitWriter, TextSource, file_fingerprint, not_utf8
+from utils.data.sources import (
+    SPLITS,
+    WIKIHOW_CSV,
+    SplitWriter,
+    TextSource,
+    file_fingerprint,
+    how_to_get_wikihow,
+    not_utf8,
+)
 from utils.distributed.process_group import DistInfo, usable_cpus
-from utils.files import closest_folder
 from utils.log import ProgressLines, bars_shown, get_logger, progress_bar
 
-CSV_NAME = "wikihowAll.csv"
 EXPECTED_HEADER = ["headline", "title", "text"]
 # Split name -> the authors' list of titles for it (names as the builder and the tutorial use them).
 SPLIT_FILES = {"train": "all_train.txt", "validation": "all_val.txt", "test": "all_test.txt"}
-CSV_SOURCE_URL = "https://ucsb.app.box.com/s/ap23l8gafpezf4tq3wapr6u8241zz358"
 
 # Some articles are longer than csv's default field limit of 131,072 characters. 2**31 - 1 fits the C
 # long of every platform (sys.maxsize overflows it on Windows).
@@ -95,21 +100,13 @@ ITEM_KEYS = ("source_ids", "source_mask", "target_ids", "target_mask")
 # ---------------------------------------------------------------------------------------------------
 
 
-def _how_to_get_data(data_dir: Path) -> str:
-    return (
-        f"Download it with `python scripts/download_wikihow.py --data_dir {data_dir}`, or follow the "
-        f"manual steps in the README (download {CSV_NAME} from {CSV_SOURCE_URL} in a browser and put it "
-        f"in {data_dir})."
-    )
-
-
 def check_header(header: Sequence[str] | None, csv_path: str | os.PathLike) -> None:
     """Raise DataError unless ``header`` is the header of the original wikihowAll.csv."""
     if header is None or list(header) != EXPECTED_HEADER:
         found = "nothing (the file is empty)" if header is None else ",".join(header)
         raise DataError(
             f"{csv_path} has the header {found!r}, expected {','.join(EXPECTED_HEADER)!r}: the file must "
-            f"be the original {CSV_NAME} of the WikiHow dataset (config 'all')."
+            f"be the original {WIKIHOW_CSV} of the WikiHow dataset (config 'all')."
         )
 
 
@@ -175,7 +172,7 @@ def _split_lists(data_dir: Path) -> dict[str, Path] | None:
     if missing:
         raise DataFileNotFoundError(
             f"WikiHow split list(s) missing: {', '.join(str(path) for path in missing)} (the others exist; "
-            f"a mix of published and hashed splits would overlap). {_how_to_get_data(data_dir)}"
+            f"a mix of published and hashed splits would overlap). {how_to_get_wikihow(data_dir)}"
         )
     return paths
 
@@ -186,10 +183,10 @@ def require_csv(data_dir: str | os.PathLike) -> Path:
     Cheap: the training script calls it before loading a (possibly huge) model, so missing data is
     reported in seconds.
     """
-    csv_path = Path(data_dir) / CSV_NAME
+    csv_path = Path(data_dir) / WIKIHOW_CSV
     if not csv_path.is_file():
         raise DataFileNotFoundError(
-            f"WikiHow data file not found: {csv_path.resolve()}. {_how_to_get_data(Path(data_dir))}"
+            f"WikiHow data file not found: {csv_path.resolve()}. {how_to_get_wikihow(Path(data_dir))}"
         )
     return csv_path
 
@@ -220,7 +217,7 @@ def _csv_rows(csv_path: Path, progress: tqdm | ProgressLines | None = None) -> I
 def _not_utf8(csv_path: Path) -> DataError:
     """The error for a wikihowAll.csv that does not decode, naming its first bad line and the fix."""
     return not_utf8(
-        csv_path, f"The file is damaged or not the original {CSV_NAME}. {_how_to_get_data(csv_path.parent)}"
+        csv_path, f"The file is damaged or not the original {WIKIHOW_CSV}. {how_to_get_wikihow(csv_path.parent)}"
     )
 
 
@@ -263,7 +260,7 @@ def _write_wikihow_cache(csv_path: Path, lists: dict[str, Path] | None, folder: 
     with contextlib.ExitStack() as stack:
         for writer in writers.values():
             stack.callback(writer.close)
-        progress = stack.enter_context(progress_bar(csv_path.stat().st_size, f"Caching {CSV_NAME}", unit="B"))
+        progress = stack.enter_context(progress_bar(csv_path.stat().st_size, f"Caching {WIKIHOW_CSV}", unit="B"))
         for fields in _csv_rows(csv_path, progress):
             n_read += 1
             headline, title, text = (field.strip() for field in fields)
@@ -304,25 +301,14 @@ def wikihow_source(data_dir: Path) -> TextSource:
 def text_source(data: DataConfig) -> TextSource:
     """Where the run's rows come from: files or a dataset the flags name, else what --data_dir holds
     (WikiHow, split files, a save_to_disk folder). Cheap: the files are found, not read."""
+    sources.check_data_found(data)  # each missing file or folder said with the way to get it
     named = sources.named_source(data)
     if named is not None:
         return named
     folder = Path(data.data_dir)
-    if not folder.is_dir():
-        close = closest_folder(folder)
-        hint = f" Did you mean --data_dir {close}?" if close else ""
-        raise DataFileNotFoundError(f"--data_dir {data.data_dir}: no such folder ({folder.resolve()}).{hint}")
-    if (folder / CSV_NAME).is_file():
+    if (folder / WIKIHOW_CSV).is_file():
         return wikihow_source(folder)
-    found = sources.folder_source(folder, data)
-    if found is None:
-        raise DataFileNotFoundError(
-            f"no data found in {folder.resolve()}: it holds neither {CSV_NAME} (WikiHow; "
-            f"{_how_to_get_data(folder)}), nor train/validation/test files (.csv, .jsonl, .json, .parquet), nor "
-            "a dataset written by datasets' save_to_disk. Or name files with --train_file/--validation_file/"
-            "--test_file, or a dataset with --dataset_name."
-        )
-    return found
+    return sources.folder_source(folder, data)
 
 
 def cache_root(data: DataConfig, source: TextSource) -> Path:

@@ -1,6 +1,6 @@
 """Command-line overrides of the config dataclasses: every field is `--field value`, strictly typed.
 
-Booleans take true/false (given alone, a boolean flag means true), enums and choices take a name, an
+Booleans take true/false (given alone, a boolean flag means true), choices take a name, an
 unknown flag or a bad value is a ConfigError that lists what is valid. The tutorial's flags are aliases.
 `--config FILE` gives the same fields from a YAML or JSON file (configs/config_file.py), under the flags.
 There is no other config system: the dataclasses are the single source of defaults and documentation.
@@ -8,7 +8,6 @@ There is no other config system: the dataclasses are the single source of defaul
 
 import argparse
 import difflib
-import enum
 import math
 import os
 import sys
@@ -83,14 +82,12 @@ def _optional_inner(type_hint):
 
 
 def choices_of(type_hint) -> list[str] | None:
-    """The valid spellings of an enum, Literal or optional-enum field, or None for free values (an optional
-    number takes NONE or a number)."""
+    """The valid spellings of a Literal or optional-Literal field, or None for free values (an optional number
+    takes NONE or a number)."""
     inner = _optional_inner(type_hint)
     if inner is not None:
         inner_choices = choices_of(inner)
         return None if inner_choices is None else inner_choices + [NONE_WORD]
-    if isinstance(type_hint, type) and issubclass(type_hint, enum.Enum):
-        return list(type_hint.__members__)
     if typing.get_origin(type_hint) is typing.Literal:
         return [str(a) for a in typing.get_args(type_hint)]
     return None
@@ -112,12 +109,7 @@ def parse_value(spec: FieldSpec, text: str):
     if choices is not None:
         if text not in choices:
             raise ConfigError(f"{flag} must be one of {', '.join(choices)}; got {text!r}")
-        inner = _optional_inner(type_hint)
-        if inner is not None:
-            return None if text == NONE_WORD else inner[text]
-        if isinstance(type_hint, type) and issubclass(type_hint, enum.Enum):
-            return type_hint[text]
-        return text
+        return None if inner is not None and text == NONE_WORD else text
     if type_hint in (int, float):
         return _parse_number(spec, text)
     return text
@@ -150,8 +142,6 @@ def format_value(value) -> str:
     """The command-line spelling of a config value (inverse of parse_value)."""
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, enum.Enum):
-        return value.name
     if value is None:
         return NONE_WORD
     return str(value)
@@ -385,11 +375,11 @@ def _parse_from(spec: FieldSpec, text: str, source: str, fix: str):
 
 
 def config_to_dict(config: RunConfig) -> dict:
-    """A JSON-ready dict of every section under its config.json key, enums by name (the spelling the CLI
+    """A JSON-ready dict of every section under its config.json key, None as NONE (the spelling the CLI
     takes): feeding the values back as flags reproduces the run."""
     return {
         RECORD_KEYS[section.name]: {
-            f.name: (format_value(v) if isinstance(v, enum.Enum) or v is None else v)
+            f.name: (format_value(v) if v is None else v)
             for f in fields(getattr(config, section.name))
             for v in [getattr(getattr(config, section.name), f.name)]
         }

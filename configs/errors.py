@@ -4,8 +4,6 @@ Every message says what is wrong and how to fix it. Anything else that escapes i
 traceback.
 """
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 
 class UserError(Exception):
     """A problem with the user's input: configuration, data, model path or checkpoint."""
@@ -31,10 +29,16 @@ class TrainingDivergedError(UserError):
     """A NaN or infinite loss or gradient norm with --on_nonfinite stop: the run ends without saving."""
 
 
-# What a failed run can raise: torch.distributed.checkpoint's CheckpointException derives from
-# BaseException, not Exception, so `except Exception` would let a corrupt shard escape with a traceback
-# on every rank (docs/pitfalls.md #25).
-FAILURES = (Exception, CheckpointException)
+def __getattr__(name: str):
+    """`FAILURES`, what a failed run can raise: torch.distributed.checkpoint's CheckpointException derives from
+    BaseException, not Exception, so `except Exception` would let a corrupt shard escape with a traceback on
+    every rank (docs/pitfalls.md #25). Built on first use, which imports torch: the settings are read and checked
+    without it."""
+    if name == "FAILURES":
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        return (Exception, CheckpointException)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def error_summary(err: BaseException, limit: int = 400) -> str:

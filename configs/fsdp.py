@@ -1,15 +1,20 @@
-"""How the model is sharded. Every field is a `--field value` flag (see configs/cli.py); enums by name."""
+"""How the model is sharded. Every field is a `--field value` flag (see configs/cli.py).
+
+The sharding strategy and backward prefetch are spelled as the names of torch's `ShardingStrategy` and
+`BackwardPrefetch` members (utils/fsdp/shard.py turns them into those): the settings are read and checked
+without importing torch, so that a refused setting answers in about a second.
+"""
 
 import os
 from dataclasses import dataclass
 from typing import Literal
 
-from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
-
 from configs.errors import ConfigError
 from configs.options import option
 
-HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+BackwardPrefetchName = Literal["BACKWARD_PRE", "BACKWARD_POST"]
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 # The stack layers of the encoder-decoder families tested here (docs/models.md), each an FSDP unit with the
 # transformer policy. The units come from the model itself (policies/wrapping.py: layer_classes); this list
 # is what accelerate's fsdp_transformer_layer_cls_to_wrap may name.
@@ -72,8 +77,8 @@ class FSDPConfig:
             "all-bf16 bfSixteen. fp32 with bfSixteen_working is refused (that is fp32 training)."
         ),
     )
-    sharding_strategy: ShardingStrategy = option(
-        default=ShardingStrategy.FULL_SHARD,
+    sharding_strategy: ShardingStrategyName = option(
+        default="FULL_SHARD",
         help=(
             "FULL_SHARD (ZeRO-3: params, grads, optimizer state sharded), SHARD_GRAD_OP (ZeRO-2: params "
             "kept whole between forward and backward), NO_SHARD (DDP-like), HYBRID_SHARD / "
@@ -81,8 +86,8 @@ class FSDPConfig:
             "ranks, replicated across the groups)."
         ),
     )
-    backward_prefetch: BackwardPrefetch | None = option(
-        default=BackwardPrefetch.BACKWARD_PRE,
+    backward_prefetch: BackwardPrefetchName | None = option(
+        default="BACKWARD_PRE",
         help=(
             "When the next unit's parameters are all-gathered in backward: BACKWARD_PRE (before the current "
             "unit's gradient computation: fastest, more memory), BACKWARD_POST (after it; FSDP1 only), NONE."

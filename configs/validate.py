@@ -9,8 +9,6 @@ are first read.
 
 import importlib.util
 
-from torch.distributed.fsdp import BackwardPrefetch
-
 from configs.checkpointing import CheckpointConfig
 from configs.data import DataConfig
 from configs.errors import ConfigError
@@ -26,13 +24,16 @@ from configs.training import TrainConfig
 TENSORBOARD_HINT = "--tensorboard true needs the tensorboard package: pip install tensorboard"
 
 
-def check_settings(config: RunConfig, world_size: int, device_type: str) -> None:
+def check_settings(config: RunConfig, world_size: int, device_type: str | None = None) -> None:
     """Raise ConfigError for the first combination that cannot run as asked on `world_size` ranks of
-    `device_type` ("cuda" or "cpu")."""
+    `device_type` ("cuda" or "cpu"). None: the device is not known yet (the entry point checks the settings
+    before it imports torch, which says whether there is a GPU, then again with the device), so the rules
+    about the device wait."""
     fsdp = config.fsdp
     check_precision(fsdp, device_type)
-    check_device_settings(fsdp, device_type)
-    check_attention(config.recipe, device_type)
+    if device_type is not None:
+        check_device_settings(fsdp, device_type)
+        check_attention(config.recipe, device_type)
     if fsdp.fsdp_version == 2:
         check_fsdp2_settings(fsdp)
     check_hybrid_sharding(fsdp, world_size)
@@ -47,13 +48,13 @@ def check_settings(config: RunConfig, world_size: int, device_type: str) -> None
     check_compile(fsdp)
 
 
-def check_precision(fsdp_config: FSDPConfig, device_type: str) -> None:
+def check_precision(fsdp_config: FSDPConfig, device_type: str | None) -> None:
     check_reduce_dtype(fsdp_config)
     if not fsdp_config.use_fp16:
         return
     if not fsdp_config.mixed_precision:
         raise ConfigError("--use_fp16 true needs --mixed_precision true (fp16 is a mixed-precision mode)")
-    if device_type != "cuda":
+    if device_type not in (None, "cuda"):
         raise ConfigError(
             "--use_fp16 true needs a CUDA GPU (fp16 with a gradient scaler); on CPU use bf16 "
             "(--use_fp16 false) or fp32 (--mixed_precision false)"
@@ -113,7 +114,7 @@ def check_fsdp2_settings(fsdp_config: FSDPConfig) -> None:
             "--wrap_policy size_based has no FSDP2 equivalent (FSDP2 has no auto-wrap policies; each stack "
             "layer is sharded). Use --wrap_policy transformer with --fsdp_version 2."
         )
-    if fsdp_config.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+    if fsdp_config.backward_prefetch == "BACKWARD_POST":
         raise ConfigError(
             "--backward_prefetch BACKWARD_POST has no FSDP2 equivalent; FSDP2 prefetches like BACKWARD_PRE "
             "(or not at all with --backward_prefetch NONE)."
@@ -138,7 +139,7 @@ def check_hybrid_sharding(fsdp_config: FSDPConfig, world_size: int) -> None:
     group = hybrid_group_size(world_size, fsdp_config.hybrid_shard_group_size)
     if group == 1 and fsdp_config.fsdp_version == 1:
         raise ConfigError(
-            f"--sharding_strategy {strategy.name} with a shard group of 1 rank: FSDP1 would silently stop "
+            f"--sharding_strategy {strategy} with a shard group of 1 rank: FSDP1 would silently stop "
             "synchronising gradients across groups. Use --sharding_strategy NO_SHARD (pure replication), "
             "a --hybrid_shard_group_size above 1, or --fsdp_version 2."
         )

@@ -24,7 +24,8 @@ from typing import BinaryIO
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from configs.errors import UserError  # noqa: E402
-from summarization_dataset import CSV_NAME, CSV_SOURCE_URL, SPLIT_FILES, check_csv_header  # noqa: E402
+from summarization_dataset import SPLIT_FILES, check_csv_header  # noqa: E402
+from utils.data.sources import WIKIHOW_CSV, WIKIHOW_CSV_URL  # noqa: E402
 from utils.files import atomic_path  # noqa: E402
 from utils.log import get_logger, progress_bar, setup_logging  # noqa: E402
 
@@ -73,8 +74,8 @@ def looks_like_html(content_type: str, first_bytes: bytes) -> bool:
 
 def _manual_csv_steps(url: str, data_dir: Path) -> str:
     return (
-        f"{url} returned a web page, not {CSV_NAME} (the Box link is a page to download from). Download "
-        f"it by hand: open {url} in a browser, download {CSV_NAME}, and put it in {data_dir.resolve()} "
+        f"{url} returned a web page, not {WIKIHOW_CSV} (the Box link is a page to download from). Download "
+        f"it by hand: open {url} in a browser, download {WIKIHOW_CSV}, and put it in {data_dir.resolve()} "
         f"(or pass --csv_url with a direct link to the file)."
     )
 
@@ -139,12 +140,12 @@ def fetch(
     return True
 
 
-def download_wikihow(data_dir: Path, csv_url: str = CSV_SOURCE_URL, force: bool = False) -> None:
+def download_wikihow(data_dir: Path, csv_url: str = WIKIHOW_CSV_URL, force: bool = False) -> None:
     """The split lists first (small, always direct), then wikihowAll.csv, whose header is checked."""
     data_dir.mkdir(parents=True, exist_ok=True)
     for file_name in SPLIT_FILES.values():
         fetch(SPLIT_LIST_BASE_URL + file_name, data_dir / file_name, force=force)
-    csv_path = data_dir / CSV_NAME
+    csv_path = data_dir / WIKIHOW_CSV
     fetch(csv_url, csv_path, force=force, refuse_html=True, check=check_csv_header)
     # A file that was already there is checked too: it may be a page saved by hand, or another CSV.
     check_csv_header(csv_path)
@@ -154,7 +155,7 @@ def download_wikihow(data_dir: Path, csv_url: str = CSV_SOURCE_URL, force: bool 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", type=Path, default=Path("data"), help="folder to download into")
-    parser.add_argument("--csv_url", default=CSV_SOURCE_URL, help="where to download wikihowAll.csv from")
+    parser.add_argument("--csv_url", default=WIKIHOW_CSV_URL, help="where to download wikihowAll.csv from")
     parser.add_argument("--force", action="store_true", help="download files that already exist again")
     return parser.parse_args(argv)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import rank_pool
 from tests.reference_run import train_reference
 from utils.log import get_logger
 
@@ -71,3 +72,37 @@ def tokenizer(tmp_path_factory):
     )
     # From the folder: T5Tokenizer(vocab_file=...) does not load the vocabulary in transformers 5.
     return transformers.T5Tokenizer.from_pretrained(str(folder))
+
+
+# A test of the fast subset (not marked slow) that takes longer than this, its fixtures' setup included, is
+# listed at the end of the run: it should be made faster or marked slow. A list, never a failure: no test
+# depends on the machine's speed.
+FAST_TEST_LIMIT_S = 5.0
+_seconds: dict[str, float] = {}
+_slow_marked: set[str] = set()
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.when in ("setup", "call"):
+        _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+        if "slow" in report.keywords:
+            _slow_marked.add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The tests of the fast subset that were not fast on this machine, and how many rank processes the session
+    started and why any was replaced (tests/rank_pool.py)."""
+    over = sorted(
+        (
+            (seconds, test)
+            for test, seconds in _seconds.items()
+            if test not in _slow_marked and seconds > FAST_TEST_LIMIT_S
+        ),
+        reverse=True,
+    )
+    if over:
+        terminalreporter.write_line(f"not marked slow, but over {FAST_TEST_LIMIT_S:g} s here (setup included):")
+        for seconds, test in over:
+            terminalreporter.write_line(f"  {seconds:6.1f} s  {test}")
+    for line in rank_pool.summary():
+        terminalreporter.write_line(line)

@@ -1,5 +1,10 @@
-"""The one way tests launch T5_training.py (or a wrapper of it) through torchrun: in the foreground
-(`torchrun`), or in the background to be signalled or killed mid-run (`Background`)."""
+"""How tests launch T5_training.py (or a wrapper of it): through torchrun in the foreground (`torchrun`), or in
+the background to be signalled or killed mid-run (`Background`); or on the session's pooled rank processes
+(`pooled`), which skips torchrun's start and every rank's imports (tests/rank_pool.py).
+
+A test uses a real torchrun where torchrun or a fresh process is what it checks: restarts, signals, Ctrl-C,
+kill -9, the launch forms, torchrun's closing report, the run lock between processes, the README demo, and one
+resume into a new process per checkpoint type and backend. Everything else runs pooled."""
 
 import os
 import signal
@@ -25,6 +30,9 @@ class Run:
     stdout: str
     stderr: str
     seconds: float
+    # A pooled run's error files by rank (what torchrun's closing report would show, TORCHELASTIC_ERROR_FILE),
+    # for the ranks that wrote one; None for a run through torchrun.
+    error_files: dict[int, str] | None = None
 
     @property
     def output(self) -> str:
@@ -107,6 +115,63 @@ def torchrun(
         timeout=timeout,
     )
     return Run(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+
+
+def ranks_environment(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """What torchrun's one agent gives rank `rank` of `nproc` in its environment (less its own store, restarts
+    and error file)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default",
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+    }  # fmt: skip
+
+
+def pooled(
+    args: list[str],
+    nproc: int = 2,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    env: dict | None = None,
+) -> Run:
+    """`torchrun --nproc_per_node nproc T5_training.py args` on the pooled rank processes: each rank runs it
+    as __main__ with this process's environment (`env` added) and what torchrun gives its ranks (without an
+    agent: rank 0 hosts the store, and no torchrun restart is possible), offline, one thread per rank. The
+    result reads as torchrun's, each rank's stdout (then stderr) after the other's; torchrun's own lines and
+    closing report are absent. A rank that is still running `timeout` s after the start, or 10 s after another
+    rank exited non-zero (torchrun would stop it), is killed, and the run's exit status is then non-zero."""
+    from tests.rank_pool import Scenario, pool, read_text, scenario_files
+
+    start = time.monotonic()
+    port = free_port()
+    with scenario_files(nproc) as files:
+        error_files = [f"{out}.error.json" for out, _ in files]
+        scenarios = [
+            Scenario(
+                rank=rank,
+                world_size=nproc,
+                environ={
+                    **offline_env(env),
+                    **ranks_environment(rank, nproc, port),
+                    "TORCHELASTIC_ERROR_FILE": error_files[rank],
+                },
+                stdout_path=stdout,
+                stderr_path=stderr,
+                script="T5_training.py",  # a wrapper that patches torch or a class would leave it patched
+                args=list(args),
+            )
+            for rank, (stdout, stderr) in enumerate(files)
+        ]
+        outcomes = pool().run(scenarios, timeout)
+        stdout = "".join(read_text(out) for out, _ in files)
+        stderr = "".join(read_text(err) for _, err in files)
+        written = {rank: read_text(path) for rank, path in enumerate(error_files) if os.path.exists(path)}
+    for outcome in outcomes:
+        if outcome.kind != "exit":  # the rank raised past the script, or was killed: say it as torchrun would
+            stderr += f"\n{outcome.value}\n"
+    codes = [outcome.value if outcome.kind == "exit" else 1 for outcome in outcomes]
+    returncode = next((code for code in codes if code != 0), 0)
+    return Run(returncode, stdout, stderr, time.monotonic() - start, written)
 
 
 def program_tracebacks(output: str) -> list[str]:

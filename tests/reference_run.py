@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import RESTARTING, Background, Run, torchrun
+from tests.launch import RESTARTING, Background, Run, pooled
 from utils.distributed.process_group import free_port
 
 SHARDED = "SHARDED_STATE_DICT"
@@ -94,7 +94,7 @@ def complete_checkpoint_steps(output_dir: Path) -> list[int]:
 
 def train_reference(output_dir: Path) -> Path:
     """Train the reference run into output_dir (which must not exist yet) and check its shape."""
-    run = torchrun([*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir)])
+    run = pooled([*SMALL_RUN, "--checkpoint_type", SHARDED, "--output_dir", str(output_dir)])
     assert run.returncode == 0, run.describe()
     assert logged_steps(output_dir) == list(range(1, TOTAL_STEPS + 1))
     # keep_last_n=2 (default): the periodic step 20 and the end of epoch 2.

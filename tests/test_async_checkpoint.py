@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from scripts.compare_step_losses import step_losses
-from tests.launch import Background, torchrun
+from tests.launch import Background, pooled
 from tests.reference_run import (
     SHARDED,
     SMALL_RUN,
@@ -49,7 +49,7 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint_e
     shutil.copytree(checkpoint_dir(output_dir, 5), checkpoint_dir(output_dir, 99))
     (checkpoint_dir(output_dir, 99) / "train_state.json").unlink()
 
-    resumed = torchrun([*args, "--resume", "true"])
+    resumed = pooled([*args, "--resume", "true"])  # (a resume in new processes: tests/test_resume.py's restarts)
     assert resumed.returncode == 0, resumed.describe()
     assert f"resumed from {checkpoint_dir(output_dir, 5)}: epoch 1, step 5" in resumed.output, resumed.describe()
     losses, expected = step_losses(str(output_dir)), step_losses(str(reference))

@@ -93,7 +93,7 @@ def _pages(script, csv_url: str, csv_page: tuple[str, bytes]) -> dict[str, tuple
 
 @pytest.mark.parametrize("content_type", ["text/html; charset=utf-8", "application/octet-stream"])
 def test_refuses_a_web_page_as_csv(tmp_path, monkeypatch, script, content_type):
-    serve(monkeypatch, script, _pages(script, script.CSV_SOURCE_URL, (content_type, BOX_PAGE)))
+    serve(monkeypatch, script, _pages(script, script.WIKIHOW_CSV_URL, (content_type, BOX_PAGE)))
     with pytest.raises(script.DownloadError) as info:
         script.download_wikihow(tmp_path)
     message = str(info.value)

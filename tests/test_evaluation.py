@@ -11,19 +11,22 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from rouge_score import rouge_scorer
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
 from configs.data import DataConfig
 from configs.evaluation import EvalConfig
 from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
 from configs.training import TrainConfig
+from scripts.summarize import main as summarize_main
 from summarization_dataset import build_loaders, load_wikihow
 from tests.dist_harness import run_ranks
 from tests.dist_workers import generation_worker
-from tests.launch import torchrun
+from tests.launch import pooled
 from utils.distributed.process_group import DistInfo
 from utils.eval.rouge import ROUGE_KEYS, rouge_scores
 from utils.eval.scores import mean_scores
+from utils.log import get_logger
 
 N_SAMPLES = 7  # uneven over 2 ranks: 4 and 3 real samples, one padding repeat
 EVAL_KEYS = {"type", "epoch", "step", "split", *ROUGE_KEYS, "gen_len", "num_samples", "seconds", "baselines"}
@@ -57,6 +60,25 @@ def test_fsdp_generation_equals_plain_generate_and_rouge_equals_rouge_score(gene
         assert [line["prediction"] for line in lines] == plain, f"FSDP{version} differs from plain generate"
         for key in ROUGE_KEYS:
             assert record[key] == pytest.approx(expected[key], abs=1e-6), (version, key)
+
+
+def test_rouge_is_rouge_scores_with_its_stemmer_and_rougelsum_by_sentence():
+    """docs/evaluation.md's setting, against rouge-score itself, on texts where it matters: its Porter stemmer
+    ("cats" and "cat", "feeding" and "feed") and rougeLsum's sentences (a summary of two steps). A tiny model's
+    generated words rarely differ by a suffix, so the runs' parity checks cannot see a stemmer missing."""
+    reference = "Feed the cats every morning. Pick the ripe apples."
+    prediction = "Feeding a cat every morning. The apples picked when ripe."
+    keys = list(ROUGE_KEYS)
+    stemmed = rouge_scorer.RougeScorer(keys, use_stemmer=True)
+    plain = stemmed.score(reference, prediction)
+    lines = stemmed.score(reference.replace(". ", ".\n"), prediction.replace(". ", ".\n"))
+    expected = {key: 100 * plain[key].fmeasure for key in ("rouge1", "rouge2", "rougeL")}
+    expected["rougeLsum"] = 100 * lines["rougeLsum"].fmeasure
+    scores = rouge_scores(reference, prediction)
+    assert scores == pytest.approx(expected, abs=1e-9)
+    unstemmed = rouge_scorer.RougeScorer(keys, use_stemmer=False).score(reference, prediction)
+    assert scores["rouge1"] > 100 * unstemmed["rouge1"].fmeasure + 1  # the stemmer matters here
+    assert scores["rougeLsum"] != pytest.approx(100 * plain["rougeLsum"].fmeasure)  # so do the sentences
 
 
 def test_ranks_with_different_generated_lengths_finish(generated):
@@ -111,7 +133,7 @@ STEPS = [5, 10, 12, 15, 20, 24]  # every 5 steps, and each epoch's end (12 steps
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     output_dir = tmp_path_factory.mktemp("rouge_run") / "out"
-    run = torchrun([*RUN_ARGS, "--output_dir", str(output_dir)])
+    run = pooled([*RUN_ARGS, "--output_dir", str(output_dir)])
     assert run.returncode == 0, run.describe()
     return output_dir
 
@@ -161,26 +183,42 @@ def test_best_epoch_by_rouge_is_hf_model_and_survives_in_the_checkpoint(trained)
     assert generation["no_repeat_ngram_size"] == 3 and generation["num_beams"] == 1 and generation["use_cache"]
 
 
-def summarize(model: Path, args: list[str], stdin: str | None = None) -> list[str]:
+def summarize_in_a_process(model: Path, args: list[str], stdin: str) -> list[str]:
+    """`... | python scripts/summarize.py --model MODEL ARGS`: its stdout's lines."""
     done = subprocess.run([sys.executable, "scripts/summarize.py", "--model", str(model), *args], cwd=REPO_ROOT,
                           input=stdin, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.splitlines()
 
 
+def summarize(model: Path, args: list[str], capsys) -> list[str]:
+    """scripts/summarize.py's main in this process (the script's own process is run once, for stdin); the
+    package logger as it was before (main sets it up for the script)."""
+    logger = get_logger()
+    handlers, level = list(logger.handlers), logger.level
+    capsys.readouterr()
+    try:
+        assert summarize_main(["--model", str(model), *args]) == 0
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+    return capsys.readouterr().out.splitlines()
+
+
 @pytest.mark.slow
-def test_summarize_reproduces_the_last_evaluation_from_a_file_and_from_stdin(trained, tmp_path):
+def test_summarize_reproduces_the_last_evaluation_from_a_file_and_from_stdin(trained, tmp_path, capsys):
     """fp32: a single process with plain generate on hf_model gives the predictions of the FSDP run."""
     lines = read_jsonl(trained / "predictions" / "validation_step_00000024.jsonl")
     articles = list(load_wikihow(EMBEDDED_DATA_DIR, "validation")["text"])[:EVAL_NUM]
     csv = tmp_path / "articles.csv"
     pd.DataFrame({"text": articles}).to_csv(csv, index=False)
-    assert summarize(final_model(trained), ["--input", str(csv)]) == [line["prediction"] for line in lines]
+    assert summarize(final_model(trained), ["--input", str(csv)], capsys) == [line["prediction"] for line in lines]
     jsonl = tmp_path / "articles.jsonl"  # a data file as training reads it: its document column
     jsonl.write_text("".join(json.dumps({"id": i, "document": a}) + "\n" for i, a in enumerate(articles[:2])))
-    assert summarize(final_model(trained), ["--input", str(jsonl)]) == [line["prediction"] for line in lines[:2]]
+    two = [line["prediction"] for line in lines[:2]]
+    assert summarize(final_model(trained), ["--input", str(jsonl)], capsys) == two
     one_line_each = "\n".join(article.replace("\n", " ") for article in articles[:2]) + "\n"
-    assert summarize(final_model(trained), [], stdin=one_line_each) == [line["prediction"] for line in lines[:2]]
+    assert summarize_in_a_process(final_model(trained), [], stdin=one_line_each) == two
 
 
 def file_bytes(folder: Path, leave_out: tuple[str, ...]) -> dict:
@@ -201,7 +239,7 @@ def test_evaluate_only_scores_a_training_run_on_the_test_split_and_leaves_what_i
     training_files = file_bytes(output_dir, leave_out=("run.lock",))
     args = ["--evaluate_only", "true", "--resume", "true", "--eval_split", "test", "--eval_num_samples", "8",
             "--tensorboard", "true", "--output_dir", str(output_dir)]  # fmt: skip
-    run = torchrun(args)
+    run = pooled(args)
     assert run.returncode == 0, run.describe()
     assert "INFO training steps" not in run.output, run.describe()
     assert "--eval_split test (the run had validation)" in run.output, run.describe()

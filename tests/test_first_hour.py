@@ -22,7 +22,7 @@ from configs.errors import ConfigError
 from configs.paths import EMBEDDED_MODEL_DIR, REPO_ROOT
 from tests.launch import offline_env, program_tracebacks, torchrun_command
 from utils.distributed.process_group import free_port
-from utils.model import loading
+from utils.model import folder, loading
 
 FAIL_FAST_S = 5  # in one process, the lookup alone (huggingface_hub's retries would take 23 s per file)
 RUN_FAIL_FAST_S = 60  # a whole run, imports included (about 15 s on 2 loaded cores)
@@ -79,7 +79,7 @@ def model_folder(folder: Path, with_tokenizer: bool = True) -> Path:
 def test_a_hub_name_is_told_from_a_path():
     """A hub id has at most one '/' (huggingface_hub's rule); anything else is a path, which must exist."""
     for hub_id in ("t5-base", "google/flan-t5-base", "output/hf_model"):
-        assert not loading.looks_like_local_path(hub_id), hub_id
+        assert not folder.looks_like_local_path(hub_id), hub_id
     for path in (
         "/abs/model",
         "./hf_model",
@@ -88,7 +88,7 @@ def test_a_hub_name_is_told_from_a_path():
         "outputs/run1/hf_model",
         "outputs/hf_model/",
     ):
-        assert loading.looks_like_local_path(path), path
+        assert folder.looks_like_local_path(path), path
 
 
 def test_an_unreachable_hub_name_fails_in_seconds_with_the_offline_fixes(offline_hub):

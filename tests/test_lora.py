@@ -28,7 +28,8 @@ from tests.dist_workers import (
     tiny_t5,
 )
 from tests.hf_folders import assert_folder_is_save_pretrained_of
-from tests.launch import torchrun
+from tests.launch import pooled
+from tests.reference_run import SMALL_RUN, complete_checkpoint_steps
 from utils.log import warnings_ignored
 from utils.model.lora import PEFT_ASKS_A_DEPRECATED_PROPERTY, adapter_base, apply_lora
 
@@ -151,33 +152,47 @@ LORA_RUN = ("--peft", "lora", "--lr", "0.01", "--epochs", "1", "--eval_rouge", "
 @pytest.fixture(scope="module")
 def lora_reference(tmp_path_factory):
     """One uninterrupted LoRA run (the checkpoint format does not change its losses)."""
-    from tests.reference_run import SMALL_RUN
-
     reference = tmp_path_factory.mktemp("lora_reference") / "out"
-    run = torchrun([*SMALL_RUN, *LORA_RUN, "--output_dir", str(reference)])
+    run = pooled([*SMALL_RUN, *LORA_RUN, "--output_dir", str(reference)])
     assert run.returncode == 0, run.describe()
     return reference
 
 
+STOPPED_AT = 7  # --max_steps: the stop's checkpoint, which the resume continues
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp_version, checkpoint_type", [("1", "SHARDED_STATE_DICT"), ("2", "FULL_STATE_DICT")])
-def test_kill_and_resume_with_lora_equals_the_uninterrupted_run(
-    tmp_path_factory, lora_reference, fsdp_version, checkpoint_type
+@pytest.mark.parametrize(
+    "fsdp_version, checkpoint_type, stop",
+    [("1", "SHARDED_STATE_DICT", "max_steps"), ("2", "FULL_STATE_DICT", "kill")],
+)
+def test_a_stopped_lora_run_resumes_to_the_uninterrupted_runs_losses(
+    tmp_path_factory, lora_reference, fsdp_version, checkpoint_type, stop
 ):
-    """Through torchrun, resumed without repeating --peft lora (the run's record keeps it): the adapters and
-    their AdamW state come back into an empty PEFT skeleton (FSDP1 materialising each unit, adapters wrapped
-    apart; FSDP2 allocating its shards), from DCP's shards or from the memory-mapped model.pt and
-    optimizer.pt in PEFT's names. Every step after the resume has the uninterrupted run's loss (fp32 FSDP1
-    and FSDP2 train identically); the run ends with the adapter export only."""
+    """Resumed without repeating --peft lora (the run's record keeps it): the adapters and their AdamW state
+    come back into an empty PEFT skeleton (FSDP1 materialising each unit, adapters wrapped apart; FSDP2
+    allocating its shards), from DCP's shards or from the memory-mapped model.pt and optimizer.pt in PEFT's
+    names. Every step after the resume has the uninterrupted run's loss (fp32 FSDP1 and FSDP2 train
+    identically); the run ends with the adapter export only. FSDP2: SIGKILLed through torchrun after its first
+    checkpoint and resumed in new processes; FSDP1: stopped by --max_steps and resumed, pooled."""
     from tests.test_resume import assert_losses_match, kill_and_resume, resumed_from
 
-    reference = lora_reference
-    result = kill_and_resume(tmp_path_factory, checkpoint_type, (*LORA_RUN, "--fsdp_version", fsdp_version))
-    assert result.resumed.returncode == 0, result.resumed.describe()
-    assert result.checkpoints_at_kill and resumed_from(result.resumed)[2] == result.checkpoints_at_kill[-1]
-    assert_losses_match(result.output_dir, reference)
-    assert (result.output_dir / "hf_adapter" / "adapter_model.safetensors").is_file()
-    assert not (result.output_dir / "hf_model").exists()
+    args = (*LORA_RUN, "--fsdp_version", fsdp_version)
+    if stop == "kill":
+        result = kill_and_resume(tmp_path_factory, checkpoint_type, args, fresh_resume=True)
+        output_dir, resumed, saved = result.output_dir, result.resumed, result.checkpoints_at_kill
+    else:
+        output_dir = tmp_path_factory.mktemp("stopped_lora") / "out"
+        stopped = pooled([*SMALL_RUN, *args, "--checkpoint_type", checkpoint_type, "--output_dir", str(output_dir),
+                          "--max_steps", str(STOPPED_AT)])  # fmt: skip
+        assert stopped.returncode == 0, stopped.describe()
+        saved = complete_checkpoint_steps(output_dir)
+        resumed = pooled(["--output_dir", str(output_dir), "--resume", "true", "--max_steps", "0"])
+    assert resumed.returncode == 0, resumed.describe()
+    assert saved and resumed_from(resumed)[2] == saved[-1], (saved, resumed.describe())
+    assert_losses_match(output_dir, lora_reference)
+    assert (output_dir / "hf_adapter" / "adapter_model.safetensors").is_file()
+    assert not (output_dir / "hf_model").exists()
 
 
 def test_target_names_that_adapt_nothing_are_refused():

@@ -14,7 +14,7 @@ from configs.training import TrainConfig
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
 from tests.dist_workers import LR, accumulation_worker
-from tests.launch import RESTARTING, torchrun
+from tests.launch import RESTARTING, pooled, torchrun
 from utils.train.optim import lr_factor, lr_scheduler
 
 STEPS = 3
@@ -92,7 +92,7 @@ def test_two_micro_batches_of_two_equal_one_batch_of_four(tmp_path):
     cases = (("whole", "1", ["--batch_size_training", "4"]), ("accumulated1", "1", micro_batches))
     for name, fsdp_version, flags in cases:
         output_dir = tmp_path / name
-        run = torchrun([*COMMON, *flags, "--fsdp_version", fsdp_version, "--output_dir", str(output_dir)])
+        run = pooled([*COMMON, *flags, "--fsdp_version", fsdp_version, "--output_dir", str(output_dir)])
         assert run.returncode == 0, run.describe()
         runs[name] = step_losses(output_dir)
         assert_epoch_flops_count_every_real_token(output_dir, num_samples=48)
@@ -166,7 +166,7 @@ def test_early_stopping_ends_a_run_that_got_worse_and_keeps_the_best(tmp_path):
     output_dir = tmp_path / "early"
     flags = ["--num_train_samples", "48", "--num_val_samples", "8", "--eval_rouge", "false", "--epochs", "3",
              "--gamma", "1000", "--early_stopping_patience", "1"]  # fmt: skip
-    run = torchrun([*flags, "--output_dir", str(output_dir)])
+    run = pooled([*flags, "--output_dir", str(output_dir)])
     assert run.returncode == 0, run.describe()
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in records if r["type"] == "epoch"]
@@ -242,7 +242,7 @@ def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(t
     assert not (stopped / "hf_model").exists()
 
     skipped = tmp_path / "skipped"
-    run = torchrun([*flags, "--on_nonfinite", "skip", "--epochs", "2", "--output_dir", str(skipped)])
+    run = pooled([*flags, "--on_nonfinite", "skip", "--epochs", "2", "--output_dir", str(skipped)])
     assert run.returncode == 0, run.describe()
 
     def refuse(constant):

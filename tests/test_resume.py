@@ -1,4 +1,5 @@
-"""Resumable checkpoints, through torchrun on the embedded tiny T5 and sample (2 CPU processes, gloo).
+"""Resumable checkpoints, on the embedded tiny T5 and sample (2 CPU processes, gloo): through torchrun where a
+kill, a signal or a restart is the point, else on the pooled ranks (tests/launch.py: pooled).
 
 One uninterrupted SHARDED_STATE_DICT run (tests/reference_run.py, trained once per session) is the
 reference: runs with a rank SIGKILLed under torchrun --max_restarts, for both checkpoint types, both
@@ -40,7 +41,7 @@ from scripts.compare_step_losses import step_losses
 from scripts.convert_checkpoint_to_hf import main as convert_checkpoint_main
 from tests.dist_harness import run_ranks
 from tests.hf_folders import folder_tensors
-from tests.launch import Background, Run, program_tracebacks, torchrun
+from tests.launch import Background, Run, pooled, program_tracebacks, torchrun
 from tests.reference_run import (
     BATCH,
     EPOCHS,
@@ -175,7 +176,11 @@ class Resumed:
     resumed: Run
 
 
-def kill_and_resume(tmp_path_factory, checkpoint_type: str, extra: tuple[str, ...] = ()) -> Resumed:
+def kill_and_resume(
+    tmp_path_factory, checkpoint_type: str, extra: tuple[str, ...] = (), fresh_resume: bool = False
+) -> Resumed:
+    """The run SIGKILLed (every rank and torchrun) once its first checkpoint is complete, then resumed with
+    `--resume true` alone: through torchrun where `fresh_resume` (a new process per rank), else pooled."""
     base = tmp_path_factory.mktemp(f"killed_{checkpoint_type}")
     output_dir = base / "out"
     args = [*SMALL_RUN, *extra, "--checkpoint_type", checkpoint_type, "--output_dir", str(output_dir)]
@@ -189,7 +194,7 @@ def kill_and_resume(tmp_path_factory, checkpoint_type: str, extra: tuple[str, ..
     steps_at_kill = logged_steps(output_dir)
     checkpoints_at_kill = complete_checkpoint_steps(output_dir)
     # The resume repeats none of the run's settings: they come from its record (config.json).
-    resumed = torchrun(["--output_dir", str(output_dir), "--resume", "true"])
+    resumed = (torchrun if fresh_resume else pooled)(["--output_dir", str(output_dir), "--resume", "true"])
     return Resumed(output_dir, steps_at_kill, checkpoints_at_kill, killed, resumed)
 
 
@@ -206,7 +211,7 @@ RECIPE = ("--lr_scheduler", "cosine", "--warmup_steps", "5", "--gradient_accumul
 @pytest.mark.slow
 def test_kill_and_resume_with_accumulation_clipping_a_cosine_schedule_and_length_grouping(tmp_path_factory):
     reference = tmp_path_factory.mktemp("recipe_reference") / "out"
-    run = torchrun([*SMALL_RUN, *RECIPE, "--checkpoint_type", SHARDED, "--output_dir", str(reference)])
+    run = pooled([*SMALL_RUN, *RECIPE, "--checkpoint_type", SHARDED, "--output_dir", str(reference)])
     assert run.returncode == 0, run.describe()
     result = kill_and_resume(tmp_path_factory, SHARDED, RECIPE)
     steps = TOTAL_STEPS // 2  # two micro-batches per optimizer step
@@ -258,8 +263,8 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path, request, checkpoint_
     assert state["checkpoint_type"] == checkpoint_type
     consumed = state["progress"]["samples_consumed"]
     output_dir = tmp_path / "out"
-    run = torchrun([*SMALL_RUN, "--checkpoint_type", checkpoint_type, "--output_dir", str(output_dir),
-                    "--resume", str(source)], nproc=1)  # fmt: skip
+    run = pooled([*SMALL_RUN, "--checkpoint_type", checkpoint_type, "--output_dir", str(output_dir),
+                  "--resume", str(source)], nproc=1)  # fmt: skip
     assert run.returncode == 0, run.describe()
     assert resumed_from(run) == (source, 2, 20)
     assert world_size_warnings(run, saved=2, now=1), run.describe()
@@ -276,7 +281,7 @@ def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path):
                  "--max_steps", str(SAVE_EVERY)]  # fmt: skip
     args = with_overrides(SMALL_RUN, overrides)
     single = tmp_path / "single"
-    run = torchrun([*args, "--output_dir", str(single)], nproc=1)
+    run = pooled([*args, "--output_dir", str(single)], nproc=1)
     assert run.returncode == 0, run.describe()
     assert logged_steps(single) == list(range(1, SAVE_EVERY + 1))
     # One rank: FSDP1 runs NO_SHARD whatever it is asked; the log says so, and torch's warnings about it
@@ -288,8 +293,8 @@ def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path):
     assert state["world_size"] == 1 and state["progress"]["global_step"] == SAVE_EVERY
 
     output_dir = tmp_path / "out"
-    run = torchrun([*with_overrides(args, ["--max_steps", "0"]), "--output_dir", str(output_dir),
-                    "--resume", str(source)], nproc=2)  # fmt: skip
+    run = pooled([*with_overrides(args, ["--max_steps", "0"]), "--output_dir", str(output_dir),
+                  "--resume", str(source)], nproc=2)  # fmt: skip
     assert run.returncode == 0, run.describe()
     assert resumed_from(run) == (source, 1, SAVE_EVERY)
     assert world_size_warnings(run, saved=1, now=2), run.describe()
@@ -345,7 +350,7 @@ def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     assert logged_steps(output_dir) == list(range(1, stop_step + 1))
     assert not (output_dir / "hf_model").exists()
 
-    run = torchrun([*args, "--resume", "true"])
+    run = pooled([*args, "--resume", "true"])
     assert run.returncode == 0, run.describe()
     assert resumed_from(run)[2] == stop_step
     assert logged_steps(output_dir) == list(range(1, last_step + 1))
@@ -393,7 +398,7 @@ def test_sigterm_to_torchrun_during_the_rouge_evaluation_saves_and_the_resume_ev
     # epoch's batches all consumed: the resumed pass trains nothing and evaluates).
     assert saved["progress"]["evaluation_due"] is bool(extra), saved["progress"]
 
-    run = torchrun(with_overrides(args, ["--eval_num_samples", "4"]) + ["--resume", "true"])
+    run = pooled(with_overrides(args, ["--eval_num_samples", "4"]) + ["--resume", "true"])
     assert run.returncode == 0, run.describe()
     assert resumed_from(run)[1:] == (1, saved_step), run.describe()
     evaluated = [(r["type"], r["step"] if r["type"] != "epoch" else None) for r in read_records(output_dir)
@@ -636,15 +641,15 @@ def _another_model(tmp_path, out):
     )
 
 
-# One torchrun run per way a bad input is found over an existing run: a resume that would change what the
-# run's checkpoints hold (here the model), refused before the process group; a damaged checkpoint named with
-# --resume, refused by rank 0's look at output_dir, on every rank. A settings refusal comes before output_dir
-# is touched (tests/test_end_to_end.py: nothing is created). Other messages of the same paths are
-# unit-tested (tests/test_cli.py, test_validate.py, test_dataset.py, test_torchrun_restarts.py: a new run over
-# a run; test_run_safety.py: each field a resume refuses to change).
-BAD_INPUTS = {
-    "damaged_named_checkpoint": _damaged_named_checkpoint,
-    "another_model": _another_model,
+# One run per way a bad input is found over an existing run: a resume that would change what the run's
+# checkpoints hold (here the model), refused before the process group (pooled); a damaged checkpoint named with
+# --resume, refused by rank 0's look at output_dir, on every rank (through torchrun: no rank outlives it). A
+# settings refusal comes before output_dir is touched (tests/test_end_to_end.py: nothing is created). Other
+# messages of the same paths are unit-tested (tests/test_cli.py, test_validate.py, test_dataset.py,
+# test_torchrun_restarts.py: a new run over a run; test_run_safety.py: each field a resume refuses to change).
+BAD_INPUTS = {  # case: (what it changes, launched through torchrun)
+    "damaged_named_checkpoint": (_damaged_named_checkpoint, True),
+    "another_model": (_another_model, False),
 }
 
 
@@ -653,10 +658,11 @@ BAD_INPUTS = {
 def test_bad_input_stops_every_rank_with_one_message(case, tmp_path, reference):
     # An output_dir that holds a finished run with checkpoints: --resume true would continue it.
     out = copy_run(reference, tmp_path / "out")
-    extra, phrase, also = BAD_INPUTS[case](tmp_path, out)
+    change, through_torchrun = BAD_INPUTS[case]
+    extra, phrase, also = change(tmp_path, out)
     before = snapshot(out)
     base = ["--output_dir", str(out), "--resume", "true"]  # the run's other settings come from its record
-    run = torchrun(with_overrides(base, extra), timeout=FAIL_FAST_S + 30)
+    run = (torchrun if through_torchrun else pooled)(with_overrides(base, extra), timeout=FAIL_FAST_S + 30)
 
     assert run.returncode != 0, run.describe()
     assert run.seconds < FAIL_FAST_S, run.describe()
@@ -667,7 +673,8 @@ def test_bad_input_stops_every_rank_with_one_message(case, tmp_path, reference):
     tracebacks = program_tracebacks(run.output)
     assert not tracebacks, f"traceback for a user error:\n{tracebacks[0]}\n{run.describe()}"
     assert "epoch 1:" not in run.output and "epoch 2:" not in run.output
-    assert not processes_of(out), "a rank outlived torchrun"
+    if through_torchrun:
+        assert not processes_of(out), "a rank outlived torchrun"
     # Nothing of the existing run was deleted or modified.
     after = snapshot(out)
     assert after.keys() == before.keys(), (
@@ -707,7 +714,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_continues_exactly_
     run_name, name, spoil = DAMAGED[case]
     out = copy_run(request.getfixturevalue(run_name), tmp_path / "out")
     spoil(checkpoint_dir(out, TOTAL_STEPS) / name)
-    run = torchrun(["--output_dir", str(out), "--resume", "true"])
+    run = pooled(["--output_dir", str(out), "--resume", "true"])
     assert run.returncode == 0, run.describe()
     warnings = [line for line in run.output.splitlines() if "is damaged" in line]
     assert len(warnings) == 1 and str(checkpoint_dir(out, TOTAL_STEPS)) in warnings[0], run.describe()
@@ -724,7 +731,7 @@ def test_a_rollback_sticks_a_resume_continues_its_branch_and_a_finished_run_chan
     --resume true continues the rollback's branch, here with another --lr; the run, once finished, resumed
     again, says so and changes nothing."""
     out = copy_run(reference, tmp_path / "out")
-    rollback = torchrun(["--output_dir", str(out), "--resume", str(checkpoint_dir(out, 20)), "--max_steps", "22",
+    rollback = pooled(["--output_dir", str(out), "--resume", str(checkpoint_dir(out, 20)), "--max_steps", "22",
                          "--keep_last_n", "3"])  # fmt: skip
     assert rollback.returncode == 0, rollback.describe()
     assert "changed here: --max_steps 22 (the run had 0), --keep_last_n 3 (the run had 2)" in rollback.output
@@ -736,7 +743,7 @@ def test_a_rollback_sticks_a_resume_continues_its_branch_and_a_finished_run_chan
     assert complete_checkpoint_steps(out) == [20, 22]
     assert_losses_match(out, reference, steps=[21, 22])
 
-    resumed = torchrun(["--output_dir", str(out), "--resume", "true", "--max_steps", "0", "--lr", "0.004"])
+    resumed = pooled(["--output_dir", str(out), "--resume", "true", "--max_steps", "0", "--lr", "0.004"])
     assert resumed.returncode == 0, resumed.describe()
     assert resumed_from(resumed) == (checkpoint_dir(out, 22), 2, 22)  # not the abandoned step 24
     assert "scaled by 2" in resumed.output, resumed.describe()
@@ -746,7 +753,7 @@ def test_a_rollback_sticks_a_resume_continues_its_branch_and_a_finished_run_chan
     assert json.loads((out / "config.json").read_text())["train_config"]["lr"] == 0.004
 
     before = snapshot(out)
-    again = torchrun(["--output_dir", str(out), "--resume", "true"])
+    again = pooled(["--output_dir", str(out), "--resume", "true"])
     assert again.returncode == 0, again.describe()
     assert "had finished (all 2 epochs trained; step 24): nothing to do, nothing changed" in again.output
     assert "INFO training steps" not in again.output, again.describe()

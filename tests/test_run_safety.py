@@ -20,8 +20,9 @@ from configs.errors import CheckpointError, ConfigError
 from configs.paths import REPO_ROOT
 from utils import layout
 from utils.checkpoint.integrity import HashingFile, checkpoint_files, file_record, find_damage, hashed_file
+from utils.checkpoint.record import recorded_run
 from utils.checkpoint.run_lock import RunLock
-from utils.checkpoint.start import StartPoint, recorded_run, resolve_start, set_aside_newer
+from utils.checkpoint.start import StartPoint, resolve_start, set_aside_newer
 from utils.train.preemption import STOP_SIGNALS, StopRequest
 
 # ------------------------------------------------------------------------------ checkpoints verify themselves

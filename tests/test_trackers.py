@@ -13,7 +13,7 @@ import struct
 import pytest
 
 from configs.observability import ObserveConfig
-from tests.launch import torchrun
+from tests.launch import pooled
 from tests.reference_run import read_records
 from utils.layout import CONFIG_FILE, TRACKERS_FILE
 from utils.observe.metrics import open_metrics
@@ -148,7 +148,7 @@ def test_config_json_replays_the_run_exactly_and_the_trackers_hold_its_metrics(
     reference, tmp_path, tracker_environment
 ):
     output_dir = tmp_path / "replay"
-    run = torchrun(
+    run = pooled(
         ["--config", str(reference / CONFIG_FILE), "--output_dir", str(output_dir),
          "--max_steps", str(REPLAYED_STEPS), "--wandb", "true", "--mlflow", "true", "--tracker_project", "replay"],
     )  # fmt: skip

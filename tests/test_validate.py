@@ -2,15 +2,14 @@
 and the defaults (and the nearest valid neighbours) accepted."""
 
 import pytest
-from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
 from configs.errors import ConfigError
 from configs.run import RunConfig
 from configs.validate import check_settings
 from tests.run_configs import run_config
 
-HYBRID = ShardingStrategy.HYBRID_SHARD
-ZERO2_HYBRID = ShardingStrategy._HYBRID_SHARD_ZERO2
+HYBRID = "HYBRID_SHARD"
+ZERO2_HYBRID = "_HYBRID_SHARD_ZERO2"
 
 # (overrides of the other sections' fields, fsdp overrides, world size, device type, phrase of the message)
 REFUSED = {
@@ -50,7 +49,7 @@ REFUSED = {
     "FSDP2 size_based wrap": ({}, {"fsdp_version": 2, "wrap_policy": "size_based"}, 2, "cuda", "size_based"),
     "FSDP2 BACKWARD_POST": (
         {},
-        {"fsdp_version": 2, "backward_prefetch": BackwardPrefetch.BACKWARD_POST},
+        {"fsdp_version": 2, "backward_prefetch": "BACKWARD_POST"},
         2,
         "cuda",
         "BACKWARD_POST",

@@ -15,8 +15,8 @@ import sys
 import time
 import warnings
 
+from huggingface_hub.utils import disable_progress_bars as disable_hub_bars
 from tqdm import tqdm
-from transformers.utils import logging as hf_logging
 
 LOGGER_NAME = "t5_fsdp"
 
@@ -58,7 +58,11 @@ def setup_logging(rank: int | None = None, stream=None) -> logging.Logger:
     logger.setLevel(logging.INFO if rank in (None, 0) else logging.WARNING)
     logger.propagate = False
     if not bars_shown():
-        hf_logging.disable_progress_bar()
+        # transformers takes its bars' switch from huggingface_hub's when it is imported (the settings are read
+        # before it is: a refused one answers sooner), and keeps its own once it is.
+        disable_hub_bars()
+        if "transformers.utils.logging" in sys.modules:
+            sys.modules["transformers.utils.logging"].disable_progress_bar()
     return logger
 
 

@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from configs.data import DataConfig
 from configs.errors import DataError, DataFileNotFoundError, UserError
+from utils.files import closest_folder
 
 SPLITS = ("train", "validation", "test")
 TEXT_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("target", pa.string())])
@@ -76,6 +77,9 @@ PHRASEBANK_COLUMNS = ("sentence", "label")
 ROWS_PER_BATCH = 2048
 # The file's identity without reading it all: its size, modification time and first and last MiB.
 _FINGERPRINT_BYTES = 1 << 20
+# WikiHow's data file in a --data_dir, and where it is published (its reader: summarization_dataset.py).
+WIKIHOW_CSV = "wikihowAll.csv"
+WIKIHOW_CSV_URL = "https://ucsb.app.box.com/s/ap23l8gafpezf4tq3wapr6u8241zz358"
 
 
 @dataclass(frozen=True)
@@ -525,8 +529,6 @@ def file_source(files: dict[str, Path], data: DataConfig, add_split: str) -> Tex
     for path in files.values():
         if path.suffix.lower() not in FILE_TYPES:
             raise DataError(unknown_type(path))
-        if not path.is_file():
-            raise DataFileNotFoundError(f"data file not found: {path.resolve()}")
     inputs = {split: [str(path.resolve()), file_fingerprint(path)] for split, path in files.items()}
 
     def write(folder: Path) -> dict:
@@ -636,3 +638,35 @@ def folder_source(folder: Path, data: DataConfig) -> TextSource | None:
     files = split_files_in(folder)
     types = ", ".join(suffix for suffix in FILE_TYPES if suffix != ".txt")
     return file_source(files, data, f"add a {{split}} file ({types}) to {folder}") if files else None
+
+
+def how_to_get_wikihow(data_dir: Path) -> str:
+    return (
+        f"Download it with `python scripts/download_wikihow.py --data_dir {data_dir}`, or follow the "
+        f"manual steps in the README (download {WIKIHOW_CSV} from {WIKIHOW_CSV_URL} in a browser and put it "
+        f"in {data_dir})."
+    )
+
+
+def check_data_found(data: DataConfig) -> None:
+    """DataFileNotFoundError, with the way to get them, where the files or the folder the settings name are not
+    there. Cheap (names are looked at, nothing is read): the entry point checks it before it imports torch, so
+    missing data is said in about a second. A --dataset_name is looked up when it is loaded."""
+    named = [Path(path) for path in (data.train_file, data.validation_file, data.test_file) if path]
+    for path in named:
+        if path.suffix.lower() in FILE_TYPES and not path.is_file():  # another type: file_source says so
+            raise DataFileNotFoundError(f"data file not found: {path.resolve()}")
+    if named or data.dataset_name:
+        return
+    folder = Path(data.data_dir)
+    if not folder.is_dir():
+        close = closest_folder(folder)
+        hint = f" Did you mean --data_dir {close}?" if close else ""
+        raise DataFileNotFoundError(f"--data_dir {data.data_dir}: no such folder ({folder.resolve()}).{hint}")
+    if not ((folder / WIKIHOW_CSV).is_file() or is_saved_dataset(folder) or split_files_in(folder)):
+        raise DataFileNotFoundError(
+            f"no data found in {folder.resolve()}: it holds neither {WIKIHOW_CSV} (WikiHow; "
+            f"{how_to_get_wikihow(folder)}), nor train/validation/test files (.csv, .jsonl, .json, .parquet), nor "
+            "a dataset written by datasets' save_to_disk. Or name files with --train_file/--validation_file/"
+            "--test_file, or a dataset with --dataset_name."
+        )

@@ -7,9 +7,8 @@ docs/pitfalls.md #26); FSDP2 always shards over a mesh.
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import ShardingStrategy
 
-from configs.fsdp import HYBRID, hybrid_group_size
+from configs.fsdp import HYBRID, ShardingStrategyName, hybrid_group_size
 
 
 def hybrid_mesh(world_size: int, shard_group_size: int, device: torch.device) -> DeviceMesh:
@@ -20,17 +19,17 @@ def hybrid_mesh(world_size: int, shard_group_size: int, device: torch.device) ->
 
 
 def fsdp2_mesh(
-    strategy: ShardingStrategy, world_size: int, device: torch.device, group_size: int = 0
+    strategy: ShardingStrategyName, world_size: int, device: torch.device, group_size: int = 0
 ) -> DeviceMesh:
     """The FSDP2 device mesh of a sharding strategy: 1-D for (ZeRO-2/3) sharding, replicate x shard else."""
-    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    shard = 1 if strategy == ShardingStrategy.NO_SHARD else hybrid_group_size(world_size, group_size)
+    shard = 1 if strategy == "NO_SHARD" else hybrid_group_size(world_size, group_size)
     return hybrid_mesh(world_size, shard, device)
 
 
 def fsdp1_mesh(
-    strategy: ShardingStrategy, world_size: int, device: torch.device, group_size: int = 0
+    strategy: ShardingStrategyName, world_size: int, device: torch.device, group_size: int = 0
 ) -> DeviceMesh | None:
     """The explicit hybrid mesh FSDP1 needs for the hybrid strategies; None (the whole group) otherwise."""
     if strategy not in HYBRID:

@@ -1,17 +1,11 @@
-"""Where the job runs and how its processes talk: launcher environment, device and backend, the process
-group's life, and the few collectives the package calls itself.
-
-torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a plain `python T5_training.py`
-runs as a world of one.
+"""Where the job runs and how its processes talk: device and backend, the process group's life, and the few
+collectives the package calls itself (the launcher's environment is read in utils/distributed/launcher.py).
 """
 
-import contextlib
 import datetime
 import gc
-import json
 import os
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +15,7 @@ import torch.distributed as dist
 
 from configs.errors import ConfigError, UserError
 from utils.distributed import hang_report
+from utils.distributed.launcher import launcher_ranks
 from utils.log import get_logger
 
 # Phrases of the errors a rank gets when a peer died mid-collective: a consequence, not the cause.
@@ -38,15 +33,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def launcher_ranks() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) without it."""
-    return (
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("LOCAL_RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-    )
 
 
 def usable_cpus() -> int:
@@ -141,19 +127,6 @@ def group_attempt(attempt: int, device: torch.device) -> int:
     value = torch.tensor([attempt], dtype=torch.int64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return int(value.item())
-
-
-def point_launcher_to_the_log(rank: int) -> None:
-    """Under torchrun: its closing report (ChildFailedError) shows, for the rank that failed first, what that
-    rank's error file says, else only a link to torch's docs. The file says the cause is this rank's ERROR line
-    above the report, rather than repeating it: a refusal stays one message."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    message = f"the cause is the [rank {rank}] ERROR line above this report"
-    with contextlib.suppress(OSError):  # the launcher's report is a courtesy: never a second failure
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"message": message, "timestamp": str(int(time.time()))}, f)
 
 
 def init_distributed(info: DistInfo, timeout_s: int, output_dir: str | None = None) -> None:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
+    BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
     FSDPModule,
@@ -78,11 +79,11 @@ def forward_warnings_ignored():
 
 
 RESHARD_AFTER_FORWARD = {
-    ShardingStrategy.FULL_SHARD: True,
-    ShardingStrategy.SHARD_GRAD_OP: False,
-    ShardingStrategy.NO_SHARD: True,  # one rank per shard group: nothing to reshard either way
-    ShardingStrategy.HYBRID_SHARD: True,
-    ShardingStrategy._HYBRID_SHARD_ZERO2: False,
+    "FULL_SHARD": True,
+    "SHARD_GRAD_OP": False,
+    "NO_SHARD": True,  # one rank per shard group: nothing to reshard either way
+    "HYBRID_SHARD": True,
+    "_HYBRID_SHARD_ZERO2": False,
 }
 
 
@@ -113,13 +114,15 @@ def shard_model(
             read, available = weight_reader(weights_source) if dist.get_rank() == 0 else (None, set())
             param_init_fn = UnitMaterializer(model, device, fill=True, read=read, available=available)
         mesh = fsdp1_mesh(fsdp.sharding_strategy, dist.get_world_size(), device, fsdp.hybrid_shard_group_size)
+        # The config names torch's enum members (it is read without importing torch).
+        prefetch = None if fsdp.backward_prefetch is None else BackwardPrefetch[fsdp.backward_prefetch]
         with warnings_ignored(FSDP1_NO_SHARD_WARNING, FSDP1_ONE_RANK_WARNING):
             model = FSDP(
                 model,
                 auto_wrap_policy=get_wrap_policy(fsdp.wrap_policy, model, fsdp.min_num_params),
                 mixed_precision=precision.policy,
-                sharding_strategy=fsdp.sharding_strategy,
-                backward_prefetch=fsdp.backward_prefetch,
+                sharding_strategy=ShardingStrategy[fsdp.sharding_strategy],
+                backward_prefetch=prefetch,
                 limit_all_gathers=fsdp.limit_all_gathers,
                 # FSDP moves each unit to the device as it wraps it, so a model that fits in host memory but not
                 # on one GPU never needs to be on the GPU whole (tutorial: "FSDP model init on device").

@@ -33,7 +33,6 @@ import transformers
 from huggingface_hub import constants as hub_constants
 from huggingface_hub import get_hf_file_metadata, hf_hub_url, is_offline_mode, try_to_load_from_cache
 from huggingface_hub.errors import HfHubHTTPError
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 from torch import nn
 from transformers import (
@@ -49,15 +48,10 @@ from transformers.utils import cached_file
 from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
 from configs.recipe import RecipeConfig
 from utils.distributed.process_group import rank0_decides
-from utils.files import closest_folder
 from utils.log import get_logger
+from utils.model.folder import HUB_HINT, check_local_model_dir, did_you_mean, looks_like_local_path
 from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
-HUB_HINT = (
-    "Pass a local folder made by save_pretrained (e.g. the embedded data/tiny-t5), or a hub name such as "
-    "t5-base on a machine that can reach huggingface.co or has the model in its HF cache (offline: "
-    "HF_HUB_OFFLINE=1)."
-)
 PROBE_TEXT = "hello world how are you"  # any vocabulary of a text model has these words (or their letters)
 MAX_KEYS_NAMED = 8  # a message names this many weights, then counts the rest
 SINGLE_FILE = "model.safetensors"
@@ -129,43 +123,6 @@ def load_model_for_run(
         load_full_model_weights(model, weights_file)
     numel = sum(p.numel() for p in model.parameters())
     return LoadedModel(model, tokenizer, weights_file or model_name, numel, rss_before)
-
-
-def looks_like_local_path(model_name: str) -> bool:
-    """A path a user typed, not a hub id ('t5-base', 'google/flan-t5-base'): it exists, or a hub id cannot be
-    spelled so (absolute, ./, ../, ~, two or more '/', a trailing '/'; huggingface_hub's own rule)."""
-    if os.path.exists(model_name):
-        return True
-    try:
-        validate_repo_id(model_name)
-    except HFValidationError:
-        return True  # e.g. 'outputs/run1/hf_model': a hub id has at most one '/'
-    return False
-
-
-def check_local_model_dir(path: str) -> None:
-    """Fail early, on every rank, with the fix, instead of a hub lookup of a mistyped path."""
-    path = os.path.expanduser(path)
-    if not os.path.exists(path):
-        raise ConfigError(f"no such folder: model path {path!r} does not exist{did_you_mean(path)}. {HUB_HINT}")
-    if not os.path.isdir(path):
-        raise ConfigError(f"model path {path!r} is a file, not a folder. {HUB_HINT}")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a --peft lora run's hf_adapter/
-            raise ConfigError(
-                f"model folder {path!r} is a LoRA adapter, not a whole model: use the merged model a --peft lora "
-                "--merge_lora true run writes (hf_model/), or load the adapter onto its base model with "
-                "peft.PeftModel.from_pretrained (docs/ecosystem.md)"
-            )
-        raise ConfigError(
-            f"model folder {path!r} has no config.json: it is not a saved transformers model. {HUB_HINT}"
-        )
-
-
-def did_you_mean(path: str) -> str:
-    """' (did you mean X?)' for the model folder that exists with the path closest to `path`, if any."""
-    meant = closest_folder(path, holding="config.json")
-    return f" (did you mean {meant!r}?)" if meant else ""
 
 
 def resolved_name(model_name: str) -> str:

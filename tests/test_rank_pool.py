@@ -1,0 +1,128 @@
+"""The pooled rank processes (tests/rank_pool.py): a scenario finds what a fresh process has, whatever the one
+before it changed, on the same reused worker; a hang and a rank left waiting by a failed peer fail fast, and
+their workers are replaced."""
+
+import logging
+import os
+import random
+import signal
+import sys
+import time
+import warnings
+
+import numpy
+import pytest
+import torch
+
+from configs.paths import REPO_ROOT
+from tests.dist_harness import run_ranks
+from tests.rank_pool import pool
+
+
+def changes_what_a_process_has(rank: int, world_size: int) -> tuple[int, list]:
+    """Changes each kind of state the pool puts back; returns the worker's pid and its first random numbers."""
+    from configs import run
+    from utils import layout
+    from utils.distributed import hang_report
+    from utils.log import get_logger
+
+    os.environ["RANK_POOL_PROBE"] = "left over"
+    os.chdir("/")
+    sys.argv.append("--left-over")
+    sys.path.append("/left/over")
+    os.umask(0o077)
+    drawn = [torch.rand(5).tolist(), random.random(), numpy.random.rand()]  # the random streams move on
+    torch.set_num_threads(2)
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    get_logger().setLevel(logging.DEBUG)
+    logging.disable(logging.INFO)
+    signal.signal(signal.SIGUSR1, lambda *_: None)
+    warnings.simplefilter("ignore")
+    layout.CONFIG_FILE = "left_over.json"  # a module global rebound
+    run.RECORD_KEYS["left_over"] = "x"  # a module global's items
+    hang_report.WHERE.enter("left over", step=7)  # a package object's attributes
+    return os.getpid(), drawn
+
+
+def what_a_process_has(rank: int, world_size: int) -> dict:
+    from configs import run
+    from utils import layout
+    from utils.distributed import hang_report
+    from utils.log import get_logger
+
+    return {
+        "pid": os.getpid(),
+        "first random numbers": [torch.rand(5).tolist(), random.random(), numpy.random.rand()],
+        "probe": os.environ.get("RANK_POOL_PROBE"),
+        "cwd": os.getcwd(),
+        "argv has the left-over": "--left-over" in sys.argv,
+        "path has the left-over": "/left/over" in sys.path,
+        "umask": os.umask(0o022),
+        "threads": torch.get_num_threads(),
+        "dtype": str(torch.get_default_dtype()),
+        "grad": torch.is_grad_enabled(),
+        "package logger level": get_logger().level,
+        "logging disabled": logging.root.manager.disable,
+        "SIGUSR1 handler is the default": signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL,
+        "an ignore-everything filter": ("ignore", None, Warning, None, 0) in warnings.filters,
+        "own deprecations are errors": any(f[:3:2] == ("error", DeprecationWarning) for f in warnings.filters),
+        "CONFIG_FILE": layout.CONFIG_FILE,
+        "RECORD_KEYS has the left-over": "left_over" in run.RECORD_KEYS,
+        "WHERE": (hang_report.WHERE.phase, hang_report.WHERE.step),
+    }
+
+
+def test_a_scenario_finds_what_a_fresh_process_has_whatever_the_one_before_changed():
+    """The random streams start where the worker's started (a new process seeds them at random: each run seeds
+    its own), so both scenarios draw the same first numbers."""
+    before = run_ranks(changes_what_a_process_has)
+    for rank, seen in enumerate(run_ranks(what_a_process_has)):
+        pid, drawn = before[rank]
+        assert seen == {
+            "pid": pid,  # the same worker, reused
+            "first random numbers": drawn,
+            "probe": None,
+            "cwd": str(REPO_ROOT),
+            "argv has the left-over": False,
+            "path has the left-over": False,
+            "umask": 0o022,
+            "threads": 1,
+            "dtype": "torch.float32",
+            "grad": True,
+            "package logger level": logging.NOTSET,  # set up by each run (utils/log.py: setup_logging)
+            "logging disabled": logging.NOTSET,
+            "SIGUSR1 handler is the default": True,
+            "an ignore-everything filter": False,
+            "own deprecations are errors": True,
+            "CONFIG_FILE": "config.json",
+            "RECORD_KEYS has the left-over": False,
+            "WHERE": ("setup", None),
+        }, rank
+
+
+def sleeps(rank: int, world_size: int, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def fails_on_rank_1_while_rank_0_sleeps(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 failed")
+    time.sleep(600)
+
+
+@pytest.mark.slow  # each case replaces both workers (their imports: about 10 s of CPU)
+def test_a_hang_and_a_rank_left_waiting_by_a_failed_peer_fail_fast_and_their_workers_are_replaced():
+    started = pool().started
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank 0 did not finish within 2 s \(hang\?\): killed"):
+        run_ranks(sleeps, 600, timeout_s=2)  # a sleep 300 times the deadline
+    assert time.monotonic() - start < 60
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(fails_on_rank_1_while_rank_0_sleeps, timeout_s=300)
+    assert time.monotonic() - start < 60  # the grace after rank 1's failure, not the 300 s deadline
+    assert "RuntimeError: rank 1 failed" in str(failed.value)
+    assert "rank 0 was still running 10 s after another rank failed: killed" in str(failed.value)
+    assert pool().started == started + 4  # both workers, twice
+    assert run_ranks(what_a_process_has)[0]["probe"] is None  # the new workers run scenarios
