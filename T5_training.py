@@ -28,7 +28,7 @@ from utils.checkpoint.record import recorded_run
 from utils.data import sources
 from utils.distributed.launcher import launcher_ranks, point_launcher_to_the_log
 from utils.log import get_logger, setup_logging
-from utils.model.folder import check_local_model_dir, looks_like_local_path
+from utils.model.source import check_local_model_dir, hub_model_source, looks_like_local_path
 
 RANK0_MESSAGE_GRACE_S = 2.0
 
@@ -59,10 +59,14 @@ def read_settings(argv: list[str] | None) -> tuple[RunConfig, dict]:
 
 
 def check_inputs(config: RunConfig) -> None:
-    """The model folder and the data the settings name are there: looked at, not read (a hub name is looked up
-    when the model loads, a dataset name when it is read). The same checks run again where they are read."""
-    if looks_like_local_path(config.train.model_name):
-        check_local_model_dir(config.train.model_name)
+    """The model and the data the settings name are there: a folder and files looked at, not read; a hub name
+    looked up by rank 0 (one request: the other ranks, still starting, are stopped by torchrun when it refuses);
+    a dataset name when it is read. The same checks run again where the model and the data are read."""
+    model = config.train.model_name
+    if looks_like_local_path(model):
+        check_local_model_dir(model)
+    elif launcher_ranks()[0] == 0:
+        hub_model_source(model)
     sources.check_data_found(config.data)
 
 

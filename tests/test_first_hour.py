@@ -22,7 +22,7 @@ from configs.errors import ConfigError
 from configs.paths import EMBEDDED_MODEL_DIR, REPO_ROOT
 from tests.launch import offline_env, program_tracebacks, torchrun_command
 from utils.distributed.process_group import free_port
-from utils.model import folder, loading
+from utils.model import loading, source
 
 FAIL_FAST_S = 5  # in one process, the lookup alone (huggingface_hub's retries would take 23 s per file)
 RUN_FAIL_FAST_S = 60  # a whole run, imports included (about 15 s on 2 loaded cores)
@@ -79,7 +79,7 @@ def model_folder(folder: Path, with_tokenizer: bool = True) -> Path:
 def test_a_hub_name_is_told_from_a_path():
     """A hub id has at most one '/' (huggingface_hub's rule); anything else is a path, which must exist."""
     for hub_id in ("t5-base", "google/flan-t5-base", "output/hf_model"):
-        assert not folder.looks_like_local_path(hub_id), hub_id
+        assert not source.looks_like_local_path(hub_id), hub_id
     for path in (
         "/abs/model",
         "./hf_model",
@@ -88,7 +88,7 @@ def test_a_hub_name_is_told_from_a_path():
         "outputs/run1/hf_model",
         "outputs/hf_model/",
     ):
-        assert folder.looks_like_local_path(path), path
+        assert source.looks_like_local_path(path), path
 
 
 def test_an_unreachable_hub_name_fails_in_seconds_with_the_offline_fixes(offline_hub):
@@ -167,16 +167,16 @@ def test_the_hubs_answer_decides(hub_answering, tmp_path, monkeypatch):
     """A server error is no answer (the HF cache, or the offline fixes); a refusal is one, which transformers
     words itself, unless a model folder with a close path exists."""
     hub_answering(503)
-    assert loading.hub_unreachable("t5-base") == f"{loading.hub_host()} answers HTTP 503"
+    assert source.hub_unreachable("t5-base") == f"{source.hub_host()} answers HTTP 503"
     hub_answering(404)
-    assert loading.hub_unreachable("t5-base") is None
+    assert source.hub_unreachable("t5-base") is None
     monkeypatch.chdir(tmp_path)
     model_folder(tmp_path / "outputs" / "hf_model")
     message = refusal(loading.resolved_name, "output/hf_model")
     assert message.startswith(
         "no such folder: 'output/hf_model' does not exist here (did you mean 'outputs/hf_model'?)"
     )
-    assert message.endswith(f", and {loading.hub_host()} has no such model (HTTP 404).")
+    assert message.endswith(f", and {source.hub_host()} has no such model (HTTP 404).")
 
 
 def test_a_mistyped_folder_says_no_such_folder_and_what_was_meant(offline_hub, tmp_path, monkeypatch):

@@ -30,9 +30,6 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from huggingface_hub import constants as hub_constants
-from huggingface_hub import get_hf_file_metadata, hf_hub_url, is_offline_mode, try_to_load_from_cache
-from huggingface_hub.errors import HfHubHTTPError
 from safetensors import safe_open
 from torch import nn
 from transformers import (
@@ -49,7 +46,7 @@ from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
 from configs.recipe import RecipeConfig
 from utils.distributed.process_group import rank0_decides
 from utils.log import get_logger
-from utils.model.folder import HUB_HINT, check_local_model_dir, did_you_mean, looks_like_local_path
+from utils.model.source import HUB_HINT, check_local_model_dir, hub_model_source, looks_like_local_path
 from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 PROBE_TEXT = "hello world how are you"  # any vocabulary of a text model has these words (or their letters)
@@ -138,72 +135,7 @@ def resolved_name(model_name: str) -> str:
 def hub_source(model_id: str) -> str:
     """A hub id as from_pretrained should read it, decided by rank 0 for every rank (collective the first time
     for an id: load_tokenizer, which every rank calls at the same point, is the first reader of the model)."""
-    return rank0_decides(lambda: _hub_source(model_id))
-
-
-def _hub_source(model_id: str) -> str:
-    """The id itself where the hub answers for it (or HF_HUB_OFFLINE=1 is set and the HF cache holds it), the
-    HF cache's snapshot folder where the hub cannot be reached, else a ConfigError with the offline fixes.
-
-    One HEAD request for config.json, without retries, with huggingface_hub's own timeout (HF_HUB_ETAG_TIMEOUT,
-    10 s by default; instant where the name does not resolve or the port is closed). Left to transformers, each
-    file of an unreachable hub costs huggingface_hub's 5 retries (23 s, two log lines per retry)."""
-    cached = try_to_load_from_cache(model_id, "config.json")  # a path, or None / a marker when not cached
-    in_cache = isinstance(cached, str)
-    if is_offline_mode():
-        if in_cache:
-            return model_id  # transformers reads the HF cache itself, without the network
-        why = "HF_HUB_OFFLINE=1 is set"
-    else:
-        why = hub_unreachable(model_id)
-        if why is None:
-            return model_id
-        if in_cache:
-            snapshot = os.path.dirname(cached)
-            get_logger().warning(
-                "%s; reading %s from the HF cache (%s), as HF_HUB_OFFLINE=1 would", why, model_id, snapshot
-            )
-            return snapshot
-    meant = did_you_mean(model_id)
-    if meant:
-        raise no_such_folder(model_id, meant, f"as a hub name it cannot be read either: {why}")
-    raise ConfigError(
-        f"model {model_id!r} is not a folder here, and as a hub name it cannot be read: {why}, and the HF cache "
-        f"({hub_constants.HF_HUB_CACHE}) does not hold it. Offline, pass a local folder made by save_pretrained "
-        "(e.g. the embedded data/tiny-t5); or fill the HF cache on a machine with network (`hf download "
-        f"{model_id}`), copy it here (or point HF_HOME at it) and set HF_HUB_OFFLINE=1; or run where "
-        f"{hub_host()} can be reached."
-    )
-
-
-def hub_unreachable(model_id: str) -> str | None:
-    """Why the hub cannot serve `model_id` now (no connection, no answer, a server error), or None where it
-    answers. A refusal (no such model, a gated one) is an answer: transformers says it at once, in its words,
-    unless a model folder that exists has a path close to the id, which the user more likely meant."""
-    url = hf_hub_url(model_id, "config.json")
-    try:
-        get_hf_file_metadata(url, timeout=hub_constants.HF_HUB_ETAG_TIMEOUT)  # no retries by default
-    except HfHubHTTPError as err:
-        status = err.response.status_code
-        if status >= 500 or status == 429:
-            return f"{hub_host()} answers HTTP {status}"
-        meant = did_you_mean(model_id)
-        if meant:
-            raise no_such_folder(model_id, meant, f"{hub_host()} has no such model (HTTP {status})") from None
-    except Exception as err:  # the HTTP library's connection errors and timeouts: the hub cannot be reached
-        return f"{hub_host()} cannot be reached ({type(err).__name__}: {err})"
-    return None
-
-
-def no_such_folder(model_id: str, meant: str, hub_answer: str) -> ConfigError:
-    """The error for a name that is no folder here but close to one that is (`meant`: did_you_mean's words),
-    with what the hub made of it."""
-    return ConfigError(f"no such folder: {model_id!r} does not exist here{meant}, and {hub_answer}.")
-
-
-def hub_host() -> str:
-    """The hub's address (HF_ENDPOINT, huggingface.co by default) as a message names it."""
-    return hub_constants.ENDPOINT.split("://", 1)[-1]
+    return rank0_decides(lambda: hub_model_source(model_id))
 
 
 def load_tokenizer(model_name: str) -> PreTrainedTokenizerBase:

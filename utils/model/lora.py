@@ -18,7 +18,7 @@ from torch import nn
 from configs.errors import ConfigError
 from configs.lora import LoraConfig
 from utils.log import warnings_ignored
-from utils.model.folder import looks_like_local_path
+from utils.model.source import looks_like_local_path
 
 # get_peft_model reads transformers' `is_gradient_checkpointing`, which transformers 5 deprecates (for
 # `is_activation_checkpointing`): a warning about the two libraries' internals, per rank and per call.
