@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests import rank_pool
+from tests.launch import Background
 from tests.reference_run import train_reference
 from utils.log import get_logger
 
@@ -17,6 +18,42 @@ def reference(tmp_path_factory) -> Path:
     """The uninterrupted 2-rank SHARDED_STATE_DICT run of tests/reference_run.py (read-only: copy it to
     resume into it)."""
     return train_reference(tmp_path_factory.mktemp("reference") / "out")
+
+
+# The README demo (tests/test_demo_figures.py), the suite's longest launch at 2 to 4 minutes, starts with the
+# session and runs beside the other tests, which leave the 2 cores idle about a quarter of the time (waiting
+# for launches to start, for collective timeouts, for signals); the tests that read it run last.
+DEMO_TIMEOUT_S = 1800
+
+
+def reads_the_demo(item) -> bool:
+    return "fresh_demo" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items) -> None:
+    items.sort(key=reads_the_demo)  # stable: the other tests keep their order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def demo_launch(request, tmp_path_factory):
+    """The README's demo command in the background, started before the first test when a selected test reads
+    it (None otherwise); killed at the session's end if still running."""
+    if not any(reads_the_demo(item) for item in request.session.items):
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("demo")
+    run = Background(["--output_dir", str(folder / "out")], folder / "demo.log")
+    yield run
+    if run.proc.poll() is None:
+        run.kill()
+
+
+@pytest.fixture(scope="session")
+def fresh_demo(demo_launch) -> Path:
+    """The output folder of the README's demo command, run once beside the other tests."""
+    run = demo_launch.finish(timeout=DEMO_TIMEOUT_S)
+    assert run.returncode == 0, run.describe()
+    return demo_launch.log_path.parent / "out"
 
 
 class _ListHandler(logging.Handler):

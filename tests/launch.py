@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from configs.paths import REPO_ROOT
+from tests.processes import child_pids, is_running
 from utils.distributed.process_group import free_port
 
 DEFAULT_TIMEOUT_S = 300
@@ -188,26 +189,6 @@ def program_tracebacks(output: str) -> list[str]:
             # SignalException on Ctrl-C sits past 2000 characters when the signal lands deep in its stack).
             found.append("Traceback (most recent call last):" + block[:2000] + f"\n... {exception_line}")
     return found
-
-
-def child_pids(pid: int) -> list[int]:
-    """The direct children of a process (Linux /proc)."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(child) for child in (task / "children").read_text().split()]
-        except OSError:  # the task ended meanwhile
-            pass
-    return children
-
-
-def is_running(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 class Background:

@@ -50,6 +50,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from tests.processes import child_pids, descendants, is_running
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROCESS_GROUP_TIMEOUT_S = 30  # collectives of a run_ranks scenario give up after this when a peer is gone
 OWN_MODULES = r"((configs|policies|utils|scripts)(\.|$)|(T5_training|summarization_dataset)$)"
@@ -229,30 +231,7 @@ def _child_pids() -> list[int]:
     from multiprocessing import resource_tracker
 
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    children = []
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            children += [int(pid) for pid in (task / "children").read_text().split()]
-    return [pid for pid in children if pid != tracker and _is_running(pid)]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc), children first."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            for child in (task / "children").read_text().split():
-                found += [int(child), *_descendants(int(child))]
-    return found
-
-
-def _is_running(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    return [pid for pid in child_pids(os.getpid()) if pid != tracker and is_running(pid)]
 
 
 def _torch_switches() -> dict:
@@ -490,7 +469,7 @@ class _Worker:
     def kill(self) -> None:
         """SIGKILL the worker and every process it started (a checkpoint writer, DataLoader workers): they
         would outlive it, using the CPU the next scenarios need."""
-        for pid in [*_descendants(self.process.pid), self.process.pid]:
+        for pid in [*descendants(self.process.pid), self.process.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.process.join(30)

@@ -13,7 +13,6 @@ import torch
 
 from configs.paths import REPO_ROOT
 from scripts.demo_figures import load_figures, quoted_block, stale_docs
-from tests.launch import torchrun
 
 # How far a fresh demo may land from the figures the docs quote. With the figures' torch, transformers and CPU
 # kernel level the seeded demo repeats itself bit for bit (three runs on this project's machine): the figures
@@ -43,15 +42,6 @@ def test_a_figure_that_changes_makes_the_docs_stale():
     assert stale_docs(changed) == ["docs/evaluation.md"]
     changed = dict(figures, picture_sha256="0" * 64)
     assert stale_docs(changed) == ["docs/demo_metrics.png"]
-
-
-@pytest.fixture(scope="module")
-def fresh_demo(tmp_path_factory) -> Path:
-    """The README's demo command, run once (about 1 minute on 2 idle cores, 2 to 4 on busy ones)."""
-    output_dir = tmp_path_factory.mktemp("demo") / "out"
-    run = torchrun(["--output_dir", str(output_dir)], timeout=900)
-    assert run.returncode == 0, run.describe()
-    return output_dir
 
 
 def read_records(run_dir: Path) -> list[dict]:

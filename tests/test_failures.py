@@ -8,7 +8,10 @@ import pytest
 from tests.launch import torchrun
 from tests.reference_run import checkpoint_dir
 
-LIMIT_S = 60
+# The whole run, start-up included, takes about 30 s on 2 idle cores; a rank left waiting for its peer would
+# take the collective timeout (--dist_timeout_s, set far above both).
+DIST_TIMEOUT_S = 600
+LIMIT_S = 200
 # FSDP2's background writer process (--async_checkpoint), a save every 2 steps: the failure at step 3 comes
 # while step 2's checkpoint may still be on its way to disk.
 BACKGROUND_SAVES = ["--checkpoint_type", "SHARDED_STATE_DICT", "--async_checkpoint", "true", "--fsdp_version", "2",
@@ -23,7 +26,7 @@ def test_exception_on_one_rank_ends_all_ranks_with_one_traceback(tmp_path, fail_
             *BACKGROUND_SAVES]  # fmt: skip
     started = time.monotonic()
     done = torchrun(
-        [*args, "--dist_timeout_s", "30"],
+        [*args, "--dist_timeout_s", str(DIST_TIMEOUT_S)],
         script="tests/fault_entry.py",
         timeout=LIMIT_S + 60,
         # When rank 1 fails, torchrun's SIGTERM reaches rank 0 after training, before it has completed step 2's

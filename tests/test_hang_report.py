@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from configs.errors import CheckpointError, error_summary
 from tests.dist_harness import run_ranks
-from tests.launch import Background, is_running, program_tracebacks
+from tests.launch import Background, program_tracebacks
+from tests.processes import is_running
 from tests.reference_run import logged_steps
 from utils.distributed import hang_report
 

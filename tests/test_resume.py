@@ -387,10 +387,10 @@ def test_sigterm_to_torchrun_during_the_rouge_evaluation_saves_and_the_resume_ev
     finally:
         if background.proc.poll() is None:
             background.kill()
-    # torchrun SIGKILLs its workers 30 s after forwarding SIGTERM: the stop came well inside that.
-    assert seconds < 20, (seconds, stopped.describe())
-    assert stop_line in stopped.output, stopped.describe()
-    assert complete_checkpoint_steps(output_dir) == [saved_step], stopped.describe()
+    # torchrun SIGKILLs its workers 30 s after forwarding SIGTERM: the line and the complete checkpoint show
+    # that the stop came inside that (no bound of its own: the save's time varies with the machine's load).
+    assert stop_line in stopped.output, (seconds, stopped.describe())
+    assert complete_checkpoint_steps(output_dir) == [saved_step], (seconds, stopped.describe())
     assert logged_steps(output_dir) == list(range(1, saved_step + 1))
     assert not [r for r in read_records(output_dir) if r["type"] in ("eval", "validation", "epoch")]
     saved = json.loads((checkpoint_dir(output_dir, saved_step) / "train_state.json").read_text())
