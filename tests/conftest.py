@@ -20,9 +20,9 @@ def reference(tmp_path_factory) -> Path:
     return train_reference(tmp_path_factory.mktemp("reference") / "out")
 
 
-# The README demo (tests/test_demo_figures.py), the suite's longest launch at 2 to 4 minutes, starts with the
-# session and runs beside the other tests, which leave the 2 cores idle about a quarter of the time (waiting
-# for launches to start, for collective timeouts, for signals); the tests that read it run last.
+# The README demo (tests/test_demo_figures.py), the suite's longest launch (4 minutes alone on this project's
+# 2 cores), starts with the session and runs beside the other tests, which leave the cores idle about a fifth
+# of the time (waiting for launches to start, for collective timeouts, for signals); its tests run last.
 DEMO_TIMEOUT_S = 1800
 
 
@@ -112,8 +112,8 @@ def tokenizer(tmp_path_factory):
 
 
 # A test of the fast subset (not marked slow) that takes longer than this, its fixtures' setup included, is
-# listed at the end of the run: it should be made faster or marked slow. A list, never a failure: no test
-# depends on the machine's speed.
+# listed at the end of the run: when the fast subset is over its budget, the first to make faster or mark slow.
+# A list, never a failure: no test depends on the machine's speed.
 FAST_TEST_LIMIT_S = 5.0
 _seconds: dict[str, float] = {}
 _slow_marked: set[str] = set()

@@ -48,7 +48,15 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 180, replace_af
             # The first failure is the cause; a peer's "connection closed" or timeout follows from it.
             reports = []
             for rank, outcome in failed:
-                output = read_text(files[rank][0])[-4000:] + read_text(files[rank][1])[-4000:]
-                reports.append(f"rank {rank} failed:\n{outcome.value}\n--- rank {rank}'s output (tail)\n{output}")
+                output = head_and_tail(read_text(files[rank][0])) + head_and_tail(read_text(files[rank][1]))
+                reports.append(f"rank {rank} failed:\n{outcome.value}\n--- rank {rank}'s output\n{output}")
             raise AssertionError("\n".join(reports))
     return [outcome.value for outcome in outcomes]
+
+
+def head_and_tail(text: str, size: int = 3000) -> str:
+    """The first and last `size` characters: a rank that died prints its cause first (a C++ exception's
+    "terminate called ...", "Fatal Python error") and every thread's stack after it."""
+    if len(text) <= 2 * size:
+        return text
+    return f"{text[:size]}\n[... {len(text) - 2 * size} characters ...]\n{text[-size:]}"

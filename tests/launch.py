@@ -18,6 +18,7 @@ import pytest
 
 from configs.paths import REPO_ROOT
 from tests.processes import child_pids, is_running
+from tests.rank_pool import own_module_names
 from utils.distributed.process_group import free_port
 
 DEFAULT_TIMEOUT_S = 300
@@ -64,19 +65,10 @@ def torchrun_command(
     ]
 
 
-PACKAGE_DIRS = ("configs", "policies", "utils", "scripts")
-TOP_MODULES = ("T5_training", "summarization_dataset")
-
-
 def own_modules() -> list[str]:
-    """The module names of this package's code (as imported: the entry point run as a script is __main__,
-    which would also name torchrun's agent, so it is left out)."""
-    names = list(TOP_MODULES)
-    for folder in PACKAGE_DIRS:
-        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
-            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
-            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
+    """The module names of this package's code, its scripts included (as imported: the entry point run as a
+    script is __main__, which would also name torchrun's agent, so it is left out)."""
+    return own_module_names(("configs", "policies", "utils", "scripts"))
 
 
 def own_deprecations_as_errors() -> str:

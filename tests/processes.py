@@ -23,9 +23,14 @@ def descendants(pid: int) -> list[int]:
 
 
 def is_running(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    """True while any thread of the process exists and is not a zombie. The first thread can be a zombie while
+    the others are still ending, the files they share (and any lock on them) still open: a process killed on a
+    loaded machine is gone only when all are."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # the thread ended meanwhile
+            continue
+        if state != "Z":
+            return True
+    return False

@@ -79,9 +79,10 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def _own_module_names() -> list[str]:
+def own_module_names(folders: tuple[str, ...] = OWN_PACKAGES) -> list[str]:
+    """The module names of this package's top modules and of its code under `folders`."""
     names = list(OWN_TOP_MODULES)
-    for package in OWN_PACKAGES:
+    for package in folders:
         for path in sorted((REPO_ROOT / package).rglob("*.py")):
             parts = path.relative_to(REPO_ROOT).with_suffix("").parts
             names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
@@ -308,7 +309,7 @@ def _preload() -> None:
     any scenario runs) and the tests' rank functions."""
     import importlib
 
-    for name in _own_module_names():
+    for name in own_module_names():
         importlib.import_module(name)
     importlib.import_module("tests.dist_workers")
 
