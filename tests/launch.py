@@ -18,7 +18,7 @@ import pytest
 
 from configs.paths import REPO_ROOT
 from tests.processes import child_pids, is_running
-from tests.rank_pool import own_module_names
+from tests.rank_pool import Scenario, own_module_names, pool, read_text, scenario_files
 from utils.distributed.process_group import free_port
 
 DEFAULT_TIMEOUT_S = 300
@@ -133,8 +133,6 @@ def pooled(
     result reads as torchrun's, each rank's stdout (then stderr) after the other's; torchrun's own lines and
     closing report are absent. A rank that is still running `timeout` s after the start, or 10 s after another
     rank exited non-zero (torchrun would stop it), is killed, and the run's exit status is then non-zero."""
-    from tests.rank_pool import Scenario, pool, read_text, scenario_files
-
     start = time.monotonic()
     port = free_port()
     with scenario_files(nproc) as files:
