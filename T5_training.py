@@ -109,7 +109,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import summarization_dataset
-from configs.errors import FAILURES
+from configs.errors import FAILURES, error_summary
 from configs.evaluation import METRIC_NAMES, generation_rows
 from policies.mixed_precision import Precision, resolve_precision
 from utils import layout
@@ -117,8 +117,10 @@ from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.run_lock import claimed_output_dir
 from utils.checkpoint.start import StartPoint, resolve_start
 from utils.distributed import hang_report, process_group
+from utils.distributed.progress_bounded import progress_bounded
 from utils.eval import generation
 from utils.eval.evaluator import Evaluator
+from utils.files import is_disk_full
 from utils.fsdp.shard import forward_warnings_ignored, log_fsdp_layout, shard_model
 from utils.log import quiet_helper_process
 from utils.model import loading, lora
@@ -155,8 +157,10 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     loaders = summarization_dataset.build_loaders(tokenizer, config.data, train, evaluation, info)
 
     # The model: pretrained weights (a skeleton on the meta device where rank-0-only loading fills it
-    # later, or where a checkpoint does), the weights of a .pt, and LoRA adapters.
-    loaded = build_model(config, info, start, tokenizer)
+    # later, or where a checkpoint does), the weights of a .pt, and LoRA adapters. Where rank 0 alone reads
+    # them, the others wait for as long as it makes progress, not --dist_timeout_s.
+    with progress_bounded("model loading"):
+        loaded = build_model(config, info, start, tokenizer)
     model_config = loaded.model.config
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
     model_config.task_specific_params = {
@@ -368,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
         if process_group.is_peer_failure(err):
             # Another rank failed first and printed why; N copies of "connection closed" would bury it.
             get_logger().error("stopped: another rank failed (its error is above)")
+        elif is_disk_full(err):  # a full disk outside a checkpoint save (which says more): one line, no traceback
+            get_logger().error(
+                "failed: no space left on a disk (%s) at %s. Free space, or choose another --output_dir, and "
+                "resume with --resume true", error_summary(err), hang_report.WHERE.describe(),
+            )  # fmt: skip
         else:
             # Logged here once; re-raising would print it again, and again in torchrun's summary.
             get_logger().exception("failed: %s", err)

@@ -44,8 +44,10 @@ class TrainConfig:
         default=600,
         help=(
             "Process-group timeout in seconds: how long a rank waits in a collective for a stuck peer "
-            "before failing (torch's default is 30 minutes); each rank that can then writes where it was into "
-            "output_dir/hang_reports (docs/observability.md)."
+            "before failing (torch's defaults: 10 minutes with NCCL, 30 with gloo); each rank that can then "
+            "writes where it was into output_dir/hang_reports (docs/observability.md). Long work on some ranks "
+            "(rank 0 writing a FULL checkpoint or reading the model alone, a resume's checkpoint check) is "
+            "waited for as long as it progresses: a rank idle this long in it is named as stuck."
         ),
         minimum=1,
     )

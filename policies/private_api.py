@@ -110,3 +110,11 @@ def flight_recorder_dump(backend: str) -> dict | None:
     if dump is None:
         return None
     return json.loads(dump(True, False))  # every collective recorded, not only those still in flight
+
+
+def default_store():
+    """The key-value store of the default process group (the one its ranks met through), which its ranks may
+    use to wait for each other outside a collective (utils/distributed/progress_bounded.py). Public replacement:
+    none in torch 2.13; a store made by the caller and passed to init_process_group(store=...), which a torchrun
+    launch without the agent's store does not have."""
+    return torch.distributed.distributed_c10d._get_default_store()

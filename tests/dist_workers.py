@@ -7,38 +7,46 @@ same computation and any difference comes from FSDP itself.
 import contextlib
 import copy
 import dataclasses
+import datetime
+import errno
 import functools
 import gc
 import math
 import os
+import time
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.data import Dataset
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 from transformers.models.t5.modeling_t5 import T5Attention, T5Block
 
 from configs.checkpointing import CheckpointConfig
-from configs.errors import TrainingDivergedError
+from configs.errors import ConfigError, TrainingDivergedError
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR
 from policies.mixed_precision import POLICIES, Precision
+from policies.private_api import default_store
 from summarization_dataset import pad_collate
 from utils import layout
+from utils.checkpoint import integrity
 from utils.checkpoint import manager as checkpoint_manager
 from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
+from utils.checkpoint.run_lock import claimed_output_dir
 from utils.checkpoint.start import resolve_start
 from utils.checkpoint.state_dicts import gather_full_state_dict, save_full_model, sharded_model_state
 from utils.data.loaders import build_loader
 from utils.data.samplers import PaddedEvalSampler
 from utils.distributed.process_group import DistInfo
+from utils.distributed.progress_bounded import PeerFailed, PeerStalled, progress_bounded
 from utils.fsdp.shard import shard_model
 from utils.model.loading import load_full_model_state, load_model, load_tokenizer
 from utils.model.lora import apply_lora
@@ -886,3 +894,171 @@ def family_worker(rank: int, world_size: int, folder: str, steps: int, output_ro
             "resumed_state": gather_full_state_dict(resumed.model, CPU),
         }
     return out
+
+
+# ------------------------------------------------------------------ long work on one rank, full disks, shared dirs
+
+
+def busy_for(seconds: float) -> None:
+    """Legitimate work that takes `seconds`: the CPU kept busy (a long write or read shows progress alike)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(1000))
+
+
+def short_timeouts(seconds: float) -> None:
+    """This group's collectives and its store give up after `seconds` (as --dist_timeout_s would set them)."""
+    _set_pg_timeout(datetime.timedelta(seconds=seconds))
+    default_store().set_timeout(datetime.timedelta(seconds=seconds))
+
+
+def progress_bounded_worker(rank: int, world_size: int, timeout_s: float) -> dict:
+    """Rank 0's part of a progress-bounded block, while rank 1 waits: busy for 3x the timeout; asleep (no progress)
+    for 3x; failing. What each rank saw and how long it waited."""
+    short_timeouts(timeout_s)
+    seen = {}
+    for case, part in (
+        ("busy", lambda: busy_for(3 * timeout_s)),
+        ("asleep", lambda: time.sleep(3 * timeout_s)),
+        ("failing", lambda: 1 / 0),
+    ):
+        started = time.monotonic()
+        try:
+            with progress_bounded(f"the {case} case"):
+                if rank == 0:
+                    part()
+            seen[case] = "done"
+        except (PeerStalled, PeerFailed, ZeroDivisionError) as err:
+            seen[case] = f"{type(err).__name__}: {err}"
+        seen[f"{case}_s"] = time.monotonic() - started
+        _set_pg_timeout(datetime.timedelta(seconds=60))  # the next case starts together (rank 0 may still sleep)
+        dist.barrier()
+        short_timeouts(timeout_s)
+    return seen
+
+
+def long_rank0_work_worker(rank: int, world_size: int, output_dir: str, timeout_s: float) -> dict:
+    """With collectives that give up after `timeout_s`: rank 0 reads the model alone (FSDP2 rank-0-only
+    loading), writes a FULL checkpoint and checks its share of it on resume, each taking 3x the timeout, while
+    rank 1 waits. Then the control: the same wait in a plain barrier."""
+    short_timeouts(timeout_s)
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    fsdp = _fsdp_config({"fsdp_version": 2, "cpu_ram_efficient_loading": True, "checkpoint_type": layout.FULL})
+    seconds = {}
+
+    started = time.monotonic()
+    with progress_bounded("model loading"):  # as T5_training.fsdp_main loads the model
+        if rank == 0:
+            busy_for(3 * timeout_s)  # a large from_pretrained
+        model = tiny_t5(seed=5) if rank == 0 else tiny_t5(on_meta=True)
+    model = shard_model(model, fsdp, FP32, CPU)
+    seconds["loading"] = time.monotonic() - started
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=2)
+    real_hashed_file = checkpoint_manager.hashed_file
+
+    @contextlib.contextmanager
+    def slow_hashed_file(*args, **kwargs):
+        busy_for(3 * timeout_s / 2)  # model.pt and optimizer.pt: 3x the timeout in all
+        with real_hashed_file(*args, **kwargs) as stream:
+            yield stream
+
+    manager = CheckpointManager(checkpointing, fsdp, output_dir, model, optimizer, scheduler, None,
+                                model.config, tokenizer, info, LoraConfig(), EMBEDDED_MODEL_DIR)  # fmt: skip
+    train_step(model, make_batch(batch_seed(1, rank)), optimizer, None, world_size)
+    started = time.monotonic()
+    with mock.patch.object(checkpoint_manager, "hashed_file", slow_hashed_file if rank == 0 else real_hashed_file):
+        saved = manager.save(TrainProgress(epoch=1, samples_consumed=1, global_step=1))
+    seconds["save"] = time.monotonic() - started
+
+    real_problem_with = integrity.problem_with
+    checked = []
+
+    def slow_problem_with(*args, **kwargs):
+        if not checked:
+            busy_for(3 * timeout_s)  # the first piece: a large file on slow storage
+        checked.append(args[1])
+        return real_problem_with(*args, **kwargs)
+
+    started = time.monotonic()
+    with mock.patch.object(integrity, "problem_with", slow_problem_with if rank == 0 else real_problem_with):
+        start = resolve_start("true", output_dir)
+    seconds["check"] = time.monotonic() - started
+
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            busy_for(3 * timeout_s)
+        dist.barrier()
+        control = "done"
+    except RuntimeError as err:
+        control = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    seconds["control"] = time.monotonic() - started
+    return {"seconds": seconds, "saved": saved, "start": start.path, "control": control}
+
+
+def disk_full_worker(rank: int, world_size: int, output_root: str) -> dict:
+    """A disk that fills up during a checkpoint save, after a first complete one: a FULL save (rank 0 writes),
+    a SHARDED one (rank 1's shard fails), and an FSDP1 background one (written by a thread). Each rank's error,
+    and what checkpoints are left."""
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    real_write = integrity.HashingFile.write
+    full = {"fail": False}
+
+    def write(stream, data):
+        if full["fail"] and (rank == 1 or stream.hashes.bytes > 1000):  # a part written before the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(stream, data)
+
+    out = {}
+    for case, overrides, background in (
+        ("FULL", {"checkpoint_type": layout.FULL}, False),
+        ("SHARDED", {"checkpoint_type": layout.SHARDED}, False),
+        ("background", {"checkpoint_type": layout.SHARDED}, True),
+    ):
+        fsdp = _fsdp_config({"fsdp_version": 1, **overrides})
+        output_dir = os.path.join(output_root, case)
+        model = shard_model(tiny_t5(), fsdp, FP32, CPU)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=2, async_checkpoint=background)
+        manager = CheckpointManager(checkpointing, fsdp, output_dir, model, optimizer, scheduler, None,
+                                    model.config, tokenizer, info, LoraConfig(), EMBEDDED_MODEL_DIR)  # fmt: skip
+        full["fail"] = False
+        with manager, mock.patch.object(integrity.HashingFile, "write", write):
+            train_step(model, make_batch(batch_seed(1, rank)), optimizer, None, world_size)
+            manager.save(TrainProgress(epoch=1, samples_consumed=1, global_step=1))
+            manager.finish_pending()
+            dist.barrier()
+            full["fail"] = rank == 0 if case == "FULL" else rank == 1
+            try:
+                manager.save(TrainProgress(epoch=1, samples_consumed=2, global_step=2))
+                manager.finish_pending()
+                out[case] = "saved"
+            except Exception as err:  # what the run would end with
+                out[case] = f"{type(err).__name__}: {err}"
+            full["fail"] = False
+        dist.barrier()
+        out[f"{case}_left"] = sorted(os.listdir(layout.checkpoint_root(output_dir)))
+    return out
+
+
+def shared_output_dir_worker(rank: int, world_size: int, root: str) -> dict:
+    """The run lock's check that every rank sees output_dir: each rank in a working directory of its own, as a
+    node is, given a relative --output_dir (each its own folder) and then an absolute one (shared)."""
+    seen = {}
+    here = os.path.join(root, f"node_{rank}")
+    os.makedirs(here)
+    os.chdir(here)  # put back by the rank pool after the scenario
+    for case, output_dir in (("relative", "out"), ("absolute", os.path.join(root, "shared_out"))):
+        try:
+            with claimed_output_dir(output_dir):
+                seen[case] = "claimed"
+        except ConfigError as err:
+            seen[case] = str(err)
+        dist.barrier()
+    return seen

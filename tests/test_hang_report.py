@@ -22,6 +22,7 @@ from tests.launch import Background, program_tracebacks
 from tests.processes import is_running
 from tests.reference_run import logged_steps
 from utils.distributed import hang_report
+from utils.distributed.progress_bounded import PeerStalled
 
 TIMEOUT_S = 10  # --dist_timeout_s: long enough for the setup's collectives on a loaded 2-core machine
 MARGIN_S = 8  # the report, the teardown, and the load of that machine
@@ -71,6 +72,9 @@ def test_a_timeout_is_told_from_other_errors():
     nccl = dist.DistBackendError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
                                  "OpType=ALLREDUCE) ran for 600011 milliseconds before timing out.")  # fmt: skip
     assert hang_report.is_collective_timeout(gloo) and hang_report.is_collective_timeout(nccl)
+    # A wait for long work on a rank that showed no progress for as long (utils/distributed/progress_bounded.py)
+    stalled = PeerStalled("rank(s) 0 showed no progress (no CPU time, no bytes read or written) for 600 s")
+    assert hang_report.is_collective_timeout(stalled)
     # A background checkpoint write's failure carries its cause's text (utils/checkpoint/manager.py).
     try:
         try:
@@ -84,21 +88,26 @@ def test_a_timeout_is_told_from_other_errors():
     assert not hang_report.is_collective_timeout(peer_gone) and not hang_report.is_collective_timeout(hub)
 
 
-def test_the_flight_recorder_settings_leave_the_users_own():
+def test_the_flight_recorder_settings_leave_the_users_own(tmp_path):
     environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr_"}
-    hang_report.record_collectives("out", environ)
+    hang_report.record_collectives("out", "gloo", environ)
     assert environ == {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",  # the recorder off, under the older name: kept, and not overridden
         "TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr_",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     }, environ
     environ = {}
-    hang_report.record_collectives("out", environ)
+    hang_report.record_collectives("out", "gloo", environ)
     prefix = os.path.join(os.path.abspath("out"), "hang_reports", "flight_recorder_rank_")
     # The current names only: torch (2.9 on) warns about the older ones being set.
     assert environ == {
         "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
     }, environ  # fmt: skip
+    # NCCL's watchdog dumps into the folder on a timeout, which may come before the run has begun: it exists now.
+    hang_report.record_collectives(str(tmp_path / "gloo"), "gloo", {})
+    assert not (tmp_path / "gloo").exists()  # gloo has no watchdog that dumps: no folder
+    hang_report.record_collectives(str(tmp_path / "nccl"), "nccl", {})
+    assert (tmp_path / "nccl" / "hang_reports").is_dir()
 
 
 def rank_pids(run: Background) -> dict[int, int]:

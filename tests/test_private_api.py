@@ -1,6 +1,7 @@
 """The private torch APIs of policies/private_api.py still exist and behave as the package relies on: a torch
 upgrade that changes one fails here, naming it (each helper's docstring names the public replacement)."""
 
+import datetime
 import inspect
 import re
 from pathlib import Path
@@ -91,6 +92,21 @@ def test_the_flight_recorder_lists_this_process_collectives():
     assert {"collective_seq_id", "input_dtypes", "state", "time_created_ns", "thread_name"} <= set(newest), newest
 
 
+def test_the_default_store_is_the_one_the_group_met_through():
+    """What utils/distributed/progress_bounded.py waits on: the group's store, with the timeout it is given."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        found = private_api.default_store()
+        keys = store.num_keys()
+        found.set("written through the group's store", "1")  # under the group's prefix
+        assert store.num_keys() == keys + 1 and found.get("written through the group's store") == b"1"
+        found.set_timeout(datetime.timedelta(seconds=42))  # utils/distributed/process_group.py: init_distributed
+        assert private_api.default_store().timeout == datetime.timedelta(seconds=42)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_underscored_sharding_strategy_is_still_in_the_public_enum():
     assert ShardingStrategy["_HYBRID_SHARD_ZERO2"] is ShardingStrategy._HYBRID_SHARD_ZERO2
 
@@ -101,7 +117,7 @@ def test_no_private_torch_or_transformers_api_outside_the_module():
     private_names = re.compile(
         r"(?<!self)\._(process_group|handle|base|checkpoint_wrapped_module|init_from_local_shards|full_param_padded"
         r"|record_memory_history|dump_snapshot)\b"
-        r"|\.found_inf\b|_raise_exceptions_for_missing_entries|_dump_fr_trace|_dump_nccl_trace"
+        r"|\.found_inf\b|_raise_exceptions_for_missing_entries|_dump_fr_trace|_dump_nccl_trace|_get_default_store"
     )
     offenders = []
     for folder in ("configs", "policies", "utils", "scripts", "T5_training.py", "summarization_dataset.py"):

@@ -9,11 +9,21 @@ utils/checkpoint/manager.py.
 """
 
 import difflib
+import errno
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from configs.errors import error_summary
+
+# How a full disk or an exhausted quota is worded by Python (OSError), Rust libraries (tokenizers, safetensors:
+# "os error 28") and torch's C++ writers, which keep only the text.
+DISK_FULL = re.compile(
+    r"No space left on device|Disk quota exceeded|os error (28|122)|errno (28|122)", re.IGNORECASE
+)
 
 
 def _remove(path: str) -> None:
@@ -92,3 +102,24 @@ def closest_folder(path: str | os.PathLike, holding: str | None = None) -> str |
     if candidate == path or (holding and not os.path.isfile(os.path.join(candidate, holding))):
         return None
     return candidate
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """Whether `err`, or an error it was raised from or while handling, says the disk (or the quota) is full."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if DISK_FULL.search(error_summary(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def free_bytes(path: str) -> int | None:
+    """Free space of the file system that holds `path` (or its nearest existing parent), None if unknown."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path or ".").free
+    except OSError:
+        return None

@@ -40,8 +40,10 @@ def warnings_ignored(*warned: tuple[type[Warning], str]):
 def quiet_helper_process() -> None:
     """In a helper process that torch starts (DCP's background checkpoint writer), INFO lines would only
     repeat what the rank's own log says ("Waiting for checkpoint save request...", on every save): only
-    warnings and errors show."""
+    warnings and errors show; and not its "Checkpoint save failed" either, which the rank that waits for the
+    write turns into one message of its own (utils/checkpoint/manager.py)."""
     logging.disable(logging.INFO)
+    logging.getLogger().addFilter(lambda record: not record.getMessage().startswith("Checkpoint save failed"))
 
 
 def setup_logging(rank: int | None = None, stream=None) -> logging.Logger:

@@ -1,16 +1,18 @@
-"""Checkpoints that verify themselves: every file's size and CRC-32, recorded as it is written, checked on resume.
+"""Checkpoints that verify themselves: every file's size and CRC-32s, recorded as it is written, checked on resume.
 
 A checkpoint's train_state.json (written last: its presence marks the checkpoint complete) lists every other
-file of the checkpoint with its size and CRC-32. The large files are hashed while they are written, as the
-bytes pass through (`HashingFile`): rank 0's model.pt and optimizer.pt, and each rank's DCP shards
-(`RecordingWriter`, which leaves its records in written/rank_<r>.json for rank 0 to merge). The small ones
-(JSON, the tokenizer, the RNG states, DCP's .metadata) are read once more when the checkpoint is completed.
-CRC-32 runs at about 3 GB/s here (zlib; sha256 about 1.6 GB/s): it finds a truncated, overwritten or missing
-file, not a forgery.
+file of the checkpoint with its size and the CRC-32 of each of its pieces of PIECE_BYTES. The large files are
+hashed while they are written, as the bytes pass through (`HashingFile`): rank 0's model.pt and optimizer.pt,
+and each rank's DCP shards (`RecordingWriter`, which leaves its records in written/rank_<r>.json for rank 0 to
+merge). The small ones (JSON, the tokenizer, the RNG states, DCP's .metadata) are read once more when the
+checkpoint is completed. CRC-32 runs at about 3 GB/s here (zlib; sha256 about 1.6 GB/s): it finds a truncated,
+overwritten or missing file, not a forgery.
 
-On resume, `find_damage` checks a checkpoint before anything is loaded from it, each rank reading its share of
-the files (collective). Checkpoints written before this format (version 1, no list) get the checks their
-train_state.json allows: every rank's RNG file and the main files exist.
+On resume, `find_damage` checks a checkpoint before anything is loaded from it, the pieces dealt to the ranks so
+that each reads about as many bytes (collective): a FULL checkpoint's 90 GB optimizer.pt is read by every rank
+in parallel, not by one while the others wait. Checkpoints written before pieces (one CRC-32 per file) are
+checked file by file; those written before the file list (format 1) get the checks their train_state.json
+allows: every rank's RNG file and the main files exist.
 """
 
 import contextlib
@@ -18,6 +20,7 @@ import json
 import os
 import shutil
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -26,29 +29,52 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from configs.errors import CheckpointError
 from utils import layout
+from utils.distributed.progress_bounded import progress_bounded
 from utils.files import write_json
 
-CHUNK_BYTES = 16 * 2**20  # read in pieces when checking: a rank's memory stays small whatever the file
-HASH = "crc32"
+READ_BYTES = 16 * 2**20  # read in blocks when checking: a rank's memory stays small whatever the file
+PIECE_BYTES = 256 * 2**20  # the unit of the check that ranks share: a 90 GB file is 344 of them
+HASH = "crc32"  # one CRC-32 of a whole file: the records of checkpoints written before pieces
+PIECE_HASHES = "crc32_pieces"  # the CRC-32 of each PIECE_BYTES piece, in order
+
+
+class PieceHashes:
+    """The size and the CRC-32 of each PIECE_BYTES piece of a stream of bytes, as they come."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.pieces: list[int] = []  # the CRC-32 of every piece begun, the last one still growing
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < view.nbytes:
+            filled = self.bytes % PIECE_BYTES
+            if filled == 0:
+                self.pieces.append(0)
+            part = view[done : done + PIECE_BYTES - filled]
+            self.pieces[-1] = zlib.crc32(part, self.pieces[-1])
+            self.bytes += part.nbytes
+            done += part.nbytes
+
+    def record(self) -> dict:
+        return {"bytes": self.bytes, "piece_bytes": PIECE_BYTES, PIECE_HASHES: list(self.pieces)}
 
 
 class HashingFile:
-    """A file opened for writing whose bytes are counted and hashed as they pass through (torch.save and DCP's
-    writer call write, tell, flush, fileno and close)."""
+    """A file opened for writing whose bytes are counted and hashed piece by piece as they pass through
+    (torch.save and DCP's writer call write, tell, flush, fileno and close)."""
 
     def __init__(self, raw):
         self.raw = raw
-        self.bytes = 0
-        self.crc = 0
+        self.hashes = PieceHashes()
 
     def write(self, data) -> int:
-        view = memoryview(data)
-        self.crc = zlib.crc32(view, self.crc)
-        self.bytes += view.nbytes
+        self.hashes.update(data)
         return self.raw.write(data)
 
     def record(self) -> dict:
-        return {"bytes": self.bytes, HASH: self.crc}
+        return self.hashes.record()
 
     def tell(self) -> int:
         return self.raw.tell()
@@ -119,13 +145,12 @@ class RecordingWriter(FileSystemWriter):
 
 
 def file_record(path: str) -> dict:
-    """A file's size and CRC-32, read in pieces."""
-    crc, size = 0, 0
+    """A file's size and the CRC-32 of each of its pieces, read in blocks."""
+    hashes = PieceHashes()
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return {"bytes": size, HASH: crc}
+        while block := f.read(READ_BYTES):
+            hashes.update(block)
+    return hashes.record()
 
 
 def checkpoint_files(folder: str, recorded: dict[str, dict]) -> dict[str, dict]:
@@ -156,16 +181,63 @@ def checkpoint_files(folder: str, recorded: dict[str, dict]) -> dict[str, dict]:
     return dict(sorted(files.items()))
 
 
-def problem_with(checkpoint: str, name: str, expected: dict) -> str | None:
-    """What is wrong with one recorded file of a checkpoint (None: it is as written)."""
-    path = os.path.join(checkpoint, name)
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [start, start + length) of one recorded file, and their CRC-32 (None: only the size is known)."""
+
+    name: str
+    start: int
+    length: int
+    crc: int | None
+
+
+def pieces_of(name: str, record: dict) -> list[Piece]:
+    """The pieces a file's record lets ranks check apart: one per recorded piece, or the whole file where one
+    CRC-32 was recorded for it (checkpoints written before pieces), or none but its size."""
+    size = record["bytes"]
+    if PIECE_HASHES in record:
+        step = record["piece_bytes"]
+        hashes = record[PIECE_HASHES]
+        return [Piece(name, i * step, min(step, size - i * step), crc) for i, crc in enumerate(hashes)] or [
+            Piece(name, 0, 0, None)
+        ]
+    return [Piece(name, 0, size, record.get(HASH))]
+
+
+def dealt(pieces: list[Piece], world_size: int) -> list[list[Piece]]:
+    """The pieces dealt to `world_size` ranks so that each reads about as many bytes: the largest first, each to
+    the rank with the fewest bytes so far (the same deal on every rank)."""
+    shares: list[list[Piece]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for piece in sorted(pieces, key=lambda p: (-p.length, p.name, p.start)):
+        rank = loads.index(min(loads))
+        shares[rank].append(piece)
+        loads[rank] += piece.length
+    return shares
+
+
+def problem_with(checkpoint: str, piece: Piece, size: int) -> str | None:
+    """What is wrong with one piece of a recorded file of `size` bytes (None: it is as written)."""
+    path = os.path.join(checkpoint, piece.name)
     if not os.path.isfile(path):
-        return f"{name} is missing"
-    size = os.path.getsize(path)
-    if size != expected["bytes"]:
-        return f"{name} has {size} bytes where {expected['bytes']} were written (truncated or overwritten)"
-    if HASH in expected and file_record(path)[HASH] != expected[HASH]:
-        return f"{name} does not hold the bytes that were written (its CRC-32 differs): overwritten or corrupted"
+        return f"{piece.name} is missing"
+    found = os.path.getsize(path)
+    if found != size:
+        return f"{piece.name} has {found} bytes where {size} were written (truncated or overwritten)"
+    if piece.crc is None:
+        return None
+    crc, left = 0, piece.length
+    with open(path, "rb") as f:
+        f.seek(piece.start)
+        while left and (block := f.read(min(READ_BYTES, left))):
+            crc = zlib.crc32(block, crc)
+            left -= len(block)
+    if crc != piece.crc:
+        end = piece.start + piece.length
+        return (
+            f"{piece.name} does not hold the bytes that were written (its CRC-32 differs in bytes "
+            f"{piece.start}-{end}): overwritten or corrupted"
+        )
     return None
 
 
@@ -181,19 +253,21 @@ def legacy_problems(checkpoint: str, state: dict) -> list[str]:
 
 def find_damage(checkpoint: str, state: dict) -> str | None:
     """What is wrong with a complete checkpoint's files (up to three things), or None. Collective: each rank
-    reads its share of the files (dealt by size, so that the large ones spread), every rank gets the answer."""
+    checks its share of the files' pieces (`dealt`), every rank gets the answer. A share that takes longer than
+    --dist_timeout_s on slow storage is waited for while it progresses (utils/distributed/progress_bounded.py)."""
     distributed = dist.is_available() and dist.is_initialized()  # else one process checks every file
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     files = state.get("files")
-    if files is None:
-        problems = legacy_problems(checkpoint, state) if rank == 0 else []
-    else:
-        by_size = sorted(files, key=lambda name: (-files[name]["bytes"], name))
-        mine = by_size[rank::world_size]
-        problems = [problem for name in mine if (problem := problem_with(checkpoint, name, files[name]))]
+    with progress_bounded(f"the check of checkpoint {checkpoint}"):
+        if files is None:
+            problems = legacy_problems(checkpoint, state) if rank == 0 else []
+        else:
+            pieces = [piece for name, record in files.items() for piece in pieces_of(name, record)]
+            mine = dealt(pieces, world_size)[rank]
+            problems = [p for piece in mine if (p := problem_with(checkpoint, piece, files[piece.name]["bytes"]))]
     gathered: list = [problems]
     if distributed:
         gathered = [None] * world_size
         dist.all_gather_object(gathered, problems)
-    found = sorted(problem for share in gathered for problem in share)
+    found = sorted({problem for share in gathered for problem in share})
     return "; ".join(found[:3]) if found else None

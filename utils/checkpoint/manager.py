@@ -33,6 +33,7 @@ is read by utils/checkpoint/safe_dcp.py.
 
 import copy
 import json
+import math
 import os
 import shutil
 import time
@@ -53,7 +54,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.torch_version import TorchVersion
 
 from configs.checkpointing import CheckpointConfig
-from configs.errors import FAILURES, CheckpointError, UserError, error_summary
+from configs.errors import FAILURES, CheckpointError, ConfigError, UserError, error_summary
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
 from utils import layout
@@ -74,9 +75,10 @@ from utils.checkpoint.state_dicts import (
 )
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, usable_cpus
-from utils.files import write_json
+from utils.distributed.progress_bounded import progress_bounded
+from utils.files import disk_bytes, free_bytes, is_disk_full, write_json
 from utils.log import get_logger
-from utils.observe.memory import trim_host_heap
+from utils.observe.memory import param_numel_local, trim_host_heap
 
 
 @dataclass
@@ -135,9 +137,12 @@ class CheckpointManager:
         # to agree on its own store's address; a writer thread talks over it, so that its collectives never
         # interleave with training's.
         self.background_group = self.stager = self.make_stager = self.background_writer = None
+        if info.is_main and self.checkpoint_type == layout.FULL and checkpointing.keep_last_n:
+            say_if_full_saves_are_large(staged_bytes(model, self.save_optimizer) * info.world_size)
         if checkpointing.async_checkpoint:
             if info.is_main:
                 say_if_background_writes_have_no_core(info.device, info.world_size)
+            check_room_to_stage(staged_bytes(model, self.save_optimizer), isinstance(model, FSDPModule))
             self.background_group = dist.new_group(backend="gloo")
             self.make_stager, self.background_writer = _background_writer(model, info.device)
             self.stager = self.make_stager()
@@ -159,6 +164,15 @@ class CheckpointManager:
             return None
         WHERE.enter("checkpoint save")
         self._wait_for_the_previous_write(progress.global_step, periodic=not blocking)  # one save in flight
+        try:
+            return self._save(progress, blocking)
+        except FAILURES as err:
+            if not self._ran_out_of_space(err):
+                raise
+            raise self._out_of_space(progress.global_step, err) from None
+
+    def _save(self, progress: TrainProgress, blocking: bool) -> str:
+        """`save`'s work, where a full disk surfaces."""
         # glibc keeps the freed activations of the last steps resident in its heaps, laid out as the process's
         # history left them: given back first, the save's peak is what it holds (a resumed run's included).
         trim_host_heap()
@@ -177,12 +191,14 @@ class CheckpointManager:
         written = {}  # rank 0's files hashed as they were written (model.pt, optimizer.pt)
         if full:
             # With CPU offload (GPU runs; FSDP2 on CPU too) only rank 0 receives the gathered state; others get {}.
-            if self.info.is_main:
-                with hashed_file(tmp, layout.MODEL_FILE, written) as f:
-                    torch.save(model_state, f)
-                if self.save_optimizer:
-                    with hashed_file(tmp, layout.OPTIMIZER_FILE, written) as f:
-                        torch.save(tensor_only_optimizer_state(optim_state), f)
+            # Its write can outlast --dist_timeout_s (t5-11b: about 130 GB): the others wait on its progress.
+            with progress_bounded("checkpoint save (rank 0 writes model.pt and optimizer.pt)"):
+                if self.info.is_main:
+                    with hashed_file(tmp, layout.MODEL_FILE, written) as f:
+                        torch.save(model_state, f)
+                    if self.save_optimizer:
+                        with hashed_file(tmp, layout.OPTIMIZER_FILE, written) as f:
+                            torch.save(tensor_only_optimizer_state(optim_state), f)
         else:
             payload = {layout.MODEL_SECTION: model_state}
             if self.save_optimizer:
@@ -191,10 +207,10 @@ class CheckpointManager:
                 self._save_in_background(payload, tmp, final, train_state, started)
                 return final
             dcp.save(payload, storage_writer=RecordingWriter(tmp))  # collective; each rank writes its shards
-        dist.barrier()  # every rank's files are on disk
-        if self.info.is_main:
-            self._complete(tmp, final, train_state, written, f"in {time.perf_counter() - started:.2f} s")
-        dist.barrier()
+            dist.barrier()  # every rank's files are on disk
+        with progress_bounded("checkpoint save (rank 0 completes the folder)"):  # hashes the small files
+            if self.info.is_main:
+                self._complete(tmp, final, train_state, written, f"in {time.perf_counter() - started:.2f} s")
         return final
 
     def _save_in_background(self, payload: dict, tmp: str, final: str, train_state: dict, started: float) -> None:
@@ -256,6 +272,8 @@ class CheckpointManager:
         try:
             pending.future.result()
         except FAILURES as err:
+            if self._ran_out_of_space(err):
+                raise self._out_of_space(pending.train_state["progress"]["global_step"], err) from None
             raise CheckpointError(
                 f"the background write of {pending.final} failed: {error_summary(err)}. The previous checkpoint "
                 "stays the newest complete one."
@@ -264,6 +282,42 @@ class CheckpointManager:
             written = time.perf_counter() - pending.started
             detail = f"in the background in {written:.2f} s; training stopped {pending.stalled_s:.2f} s"
             self._complete(pending.tmp, pending.final, pending.train_state, {}, detail)
+
+    def _checkpoint_bytes(self) -> tuple[int, str]:
+        """(what a checkpoint of this run takes, about; how that is known)."""
+        kept = layout.complete_checkpoints(self.output_dir)
+        if kept:
+            return disk_bytes(kept[-1]), "the size of the newest checkpoint"
+        state_bytes = staged_bytes(self.model, self.save_optimizer) * self.info.world_size
+        return state_bytes, "the model and optimizer in fp32"
+
+    def _ran_out_of_space(self, err: BaseException) -> bool:
+        """Whether a failed save failed for a full disk: said so (utils/files.py), or said otherwise while less
+        than a checkpoint is free (torch's zip writer reports a short write as "unexpected pos")."""
+        free = free_bytes(layout.checkpoint_root(self.output_dir))
+        return is_disk_full(err) or (free is not None and free < self._checkpoint_bytes()[0])
+
+    def _out_of_space(self, step: int, err: BaseException) -> CheckpointError:
+        """The one message of a save that found its disk (or quota) full: the folder, the space a checkpoint
+        takes and what is free there, what was kept. Rank 0 removes the partial write, giving its space back."""
+        if self.info.is_main:
+            shutil.rmtree(layout.tmp_checkpoint_dir(self.output_dir, step), ignore_errors=True)
+        root = layout.checkpoint_root(self.output_dir)
+        kept = layout.complete_checkpoints(self.output_dir)
+        needed, sized_by = self._checkpoint_bytes()
+        if kept:
+            what_was_kept = f"the newest complete checkpoint, {kept[-1]}, is kept as it was"
+        else:
+            what_was_kept = "there is no earlier checkpoint to resume from"
+        free = free_bytes(root)
+        free_there = "" if free is None else f", {size_text(free)} are free there"
+        return CheckpointError(
+            f"no space left on the disk of {root} for the checkpoint of step {step}: a checkpoint needs about "
+            f"{size_text(needed)} ({sized_by}){free_there}, and {self.checkpointing.keep_last_n} kept "
+            "(--keep_last_n) plus the one being written must fit. The partial write was removed; "
+            f"{what_was_kept}. Free space there (or lower --keep_last_n, or choose another --output_dir), then "
+            f"resume with --resume true. (The write's error: {error_summary(err, 200)})"
+        )
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -466,12 +520,9 @@ class CheckpointManager:
         """The tutorial's full state dict .pt, named by run, epoch and loss (rank 0 writes it)."""
         self.finish_pending()
         name = layout.best_model_filename(self.run_id, epoch, val_loss)
-        return save_full_model(
-            self.model,
-            self.info.device,
-            self.info.is_main,
-            os.path.join(self.output_dir, name),
-        )
+        path = os.path.join(self.output_dir, name)
+        with progress_bounded("the full model's save (rank 0 writes it)"):
+            return save_full_model(self.model, self.info.device, self.info.is_main, path)
 
     @fsdp1_state_dict_warnings_ignored()
     def export_hf(self, last: bool = False) -> str | None:
@@ -529,6 +580,98 @@ def _background_writer(model: nn.Module, device: torch.device) -> tuple:
         )
         return partial(DefaultStager, options), AsyncCheckpointerType.PROCESS
     return partial(BlockingAsyncStager, cache_staged_state_dict=on_gpu), AsyncCheckpointerType.THREAD
+
+
+def staged_bytes(model: nn.Module, save_optimizer: bool) -> int:
+    """The bytes of this rank's part of a checkpoint, about: its parameter shards in fp32 (the sharded
+    parameters' dtype) and, with the optimizer, AdamW's two moments of the trainable ones."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) / max(
+        1, sum(p.numel() for p in model.parameters())
+    )  # LoRA: the optimizer holds moments of the adapters only
+    local = param_numel_local(model)
+    return int(local * 4 * (1 + (2 * trainable if save_optimizer else 0)))
+
+
+def check_room_to_stage(rank_bytes: int, shared: bool) -> None:
+    """Before training, with --async_checkpoint: the copies a background save stages on this host must fit, or
+    every rank stops with one message naming the fix (`staging_problem`); staging that does not fit ends in
+    SIGBUS (shared memory) or the OOM killer at the first save. Collective."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    problem = staging_problem(rank_bytes, ranks_here, shared, free_shared_memory(), available_memory())
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    found = next((p for p in problems if p is not None), None)
+    if found is not None:
+        raise ConfigError(found)
+
+
+def staging_problem(
+    rank_bytes: int, ranks_here: int, shared: bool, free_shared: int | None, available: int | None
+) -> str | None:
+    """Why `ranks_here` ranks' background saves of `rank_bytes` each cannot be staged on this host, or None.
+    `shared`: FSDP2's writer process reads the copies from shared memory (/dev/shm, which Docker and Kubernetes
+    give 64 MB by default); FSDP1's writer thread reads them from host memory. A reading that is None (not
+    Linux) refuses nothing."""
+    needed = rank_bytes * ranks_here
+    copies = f"{ranks_here} rank(s) x {rank_bytes / 1e9:.2f} GB (each rank's model and optimizer shards)"
+    if shared and free_shared is not None and needed > free_shared:
+        return (
+            f"--async_checkpoint true: a background save stages {copies} in shared memory, {needed / 1e9:.2f} GB, "
+            f"and {SHM} has {free_shared / 1e9:.2f} GB free. Give it more (docker run "
+            f"--shm-size={math.ceil(needed * 1.1 / 1e9)}g; Kubernetes: an emptyDir of medium Memory mounted at "
+            f"{SHM}), or save synchronously: --async_checkpoint false"
+        )
+    if available is not None and needed > available:
+        return (
+            f"--async_checkpoint true: a background save copies {copies} into host memory, {needed / 1e9:.2f} GB, "
+            f"and this host has {available / 1e9:.2f} GB available. Save synchronously: --async_checkpoint false "
+            "(or fewer ranks per host, a larger host)"
+        )
+    return None
+
+
+SHM = "/dev/shm"  # where torch's shared memory lives on Linux
+
+
+def free_shared_memory() -> int | None:
+    """Free bytes of /dev/shm (None where there is none: not Linux)."""
+    try:
+        stats = os.statvfs(SHM)
+    except (OSError, AttributeError):
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def available_memory() -> int | None:
+    """Linux's MemAvailable (bytes): what can be allocated without swapping; None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def size_text(size: int) -> str:
+    """Bytes as people read them: MB below a GB, else GB."""
+    return f"{size / 1e6:.1f} MB" if size < 1e9 else f"{size / 1e9:.2f} GB"
+
+
+FULL_SAVE_WARNING_BYTES = 10**10  # t5-3b's model and AdamW in fp32 are 34 GB; t5-large's 9 GB
+
+
+def say_if_full_saves_are_large(checkpoint_bytes: int) -> None:
+    """Rank 0, once: FULL saves of a large model are gathered into rank 0's host memory and written by rank 0
+    alone (the others wait on its progress), at one disk's speed; a preemption's save must fit in torchrun's
+    grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT). Said with the fix, SHARDED_STATE_DICT."""
+    if checkpoint_bytes > FULL_SAVE_WARNING_BYTES:
+        get_logger().warning(
+            "--checkpoint_type FULL_STATE_DICT: each checkpoint, about %.0f GB (model and optimizer in fp32), is "
+            "gathered into rank 0's host memory and written by rank 0 alone; a stop's save may not fit in the "
+            "time a preemption leaves (TORCH_ELASTIC_SHUTDOWN_TIMEOUT). --checkpoint_type SHARDED_STATE_DICT "
+            "has every rank write its share at once (docs/checkpoints.md: large models)",
+            checkpoint_bytes / 1e9,
+        )
 
 
 def say_if_background_writes_have_no_core(device: torch.device, world_size: int) -> None:

@@ -20,6 +20,8 @@ import socket
 import sys
 from datetime import datetime, timezone
 
+import torch.distributed as dist
+
 from configs.errors import ConfigError
 from utils import layout
 from utils.checkpoint.start import prepare_output_dir
@@ -40,6 +42,7 @@ class RunLock:
         self.path = os.path.join(output_dir, layout.RUN_LOCK_FILE)
         self.file = None
         self.created_folder = False
+        self.record: dict | None = None  # what rank 0 wrote into the lock file
 
     def acquire(self) -> None:
         """Take the lock, or raise ConfigError naming the live run that holds it."""
@@ -72,8 +75,10 @@ class RunLock:
             )
         file.seek(0)
         file.truncate()
-        json.dump(holder_record(), file)
+        self.record = holder_record()
+        json.dump(self.record, file)
         file.flush()
+        os.fsync(file.fileno())  # on a network file system, what another node reads (check_shared)
         self.file = file
 
     def release(self) -> None:
@@ -96,9 +101,37 @@ def claimed_output_dir(output_dir: str):
     lock = RunLock(output_dir)
     rank0_decides(lambda: lock.acquire())  # only rank 0 runs it; the others get its ConfigError, if any
     try:
+        check_shared(lock)
         yield
     finally:
         lock.release()
+
+
+def check_shared(lock: RunLock) -> None:
+    """Every rank sees the lock file rank 0 has just written, or every rank stops with one message naming those
+    that do not: on several nodes, output_dir must be one folder that every node sees (checkpoints are written
+    into it by every rank), and a node-local path would otherwise fail only at the first save, hours in.
+    Collective (two small collectives); nothing on one rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    written = [lock.record]
+    dist.broadcast_object_list(written, src=0)
+    try:
+        with open(lock.path, encoding="utf-8") as f:
+            seen = json.load(f) == written[0]
+    except (OSError, ValueError):
+        seen = False
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (seen, socket.gethostname()))
+    blind = [(rank, host) for rank, (ok, host) in enumerate(everyone) if not ok]
+    if blind:
+        ranks = ", ".join(f"{rank} ({host})" for rank, host in blind)
+        raise ConfigError(
+            f"output_dir {lock.output_dir!r} is not shared by every node: rank(s) {ranks} do not see the "
+            f"{layout.RUN_LOCK_FILE} that rank 0 ({everyone[0][1]}) has just written there. Every rank writes its "
+            "part of each checkpoint into output_dir: give a --output_dir on storage that every node mounts at "
+            "the same path (NFS, Lustre, GPFS; a relative path is relative to each node's working directory)."
+        )
 
 
 def _try_flock(file) -> bool | None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from configs.errors import FAILURES, error_summary
 from policies.private_api import flight_recorder_dump
 from utils import files, layout
+from utils.distributed.progress_bounded import PeerStalled
 
 # How a wait that outlived the process group's timeout is worded: gloo's send and recv ("Timed out waiting
 # 10000ms for recv operation to complete"), NCCL's watchdog ("Watchdog caught collective operation timeout: ...
@@ -85,9 +86,13 @@ class CollectiveTimedOut(RuntimeError):
     """A collective outlived --dist_timeout_s on this rank; the message names the report it wrote."""
 
 
-def record_collectives(output_dir: str, environ: MutableMapping[str, str] = os.environ) -> None:
+def record_collectives(output_dir: str, backend: str, environ: MutableMapping[str, str] = os.environ) -> None:
     """Before the process group forms: torch's flight recorder on, and NCCL's dump of it on a timeout going to
-    output_dir/hang_reports/; each setting only where the user has set none of its names."""
+    output_dir/hang_reports/, which exists from now on (a collective may time out before the run has begun;
+    `reported_hangs` removes it at the end if it stayed empty); each setting only where the user has set none of
+    its names."""
+    if backend == "nccl":
+        os.makedirs(os.path.join(output_dir, layout.HANG_REPORTS_DIR), exist_ok=True)
     settings = {
         BUFFER_SIZE: BUFFER_ENTRIES,
         DUMP_ON_TIMEOUT: "1",
@@ -102,12 +107,10 @@ def record_collectives(output_dir: str, environ: MutableMapping[str, str] = os.e
 def reported_hangs(output_dir: str, timeout_s: int) -> Iterator[None]:
     """Inside: a collective that times out writes this rank's report, and its error becomes CollectiveTimedOut.
 
-    NCCL's watchdog writes its dump into the reports' folder, which must exist by then; left empty, the folder
-    goes again when the block ends."""
+    NCCL's watchdog writes its dump into the reports' folder (made by `record_collectives`); left empty, the
+    folder goes again when the block ends."""
     folder = os.path.join(output_dir, layout.HANG_REPORTS_DIR)
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    if nccl:
-        os.makedirs(folder, exist_ok=True)
     try:
         yield
     except FAILURES as err:
@@ -122,8 +125,11 @@ def reported_hangs(output_dir: str, timeout_s: int) -> Iterator[None]:
 
 def is_collective_timeout(err: BaseException | None) -> bool:
     """Whether `err`, or an error it was raised from or while handling, is a wait that outlived the group's
-    timeout (a background checkpoint write's CheckpointError carries its cause's text)."""
+    timeout (a background checkpoint write's CheckpointError carries its cause's text), or a wait for ranks
+    that showed no progress for as long (utils/distributed/progress_bounded.py)."""
     while err is not None:
+        if isinstance(err, PeerStalled):
+            return True
         if TIMEOUT_PHRASES.search(str(err)) or TIMEOUT_PHRASES.search(error_summary(err)):
             return True
         err = err.__cause__ or err.__context__
@@ -164,6 +170,8 @@ def write_report(err: BaseException, output_dir: str, timeout_s: int) -> str:
         written = f"This rank's report could not be written ({write_error})"
     if backend == "nccl":
         written += ", and NCCL's flight recorder its dump (torchfrtrace reads them)"
+    if isinstance(err, PeerStalled):
+        return f"{err}. {written}."
     last = entries[-1] if entries else {}
     waited = f" in {last.get('profiling_name', '?')} #{last.get('collective_seq_id', '?')}" if last else ""
     return (

@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 from configs.errors import ConfigError, UserError
+from policies.private_api import default_store
 from utils.distributed import hang_report
 from utils.distributed.launcher import launcher_ranks
+from utils.distributed.progress_bounded import PeerFailed
 from utils.log import get_logger
 
 # Phrases of the errors a rank gets when a peer died mid-collective: a consequence, not the cause.
@@ -137,7 +139,7 @@ def init_distributed(info: DistInfo, timeout_s: int, output_dir: str | None = No
     dumps them into output_dir/hang_reports/ on a timeout (utils/distributed/hang_report.py).
     """
     if output_dir is not None:
-        hang_report.record_collectives(output_dir)  # read when the group forms
+        hang_report.record_collectives(output_dir, info.backend)  # read when the group forms
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if info.world_size == 1:
@@ -160,6 +162,9 @@ def init_distributed(info: DistInfo, timeout_s: int, output_dir: str | None = No
             f"a rank died or hangs before joining (its output is above), or the ranks cannot reach each other "
             f"({str(err).splitlines()[0]})"
         ) from None
+    # The store's own timeout is the one it was made with (torchrun's agent store: its own): --dist_timeout_s
+    # also bounds a wait on it without progress (utils/distributed/progress_bounded.py).
+    default_store().set_timeout(timeout)
     get_logger().info(
         "process group: backend=%s world_size=%d device=%s", info.backend, info.world_size, info.device
     )
@@ -209,8 +214,10 @@ def free_port() -> int:
 
 
 def is_peer_failure(err: BaseException) -> bool:
-    """Whether `err` is this rank noticing that another rank died (its own error is printed there)."""
-    return isinstance(err, dist.DistError) or any(phrase in str(err) for phrase in PEER_FAILURE_PHRASES)
+    """Whether `err` is this rank noticing that another rank died or failed (its own error is printed there)."""
+    if isinstance(err, (dist.DistError, PeerFailed)):
+        return True
+    return any(phrase in str(err) for phrase in PEER_FAILURE_PHRASES)
 
 
 def rank0_decides(decide: Callable[[], object]) -> object:

@@ -24,12 +24,15 @@ from utils.data.loaders import EvalSet, move_batch
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, stop_if_any_rank
 from utils.eval.generation import generate
-from utils.eval.rouge import lead_sentences, lead_steps
+from utils.eval.rouge import lead_sentences, lead_steps, rouge_scores
 from utils.eval.scores import SCORERS, mean_scores
 from utils.files import atomic_path
 from utils.log import get_logger, progress_bar
 
 EXAMPLES_LOGGED = 3
+# ROUGE's extractive baselines, beside the model's: the first sentence of every paragraph (WikiHow's steps) and
+# the text's first three sentences (lead-3).
+BASELINES = {"lead_steps": lead_steps, "lead3": lead_sentences}
 
 
 class Evaluator:
@@ -48,7 +51,8 @@ class Evaluator:
         self.metric = metric  # --eval_metric: a key of utils/eval/scores.py's SCORERS
         self.predictions_file = predictions_file  # (split, step) -> where its predictions go (utils/layout.py)
         self.info = info
-        self._baselines: dict | None = None  # computed once, on rank 0
+        # ROUGE of the extractive baselines: scored once, each rank its rows, in the first evaluation.
+        self.baselines: dict | None = None
 
     def evaluate(self, model: nn.Module, epoch: int, step: int, stop_requested=None) -> dict:
         """Generate and score every row of the set; the eval record, on every rank. Collective.
@@ -68,6 +72,7 @@ class Evaluator:
             self._log(record, ordered)
             outcome = [record]
         dist.broadcast_object_list(outcome, src=0)
+        self.baselines = outcome[0].get("baselines")
         return outcome[0]
 
     def _generate_share(self, model: nn.Module, stop_requested) -> list[dict]:
@@ -76,6 +81,7 @@ class Evaluator:
         pad_id = dataset.tokenizer.pad_token_id
         rows, position = [], 0
         score = SCORERS[self.metric]
+        with_baselines = self.metric == "rouge" and self.baselines is None
         desc = f"{METRIC_NAMES[self.metric]} evaluation"
         with progress_bar(len(self.eval_set.loader), desc, unit="batch", colour="magenta") as bar:
             for batch in self.eval_set.loader:
@@ -87,7 +93,10 @@ class Evaluator:
                         index = sampler.indices[position]
                         prediction = text.strip()
                         scores = score(dataset.reference(index), prediction)
-                        rows.append({"index": index, "prediction": prediction, "gen_len": length, **scores})
+                        row = {"index": index, "prediction": prediction, "gen_len": length, **scores}
+                        if with_baselines:
+                            row["baselines"] = self._baseline_scores(index)
+                        rows.append(row)
                     position += 1
                 bar.update(1)
         return rows
@@ -104,21 +113,18 @@ class Evaluator:
             "seconds": seconds,
         }
         if self.metric == "rouge":  # extractive baselines are summaries; a label has none
-            record["baselines"] = self.baselines()
+            record["baselines"] = self.baselines or {
+                name: mean_scores([row["baselines"][name] for row in ordered], "rouge") for name in BASELINES
+            }
         return record
 
-    def baselines(self) -> dict:
-        """ROUGE of two extractive baselines on the same rows: the first sentence of every paragraph
-        (`lead_steps`; WikiHow's steps) and the text's first three sentences (`lead3`). Computed once."""
-        if self._baselines is None:
-            dataset, score = self.eval_set.dataset, SCORERS["rouge"]
-            indices = range(len(dataset))
-            self._baselines = {
-                name: mean_scores([score(dataset.reference(i), make(dataset.article(i), dataset.clean_text))
-                                   for i in indices], "rouge")
-                for name, make in (("lead_steps", lead_steps), ("lead3", lead_sentences))
-            }  # fmt: skip
-        return self._baselines
+    def _baseline_scores(self, index: int) -> dict:
+        """ROUGE of the extractive baselines of one row (BASELINES). Each rank scores its own rows, in the first
+        evaluation: on rank 0 alone, a large evaluation set's would keep the others waiting."""
+        dataset = self.eval_set.dataset
+        article, reference = dataset.article(index), dataset.reference(index)
+        clean = dataset.clean_text
+        return {name: rouge_scores(reference, make(article, clean)) for name, make in BASELINES.items()}
 
     def _write_predictions(self, ordered: list[dict], step: int) -> None:
         """One line per scored row, in split order; `reference` is exactly the text scored."""
