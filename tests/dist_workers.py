@@ -1047,10 +1047,17 @@ def disk_full_worker(rank: int, world_size: int, output_root: str) -> dict:
     return out
 
 
-def shared_output_dir_worker(rank: int, world_size: int, root: str) -> dict:
-    """The run lock's check that every rank sees output_dir: each rank in a working directory of its own, as a
-    node is, given a relative --output_dir (each its own folder) and then an absolute one (shared)."""
+def start_checks_worker(rank: int, world_size: int, root: str) -> dict:
+    """The checks a multi-node run makes at start. The run lock's, that every rank sees output_dir: each rank in
+    a working directory of its own, as a node is, given a relative --output_dir (each its own folder) and then
+    an absolute one (shared). The background saves' room: rank 1's host reads 1 MB free in /dev/shm (faked)."""
     seen = {}
+    with mock.patch.object(checkpoint_manager, "free_shared_memory", lambda: 2**20 if rank == 1 else 10**12):
+        try:
+            checkpoint_manager.check_room_to_stage(50 * 10**6, shared=True)
+            seen["room"] = "enough"
+        except ConfigError as err:
+            seen["room"] = str(err)
     here = os.path.join(root, f"node_{rank}")
     os.makedirs(here)
     os.chdir(here)  # put back by the rank pool after the scenario

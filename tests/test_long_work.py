@@ -16,7 +16,7 @@ from tests.dist_workers import (
     disk_full_worker,
     long_rank0_work_worker,
     progress_bounded_worker,
-    shared_output_dir_worker,
+    start_checks_worker,
 )
 from utils.checkpoint import integrity
 from utils.checkpoint.integrity import Piece, dealt, file_record, find_damage, hashed_file, pieces_of
@@ -156,7 +156,7 @@ def test_background_saves_that_would_not_fit_are_refused_with_the_fix():
     said = staging_problem(16 * gb, 8, shared=True, free_shared=64 * 2**20, available=2000 * gb)
     assert said == (
         "--async_checkpoint true: a background save stages 8 rank(s) x 16.00 GB (each rank's model and optimizer "
-        "shards) in shared memory, 128.00 GB, and /dev/shm has 0.07 GB free. Give it more (docker run "
+        "shards) in shared memory, 128.00 GB, and /dev/shm has 67.1 MB free. Give it more (docker run "
         "--shm-size=141g; Kubernetes: an emptyDir of medium Memory mounted at /dev/shm), or save synchronously: "
         "--async_checkpoint false"
     )
@@ -175,8 +175,13 @@ def test_background_saves_that_would_not_fit_are_refused_with_the_fix():
 # ------------------------------------------------------------------------------ output_dir on several nodes
 
 
-def test_an_output_dir_that_not_every_node_sees_is_refused_at_the_start(tmp_path):
-    ranks = run_ranks(shared_output_dir_worker, str(tmp_path))
+def test_an_output_dir_that_not_every_node_sees_and_a_host_without_room_are_refused_at_the_start(tmp_path):
+    ranks = run_ranks(start_checks_worker, str(tmp_path))
+    # One host's /dev/shm too small (a faked reading on rank 1): every rank stops, with that host's message.
+    assert ranks[0]["room"] == ranks[1]["room"], ranks
+    room = ranks[0]["room"]
+    assert room.startswith("--async_checkpoint true: a background save stages 2 rank(s) x 50.0 MB"), room
+    assert "and /dev/shm has 1.0 MB free" in room, room
     said = ranks[0]["relative"]
     assert said.startswith("output_dir 'out' is not shared by every node: rank(s) 1 ("), said
     assert "do not see the run.lock that rank 0 (" in said and "relative path is relative to each node's" in said

@@ -613,18 +613,18 @@ def staging_problem(
     give 64 MB by default); FSDP1's writer thread reads them from host memory. A reading that is None (not
     Linux) refuses nothing."""
     needed = rank_bytes * ranks_here
-    copies = f"{ranks_here} rank(s) x {rank_bytes / 1e9:.2f} GB (each rank's model and optimizer shards)"
+    copies = f"{ranks_here} rank(s) x {size_text(rank_bytes)} (each rank's model and optimizer shards)"
     if shared and free_shared is not None and needed > free_shared:
         return (
-            f"--async_checkpoint true: a background save stages {copies} in shared memory, {needed / 1e9:.2f} GB, "
-            f"and {SHM} has {free_shared / 1e9:.2f} GB free. Give it more (docker run "
+            f"--async_checkpoint true: a background save stages {copies} in shared memory, {size_text(needed)}, "
+            f"and {SHM} has {size_text(free_shared)} free. Give it more (docker run "
             f"--shm-size={math.ceil(needed * 1.1 / 1e9)}g; Kubernetes: an emptyDir of medium Memory mounted at "
             f"{SHM}), or save synchronously: --async_checkpoint false"
         )
     if available is not None and needed > available:
         return (
-            f"--async_checkpoint true: a background save copies {copies} into host memory, {needed / 1e9:.2f} GB, "
-            f"and this host has {available / 1e9:.2f} GB available. Save synchronously: --async_checkpoint false "
+            f"--async_checkpoint true: a background save copies {copies} into host memory, {size_text(needed)}, "
+            f"and this host has {size_text(available)} available. Save synchronously: --async_checkpoint false "
             "(or fewer ranks per host, a larger host)"
         )
     return None
