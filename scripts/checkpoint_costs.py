@@ -14,12 +14,14 @@ in the run; `writer` launches this script's own worker:
   to the last step of a run that saves every --save_every steps, minus that of the same run without
   checkpoints, per save; and, within each run (steadier on a machine whose speed drifts between runs), the
   time of the two steps after each save over two of that run's median step. Cases: no checkpoints;
-  synchronous SHARDED_STATE_DICT saves; --async_checkpoint true. FSDP2 (--fsdp_version). `--nproc 1` leaves
+  synchronous SHARDED_STATE_DICT saves; --async_checkpoint true. FSDP2 (or --fsdp_version). `--nproc 1` leaves
   a core of this 2-core machine to the background writer, as a GPU node does; with 2 ranks every core trains.
-- `resume`: each rank's peak resident memory (VmHWM, /proc) when it logs "training steps ..."
-  (the load phase: data, model, sharding, the restore) and when it exits (the whole run), for a fresh run of 2
-  steps that saves, its resume to step 3, and the control of equal length (the same 3 steps uninterrupted),
-  per checkpoint type, as multiples of the fp32 model.
+- `resume`: each rank's peak resident memory (the highest VmHWM read from /proc: the run resets VmHWM at
+  each epoch's start, --track_memory, so the last reading would leave the load phase out) until rank 0 logs
+  "training steps ..." (the load phase: data, model, sharding, the restore) and over the whole run, for a
+  fresh run of 2 steps that saves, its resume to step 3, and the control of equal length (the same 3 steps
+  uninterrupted), per checkpoint type and backend (FSDP1 and FSDP2, one after the other; --fsdp_version for
+  one alone), as multiples of the fp32 model.
 
 - `writer`: who pays for a background save, on an otherwise idle machine: the CPU seconds of the training
   process (staging, handing over, and a writer thread's write) and of DCP's writer processes, per save, for
@@ -88,8 +90,9 @@ def peak_rss(pid: int) -> int | None:
 def run_and_watch(
     repo: Path, args: list[str], log: Path, nproc: int, poll_s: float, metrics: Path | None = None
 ) -> dict:
-    """One run: every step record's arrival time (with `metrics`), each rank's VmHWM when training starts
-    (rank 0 logs "training steps ...") and at its last reading before exit, read every `poll_s` seconds."""
+    """One run: every step record's arrival time (with `metrics`), each rank's highest VmHWM reading until
+    training starts (rank 0 logs "training steps ...") and over the whole run, read every `poll_s` seconds (the
+    run resets VmHWM at each epoch's start: the last reading would miss the load phase)."""
     process = launch(repo, args, log, nproc)
     lines: list[str] = []
     training_seen = threading.Event()
@@ -105,7 +108,7 @@ def run_and_watch(
     arrivals: dict[int, float] = {}
     unread = b""  # metrics.jsonl's last line, until it is complete
     load_peaks: dict[int, int] = {}
-    last_peaks: dict[int, int] = {}
+    run_peaks: dict[int, int] = {}
     pids: list[int] = []
     with contextlib.ExitStack() as files:
         records = None  # metrics.jsonl, read from where the last poll stopped
@@ -114,9 +117,9 @@ def run_and_watch(
             for pid in pids:
                 peak = peak_rss(pid)
                 if peak is not None:
-                    last_peaks[pid] = peak
+                    run_peaks[pid] = max(peak, run_peaks.get(pid, 0))
                     if training_seen.is_set() and pid not in load_peaks:
-                        load_peaks[pid] = peak
+                        load_peaks[pid] = run_peaks[pid]
             if records is None and metrics is not None and metrics.exists():
                 records = files.enter_context(metrics.open("rb"))
             if records is not None:
@@ -134,7 +137,7 @@ def run_and_watch(
     return {
         "arrivals": arrivals,
         "load_peaks": [load_peaks.get(pid) for pid in pids],
-        "run_peaks": [last_peaks.get(pid) for pid in pids],
+        "run_peaks": [run_peaks.get(pid) for pid in pids],
     }
 
 
@@ -241,7 +244,7 @@ def stall(args, work: Path) -> list[dict]:
     model = str(work / "model")
     make(args.model, model)
     steps = args.steps
-    base = ["--model_name", model, "--fsdp_version", str(args.fsdp_version), "--epochs", "1",
+    base = ["--model_name", model, "--fsdp_version", str(args.fsdp_version or 2), "--epochs", "1",
             "--num_train_samples", str(steps * BATCH * args.nproc), *COMMON]  # fmt: skip
     saving = ["--checkpoint_type", "SHARDED_STATE_DICT", "--save_every_n_steps", str(args.save_every),
               "--keep_last_n", "2"]  # fmt: skip
@@ -288,30 +291,33 @@ def resume(args, work: Path) -> list[dict]:
     model = str(work / "model")
     parameters = make(args.model, model)
     model_bytes = 4 * parameters
-    base = ["--model_name", model, "--fsdp_version", str(args.fsdp_version), "--epochs", "1",
-            "--num_train_samples", str(4 * BATCH * args.nproc), "--save_every_n_steps", "2", *COMMON]  # fmt: skip
     results = []
-    for checkpoint_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-        out = work / f"resume_{checkpoint_type}"
-        # The control of equal length: a resume to step 3 trains one step and saves once more than the run it
-        # continues; the same 3 steps uninterrupted, in a folder of their own, do as much.
-        control = work / f"{out.name}_control"
-        for folder in (out, control):  # a failed invocation's leftovers would refuse the fresh runs
-            shutil.rmtree(folder, ignore_errors=True)
-        runs = [  # (run, output_dir, flags, whether its folder is removed after it)
-            ("fresh, 2 steps", out, ["--max_steps", "2"], False),  # the resume continues in its folder
-            ("resumed to step 3", out, ["--max_steps", "3", "--resume", "true"], True),
-            ("uninterrupted to step 3", control, ["--max_steps", "3"], True),
-        ]
-        for run, folder, extra, done in runs:
-            run_args = [*base, "--checkpoint_type", checkpoint_type, "--output_dir", str(folder), *extra]
-            watched = run_and_watch(args.repo, run_args, work / f"{out.name}_{len(results)}.log", args.nproc,
-                                    args.poll_s)  # fmt: skip
-            results.append({"checkpoint_type": checkpoint_type, "run": run, "model_bytes": model_bytes,
-                            "load_peaks": watched["load_peaks"], "run_peaks": watched["run_peaks"]})  # fmt: skip
-            print(f"{checkpoint_type} {run}: load {watched['load_peaks']}, run {watched['run_peaks']}", flush=True)
-            if done:
-                shutil.rmtree(folder)
+    for version in [args.fsdp_version] if args.fsdp_version else [1, 2]:
+        base = ["--model_name", model, "--fsdp_version", str(version), "--epochs", "1", "--num_train_samples",
+                str(4 * BATCH * args.nproc), "--save_every_n_steps", "2", *COMMON]  # fmt: skip
+        for checkpoint_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            out = work / f"resume_fsdp{version}_{checkpoint_type}"
+            # The control of equal length: a resume to step 3 trains one step and saves once more than the run
+            # it continues; the same 3 steps uninterrupted, in a folder of their own, do as much.
+            control = work / f"{out.name}_control"
+            for folder in (out, control):  # a failed invocation's leftovers would refuse the fresh runs
+                shutil.rmtree(folder, ignore_errors=True)
+            runs = [  # (run, output_dir, flags, whether its folder is removed after it)
+                ("fresh, 2 steps", out, ["--max_steps", "2"], False),  # the resume continues in its folder
+                ("resumed to step 3", out, ["--max_steps", "3", "--resume", "true"], True),
+                ("uninterrupted to step 3", control, ["--max_steps", "3"], True),
+            ]
+            for run, folder, extra, done in runs:
+                run_args = [*base, "--checkpoint_type", checkpoint_type, "--output_dir", str(folder), *extra]
+                watched = run_and_watch(args.repo, run_args, work / f"{out.name}_{len(results)}.log", args.nproc,
+                                        args.poll_s)  # fmt: skip
+                results.append({"fsdp_version": version, "checkpoint_type": checkpoint_type, "run": run,
+                                "model_bytes": model_bytes, "load_peaks": watched["load_peaks"],
+                                "run_peaks": watched["run_peaks"]})  # fmt: skip
+                print(f"FSDP{version} {checkpoint_type} {run}: load {watched['load_peaks']}, "
+                      f"run {watched['run_peaks']}", flush=True)  # fmt: skip
+                if done:
+                    shutil.rmtree(folder)
     return results
 
 
@@ -322,9 +328,9 @@ def stall_markdown(results: list[dict], args) -> str:
         for r in results
     ]
     header = (
-        f"| {args.model}, FSDP{args.fsdp_version}, steps {args.save_every}-{args.steps} | wall (s) | median step "
-        "gap (s) | saves | lost to saves (s) | lost per save (s) | two steps after a save, over the run's usual "
-        "(s) |"
+        f"| {args.model}, FSDP{args.fsdp_version or 2}, steps {args.save_every}-{args.steps} | wall (s) | median "
+        "step gap (s) | saves | lost to saves (s) | lost per save (s) | two steps after a save, over the run's "
+        "usual (s) |"
     )
     return markdown_table(header, rows)
 
@@ -334,12 +340,15 @@ def resume_markdown(results: list[dict], args) -> str:
         return " / ".join("-" if peak is None else f"{peak / model_bytes:.2f}" for peak in peaks)
 
     rows = [
-        f"| {r['checkpoint_type']} | {r['run']} | {multiples(r['load_peaks'], r['model_bytes'])} "
-        f"| {multiples(r['run_peaks'], r['model_bytes'])} |"
+        f"| FSDP{r['fsdp_version']} | {r['checkpoint_type']} | {r['run']} "
+        f"| {multiples(r['load_peaks'], r['model_bytes'])} | {multiples(r['run_peaks'], r['model_bytes'])} |"
         for r in results
     ]
     ranks = " / ".join(f"rank {rank}" for rank in range(args.nproc))
-    header = f"| {args.model} (fp32 model = 1) | run | load-phase peak, {ranks} | whole-run peak, {ranks} |"
+    header = (
+        f"| {args.model} (fp32 model = 1) | checkpoint type | run | load-phase peak, {ranks} | whole-run peak, "
+        f"{ranks} |"
+    )
     return markdown_table(header, rows)
 
 
@@ -361,7 +370,10 @@ def main() -> int:
     parser.add_argument("measure", choices=["stall", "resume", "writer", "writer_worker"])
     parser.add_argument("--case", help="writer_worker: the case (run by `writer` under torchrun)")
     parser.add_argument("--model", default="t5-small", help="a scripts/make_random_t5.py shape")
-    parser.add_argument("--fsdp_version", type=int, default=2)
+    parser.add_argument(
+        "--fsdp_version", type=int, choices=[1, 2],
+        help="stall: the backend (2 by default); resume: this one alone (by default both, one after the other)",
+    )  # fmt: skip
     parser.add_argument("--nproc", type=int, default=2, help="ranks (torchrun's --nproc_per_node); 1 on one GPU")
     parser.add_argument("--steps", type=int, default=20, help="stall: steps of each run")
     parser.add_argument("--save_every", type=int, default=4, help="stall: a checkpoint every N steps")

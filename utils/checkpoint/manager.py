@@ -71,6 +71,7 @@ from utils.checkpoint.state_dicts import (
     save_full_model,
     set_optimizer_state,
     sharded_model_state,
+    sharded_optimizer_template,
     tensor_only_optimizer_state,
 )
 from utils.distributed.hang_report import WHERE
@@ -453,36 +454,36 @@ class CheckpointManager:
 
     def _restore_model_and_optimizer(self, checkpoint: str, state: dict) -> None:
         """The checkpoint's weights and optimizer state into this run's shards (templates with this run's
-        sharding, filled in place: any number of ranks, either backend)."""
+        sharding, filled in place: any number of ranks, either backend). One template at a time, the model's
+        first: FSDP1's are copies of the shards, and held together with the optimizer's load they took the
+        restore 1.0-1.2 models above the training steps' peak (t5-base, 2 ranks: docs/checkpoints.md)."""
         model, optimizer = self.model, self.optimizer
-        has_optimizer = state["has_optimizer"]
+        model_state = sharded_model_state(model)
+        self._fill(checkpoint, state, model_state, layout.MODEL_SECTION, layout.MODEL_FILE)
+        set_model_state_dict(model, model_state)
+        del model_state
+        trim_host_heap()  # what the model's load freed (FSDP1 gathers each unit) goes back before the optimizer's
         # The optimizer's template only when there is a state to load: asking for it makes torch initialise
         # AdamW's state with a zero step, and an optimizer that "starts afresh" must not have taken one.
-        if has_optimizer:
-            model_state, optim_state = model_and_optimizer_state(model, optimizer, False, self.info.device)
-            optimizer_state = tensor_only_optimizer_state(optim_state)
-        else:
-            model_state, optimizer_state = sharded_model_state(model), None
-        if state["checkpoint_type"] == layout.FULL:
-            for template, name in ((model_state, layout.MODEL_FILE), (optimizer_state, layout.OPTIMIZER_FILE)):
-                if template is not None:
-                    file = os.path.join(checkpoint, name)
-                    # Memory-mapped: each rank pages in its own rows, not the file.
-                    fill_from_full(
-                        template, torch.load(file, map_location="cpu", weights_only=True, mmap=True), file
-                    )
-        else:
-            payload = {layout.MODEL_SECTION: model_state}
-            if has_optimizer:
-                payload[layout.OPTIMIZER_SECTION] = optimizer_state
-            dcp.load(payload, storage_reader=SafeFileSystemReader(checkpoint))  # collective
-        set_model_state_dict(model, model_state)
-        if not has_optimizer:
+        if not state["has_optimizer"]:
             get_logger().warning("checkpoint %s has no optimizer state: AdamW starts afresh", checkpoint)
             return
+        optimizer_state = sharded_optimizer_template(model, optimizer)
+        self._fill(checkpoint, state, optimizer_state, layout.OPTIMIZER_SECTION, layout.OPTIMIZER_FILE)
         with open(os.path.join(checkpoint, layout.PARAM_GROUPS_FILE), encoding="utf-8") as f:
             groups = param_groups_from_json(json.load(f))
         set_optimizer_state(model, optimizer, {"state": optimizer_state, "param_groups": groups}, full=False)
+
+    @staticmethod
+    def _fill(checkpoint: str, state: dict, template: dict, section: str, file_name: str) -> None:
+        """Fill a template of this rank's shards from the checkpoint: SHARDED_STATE_DICT's `section` through
+        DCP (each rank reads what its shards need; collective), FULL_STATE_DICT's `file_name` memory-mapped
+        (each rank pages in its own rows, not the file)."""
+        if state["checkpoint_type"] == layout.FULL:
+            file = os.path.join(checkpoint, file_name)
+            fill_from_full(template, torch.load(file, map_location="cpu", weights_only=True, mmap=True), file)
+        else:
+            dcp.load({section: template}, storage_reader=SafeFileSystemReader(checkpoint))
 
     def _keep_this_runs_lr(self, this_runs_lrs: list[float]) -> None:
         """The checkpoint's optimizer groups and scheduler carry the learning rate of the run that saved them;
