@@ -14,7 +14,8 @@ time, and on Linux the bytes its working thread reads and writes: `Work`); a ran
 raises `PeerStalled` naming it (utils/distributed/hang_report.py writes its report). A rank whose part raised
 says so on the store, and the others stop at once (`PeerFailed`) instead of waiting.
 
-Cost: a few store operations per block and per second of waiting; nothing between blocks. A rank that spins
+Cost: a few store operations per block, and two per look of a waiting rank (every 20 ms for the first 5 s,
+then once a second); nothing between blocks. A rank that spins
 forever is not told from one that works (its CPU time moves).
 """
 
@@ -28,7 +29,9 @@ import torch.distributed as dist
 from policies.private_api import default_store
 
 BEAT_S = 1.0  # how often (at most) a working rank samples what it did, and a waiting rank looks at the beats
-FIRST_LOOK_S = 0.01  # a waiting rank's first look at whether the block is over; then twice as long each time
+# How often a waiting rank looks whether the block is over: every 20 ms for the first seconds (most blocks are
+# short, and every rank waits for the last one to see it), then once a beat.
+QUICK_LOOK_S, QUICK_WAIT_S = 0.02, 5.0
 # CPU seconds per beat that an idle rank's threads spend, which are no progress: the other threads' (torch's own
 # and, on rank 0, the store's; 4-13 ms a second measured) and the working thread's (a stopped or blocked one: 0).
 CPU_NOISE_S = 0.05
@@ -133,12 +136,12 @@ def progress_bounded(phase: str) -> Iterator[None]:
 
 
 def _wait_for_every_part(store, key: str, world_size: int, phase: str, timeout_s: float, beat_s: float) -> None:
-    """Until the block is over: looked at soon, then once a beat (a store's wait that times out prints a C++
-    warning each time, so the store is asked, not waited on)."""
-    last_beats, last_progress, pause = -1, time.monotonic(), FIRST_LOOK_S
+    """Until the block is over (a store's wait that times out prints a C++ warning each time, so the store is
+    asked, not waited on)."""
+    started = last_progress = time.monotonic()
+    last_beats = -1
     while not store.check([f"{key}/over"]):
-        time.sleep(pause)
-        pause = min(2 * pause, beat_s)
+        time.sleep(QUICK_LOOK_S if time.monotonic() - started < QUICK_WAIT_S else beat_s)
         beats = int(store.add(f"{key}/beats", 0))
         if beats != last_beats:
             last_beats, last_progress = beats, time.monotonic()
