@@ -41,6 +41,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def error_chain(err: BaseException | None):
+    """`err`, then the error it was raised from or while handling, and so on down the chain."""
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
 def error_summary(err: BaseException, limit: int = 400) -> str:
     """The telling part of a failure, as one sentence: DCP wraps the per-rank causes (each an exception, or an
     (exception, traceback) pair), state_dict loading lists them."""

@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from configs.errors import error_summary
+from configs.errors import error_chain, error_summary
 
 # How a full disk or an exhausted quota is worded by Python (OSError), Rust libraries (tokenizers, safetensors:
 # "os error 28") and torch's C++ writers, which keep only the text.
@@ -106,12 +106,11 @@ def closest_folder(path: str | os.PathLike, holding: str | None = None) -> str |
 
 def is_disk_full(err: BaseException | None) -> bool:
     """Whether `err`, or an error it was raised from or while handling, says the disk (or the quota) is full."""
-    while err is not None:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+    for link in error_chain(err):
+        if isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if DISK_FULL.search(error_summary(err)):
+        if DISK_FULL.search(error_summary(link)):
             return True
-        err = err.__cause__ or err.__context__
     return False
 
 

@@ -79,6 +79,7 @@ from utils.distributed.process_group import DistInfo, usable_cpus
 from utils.distributed.progress_bounded import progress_bounded
 from utils.files import disk_bytes, free_bytes, is_disk_full, write_json
 from utils.log import get_logger
+from utils.model.lora import trainable_share
 from utils.observe.memory import param_numel_local, trim_host_heap
 
 
@@ -138,12 +139,13 @@ class CheckpointManager:
         # to agree on its own store's address; a writer thread talks over it, so that its collectives never
         # interleave with training's.
         self.background_group = self.stager = self.make_stager = self.background_writer = None
+        rank_bytes = staged_bytes(model, self.save_optimizer)
         if info.is_main and self.checkpoint_type == layout.FULL and checkpointing.keep_last_n:
-            say_if_full_saves_are_large(staged_bytes(model, self.save_optimizer) * info.world_size)
+            say_if_full_saves_are_large(rank_bytes * info.world_size)
         if checkpointing.async_checkpoint:
             if info.is_main:
                 say_if_background_writes_have_no_core(info.device, info.world_size)
-            check_room_to_stage(staged_bytes(model, self.save_optimizer), isinstance(model, FSDPModule))
+            check_room_to_stage(rank_bytes, isinstance(model, FSDPModule))
             self.background_group = dist.new_group(backend="gloo")
             self.make_stager, self.background_writer = _background_writer(model, info.device)
             self.stager = self.make_stager()
@@ -586,11 +588,8 @@ def _background_writer(model: nn.Module, device: torch.device) -> tuple:
 def staged_bytes(model: nn.Module, save_optimizer: bool) -> int:
     """The bytes of this rank's part of a checkpoint, about: its parameter shards in fp32 (the sharded
     parameters' dtype) and, with the optimizer, AdamW's two moments of the trainable ones."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) / max(
-        1, sum(p.numel() for p in model.parameters())
-    )  # LoRA: the optimizer holds moments of the adapters only
-    local = param_numel_local(model)
-    return int(local * 4 * (1 + (2 * trainable if save_optimizer else 0)))
+    trainable, total = trainable_share(model)  # LoRA: the optimizer holds moments of the adapters only
+    return int(param_numel_local(model) * 4 * (1 + (2 * trainable / max(1, total) if save_optimizer else 0)))
 
 
 def check_room_to_stage(rank_bytes: int, shared: bool) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Iterator, MutableMapping
 
 import torch.distributed as dist
 
-from configs.errors import FAILURES, error_summary
+from configs.errors import FAILURES, error_chain, error_summary
 from policies.private_api import flight_recorder_dump
 from utils import files, layout
 from utils.distributed.progress_bounded import PeerStalled
@@ -127,12 +127,11 @@ def is_collective_timeout(err: BaseException | None) -> bool:
     """Whether `err`, or an error it was raised from or while handling, is a wait that outlived the group's
     timeout (a background checkpoint write's CheckpointError carries its cause's text), or a wait for ranks
     that showed no progress for as long (utils/distributed/progress_bounded.py)."""
-    while err is not None:
-        if isinstance(err, PeerStalled):
+    for link in error_chain(err):
+        if isinstance(link, PeerStalled):
             return True
-        if TIMEOUT_PHRASES.search(str(err)) or TIMEOUT_PHRASES.search(error_summary(err)):
+        if TIMEOUT_PHRASES.search(str(link)) or TIMEOUT_PHRASES.search(error_summary(link)):
             return True
-        err = err.__cause__ or err.__context__
     return False
 
 
