@@ -148,7 +148,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     )
     precision = resolve_precision(config.fsdp, info.device)
     if precision.fallback:
-        get_logger().warning("%s", precision.fallback)
+        get_logger().info("%s", precision.fallback)
     log_evaluation_plan(config)
 
     # Datasets and loaders: the data is read and checked before the model loads, so a data error costs
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # under torchrun every rank would print the same help: rank 0 does
     try:
         config, from_accelerate = read_settings(argv)
-        info = process_group.describe_launch(config.train.device)
+        info = process_group.describe_launch(config.train.device, config.fsdp.fsdp_cpu_offload)
         validate.check_settings(config, info.world_size, info.device.type)  # now with the device's rules
         process_group.init_distributed(info, config.train.dist_timeout_s, config.train.output_dir)
         with (

@@ -50,6 +50,11 @@ def check_settings(config: RunConfig, world_size: int, device_type: str | None =
 
 def check_precision(fsdp_config: FSDPConfig, device_type: str | None) -> None:
     check_reduce_dtype(fsdp_config)
+    if fsdp_config.allow_emulated_bf16 and (not fsdp_config.mixed_precision or fsdp_config.use_fp16):
+        raise ConfigError(
+            "--allow_emulated_bf16 true applies to bf16 training (--mixed_precision true --use_fp16 false); "
+            "leave it false for fp32 or fp16"
+        )
     if not fsdp_config.use_fp16:
         return
     if not fsdp_config.mixed_precision:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
 from configs.fsdp import FSDPConfig
+from policies import private_api
 
 fpSixteen = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16, buffer_dtype=torch.float16)
 
@@ -42,18 +43,41 @@ POLICIES = {
 }
 
 
-def bf16_supported(device: torch.device) -> bool:
-    """Can this device compute in bf16 and its backend reduce bf16 tensors?
+def bf16_problem(device: torch.device, allow_emulated: bool = False) -> str | None:
+    """Why bf16 training is not used on `device` (one line for the log), or None where it is.
 
     Replaces the tutorial's check, which imported pkg_resources (gone from recent setuptools) and read
-    torch.version.cuda (None on CPU builds; docs/pitfalls.md #6). On CUDA: the GPU supports bf16 (Ampere or
-    newer) and NCCL is 2.10+, the first with bf16 reductions. On CPU: torch computes bf16 on any x86/ARM CPU
-    (natively with AVX512-BF16/AMX, emulated and slower otherwise) and gloo reduces bf16, so a tiny bf16
-    matmul is the test.
+    torch.version.cuda (None on CPU builds; docs/pitfalls.md #6). bf16 needs the device to compute it and the
+    backend to reduce it; by default it needs native bf16 too, because emulated bf16 is slower than fp32 (the
+    tutorial's fallback promise). On CUDA: compute capability 8.0 (Ampere) or newer (torch's
+    `is_bf16_supported` counts emulation unless told not to, so a V100 or T4 would train in slow emulated bf16)
+    and NCCL 2.10+, the first with bf16 reductions. On CPU: oneDNN's bf16 kernels (AVX512 or AMX, ARM's bf16
+    extension); torch emulates bf16 on other CPUs, which a tiny bf16 matmul tests, and gloo reduces bf16.
     """
     if device.type == "cuda":
-        nccl_ok = dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
-        return bool(torch.cuda.is_bf16_supported() and nccl_ok)
+        if not (dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)):
+            return "bf16 needs NCCL 2.10 or newer for its reductions: training in fp32 instead"
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return None
+        major, minor = torch.cuda.get_device_capability(device)
+        if allow_emulated and torch.cuda.is_bf16_supported(including_emulation=True):
+            return None
+        return (
+            f"this GPU (compute capability {major}.{minor}) emulates bf16, more slowly than it computes fp32 "
+            "(native bf16 needs 8.0, Ampere): training in fp32 instead; --allow_emulated_bf16 true to use bf16"
+        )
+    if private_api.cpu_has_native_bf16():
+        return None
+    if allow_emulated and cpu_computes_bf16():
+        return None
+    return (
+        f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 (AVX512 or AMX), and emulated "
+        "bf16 is slower than fp32: training in fp32 instead; --allow_emulated_bf16 true to use bf16"
+    )
+
+
+def cpu_computes_bf16() -> bool:
+    """Does torch compute bf16 on this CPU at all (natively or emulated)? A tiny bf16 matmul tells."""
     try:
         probe = torch.ones(2, 2, dtype=torch.bfloat16)
         return bool((probe @ probe).eq(2).all())
@@ -110,9 +134,8 @@ class Precision:
 
 
 def resolve_precision(fsdp_config: FSDPConfig, device: torch.device) -> Precision:
-    """The policy for these settings on `device`; bf16 that the device cannot do falls back to fp32."""
-    bf16_ok = bf16_supported(device)
-    fallback = None
-    if fsdp_config.mixed_precision and not fsdp_config.use_fp16 and not bf16_ok:
-        fallback = f"bf16 is not supported on {device}: training in fp32 instead"
-    return Precision(select_policy_name(fsdp_config, bf16_ok), fallback)
+    """The policy for these settings on `device`: bf16 falls back to fp32 where the device cannot do it, or
+    only emulates it (unless --allow_emulated_bf16 true)."""
+    wants_bf16 = fsdp_config.mixed_precision and not fsdp_config.use_fp16
+    fallback = bf16_problem(device, fsdp_config.allow_emulated_bf16) if wants_bf16 else None
+    return Precision(select_policy_name(fsdp_config, fallback is None), fallback)

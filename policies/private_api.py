@@ -118,3 +118,10 @@ def default_store():
     none in torch 2.13; a store made by the caller and passed to init_process_group(store=...), which a torchrun
     launch without the agent's store does not have."""
     return torch.distributed.distributed_c10d._get_default_store()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Does oneDNN have bf16 kernels for this CPU (AVX512 or AMX on x86, the bf16 extension on ARM)? Elsewhere
+    torch emulates bf16, more slowly than it computes fp32. Public replacement: none in torch 2.13 (torch's
+    inductor asks the same op); `torch.backends.cpu.get_cpu_capability()` names the vector width, not bf16."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

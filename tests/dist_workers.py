@@ -14,6 +14,8 @@ import gc
 import math
 import os
 import time
+import traceback
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -22,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Dataset
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 from transformers.models.t5.modeling_t5 import T5Attention, T5Block
@@ -30,7 +33,7 @@ from configs.checkpointing import CheckpointConfig
 from configs.errors import ConfigError, TrainingDivergedError
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
-from configs.paths import EMBEDDED_MODEL_DIR
+from configs.paths import EMBEDDED_MODEL_DIR, REPO_ROOT
 from policies.mixed_precision import POLICIES, Precision
 from policies.private_api import default_store
 from summarization_dataset import pad_collate
@@ -43,14 +46,16 @@ from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.run_lock import claimed_output_dir
 from utils.checkpoint.start import resolve_start
 from utils.checkpoint.state_dicts import gather_full_state_dict, save_full_model, sharded_model_state
-from utils.data.loaders import build_loader
+from utils.data.loaders import build_loader, move_batch
 from utils.data.samplers import PaddedEvalSampler
 from utils.distributed.process_group import DistInfo
 from utils.distributed.progress_bounded import PeerFailed, PeerStalled, progress_bounded
 from utils.fsdp.shard import shard_model
+from utils.log import ProgressLines
 from utils.model.loading import load_full_model_state, load_model, load_tokenizer
 from utils.model.lora import apply_lora
 from utils.model.rank0_loading import UnitMaterializer
+from utils.observe.flops import Seq2SeqFlops
 from utils.observe.memory import optim_state_numel_local
 from utils.train import step as step_module
 from utils.train.step import forward_token_losses, train_step, validate
@@ -1069,3 +1074,77 @@ def start_checks_worker(rank: int, world_size: int, root: str) -> dict:
             seen[case] = str(err)
         dist.barrier()
     return seen
+
+
+# What makes a CUDA host wait for the device: reading a value back (.item(), float(), bool()), a tensor made
+# from Python data (torch.tensor: a copy from pageable memory, which waits for the stream), and ops whose
+# output size depends on the values (nonzero, boolean-mask indexing). On CPU they cost nothing, but the same
+# ops run on a GPU, so counting them here tells what a GPU step waits for.
+HOST_READ_OPS = {"_local_scalar_dense", "lift_fresh", "nonzero", "masked_select"}
+
+
+class HostReads(TorchDispatchMode):
+    """Each op of HOST_READ_OPS that runs inside it: (op, the package's line that asked for it, the library
+    file under it that made the op, or "")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        boolean_index = name == "index" and any(
+            index is not None and index.dtype == torch.bool for index in (args[1] if len(args) > 1 else [])
+        )
+        if name in HOST_READ_OPS or boolean_index:
+            self.reads.append((name, *self.callers()))
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def callers() -> tuple[str, str]:
+        """The innermost frame of the package's own code (not the tests'), and the innermost file of a library
+        other than torch (transformers, peft) below it."""
+        frames = traceback.extract_stack()[:-3]
+        libraries = [f for f in frames if "site-packages" in f.filename and "/torch/" not in f.filename]
+        own = [
+            f
+            for f in frames
+            if f.filename.startswith(str(REPO_ROOT))
+            and not {"tests", "site-packages"} & set(Path(f.filename).parts)
+        ]
+        package = f"{Path(own[-1].filename).name}:{own[-1].lineno} ({own[-1].line})" if own else ""
+        library = libraries[-1].filename.split("site-packages/")[-1] if libraries else ""
+        return package, library
+
+
+def host_reads_worker(rank: int, world_size: int) -> dict:
+    """For each FSDP version, the host reads of a training step as the trainer takes it (2 accumulated
+    micro-batches, clipping, the non-finite check, FLOPs counted, the step's statistics recorded), after a first
+    step that sets FSDP up, and of a validation pass of 3 batches that watches for a stop request."""
+    out = {}
+    for version in (1, 2):
+        config = _fsdp_config({"fsdp_version": version, "fsdp_activation_checkpointing": True})
+        model = shard_model(tiny_t5(), config, FP32, CPU)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        settings = step_module.StepSettings(
+            max_grad_norm=1.0,
+            sync_each_micro_batch=False,
+            skip_nonfinite=True,
+            flops=Seq2SeqFlops.from_config(tiny_t5(on_meta=True).config),
+            recompute=True,
+        )
+        step_log = StepLog(every=100, on_flush=lambda records: None)
+        steps = HostReads()
+        for step in range(2):
+            micro_batches = [move_batch(make_batch(batch_seed(step, rank) + k), CPU) for k in range(2)]
+            with steps if step else contextlib.nullcontext():
+                stats = train_step(model, micro_batches, optimizer, None, world_size, settings)
+                step_log.add(step + 1, LR, stats)
+        step_log.flush()  # a host read by design, once per --log_every_n_steps: outside the recording
+        loader = [make_batch(batch_seed(9, rank) + k) for k in range(3)]
+        validation = HostReads()
+        with validation:
+            validate(model, loader, device=CPU, num_real_samples=9,
+                     progress=ProgressLines(3, "validation", "batch"), stop_requested=lambda: False)  # fmt: skip
+        out[version] = {"steps": steps.reads, "validation": validation.reads}
+    return out

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from configs.fsdp import FSDPConfig
-from policies.mixed_precision import bf16_supported, select_policy_name
+from policies import private_api
+from policies.mixed_precision import bf16_problem, cpu_computes_bf16, resolve_precision, select_policy_name
 from tests.dist_harness import run_ranks
 from tests.dist_workers import (
     PARITY_VARIANTS,
@@ -116,10 +117,48 @@ def test_hybrid_sharding_on_four_ranks_matches_the_reference(tmp_path):
         assert_folder_is_save_pretrained_of(tmp_path / name, rank0["states"][name], tmp_path / f"{name} reference")
 
 
-def test_bf16_check_on_cpu():
-    import torch
+def test_bf16_on_cpu_is_used_where_onednn_has_bf16_kernels_or_when_emulation_is_allowed(monkeypatch):
+    cpu = torch.device("cpu")
+    assert cpu_computes_bf16()  # torch computes bf16 on any x86 or ARM CPU, emulated or not
+    native = private_api.cpu_has_native_bf16()
+    assert (bf16_problem(cpu) is None) == native
+    assert bf16_problem(cpu, allow_emulated=True) is None
+    for has_native, expected in ((True, "bfSixteen_fp32_reduce"), (False, "fp32_policy")):
+        monkeypatch.setattr(private_api, "cpu_has_native_bf16", lambda has_native=has_native: has_native)
+        precision = resolve_precision(FSDPConfig(), cpu)
+        assert precision.name == expected
+        assert (precision.fallback is None) == has_native
+        assert resolve_precision(FSDPConfig(allow_emulated_bf16=True), cpu).name == "bfSixteen_fp32_reduce"
+        assert resolve_precision(FSDPConfig(mixed_precision=False), cpu).fallback is None  # nothing to say
+    assert "--allow_emulated_bf16 true" in precision.fallback
 
-    assert bf16_supported(torch.device("cpu")) is True
+
+@pytest.mark.parametrize(
+    "capability, allow_emulated, expected",
+    [((7, 0), False, "fp32_policy"), ((7, 5), False, "fp32_policy"), ((7, 0), True, "bfSixteen_fp32_reduce"),
+     ((8, 0), False, "bfSixteen_fp32_reduce"), ((9, 0), False, "bfSixteen_fp32_reduce")],
+)  # fmt: skip
+def test_the_dtype_for_each_gpu_generation(monkeypatch, capability, allow_emulated, expected):
+    """A V100 (7.0) or T4 (7.5) emulates bf16 (torch.cuda.is_bf16_supported() says True there unless told
+    not to count emulation): fp32 unless emulation is allowed; Ampere (8.0) and newer compute it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Properties(*capability))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True, raising=False)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    config = FSDPConfig(allow_emulated_bf16=allow_emulated)
+    precision = resolve_precision(config, torch.device("cuda", 0))
+    assert precision.name == expected
+    assert (precision.fallback is None) == (expected != "fp32_policy"), precision.fallback
+    if precision.fallback:
+        assert f"compute capability {capability[0]}.{capability[1]}" in precision.fallback
+
+
+class _Properties:
+    def __init__(self, major: int, minor: int) -> None:
+        self.major, self.minor = major, minor
 
 
 @pytest.mark.parametrize(

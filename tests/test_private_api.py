@@ -131,3 +131,10 @@ def test_no_private_torch_or_transformers_api_outside_the_module():
             ]
             offenders += [f"{path.relative_to(REPO_ROOT)}: {m.group(0)}" for m in private_names.finditer(text)]
     assert not offenders, offenders
+
+
+def test_onednns_bf16_check_answers_for_this_cpu():
+    native = private_api.cpu_has_native_bf16()
+    assert isinstance(native, bool)
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT", "NO AVX"):
+        assert not native  # oneDNN's bf16 kernels need AVX512 on x86

@@ -35,6 +35,20 @@ REFUSED = {
         "cuda",
         "leave --reduce_dtype auto",
     ),
+    "emulated bf16 for fp32 training": (
+        {},
+        {"mixed_precision": False, "allow_emulated_bf16": True},
+        2,
+        "cpu",
+        "--allow_emulated_bf16 true applies to bf16 training",
+    ),
+    "emulated bf16 for fp16 training": (
+        {},
+        {"use_fp16": True, "allow_emulated_bf16": True},
+        2,
+        "cuda",
+        "leave it false for fp32 or fp16",
+    ),
     "fp32 reduction with bfSixteen_working": (
         {},
         {"bf16_policy": "bfSixteen_working", "reduce_dtype": "fp32"},
@@ -144,6 +158,7 @@ ACCEPTED = {
     "the tutorial's all-bf16 policy": ({}, {"reduce_dtype": "bf16"}, 2, "cpu"),
     "bf16 compute, fp32 reduction": ({}, {"reduce_dtype": "fp32"}, 2, "cpu"),
     "bfSixteen_working by default": ({}, {"bf16_policy": "bfSixteen_working"}, 2, "cpu"),
+    "emulated bf16 allowed": ({}, {"allow_emulated_bf16": True}, 2, "cpu"),
     "CPU offload on GPU": ({}, {"fsdp_cpu_offload": True}, 2, "cuda"),
     "flex attention on GPU": ({"attn_implementation": "flex_attention"}, {}, 2, "cuda"),
     "FSDP1 compile with original parameters": ({}, {"compile": True, "use_orig_params": True}, 2, "cpu"),

@@ -60,14 +60,23 @@ def resolve_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def describe_launch(device_choice: str) -> DistInfo:
+def describe_launch(device_choice: str, cpu_offload: bool = False) -> DistInfo:
     """This process's place in the job, from the launcher's environment; no process group yet. The
     settings are checked against it before anything is created or read."""
     rank, local_rank, world_size = launcher_ranks()
     check_restarts(os.environ)
     device = resolve_device(device_choice, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL between GPUs, gloo between CPU processes
-    return DistInfo(rank, local_rank, world_size, device, backend)
+    return DistInfo(rank, local_rank, world_size, device, group_backend(device, cpu_offload))
+
+
+def group_backend(device: torch.device, cpu_offload: bool) -> str:
+    """The default process group's backend: NCCL between GPUs, gloo between CPU processes. With CPU offload a
+    GPU run's group also gets gloo for CPU tensors (torchtitan's choice): FSDP2 then keeps the gradients as
+    DTensors in host memory, and the gradient norm of every step all-reduces them, which a group with NCCL
+    alone refuses ("No backend type associated with device type cpu")."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
 def torchrun_attempt(environ=os.environ, agent: str | None = None) -> tuple[str | None, int]:
@@ -244,11 +253,27 @@ class StopAgreed(Exception):  # noqa: N818 - a signal between the loops, not an 
     """Every rank agreed, inside an evaluation pass, to stop (SIGTERM on one of them): the pass is abandoned."""
 
 
-def stop_if_any_rank(stop_requested: Callable[[], bool] | None, device: torch.device) -> None:
-    """Raise StopAgreed on every rank if `stop_requested()` is true on any. Collective (one scalar
-    all-reduce): called once per evaluation batch, so a stop is honoured within one batch everywhere."""
-    if stop_requested is not None and any_rank(stop_requested(), device):
-        raise StopAgreed
+class StopCheck:
+    """Agreement, once per evaluation batch, on whether any rank was asked to stop: raises StopAgreed on every
+    rank, one batch after the request on the slowest. Collective (one scalar all-reduce per call).
+
+    The flag all-reduced before batch k is read before batch k + 1: by then the device has finished it (it was
+    queued ahead of batch k's forward), so the host never waits for the batch it just queued, where reading
+    the flag at once would stall a GPU on every batch. Every rank reads the same reduced value at the same
+    batch, so they stop together."""
+
+    def __init__(self, stop_requested: Callable[[], bool] | None, device: torch.device) -> None:
+        self.stop_requested, self.device = stop_requested, device
+        self.pending: torch.Tensor | None = None  # the last batch's flag, reduced and not yet read
+
+    def __call__(self) -> None:
+        if self.stop_requested is None:
+            return
+        flag = torch.full((1,), float(self.stop_requested()), device=self.device)  # no copy from host memory
+        dist.all_reduce(flag)
+        previous, self.pending = self.pending, flag
+        if previous is not None and previous.item() > 0:
+            raise StopAgreed
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

@@ -22,7 +22,7 @@ from torch import nn
 from configs.evaluation import METRIC_NAMES
 from utils.data.loaders import EvalSet, move_batch
 from utils.distributed.hang_report import WHERE
-from utils.distributed.process_group import DistInfo, stop_if_any_rank
+from utils.distributed.process_group import DistInfo, StopCheck
 from utils.eval.generation import generate
 from utils.eval.rouge import lead_sentences, lead_steps, rouge_scores
 from utils.eval.scores import SCORERS, mean_scores
@@ -84,8 +84,9 @@ class Evaluator:
         with_baselines = self.metric == "rouge" and self.baselines is None
         desc = f"{METRIC_NAMES[self.metric]} evaluation"
         with progress_bar(len(self.eval_set.loader), desc, unit="batch", colour="magenta") as bar:
+            check_stop = StopCheck(stop_requested, self.info.device)
             for batch in self.eval_set.loader:
-                stop_if_any_rank(stop_requested, self.info.device)
+                check_stop()
                 ids = generate(model, move_batch(batch, self.info.device), self.generation).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
                 for text, length in zip(texts, (ids != pad_id).sum(dim=1).tolist(), strict=True):

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from policies.private_api import skip_next_step_if
 from utils.data.loaders import move_batch
 from utils.distributed.hang_report import WHERE
-from utils.distributed.process_group import stop_if_any_rank
+from utils.distributed.process_group import StopCheck
 from utils.log import ProgressLines
 from utils.observe.flops import Seq2SeqFlops
 from utils.observe.memory import SavedTensorCounter
@@ -88,7 +88,7 @@ def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict, s
             token_losses.detach().sum(dtype=STAT_DTYPE),
             (labels != -100).sum().to(STAT_DTYPE),
             (batch["source_mask"].sum() + batch["target_mask"].sum()).to(STAT_DTYPE),
-            torch.tensor(labels.shape[0], dtype=STAT_DTYPE, device=labels.device),
+            torch.full((), labels.shape[0], dtype=STAT_DTYPE, device=labels.device),  # not torch.tensor: a copy
             zero,
             *flops,
         ]
@@ -197,14 +197,16 @@ def validate(
     number of forward passes (FSDP's all-gathers are collectives). Rows past this rank's
     `num_real_samples` are those repeats: they run, but are masked out of the sums, so the loss is not
     biased by duplicates (docs/pitfalls.md #14). One all-reduce and one host sync at the end. With
-    `stop_requested`, every rank abandons the pass at the next batch once it is true on any (StopAgreed).
+    `stop_requested`, every rank abandons the pass within two batches once it is true on any (StopAgreed;
+    the flag is read a batch late, so the host never waits for the batch it just queued).
     """
     WHERE.enter("validation")
     model.eval()
     sums = torch.zeros(2, dtype=STAT_DTYPE, device=device)  # loss sum, target tokens
     position = 0
+    check_stop = StopCheck(stop_requested, device)
     for batch in loader:
-        stop_if_any_rank(stop_requested, device)
+        check_stop()
         batch = move_batch(batch, device)
         token_losses, labels = forward_token_losses(model, batch)
         rows = labels.shape[0]

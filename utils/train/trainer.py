@@ -154,7 +154,7 @@ class Trainer:
                         return False
 
                     # ---- validation, ROUGE, and the tutorial's scheduler.step() after each epoch. A stop request
-                    # during them abandons them at the next batch on every rank; the checkpoint then holds the
+                    # during them abandons them within two batches on every rank; the checkpoint then holds the
                     # trained epoch, and the resumed run evaluates it.
                     try:
                         val_loss = self._validation(epoch, stop)
@@ -397,7 +397,7 @@ class Trainer:
 
     def _validation(self, epoch: int, stop: StopRequest) -> float | None:
         """The tutorial's validation(): the token-mean loss over the validation articles of every rank.
-        Abandoned on every rank at the next batch after a SIGTERM on any (StopAgreed)."""
+        Abandoned on every rank within two batches of a SIGTERM on any (StopAgreed)."""
         if self.loaders.val is None:
             return None
         with progress_bar(len(self.loaders.val), f"Validation epoch {epoch}", unit="batch", colour="green") as bar:
@@ -412,7 +412,7 @@ class Trainer:
 
     def _evaluate(self, epoch: int, step: int, stop: StopRequest) -> dict | None:
         """ROUGE of the evaluation set (collective): the eval record, also written to metrics.jsonl.
-        Abandoned on every rank at the next batch after a SIGTERM on any (StopAgreed)."""
+        Abandoned on every rank within two batches of a SIGTERM on any (StopAgreed)."""
         if self.evaluator is None:
             return None
         record = self.evaluator.evaluate(self.model, epoch, step, lambda: stop.requested)

@@ -1,0 +1,36 @@
+"""No host sync in a training step: on a GPU each makes the host wait for the device's queued work before it can
+queue more (tests/dist_workers.py: HostReads lists what counts). The step's statistics stay on the device
+until the step log's flush, once per --log_every_n_steps; a validation pass reads its stop flag a batch late.
+What is left is transformers' own: its attention-mask helper asks whether a padding mask is all ones (to
+skip the mask where nothing is padded), once for the encoder and once for the cross-attention of every
+forward."""
+
+import pytest
+
+from tests.dist_harness import run_ranks
+from tests.dist_workers import host_reads_worker
+
+MODEL_CALL = "step.py"  # forward_token_losses's model(...) call: the reads below it are the model's own
+TRANSFORMERS_MASKS = "transformers/masking_utils.py"
+FORWARDS, VALIDATION_BATCHES = 2, 3  # a step of two micro-batches
+
+
+def reads_by_origin(reads: list) -> dict:
+    counts: dict = {}
+    for op, package, library in reads:
+        key = (op, library) if library == TRANSFORMERS_MASKS else (op, package, library)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_a_training_step_reads_nothing_back_but_transformers_mask_check():
+    for rank, versions in enumerate(run_ranks(host_reads_worker)):
+        for version, reads in versions.items():
+            where = f"FSDP{version}, rank {rank}"
+            masks = ("_local_scalar_dense", TRANSFORMERS_MASKS)
+            assert reads_by_origin(reads["steps"]) == {masks: 2 * FORWARDS}, f"{where}: {reads['steps']}"
+            # validation: the same per forward, and the stop flag of each batch but the last, read a batch late
+            stop_flag = [r for r in reads["validation"] if "previous.item()" in r[1]]
+            assert len(stop_flag) == VALIDATION_BATCHES - 1, f"{where}: {reads['validation']}"
+            others = [r for r in reads["validation"] if r not in stop_flag]
+            assert reads_by_origin(others) == {masks: 2 * VALIDATION_BATCHES}, f"{where}: {others}"
