@@ -202,15 +202,16 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
         memory.trim_host_heap()  # what loading freed goes back to the OS instead of inflating the run's peak
 
         if evaluation.evaluate_only:
-            evaluate_saved_model(model, loaders.evaluation, config, info, progress, start)
+            evaluate_saved_model(model, loaders.evaluation, config, info, progress, start, precision.compute_dtype)
         else:
             evaluator = None
             if loaders.evaluation is not None:
                 generate_kwargs = generation.generation_kwargs(evaluation, config.data.max_target_length)
                 predictions_file = functools.partial(layout.predictions_file, train.output_dir)
                 evaluator = Evaluator(
-                    loaders.evaluation, generate_kwargs, evaluation.eval_metric, predictions_file, info
-                )
+                    loaders.evaluation, generate_kwargs, evaluation.eval_metric, predictions_file, info,
+                    gather_for_generation=evaluation.gather_for_generation, compute_dtype=precision.compute_dtype,
+                )  # fmt: skip
             trainer = Trainer(
                 model, optimizer, scheduler, scaler, loaders, checkpoints, evaluator, info,
                 train, recipe, evaluation, config.observe, throughput, memory_baseline,
@@ -305,7 +306,13 @@ def build_throughput(
 
 
 def evaluate_saved_model(
-    model, eval_set, config: RunConfig, info: process_group.DistInfo, progress, start: StartPoint
+    model,
+    eval_set,
+    config: RunConfig,
+    info: process_group.DistInfo,
+    progress,
+    start: StartPoint,
+    compute_dtype: torch.dtype,
 ) -> None:
     """--evaluate_only: the --eval_metric scores of the loaded (or resumed) model on `eval_set` (--eval_split),
     no training. Collective.
@@ -320,9 +327,11 @@ def evaluate_saved_model(
         return layout.evaluate_only_predictions_file(train.output_dir, split, step, stamp)
 
     with forward_warnings_ignored():
-        scores = Evaluator(eval_set, generate_kwargs, evaluation.eval_metric, predictions_file, info).evaluate(
-            model, progress.epoch - 1, progress.global_step
-        )
+        evaluator = Evaluator(
+            eval_set, generate_kwargs, evaluation.eval_metric, predictions_file, info,
+            gather_for_generation=evaluation.gather_for_generation, compute_dtype=compute_dtype,
+        )  # fmt: skip
+        scores = evaluator.evaluate(model, progress.epoch - 1, progress.global_step)
     path = os.path.join(train.output_dir, layout.EVALUATE_ONLY_DIR, layout.METRICS_FILE)
     if info.is_main:
         os.makedirs(os.path.dirname(path), exist_ok=True)

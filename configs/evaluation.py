@@ -74,6 +74,16 @@ class EvalConfig:
         help="Forbid repeating any n-gram of this size in a summary (0 = off; 3 curbs loops of small models).",
         minimum=0,
     )
+    gather_for_generation: Literal["auto", "true", "false"] = option(
+        default="auto",
+        help=(
+            "true: every FSDP unit's parameters are gathered once per evaluation and kept until it ends; false: "
+            "each unit is gathered again for every generated token (for t5-11b about 13 GB of all-gather per "
+            "token per rank), holding about one unit at a time. auto: true where the whole model's parameters, "
+            "in the compute dtype, take at most half of the free memory of every rank's device (the GPU's, or "
+            "the host's MemAvailable), with more than one rank."
+        ),
+    )
     metric_for_best: Literal["val_loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "accuracy"] = option(
         default="val_loss",
         help=(

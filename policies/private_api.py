@@ -8,6 +8,7 @@ Not here, on purpose: `ShardingStrategy._HYBRID_SHARD_ZERO2` is a member of the 
 FSDP1's API reference despite its underscore (users spell it on the command line); the test checks it too.
 """
 
+import contextlib
 import json
 
 import torch
@@ -36,6 +37,11 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (  # noqa: 
 # Which rows of a DTensor this rank holds. Public replacement: none in torch 2.13; DCP reads the same through
 # DTensor's `__create_chunk_list__` protocol.
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401 - re-exported
+
+# A mode that sees every op torch dispatches, with its arguments (scripts/gpu_check.py counts all-gathers with
+# one; the tests count host reads). Public replacement: none in torch 2.13 (torch's own debugging modes, such as
+# `torch.utils.flop_counter.FlopCounterMode`, are built on it).
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401, E402 - re-exported
 
 CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"  # checkpoint_wrapper's attribute for what it wraps
 
@@ -125,3 +131,56 @@ def cpu_has_native_bf16() -> bool:
     torch emulates bf16, more slowly than it computes fp32. Public replacement: none in torch 2.13 (torch's
     inductor asks the same op); `torch.backends.cpu.get_cpu_capability()` names the vector width, not bf16."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@contextlib.contextmanager
+def fsdp1_units_kept_unsharded(model: nn.Module):
+    """Inside: FSDP1's units keep their parameters gathered after a forward (their handles take the strategy
+    that does not reshard after forward: FULL_SHARD -> SHARD_GRAD_OP, HYBRID_SHARD -> _HYBRID_SHARD_ZERO2), so
+    later forwards gather nothing; at the end each unit frees its gathered parameters and gets its strategy
+    back. Public replacement: FSDP2's `FSDPModule.set_reshard_after_forward` (FSDP1 has none)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._flat_param import HandleShardingStrategy
+    from torch.distributed.fsdp._runtime_utils import _reshard
+
+    keep = {
+        HandleShardingStrategy.FULL_SHARD: HandleShardingStrategy.SHARD_GRAD_OP,
+        HandleShardingStrategy.HYBRID_SHARD: HandleShardingStrategy._HYBRID_SHARD_ZERO2,
+    }
+    units = [(unit, unit._handle) for unit in FullyShardedDataParallel.fsdp_modules(model) if unit._handle]
+    before = {handle: handle._sharding_strategy for _, handle in units}
+    for _, handle in units:
+        handle._sharding_strategy = keep.get(handle._sharding_strategy, handle._sharding_strategy)
+    try:
+        yield
+    finally:
+        for unit, handle in units:
+            handle._sharding_strategy = before[handle]
+            if handle.uses_sharded_strategy:
+                _reshard(unit, handle, True)  # frees the gathered parameters
+
+
+@contextlib.contextmanager
+def fsdp2_units_kept_unsharded(model: nn.Module):
+    """Inside: FSDP2's units keep their parameters gathered after a forward, so later forwards gather nothing;
+    at the end each unit reshards and gets its setting back. Public replacement: `set_reshard_after_forward`
+    (which this calls), were there a way to read the setting it replaces."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    states = [unit._get_fsdp_state() for unit in units]
+    groups = [group for state in states for group in state._fsdp_param_groups]
+    before = (
+        [group.post_forward_mesh_info for group in groups],
+        [state._auto_reshard_after_forward for state in states],
+    )
+    model.set_reshard_after_forward(False, recurse=True)
+    try:
+        yield
+    finally:
+        for group, setting in zip(groups, before[0], strict=True):
+            group.post_forward_mesh_info = setting
+        for state, auto in zip(states, before[1], strict=True):
+            state._auto_reshard_after_forward = auto
+        for unit in units:
+            unit.reshard()

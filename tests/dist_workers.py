@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 from transformers.models.t5.modeling_t5 import T5Attention, T5Block
@@ -35,7 +35,7 @@ from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR, REPO_ROOT
 from policies.mixed_precision import POLICIES, Precision
-from policies.private_api import default_store
+from policies.private_api import TorchDispatchMode, default_store, fsdp1_unsharded_flat_parameter
 from summarization_dataset import pad_collate
 from utils import layout
 from utils.checkpoint import integrity
@@ -1148,3 +1148,45 @@ def host_reads_worker(rank: int, world_size: int) -> dict:
                      progress=ProgressLines(3, "validation", "batch"), stop_requested=lambda: False)  # fmt: skip
         out[version] = {"steps": steps.reads, "validation": validation.reads}
     return out
+
+
+def generation_gathers_worker(rank: int, world_size: int) -> dict:
+    """For each FSDP version (FULL_SHARD), with and without --gather_for_generation: the all-gathers of a
+    greedy generation of 4 and of 8 new tokens, its token ids, whether every unit is sharded again after it,
+    and the losses of two training steps after it."""
+    from scripts.gpu_check import AllGatherCount
+    from utils.eval.generation import gathered_for_generation, generate
+
+    out = {}
+    settings = {"num_beams": 1, "max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False}
+    for version in (1, 2):
+        for keep in (False, True):
+            model = shard_model(tiny_t5(seed=3), _fsdp_config({"fsdp_version": version}), FP32, CPU)
+            model.eval()
+            counts, ids = {}, {}
+            for tokens in (4, 8):
+                counter = AllGatherCount()
+                with counter, gathered_for_generation(model, keep):
+                    ids[tokens] = generate(
+                        model,
+                        make_batch(rank, rows=2),
+                        {**settings, "max_new_tokens": tokens, "min_new_tokens": tokens},
+                    ).tolist()
+                counts[tokens] = counter.count
+            model.train()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            out[(version, keep)] = {
+                "all_gathers": counts,
+                "ids": ids,
+                "sharded_after": all_units_sharded(model),
+                "losses_after": train_wrapped(model, optimizer, rank, world_size, 2),
+            }
+    return out
+
+
+def all_units_sharded(model: nn.Module) -> bool:
+    """No unit holds its gathered parameters: FSDP1's unsharded buffers freed, FSDP2's parameters DTensors."""
+    if isinstance(model, FSDP):
+        buffers = [fsdp1_unsharded_flat_parameter(unit) for unit in FSDP.fsdp_modules(model)]
+        return all(b is None or b.untyped_storage().size() == 0 for b in buffers)
+    return all(isinstance(p, DTensor) for p in model.parameters())

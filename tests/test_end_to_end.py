@@ -165,7 +165,8 @@ def test_memory_account_has_one_record_per_rank_and_full_shard_halves_the_state(
 @pytest.mark.slow
 def test_memory_planner_predicts_the_measured_state_and_activations(records, run_config):
     """The planner, given the run's settings and the shape of the micro-batch the account counted, predicts
-    the state held and the bytes autograd kept for backward through FSDP (bf16, checkpointing, sdpa)."""
+    the state held and the bytes autograd kept for backward through FSDP (the run's precision: bf16 where the
+    CPU computes it natively, else fp32; checkpointing, sdpa)."""
     from scripts.estimate_memory import estimate, load_shape
 
     recipe, fsdp = run_config["recipe_config"], run_config["fsdp_config"]
@@ -176,7 +177,7 @@ def test_memory_planner_predicts_the_measured_state_and_activations(records, run
             load_shape(str(EMBEDDED_MODEL)),
             nproc=NPROC,
             sharding_strategy=fsdp["sharding_strategy"],
-            mixed_precision="bf16" if fsdp["mixed_precision"] else "fp32",
+            mixed_precision="fp32" if run_config["mixed_precision_policy"] == "fp32_policy" else "bf16",
             activation_checkpointing=fsdp["fsdp_activation_checkpointing"],
             batch_size=rows,
             max_source_length=source_length,

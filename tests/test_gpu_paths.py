@@ -26,3 +26,13 @@ def test_the_hang_report_sees_nccl_beside_a_cpu_backend(monkeypatch, tmp_path, b
     environ: dict[str, str] = {}
     hang_report.record_collectives(str(tmp_path), backend, environ)
     assert (tmp_path / "hang_reports").is_dir() == (expected == "nccl")  # where NCCL's watchdog writes its dump
+
+
+def test_cuda_gets_expandable_segments_unless_the_user_set_the_allocator():
+    environ: dict[str, str] = {}
+    process_group.expandable_segments(environ)
+    assert environ == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        environ = {name: "max_split_size_mb:128"}
+        process_group.expandable_segments(environ)
+        assert environ == {name: "max_split_size_mb:128"}  # the user's, untouched

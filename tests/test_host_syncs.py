@@ -5,8 +5,6 @@ What is left is transformers' own: its attention-mask helper asks whether a padd
 skip the mask where nothing is padded), once for the encoder and once for the cross-attention of every
 forward."""
 
-import pytest
-
 from tests.dist_harness import run_ranks
 from tests.dist_workers import host_reads_worker
 

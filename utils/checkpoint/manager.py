@@ -80,7 +80,7 @@ from utils.distributed.progress_bounded import progress_bounded
 from utils.files import disk_bytes, free_bytes, is_disk_full, write_json
 from utils.log import get_logger
 from utils.model.lora import trainable_share
-from utils.observe.memory import param_numel_local, trim_host_heap
+from utils.observe.memory import available_memory, param_numel_local, trim_host_heap
 
 
 @dataclass
@@ -640,16 +640,6 @@ def free_shared_memory() -> int | None:
     except (OSError, AttributeError):
         return None
     return stats.f_bavail * stats.f_frsize
-
-
-def available_memory() -> int | None:
-    """Linux's MemAvailable (bytes): what can be allocated without swapping; None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
 
 
 def size_text(size: int) -> str:

@@ -6,7 +6,7 @@ import datetime
 import gc
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +150,7 @@ def init_distributed(info: DistInfo, timeout_s: int, output_dir: str | None = No
     if output_dir is not None:
         hang_report.record_collectives(output_dir, info.backend)  # read when the group forms
     if info.device.type == "cuda":
+        expandable_segments()  # before set_device, which starts CUDA and its allocator
         torch.cuda.set_device(info.device)
     if info.world_size == 1:
         # A plain `python T5_training.py`: a one-process group, so the code path is the same as torchrun's.
@@ -177,6 +178,14 @@ def init_distributed(info: DistInfo, timeout_s: int, output_dir: str | None = No
     get_logger().info(
         "process group: backend=%s world_size=%d device=%s", info.backend, info.world_size, info.device
     )
+
+
+def expandable_segments(environ: MutableMapping[str, str] = os.environ) -> None:
+    """CUDA's allocator grows its segments in place rather than caching blocks of each size (torchtitan's
+    default): batches of varying lengths then leave no unusable gaps of cached memory behind. Only where the
+    user has set neither of torch's names for the allocator's settings."""
+    if "PYTORCH_ALLOC_CONF" not in environ and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+        environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
 class GroupNotFormed(RuntimeError):

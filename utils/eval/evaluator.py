@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -23,7 +24,7 @@ from configs.evaluation import METRIC_NAMES
 from utils.data.loaders import EvalSet, move_batch
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, StopCheck
-from utils.eval.generation import generate
+from utils.eval.generation import gathered_for_generation, generate, keep_gathered
 from utils.eval.rouge import lead_sentences, lead_steps, rouge_scores
 from utils.eval.scores import SCORERS, mean_scores
 from utils.files import atomic_path
@@ -45,12 +46,17 @@ class Evaluator:
         metric: str,
         predictions_file: Callable[[str, int], str],
         info: DistInfo,
+        *,
+        gather_for_generation: str = "false",
+        compute_dtype: torch.dtype = torch.float32,
     ):
         self.eval_set = eval_set
         self.generation = generation  # generate's settings (utils/eval/generation.py: generation_kwargs)
         self.metric = metric  # --eval_metric: a key of utils/eval/scores.py's SCORERS
         self.predictions_file = predictions_file  # (split, step) -> where its predictions go (utils/layout.py)
         self.info = info
+        # --gather_for_generation, and the dtype the gathered parameters take (generation.keep_gathered)
+        self.gather_for_generation, self.compute_dtype = gather_for_generation, compute_dtype
         # ROUGE of the extractive baselines: scored once, each rank its rows, in the first evaluation.
         self.baselines: dict | None = None
 
@@ -83,7 +89,11 @@ class Evaluator:
         score = SCORERS[self.metric]
         with_baselines = self.metric == "rouge" and self.baselines is None
         desc = f"{METRIC_NAMES[self.metric]} evaluation"
-        with progress_bar(len(self.eval_set.loader), desc, unit="batch", colour="magenta") as bar:
+        keep = keep_gathered(model, self.gather_for_generation, self.compute_dtype, self.info.device)
+        with (
+            progress_bar(len(self.eval_set.loader), desc, unit="batch", colour="magenta") as bar,
+            gathered_for_generation(model, keep),
+        ):
             check_stop = StopCheck(stop_requested, self.info.device)
             for batch in self.eval_set.loader:
                 check_stop()

@@ -7,6 +7,10 @@ unit's parameters (the shared embedding, the final norms, the tied lm_head) and 
 layer unit (T5Block) is still gathered only while it runs and freed after, so a rank holds at most the root
 unit and about one layer unit unsharded at any time, never the whole model.
 
+Gathered for every token, a layer unit costs one all-gather per generated token. Where the whole model fits
+(--gather_for_generation, `keep_gathered`), every unit instead stays gathered from its first forward until the
+evaluation ends (`gathered_for_generation`): one all-gather per unit and evaluation.
+
 Ranks that finish decoding early must keep joining the all-gathers of the others: `synced_gpus=True`
 makes every rank step until all are done. The evaluation sampler gives every rank the same number of
 batches (repeats padded in and ignored when scoring).
@@ -21,6 +25,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from configs.data import DataConfig
 from configs.evaluation import EvalConfig
+from policies.private_api import fsdp1_units_kept_unsharded, fsdp2_units_kept_unsharded
+from utils.distributed.process_group import any_rank
+from utils.observe.memory import available_memory, param_numel_local
 
 GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
 
@@ -76,3 +83,30 @@ def _fsdp1_compute_dtype(model: FSDP):
     if dtype is None or dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=model.compute_device.type, dtype=dtype)
+
+
+def keep_gathered(model: nn.Module, setting: str, compute_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether generation keeps every unit gathered for the whole evaluation (--gather_for_generation): `setting`
+    true or false, or auto: with more than one rank, where the whole model's parameters in `compute_dtype` take
+    at most half of every rank's free device memory (the other half: the decoding cache, the activations).
+    Collective: every rank must decide the same, or the ranks' all-gathers would no longer pair up."""
+    if setting != "auto":
+        return setting == "true"
+    if dist.get_world_size() == 1:
+        return False  # nothing is sharded: nothing to gather
+    numel = torch.tensor([param_numel_local(model)], dtype=torch.int64, device=device)
+    dist.all_reduce(numel)
+    needed = int(numel.item()) * compute_dtype.itemsize
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    return not any_rank(free is None or needed > free // 2, device)
+
+
+@contextlib.contextmanager
+def gathered_for_generation(model: nn.Module, keep: bool):
+    """Inside, with `keep`: each FSDP unit stays gathered from its first forward on; all are freed at the end."""
+    if not keep:
+        yield
+        return
+    kept = fsdp1_units_kept_unsharded if isinstance(model, FSDP) else fsdp2_units_kept_unsharded
+    with kept(model):
+        yield

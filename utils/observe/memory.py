@@ -39,6 +39,16 @@ def _proc_status_bytes(field: str) -> int | None:
     return None
 
 
+def available_memory() -> int | None:
+    """Linux's MemAvailable (bytes): what can be allocated without swapping; None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process since the last reset_peak_rss (or its start)."""
     peak = _proc_status_bytes("VmHWM")

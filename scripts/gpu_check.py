@@ -1,0 +1,237 @@
+"""What only a GPU shows, checked in a few minutes: the process group's backends, host syncs in a training step,
+the bf16 choice, FSDP2 with CPU offload, a sharded save and load, and generation's all-gathers.
+
+    torchrun --nproc_per_node 1 scripts/gpu_check.py --output gpu_check.json    # one GPU (or N)
+    torchrun --nproc_per_node 2 scripts/gpu_check.py --device cpu               # tiny scale on CPU (the tests)
+
+Each check prints one line, `ok`, `FAILED` or `skipped` with what it found, and --output writes them as JSON.
+The model is the embedded tiny T5 (--model_name another folder or hub name, random weights of its shape
+would do as well: only the code paths matter here). On one GPU the world size is 1: FSDP1 then runs NO_SHARD
+and FSDP2 skips its collectives, so the sharded paths need several GPUs; the backend and offload checks still
+exercise the backend lookup that fails with NCCL alone.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict  # noqa: E402
+from transformers import AutoConfig, AutoModelForSeq2SeqLM  # noqa: E402
+
+from configs.fsdp import FSDPConfig  # noqa: E402
+from configs.paths import EMBEDDED_MODEL_DIR  # noqa: E402
+from policies.mixed_precision import Precision, resolve_precision  # noqa: E402
+from policies.private_api import TorchDispatchMode  # noqa: E402
+from utils.distributed import process_group  # noqa: E402
+from utils.eval.generation import gathered_for_generation, generate  # noqa: E402
+from utils.fsdp.shard import shard_model  # noqa: E402
+from utils.train.step import StepSettings, train_step  # noqa: E402
+
+FP32 = Precision("fp32_policy")
+
+
+def random_batch(config, device: torch.device, rows: int = 4, seed: int = 0) -> dict:
+    """Token ids with right padding of different lengths, as the collate makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    source = torch.randint(2, config.vocab_size, (rows, 32), generator=gen)
+    target = torch.randint(2, config.vocab_size, (rows, 8), generator=gen)
+    source_mask = (torch.arange(32) < torch.randint(8, 33, (rows, 1), generator=gen)).long()
+    target_mask = (torch.arange(8) < torch.randint(2, 9, (rows, 1), generator=gen)).long()
+    batch = {"source_ids": source * source_mask, "source_mask": source_mask, "target_ids": target * target_mask,
+             "target_mask": target_mask}  # fmt: skip
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def fresh_model(model_name: str, fsdp: FSDPConfig, precision: Precision, device: torch.device):
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(model_name, use_cache=False, dropout_rate=0.0)
+    return shard_model(AutoModelForSeq2SeqLM.from_config(config), fsdp, precision, device), config
+
+
+def check_backends(device: torch.device) -> tuple[str, str]:
+    """The default group's backend, and a CPU tensor and a device tensor all-reduced over it. On CUDA the
+    control: a group of NCCL alone refuses the CPU tensor (pytorch#148532), which CPU offload's gradient norm
+    would all-reduce."""
+    found = [f"backend {process_group.group_backend(device, cpu_offload=True)}"]
+    for where in {torch.device("cpu"), device}:
+        value = torch.ones(1, device=where)
+        dist.all_reduce(value)
+        found.append(f"{where.type} all-reduce {value.item():g}")
+        if value.item() != dist.get_world_size():
+            return "FAILED", ", ".join(found)
+    if device.type == "cuda":
+        nccl_alone = dist.new_group(backend="nccl")
+        try:
+            dist.all_reduce(torch.ones(1), group=nccl_alone)
+            found.append("control: NCCL alone took a CPU tensor (the finding does not hold here)")
+        except RuntimeError as err:
+            found.append(f"control: NCCL alone refuses a CPU tensor ({str(err).splitlines()[0][:80]})")
+    return "ok", ", ".join(found)
+
+
+def check_cpu_offload(model_name: str, device: torch.device) -> tuple[str, str]:
+    """FSDP2 with CPU offload: two steps with the gradient norm (clipping), on the combined backend."""
+    if device.type != "cuda":
+        return "skipped", "CPU offload needs a GPU"
+    fsdp = FSDPConfig(fsdp_version=2, fsdp_cpu_offload=True, mixed_precision=False)
+    model, config = fresh_model(model_name, fsdp, FP32, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    norms = []
+    for step in range(2):
+        batch = random_batch(config, device, seed=step)
+        stats = train_step(model, batch, optimizer, None, dist.get_world_size(), StepSettings(max_grad_norm=1.0))
+        norms.append(float(stats[4]) * dist.get_world_size())
+    finite = all(torch.isfinite(torch.tensor(norms)))
+    return ("ok" if finite else "FAILED"), f"gradient norms {', '.join(f'{n:.3g}' for n in norms)}"
+
+
+def check_syncs(model_name: str, device: torch.device) -> tuple[str, str]:
+    """Host syncs in three training steps (FSDP2, bf16 where native), counted by CUDA's sync debug mode. The
+    model's own: transformers' attention-mask helper asks whether the padding mask is all ones, twice a
+    forward (tests/test_host_syncs.py counts the same on CPU)."""
+    if device.type != "cuda":
+        return "skipped", "CUDA's sync debug mode (tests/test_host_syncs.py counts them on CPU)"
+    precision = resolve_precision(FSDPConfig(), device)
+    model, config = fresh_model(model_name, FSDPConfig(fsdp_version=2), precision, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    settings = StepSettings(max_grad_norm=1.0, skip_nonfinite=True)
+    train_step(model, random_batch(config, device), optimizer, None, dist.get_world_size(), settings)  # warm-up
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for step in range(3):
+                batch = random_batch(config, device, seed=step + 1)
+                train_step(model, batch, optimizer, None, dist.get_world_size(), settings)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    expected = 3 * 2  # three steps, one forward each, two mask checks a forward
+    where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+    status = "ok" if len(syncs) <= expected else "FAILED"
+    return status, f"{len(syncs)} syncs in 3 steps (transformers' mask checks: {expected}) at {where}"
+
+
+def check_bf16(device: torch.device) -> tuple[str, str]:
+    precision = resolve_precision(FSDPConfig(), device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else "-"
+    said = precision.fallback or "bf16 computed natively"
+    return "ok", f"capability {capability}: policy {precision.name} ({said})"
+
+
+def check_sharded_save(model_name: str, device: torch.device, folder: str) -> tuple[str, str]:
+    """FSDP2's sharded state dict saved with torch.distributed.checkpoint and loaded into a second model."""
+    fsdp = FSDPConfig(fsdp_version=2, mixed_precision=False)
+    model, config = fresh_model(model_name, fsdp, FP32, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step(model, random_batch(config, device), optimizer, None, dist.get_world_size())
+    started = time.perf_counter()
+    dcp.save(get_model_state_dict(model), checkpoint_id=folder)
+    saved = time.perf_counter() - started
+    torch.manual_seed(1)
+    other, _ = fresh_model(model_name, fsdp, FP32, device)
+    state = get_model_state_dict(other)
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(other, state)
+    equal = all(
+        torch.equal(a.full_tensor(), b.full_tensor())
+        for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True)
+    )
+    return ("ok" if equal else "FAILED"), f"saved in {saved:.2f} s, loaded equal: {equal}"
+
+
+class AllGatherCount(TorchDispatchMode):
+    """How many all-gathers ran inside it: c10d's ops as every torch version dispatches them, whichever Python
+    function (all_gather_into_tensor, all_gather_single) FSDP called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        collective = func.namespace in ("c10d", "_c10d_functional")  # not FSDP2's own copy-in op
+        self.count += collective and ("allgather" in name or "all_gather" in name)
+        return func(*args, **(kwargs or {}))
+
+
+def check_generation(model_name: str, device: torch.device) -> tuple[str, str]:
+    """All-gathers of a greedy generation of 8 tokens under FULL_SHARD (FSDP2), gathered per token and kept
+    gathered (--gather_for_generation), and whether both write the same tokens."""
+    found = {}
+    for keep in (False, True):
+        model, config = fresh_model(model_name, FSDPConfig(fsdp_version=2, mixed_precision=False), FP32, device)
+        model.eval()
+        settings = {"num_beams": 1, "max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+        with AllGatherCount() as gathers, gathered_for_generation(model, keep):
+            ids = generate(model, random_batch(config, device), settings)
+        found[keep] = (gathers.count, ids.tolist())
+    same = found[False][1] == found[True][1]
+    per_token, kept = found[False][0], found[True][0]
+    return (
+        "ok" if same else "FAILED"
+    ), f"all-gathers for 8 tokens: {per_token}, kept gathered {kept}; same: {same}"
+
+
+def run_checks(device: torch.device, model_name: str, folder: str) -> dict:
+    """Every check on every rank (collective), each with its status, what it found and its seconds; rank 0
+    prints one line per check. `folder`: a scratch folder every rank of a node sees."""
+    checks = {
+        "backends": lambda: check_backends(device),
+        "bf16 choice": lambda: check_bf16(device),
+        "CPU offload": lambda: check_cpu_offload(model_name, device),
+        "host syncs": lambda: check_syncs(model_name, device),
+        "sharded save and load": lambda: check_sharded_save(model_name, device, folder),
+        "generation's all-gathers": lambda: check_generation(model_name, device),
+    }
+    findings = {}
+    for name, check in checks.items():
+        started = time.perf_counter()
+        try:
+            status, found = check()
+        except Exception as err:  # noqa: BLE001 - a check that breaks is a finding; the others still run
+            status, found = "FAILED", f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        findings[name] = {"status": status, "found": found, "seconds": round(time.perf_counter() - started, 2)}
+        if dist.get_rank() == 0:
+            print(f"{name}: {status}: {found}", flush=True)
+        dist.barrier()
+    return findings
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--model_name", default=str(EMBEDDED_MODEL_DIR))
+    parser.add_argument("--output", help="write the findings here as JSON (rank 0)")
+    args = parser.parse_args()
+    info = process_group.describe_launch(args.device, cpu_offload=True)
+    process_group.init_distributed(info, timeout_s=120)
+    allocator = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    findings = {"device": str(info.device), "world_size": info.world_size, "torch": torch.__version__,
+                "allocator": allocator}  # fmt: skip
+    if info.device.type == "cuda":
+        findings["gpu"] = torch.cuda.get_device_name(info.device)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = [scratch]
+        dist.broadcast_object_list(folder, src=0)  # rank 0's: one folder for the ranks of one node
+        checks = run_checks(info.device, args.model_name, folder[0])
+        dist.barrier()  # every rank is done with the folder before rank 0 removes it
+    if info.is_main and args.output:
+        Path(args.output).write_text(json.dumps({**findings, **checks}, indent=2), encoding="utf-8")
+    dist.destroy_process_group()
+    return 1 if any(check["status"] == "FAILED" for check in checks.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""--gather_for_generation: generation under FULL_SHARD gathers each layer unit once per evaluation instead of
+once per generated token, writes the same tokens, and leaves every unit sharded for training, which goes on
+exactly as after a generation that gathered per token. Counted on 2 gloo ranks, both FSDP versions."""
+
+import pytest
+import torch
+
+from tests.dist_harness import run_ranks
+from tests.dist_workers import generation_gathers_worker, tiny_t5
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(generation_gathers_worker)
+
+
+def per_token(counts: dict) -> float:
+    return (counts[8] - counts[4]) / 4
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_kept_units_are_gathered_once_and_write_the_same_tokens(runs, version):
+    layers = len(tiny_t5(on_meta=True).decoder.block)
+    for rank, out in enumerate(runs):
+        every_token, kept = out[(version, False)], out[(version, True)]
+        # Per token: every decoder layer unit again (and, FSDP2, the root's forward method); kept: none.
+        assert per_token(every_token["all_gathers"]) >= layers, (rank, every_token["all_gathers"])
+        assert per_token(kept["all_gathers"]) == 0, (rank, kept["all_gathers"])
+        assert kept["all_gathers"][4] < every_token["all_gathers"][4], rank
+        assert kept["ids"] == every_token["ids"], rank
+        assert kept["sharded_after"] and every_token["sharded_after"], rank
+        assert kept["losses_after"] == every_token["losses_after"], rank  # bit for bit
+
+
+def test_auto_keeps_what_fits_in_half_the_free_memory(monkeypatch):
+    from utils.eval import generation
+
+    model = tiny_t5()
+    numel = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(generation.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(generation.dist, "all_reduce", lambda tensor: None)  # one rank standing for all
+    monkeypatch.setattr(generation, "any_rank", lambda flag, device: flag)
+    cpu = torch.device("cpu")
+    for free, keep in ((4 * numel * 2, True), (4 * numel * 2 - 2, False), (None, False)):
+        monkeypatch.setattr(generation, "available_memory", lambda free=free: free)
+        assert generation.keep_gathered(model, "auto", torch.float32, cpu) is keep, free
+    monkeypatch.setattr(generation, "available_memory", lambda: 2 * numel * 2)  # bf16 needs half
+    assert generation.keep_gathered(model, "auto", torch.bfloat16, cpu)
+    assert not generation.keep_gathered(model, "auto", torch.float32, cpu)
+    assert generation.keep_gathered(model, "true", torch.float32, cpu)
+    assert not generation.keep_gathered(model, "false", torch.bfloat16, cpu)
+    monkeypatch.setattr(generation.dist, "get_world_size", lambda: 1)
+    assert not generation.keep_gathered(model, "auto", torch.bfloat16, cpu)  # one rank: nothing to gather
