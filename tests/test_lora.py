@@ -190,6 +190,10 @@ def test_a_stopped_lora_run_resumes_to_the_uninterrupted_runs_losses(
         resumed = pooled(["--output_dir", str(output_dir), "--resume", "true", "--max_steps", "0"])
     assert resumed.returncode == 0, resumed.describe()
     assert saved and resumed_from(resumed)[2] == saved[-1], (saved, resumed.describe())
+    # FSDP1's adapter units (q and v of 2 encoder and 2 decoder blocks, the decoder's cross-attention too:
+    # 12 layers, an A and a B each) are named with the way out; FSDP2 has none
+    adapter_units = "FSDP1: 24 of the units are LoRA adapters"
+    assert (adapter_units in resumed.output) == (fsdp_version == "1"), resumed.describe()
     assert_losses_match(output_dir, lora_reference)
     assert (output_dir / "hf_adapter" / "adapter_model.safetensors").is_file()
     assert not (output_dir / "hf_model").exists()

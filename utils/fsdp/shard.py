@@ -218,4 +218,13 @@ def log_fsdp_layout(model: nn.Module, precision: Precision) -> None:
         strategy,
         precision.name,
     )
+    # LoRA's lora_A and lora_B, units of their own under FSDP1 in a partly frozen model
+    adapters = by_class.get("Linear", 0) if any(not p.requires_grad for p in model.parameters()) else 0
+    if not isinstance(model, FSDPModule) and adapters:
+        get_logger().info(
+            "FSDP1: %d of the units are LoRA adapters, each with its own all-gathers and reduce-scatters every "
+            "step (a flat parameter cannot mix frozen and trained weights); --fsdp_version 2 keeps the adapters "
+            "in their layers' units (docs/ecosystem.md: LoRA)",
+            adapters,
+        )
     get_logger().debug("FSDP model:\n%s", model)
