@@ -146,7 +146,9 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     start = resolve_start(
         config.checkpointing.resume, train.output_dir, job, attempt, not evaluation.evaluate_only
     )
-    precision = resolve_precision(config.fsdp, info.device)
+    precision = resolve_precision(
+        config.fsdp, info.device, functools.partial(process_group.any_rank, device=info.device)
+    )
     if precision.fallback:
         get_logger().info("%s", precision.fallback)
     log_evaluation_plan(config)

@@ -81,7 +81,7 @@ class EvalConfig:
             "each unit is gathered again for every generated token (for t5-11b about 13 GB of all-gather per "
             "token per rank), holding about one unit at a time. auto: true where the whole model's parameters, "
             "in the compute dtype, take at most half of the free memory of every rank's device (the GPU's, or "
-            "the host's MemAvailable), with more than one rank."
+            "the host's MemAvailable shared by its ranks), with more than one rank."
         ),
     )
     metric_for_best: Literal["val_loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "accuracy"] = option(

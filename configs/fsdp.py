@@ -49,18 +49,18 @@ class FSDPConfig:
     mixed_precision: bool = option(
         default=True,
         help=(
-            "true: bf16 (or fp16 with use_fp16) FSDP mixed precision where the device computes bf16 "
-            "natively (GPUs from Ampere on; CPUs whose oneDNN has bf16 kernels: AVX512 or AMX, ARM with "
-            "bf16); elsewhere fp32, with one line saying why (see allow_emulated_bf16). false: fp32 "
-            "everywhere (fp32_policy)."
+            "true: bf16 (or fp16 with use_fp16) FSDP mixed precision where every rank's device has bf16 "
+            "kernels (GPUs from Ampere on; CPUs for which oneDNN has them: AVX512 or AMX, ARM with bf16); "
+            "elsewhere fp32, with one line saying why (see allow_emulated_bf16). false: fp32 everywhere "
+            "(fp32_policy)."
         ),
     )
     allow_emulated_bf16: bool = option(
         default=False,
         help=(
             "With mixed_precision: bf16 also where the device only emulates it (a V100 or T4; an AVX2 CPU), "
-            "which is slower than fp32 there (the demo: 3 min 23 s against 2 min 11 s on this project's AVX2 "
-            "CPU). For checking bf16 numerics on such a machine."
+            "which is slower than fp32 there (the demo took about 1.5 times fp32's time in bf16 on this "
+            "project's AVX2 CPU). For checking bf16 numerics on such a machine."
         ),
     )
     use_fp16: bool = option(

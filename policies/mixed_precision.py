@@ -7,6 +7,7 @@ in POLICIES everywhere (config.json, the log). `resolve_precision` turns the set
 per run; everything that depends on the precision asks that object."""
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ def bf16_problem(device: torch.device, allow_emulated: bool = False) -> str | No
 
     Replaces the tutorial's check, which imported pkg_resources (gone from recent setuptools) and read
     torch.version.cuda (None on CPU builds; docs/pitfalls.md #6). bf16 needs the device to compute it and the
-    backend to reduce it; by default it needs native bf16 too, because emulated bf16 is slower than fp32 (the
+    backend to reduce it; by default it needs bf16 kernels too, because emulated bf16 is slower than fp32 (the
     tutorial's fallback promise). On CUDA: compute capability 8.0 (Ampere) or newer (torch's
     `is_bf16_supported` counts emulation unless told not to, so a V100 or T4 would train in slow emulated bf16)
     and NCCL 2.10+, the first with bf16 reductions. On CPU: oneDNN's bf16 kernels (AVX512 or AMX, ARM's bf16
@@ -71,8 +72,9 @@ def bf16_problem(device: torch.device, allow_emulated: bool = False) -> str | No
     if allow_emulated and cpu_computes_bf16():
         return None
     return (
-        f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 (AVX512 or AMX), and emulated "
-        "bf16 is slower than fp32: training in fp32 instead; --allow_emulated_bf16 true to use bf16"
+        f"oneDNN has no bf16 kernels for this CPU ({torch.backends.cpu.get_cpu_capability()}; they need AVX512 or "
+        "AMX), and torch's emulated bf16 is slower than fp32: training in fp32 instead; --allow_emulated_bf16 "
+        "true to use bf16"
     )
 
 
@@ -133,9 +135,14 @@ class Precision:
         return MixedPrecisionPolicy(param_dtype=self.policy.param_dtype, reduce_dtype=self.policy.reduce_dtype)
 
 
-def resolve_precision(fsdp_config: FSDPConfig, device: torch.device) -> Precision:
+def resolve_precision(
+    fsdp_config: FSDPConfig, device: torch.device, any_rank: Callable[[bool], bool] = bool
+) -> Precision:
     """The policy for these settings on `device`: bf16 falls back to fp32 where the device cannot do it, or
-    only emulates it (unless --allow_emulated_bf16 true)."""
+    only emulates it (unless --allow_emulated_bf16 true). `any_rank(flag)`: whether the flag holds on any rank
+    (collective); every rank then falls back if one does, since FSDP's collectives need one dtype on all."""
     wants_bf16 = fsdp_config.mixed_precision and not fsdp_config.use_fp16
     fallback = bf16_problem(device, fsdp_config.allow_emulated_bf16) if wants_bf16 else None
+    if any_rank(fallback is not None) and fallback is None:
+        fallback = "another rank's device has no bf16 kernels: every rank trains in fp32"
     return Precision(select_policy_name(fsdp_config, fallback is None), fallback)

@@ -137,50 +137,66 @@ def cpu_has_native_bf16() -> bool:
 def fsdp1_units_kept_unsharded(model: nn.Module):
     """Inside: FSDP1's units keep their parameters gathered after a forward (their handles take the strategy
     that does not reshard after forward: FULL_SHARD -> SHARD_GRAD_OP, HYBRID_SHARD -> _HYBRID_SHARD_ZERO2), so
-    later forwards gather nothing; at the end each unit frees its gathered parameters and gets its strategy
-    back. Public replacement: FSDP2's `FSDPModule.set_reshard_after_forward` (FSDP1 has none)."""
+    later forwards gather nothing; at the end each unit gets its strategy back and frees what it gathered (as
+    a reshard does, but without queueing an event for the all-gather rate limiter, which would then wait on
+    one event per unit for the next steps). Public replacement: FSDP2's `FSDPModule.set_reshard_after_forward`
+    (FSDP1 has none)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import HandleShardingStrategy
-    from torch.distributed.fsdp._runtime_utils import _reshard
 
     keep = {
         HandleShardingStrategy.FULL_SHARD: HandleShardingStrategy.SHARD_GRAD_OP,
         HandleShardingStrategy.HYBRID_SHARD: HandleShardingStrategy._HYBRID_SHARD_ZERO2,
     }
-    units = [(unit, unit._handle) for unit in FullyShardedDataParallel.fsdp_modules(model) if unit._handle]
-    before = {handle: handle._sharding_strategy for _, handle in units}
-    for _, handle in units:
+    handles = [unit._handle for unit in FullyShardedDataParallel.fsdp_modules(model) if unit._handle]
+    before = {handle: handle._sharding_strategy for handle in handles}
+    for handle in handles:
         handle._sharding_strategy = keep.get(handle._sharding_strategy, handle._sharding_strategy)
     try:
         yield
     finally:
-        for unit, handle in units:
+        for handle in handles:
             handle._sharding_strategy = before[handle]
-            if handle.uses_sharded_strategy:
-                _reshard(unit, handle, True)  # frees the gathered parameters
+            # a unit that never ran a forward has no gathered buffer to free
+            if handle.uses_sharded_strategy and hasattr(handle.flat_param, "_full_param_padded"):
+                handle.reshard(True)
+                handle.post_reshard()
+                handle._prefetched = False
+
+
+def fsdp1_unsharded_numel(model: nn.Module) -> int:
+    """Elements of FSDP1's model, whole (padding and replicas not counted). Public replacement: the DTensors
+    of FSDP2, whose `numel()` is the whole parameter's."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    return sum(unit._handle.flat_param._unpadded_unsharded_size.numel() for unit in units if unit._handle)
 
 
 @contextlib.contextmanager
 def fsdp2_units_kept_unsharded(model: nn.Module):
     """Inside: FSDP2's units keep their parameters gathered after a forward, so later forwards gather nothing;
-    at the end each unit reshards and gets its setting back. Public replacement: `set_reshard_after_forward`
+    at the end each unit gets its setting back and reshards. Public replacement: `set_reshard_after_forward`
     (which this calls), were there a way to read the setting it replaces."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    states = [unit._get_fsdp_state() for unit in units]
-    groups = [group for state in states for group in state._fsdp_param_groups]
-    before = (
-        [group.post_forward_mesh_info for group in groups],
-        [state._auto_reshard_after_forward for state in states],
-    )
+    groups = [group for unit in units for group in fsdp2_param_groups(unit)]
+    settings = [group.post_forward_mesh_info for group in groups]
     model.set_reshard_after_forward(False, recurse=True)
     try:
         yield
     finally:
-        for group, setting in zip(groups, before[0], strict=True):
+        for group, setting in zip(groups, settings, strict=True):
             group.post_forward_mesh_info = setting
-        for state, auto in zip(states, before[1], strict=True):
-            state._auto_reshard_after_forward = auto
         for unit in units:
             unit.reshard()
+
+
+def fsdp2_param_groups(unit: nn.Module) -> list:
+    """An FSDP2 unit's parameter groups: a list in torch 2.13 (`_fsdp_param_groups`), one group or None in
+    earlier versions (`_fsdp_param_group`, torch 2.11 on the GPU machine)."""
+    state = unit._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []

@@ -35,7 +35,8 @@ from policies.private_api import TorchDispatchMode  # noqa: E402
 from utils.distributed import process_group  # noqa: E402
 from utils.eval.generation import gathered_for_generation, generate  # noqa: E402
 from utils.fsdp.shard import shard_model  # noqa: E402
-from utils.train.step import StepSettings, train_step  # noqa: E402
+from utils.log import ProgressLines  # noqa: E402
+from utils.train.step import GRAD_NORM, StepSettings, train_step, validate  # noqa: E402
 
 FP32 = Precision("fp32_policy")
 
@@ -62,8 +63,8 @@ def check_backends(device: torch.device) -> tuple[str, str]:
     """The default group's backend, and a CPU tensor and a device tensor all-reduced over it. On CUDA the
     control: a group of NCCL alone refuses the CPU tensor (pytorch#148532), which CPU offload's gradient norm
     would all-reduce."""
-    found = [f"backend {process_group.group_backend(device, cpu_offload=True)}"]
-    for where in {torch.device("cpu"), device}:
+    found = [f"backend {dist.get_backend()}"]
+    for where in dict.fromkeys((torch.device("cpu"), device)):  # in order, once each
         value = torch.ones(1, device=where)
         dist.all_reduce(value)
         found.append(f"{where.type} all-reduce {value.item():g}")
@@ -90,15 +91,16 @@ def check_cpu_offload(model_name: str, device: torch.device) -> tuple[str, str]:
     for step in range(2):
         batch = random_batch(config, device, seed=step)
         stats = train_step(model, batch, optimizer, None, dist.get_world_size(), StepSettings(max_grad_norm=1.0))
-        norms.append(float(stats[4]) * dist.get_world_size())
+        norms.append(float(stats[GRAD_NORM]) * dist.get_world_size())
     finite = all(torch.isfinite(torch.tensor(norms)))
     return ("ok" if finite else "FAILED"), f"gradient norms {', '.join(f'{n:.3g}' for n in norms)}"
 
 
 def check_syncs(model_name: str, device: torch.device) -> tuple[str, str]:
-    """Host syncs in three training steps (FSDP2, bf16 where native), counted by CUDA's sync debug mode. The
-    model's own: transformers' attention-mask helper asks whether the padding mask is all ones, twice a
-    forward (tests/test_host_syncs.py counts the same on CPU)."""
+    """Host syncs in three training steps and a validation pass of three batches (FSDP2, bf16 where the GPU
+    has it), counted by CUDA's sync debug mode. The model's own: transformers' attention-mask helper asks
+    whether the padding mask is all ones, twice a forward; the validation pass's end reads its sums once
+    (tests/test_host_syncs.py counts the same on CPU)."""
     if device.type != "cuda":
         return "skipped", "CUDA's sync debug mode (tests/test_host_syncs.py counts them on CPU)"
     precision = resolve_precision(FSDPConfig(), device)
@@ -107,20 +109,32 @@ def check_syncs(model_name: str, device: torch.device) -> tuple[str, str]:
     settings = StepSettings(max_grad_norm=1.0, skip_nonfinite=True)
     train_step(model, random_batch(config, device), optimizer, None, dist.get_world_size(), settings)  # warm-up
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for step in range(3):
-                batch = random_batch(config, device, seed=step + 1)
-                train_step(model, batch, optimizer, None, dist.get_world_size(), settings)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    expected = 3 * 2  # three steps, one forward each, two mask checks a forward
-    where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
-    status = "ok" if len(syncs) <= expected else "FAILED"
-    return status, f"{len(syncs)} syncs in 3 steps (transformers' mask checks: {expected}) at {where}"
+    found = {}
+    for phase in ("training", "validation"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                if phase == "training":
+                    for step in range(3):
+                        batch = random_batch(config, device, seed=step + 1)
+                        train_step(model, batch, optimizer, None, dist.get_world_size(), settings)
+                else:
+                    batches = [random_batch(config, torch.device("cpu"), seed=10 + k) for k in range(3)]
+                    progress = ProgressLines(3, "validation", "batch")
+                    validate(model, batches, device=device, num_real_samples=12, progress=progress,
+                             stop_requested=lambda: False)  # fmt: skip
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        found[phase] = [w for w in caught if "synchroniz" in str(w.message)]
+    expected = {"training": 3 * 2, "validation": 3 * 2 + 1}  # forwards x mask checks; the sums
+    status = "ok" if all(len(found[phase]) <= expected[phase] for phase in found) else "FAILED"
+    text = "; ".join(
+        f"{phase}: {len(syncs)} syncs (expected at most {expected[phase]}) at "
+        f"{sorted({f'{Path(w.filename).name}:{w.lineno}' for w in syncs})}"
+        for phase, syncs in found.items()
+    )
+    return status, text
 
 
 def check_bf16(device: torch.device) -> tuple[str, str]:

@@ -48,7 +48,7 @@ from utils.checkpoint.start import resolve_start
 from utils.checkpoint.state_dicts import gather_full_state_dict, save_full_model, sharded_model_state
 from utils.data.loaders import build_loader, move_batch
 from utils.data.samplers import PaddedEvalSampler
-from utils.distributed.process_group import DistInfo
+from utils.distributed.process_group import DistInfo, StopAgreed, StopCheck
 from utils.distributed.progress_bounded import PeerFailed, PeerStalled, progress_bounded
 from utils.fsdp.shard import shard_model
 from utils.log import ProgressLines
@@ -1150,18 +1150,29 @@ def host_reads_worker(rank: int, world_size: int) -> dict:
     return out
 
 
+GATHER_VARIANTS = {  # name: (FSDP overrides, precision)
+    "FSDP1": ({"fsdp_version": 1}, FP32),
+    "FSDP2": ({"fsdp_version": 2}, FP32),
+    "FSDP1 HYBRID_SHARD, original parameters": (
+        {"sharding_strategy": "HYBRID_SHARD", "use_orig_params": True},
+        FP32,
+    ),
+    "FSDP2 bf16": ({"fsdp_version": 2}, Precision("bfSixteen_fp32_reduce")),
+}
+
+
 def generation_gathers_worker(rank: int, world_size: int) -> dict:
-    """For each FSDP version (FULL_SHARD), with and without --gather_for_generation: the all-gathers of a
-    greedy generation of 4 and of 8 new tokens, its token ids, whether every unit is sharded again after it,
-    and the losses of two training steps after it."""
+    """For each of GATHER_VARIANTS, with and without --gather_for_generation: the all-gathers of a greedy
+    generation of 4 and of 8 new tokens, its token ids, whether every unit is sharded again after it, and the
+    losses of two training steps after it."""
     from scripts.gpu_check import AllGatherCount
-    from utils.eval.generation import gathered_for_generation, generate
+    from utils.eval.generation import gathered_for_generation, generate, whole_model_numel
 
     out = {}
     settings = {"num_beams": 1, "max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False}
-    for version in (1, 2):
+    for name, (overrides, precision) in GATHER_VARIANTS.items():
         for keep in (False, True):
-            model = shard_model(tiny_t5(seed=3), _fsdp_config({"fsdp_version": version}), FP32, CPU)
+            model = shard_model(tiny_t5(seed=3), _fsdp_config(overrides), precision, CPU)
             model.eval()
             counts, ids = {}, {}
             for tokens in (4, 8):
@@ -1175,7 +1186,8 @@ def generation_gathers_worker(rank: int, world_size: int) -> dict:
                 counts[tokens] = counter.count
             model.train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-            out[(version, keep)] = {
+            out[(name, keep)] = {
+                "whole_numel": whole_model_numel(model),
                 "all_gathers": counts,
                 "ids": ids,
                 "sharded_after": all_units_sharded(model),
@@ -1190,3 +1202,15 @@ def all_units_sharded(model: nn.Module) -> bool:
         buffers = [fsdp1_unsharded_flat_parameter(unit) for unit in FSDP.fsdp_modules(model)]
         return all(b is None or b.untyped_storage().size() == 0 for b in buffers)
     return all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def stop_check_worker(rank: int, world_size: int, request_at: int, batches: int) -> int | None:
+    """The batch at which StopCheck raises StopAgreed on this rank (None: the pass ended) when rank 1 is asked
+    to stop before batch `request_at`."""
+    check = StopCheck(lambda: rank == 1 and batch >= request_at, CPU)
+    for batch in range(batches):  # noqa: B007 - the stop request reads it
+        try:
+            check()
+        except StopAgreed:
+            return batch
+    return None

@@ -1,12 +1,13 @@
 """--gather_for_generation: generation under FULL_SHARD gathers each layer unit once per evaluation instead of
 once per generated token, writes the same tokens, and leaves every unit sharded for training, which goes on
-exactly as after a generation that gathered per token. Counted on 2 gloo ranks, both FSDP versions."""
+exactly as after a generation that gathered per token. Counted on 2 gloo ranks: both FSDP versions, a hybrid
+mesh with original parameters, bf16."""
 
 import pytest
 import torch
 
 from tests.dist_harness import run_ranks
-from tests.dist_workers import generation_gathers_worker, tiny_t5
+from tests.dist_workers import GATHER_VARIANTS, generation_gathers_worker, tiny_t5
 
 
 @pytest.fixture(scope="module")
@@ -18,11 +19,11 @@ def per_token(counts: dict) -> float:
     return (counts[8] - counts[4]) / 4
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_kept_units_are_gathered_once_and_write_the_same_tokens(runs, version):
+@pytest.mark.parametrize("variant", GATHER_VARIANTS)
+def test_kept_units_are_gathered_once_and_write_the_same_tokens(runs, variant):
     layers = len(tiny_t5(on_meta=True).decoder.block)
     for rank, out in enumerate(runs):
-        every_token, kept = out[(version, False)], out[(version, True)]
+        every_token, kept = out[(variant, False)], out[(variant, True)]
         # Per token: every decoder layer unit again (and, FSDP2, the root's forward method); kept: none.
         assert per_token(every_token["all_gathers"]) >= layers, (rank, every_token["all_gathers"])
         assert per_token(kept["all_gathers"]) == 0, (rank, kept["all_gathers"])
@@ -30,6 +31,8 @@ def test_kept_units_are_gathered_once_and_write_the_same_tokens(runs, version):
         assert kept["ids"] == every_token["ids"], rank
         assert kept["sharded_after"] and every_token["sharded_after"], rank
         assert kept["losses_after"] == every_token["losses_after"], rank  # bit for bit
+        # what auto weighs: the whole model, neither the shard nor one copy per replica
+        assert every_token["whole_numel"] == sum(p.numel() for p in tiny_t5(on_meta=True).parameters()), rank
 
 
 def test_auto_keeps_what_fits_in_half_the_free_memory(monkeypatch):
@@ -38,8 +41,8 @@ def test_auto_keeps_what_fits_in_half_the_free_memory(monkeypatch):
     model = tiny_t5()
     numel = sum(p.numel() for p in model.parameters())
     monkeypatch.setattr(generation.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(generation.dist, "all_reduce", lambda tensor: None)  # one rank standing for all
-    monkeypatch.setattr(generation, "any_rank", lambda flag, device: flag)
+    monkeypatch.setattr(generation, "any_rank", lambda flag, device: flag)  # one rank standing for all
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     cpu = torch.device("cpu")
     for free, keep in ((4 * numel * 2, True), (4 * numel * 2 - 2, False), (None, False)):
         monkeypatch.setattr(generation, "available_memory", lambda free=free: free)
@@ -49,5 +52,7 @@ def test_auto_keeps_what_fits_in_half_the_free_memory(monkeypatch):
     assert not generation.keep_gathered(model, "auto", torch.float32, cpu)
     assert generation.keep_gathered(model, "true", torch.float32, cpu)
     assert not generation.keep_gathered(model, "false", torch.bfloat16, cpu)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # the host's memory is shared by its ranks
+    assert not generation.keep_gathered(model, "auto", torch.bfloat16, cpu)
     monkeypatch.setattr(generation.dist, "get_world_size", lambda: 1)
     assert not generation.keep_gathered(model, "auto", torch.bfloat16, cpu)  # one rank: nothing to gather

@@ -5,8 +5,10 @@ What is left is transformers' own: its attention-mask helper asks whether a padd
 skip the mask where nothing is padded), once for the encoder and once for the cross-attention of every
 forward."""
 
+import pytest
+
 from tests.dist_harness import run_ranks
-from tests.dist_workers import host_reads_worker
+from tests.dist_workers import host_reads_worker, stop_check_worker
 
 MODEL_CALL = "step.py"  # forward_token_losses's model(...) call: the reads below it are the model's own
 TRANSFORMERS_MASKS = "transformers/masking_utils.py"
@@ -28,7 +30,17 @@ def test_a_training_step_reads_nothing_back_but_transformers_mask_check():
             masks = ("_local_scalar_dense", TRANSFORMERS_MASKS)
             assert reads_by_origin(reads["steps"]) == {masks: 2 * FORWARDS}, f"{where}: {reads['steps']}"
             # validation: the same per forward, and the stop flag of each batch but the last, read a batch late
-            stop_flag = [r for r in reads["validation"] if "previous.item()" in r[1]]
+            stop_flag = [r for r in reads["validation"] if "host.item()" in r[1]]
             assert len(stop_flag) == VALIDATION_BATCHES - 1, f"{where}: {reads['validation']}"
             others = [r for r in reads["validation"] if r not in stop_flag]
             assert reads_by_origin(others) == {masks: 2 * VALIDATION_BATCHES}, f"{where}: {others}"
+
+
+@pytest.mark.parametrize(
+    "request_at, batches, stopped_at",
+    [(1, 5, 2), (0, 5, 1), (4, 5, None), (0, 1, None)],
+)
+def test_every_rank_stops_at_the_same_batch_one_after_the_request(request_at, batches, stopped_at):
+    """Rank 1 alone is asked to stop; both raise at the batch after it, read a batch late. A request at the
+    last batch (or in a pass of one batch) lets the pass end: the trainer's checks after it see the request."""
+    assert run_ranks(stop_check_worker, request_at, batches) == [stopped_at, stopped_at]

@@ -266,23 +266,38 @@ class StopCheck:
     """Agreement, once per evaluation batch, on whether any rank was asked to stop: raises StopAgreed on every
     rank, one batch after the request on the slowest. Collective (one scalar all-reduce per call).
 
-    The flag all-reduced before batch k is read before batch k + 1: by then the device has finished it (it was
-    queued ahead of batch k's forward), so the host never waits for the batch it just queued, where reading
-    the flag at once would stall a GPU on every batch. Every rank reads the same reduced value at the same
-    batch, so they stop together."""
+    The flag all-reduced before batch k is read before batch k + 1. On a GPU it is copied to pinned host
+    memory behind the all-reduce and read once that copy's event has passed: the host then waits only for
+    work queued before batch k's forward, never for the batch it just queued (reading the device value would
+    wait for the whole stream). Every rank reads the same reduced value at the same batch, so all stop
+    together."""
 
     def __init__(self, stop_requested: Callable[[], bool] | None, device: torch.device) -> None:
         self.stop_requested, self.device = stop_requested, device
-        self.pending: torch.Tensor | None = None  # the last batch's flag, reduced and not yet read
+        self.pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # last batch's flag, unread
 
     def __call__(self) -> None:
         if self.stop_requested is None:
             return
         flag = torch.full((1,), float(self.stop_requested()), device=self.device)  # no copy from host memory
         dist.all_reduce(flag)
-        previous, self.pending = self.pending, flag
-        if previous is not None and previous.item() > 0:
-            raise StopAgreed
+        previous, self.pending = self.pending, self.on_host(flag)
+        if previous is not None:
+            host, copied = previous
+            if copied is not None:
+                copied.synchronize()
+            if host.item() > 0:
+                raise StopAgreed
+
+    def on_host(self, flag: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """`flag` in host memory, and the event after which it holds the reduced value (None: it does now)."""
+        if flag.device.type != "cuda":
+            return flag, None
+        host = torch.empty(1, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

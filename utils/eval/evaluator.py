@@ -62,8 +62,8 @@ class Evaluator:
 
     def evaluate(self, model: nn.Module, epoch: int, step: int, stop_requested=None) -> dict:
         """Generate and score every row of the set; the eval record, on every rank. Collective.
-        `stop_requested` (a callable): when it is true on any rank, every rank abandons the pass at the next
-        batch (StopAgreed), writing nothing."""
+        `stop_requested` (a callable): when it is true on any rank, every rank abandons the pass within two
+        batches (StopAgreed; process_group.StopCheck), writing nothing."""
         WHERE.enter("generation")
         started = time.perf_counter()
         model.eval()

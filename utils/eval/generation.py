@@ -17,6 +17,7 @@ batches (repeats padded in and ignored when scoring).
 """
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from configs.data import DataConfig
 from configs.evaluation import EvalConfig
-from policies.private_api import fsdp1_units_kept_unsharded, fsdp2_units_kept_unsharded
+from policies.private_api import fsdp1_units_kept_unsharded, fsdp1_unsharded_numel, fsdp2_units_kept_unsharded
 from utils.distributed.process_group import any_rank
-from utils.observe.memory import available_memory, param_numel_local
+from utils.observe.memory import available_memory
 
 GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
 
@@ -88,17 +89,27 @@ def _fsdp1_compute_dtype(model: FSDP):
 def keep_gathered(model: nn.Module, setting: str, compute_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether generation keeps every unit gathered for the whole evaluation (--gather_for_generation): `setting`
     true or false, or auto: with more than one rank, where the whole model's parameters in `compute_dtype` take
-    at most half of every rank's free device memory (the other half: the decoding cache, the activations).
-    Collective: every rank must decide the same, or the ranks' all-gathers would no longer pair up."""
+    at most half of every rank's free device memory (the other half: the decoding cache, the activations; on
+    CPU the host's, shared by its ranks). Collective: every rank must decide the same, or the ranks'
+    all-gathers would no longer pair up."""
     if setting != "auto":
         return setting == "true"
     if dist.get_world_size() == 1:
         return False  # nothing is sharded: nothing to gather
-    numel = torch.tensor([param_numel_local(model)], dtype=torch.int64, device=device)
-    dist.all_reduce(numel)
-    needed = int(numel.item()) * compute_dtype.itemsize
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    needed = whole_model_numel(model) * compute_dtype.itemsize
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        available = available_memory()
+        free = None if available is None else available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return not any_rank(free is None or needed > free // 2, device)
+
+
+def whole_model_numel(model: nn.Module) -> int:
+    """Elements of the sharded model's parameters, whole: FSDP2's DTensors count the whole parameter."""
+    if isinstance(model, FSDP):
+        return fsdp1_unsharded_numel(model)
+    return sum(p.numel() for p in model.parameters())
 
 
 @contextlib.contextmanager
