@@ -138,3 +138,33 @@ def test_onednns_bf16_check_answers_for_this_cpu():
     assert isinstance(native, bool)
     if torch.cpu._is_avx2_supported() and not torch.cpu._is_avx512_supported():
         assert not native  # oneDNN's bf16 kernels need AVX512 on x86
+
+
+def test_the_fsdp_internals_that_keep_units_gathered_keep_their_names():
+    """Generation's kept gathers (tests/test_generation_gathers.py runs them): FSDP1's handle strategies and
+    the reshard steps, the flat parameter's sizes; FSDP2's post-forward setting of each parameter group."""
+    from torch.distributed.fsdp._flat_param import FlatParameter, FlatParamHandle, HandleShardingStrategy
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    assert {"SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2", "FULL_SHARD", "HYBRID_SHARD"} <= set(
+        HandleShardingStrategy.__members__
+    )
+    assert {"reshard", "post_reshard", "uses_sharded_strategy"} <= set(dir(FlatParamHandle))
+    assert "_prefetched" in inspect.getsource(FlatParamHandle.__init__)
+    assert "_unpadded_unsharded_size" in inspect.getsource(FlatParameter)
+    assert "self.post_forward_mesh_info" in inspect.getsource(FSDPParamGroup.__init__)
+    assert "_fsdp_param_group" in inspect.getsource(FSDPState)  # one group, or a list of them in torch 2.13
+
+
+def test_a_dispatch_mode_sees_every_op_with_its_arguments():
+    seen = []
+
+    class Record(private_api.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((func.overloadpacket.__name__, len(args)))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.ones(2).sum().item()
+    assert seen == [("ones", 1), ("sum", 1), ("_local_scalar_dense", 1)], seen
