@@ -1150,6 +1150,7 @@ def host_reads_worker(rank: int, world_size: int) -> dict:
     return out
 
 
+GATHER_TOKENS = (2, 4)  # new tokens of two generations: their difference in all-gathers is per token
 GATHER_VARIANTS = {  # name: (FSDP overrides, precision)
     "FSDP1": ({"fsdp_version": 1}, FP32),
     "FSDP2": ({"fsdp_version": 2}, FP32),
@@ -1163,19 +1164,19 @@ GATHER_VARIANTS = {  # name: (FSDP overrides, precision)
 
 def generation_gathers_worker(rank: int, world_size: int) -> dict:
     """For each of GATHER_VARIANTS, with and without --gather_for_generation: the all-gathers of a greedy
-    generation of 4 and of 8 new tokens, its token ids, whether every unit is sharded again after it, and the
-    losses of two training steps after it."""
+    generation of each of GATHER_TOKENS new tokens, its token ids, whether every unit is sharded again after it,
+    and the loss of a training step after it."""
     from scripts.gpu_check import AllGatherCount
     from utils.eval.generation import gathered_for_generation, generate, whole_model_numel
 
     out = {}
-    settings = {"num_beams": 1, "max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False}
+    settings = {"num_beams": 1, "do_sample": False}
     for name, (overrides, precision) in GATHER_VARIANTS.items():
         for keep in (False, True):
             model = shard_model(tiny_t5(seed=3), _fsdp_config(overrides), precision, CPU)
             model.eval()
             counts, ids = {}, {}
-            for tokens in (4, 8):
+            for tokens in GATHER_TOKENS:
                 counter = AllGatherCount()
                 with counter, gathered_for_generation(model, keep):
                     ids[tokens] = generate(
@@ -1191,7 +1192,7 @@ def generation_gathers_worker(rank: int, world_size: int) -> dict:
                 "all_gathers": counts,
                 "ids": ids,
                 "sharded_after": all_units_sharded(model),
-                "losses_after": train_wrapped(model, optimizer, rank, world_size, 2),
+                "losses_after": train_wrapped(model, optimizer, rank, world_size, 1),
             }
     return out
 

@@ -208,6 +208,7 @@ print("TITLES", json.dumps(list(load_wikihow(sys.argv[1], "train")["title"])))
 """
 
 
+@pytest.mark.slow  # 10-13 s in the fast subset (docs/development.md: the time budget)
 def test_two_runs_and_a_waiting_rank_at_once_build_the_cache_once(tmp_path):
     """Two LOCAL_RANK 0 processes (two runs started together) and a LOCAL_RANK 1 process (a rank waiting for
     its node's builder) start on an empty cache: one build, the same rows for all three."""

@@ -40,6 +40,7 @@ def regenerated(tmp_path_factory) -> Path:
     return out_dir
 
 
+@pytest.mark.slow  # 10-13 s in the fast subset (docs/development.md: the time budget)
 @pytest.mark.parametrize("name", SAMPLE_FILES)
 def test_sample_is_byte_identical(regenerated: Path, name: str) -> None:
     assert (regenerated / "sample" / name).read_bytes() == (COMMITTED / "sample" / name).read_bytes(), (

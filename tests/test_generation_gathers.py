@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_ranks
-from tests.dist_workers import GATHER_VARIANTS, generation_gathers_worker, tiny_t5
+from tests.dist_workers import GATHER_TOKENS, GATHER_VARIANTS, generation_gathers_worker, tiny_t5
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,8 @@ def runs():
 
 
 def per_token(counts: dict) -> float:
-    return (counts[8] - counts[4]) / 4
+    fewer, more = GATHER_TOKENS
+    return (counts[more] - counts[fewer]) / (more - fewer)
 
 
 @pytest.mark.parametrize("variant", GATHER_VARIANTS)
@@ -27,7 +28,7 @@ def test_kept_units_are_gathered_once_and_write_the_same_tokens(runs, variant):
         # Per token: every decoder layer unit again (and, FSDP2, the root's forward method); kept: none.
         assert per_token(every_token["all_gathers"]) >= layers, (rank, every_token["all_gathers"])
         assert per_token(kept["all_gathers"]) == 0, (rank, kept["all_gathers"])
-        assert kept["all_gathers"][4] < every_token["all_gathers"][4], rank
+        assert kept["all_gathers"][GATHER_TOKENS[0]] < every_token["all_gathers"][GATHER_TOKENS[0]], rank
         assert kept["ids"] == every_token["ids"], rank
         assert kept["sharded_after"] and every_token["sharded_after"], rank
         assert kept["losses_after"] == every_token["losses_after"], rank  # bit for bit

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from configs.paths import REPO_ROOT
 
 # In a fresh process: 32 tensors of 8 MB allocated after glibc has raised its mmap threshold (by freeing one
@@ -49,6 +51,7 @@ def released_bytes(*modes: str) -> list[int]:
     return figures
 
 
+@pytest.mark.slow  # 10-13 s in the fast subset (docs/development.md: the time budget)
 def test_trimming_gives_freed_tensors_back_to_the_os():
     trimmed, freed = released_bytes("trimmed", "freed")
     assert trimmed > 120e6  # the 128 MB leave the resident memory
