@@ -3,13 +3,13 @@
 `generate` (T5's, BART's) calls the encoder directly, not the model's forward, so FSDP never gathers the root
 unit's parameters (the shared embedding, the final norms, the tied lm_head) and generation fails on shards
 (docs/pitfalls.md #18). The root unit is therefore gathered around the whole call: FSDP1 with
-`summon_full_params(recurse=False)`, FSDP2 by registering `generate` as a forward method at wrap time. Each
-layer unit (T5Block) is still gathered only while it runs and freed after, so a rank holds at most the root
-unit and about one layer unit unsharded at any time, never the whole model.
+`summon_full_params(recurse=False)`, FSDP2 by registering `generate` as a forward method at wrap time.
 
-Gathered for every token, a layer unit costs one all-gather per generated token. Where the whole model fits
-(--gather_for_generation, `keep_gathered`), every unit instead stays gathered from its first forward until the
-evaluation ends (`gathered_for_generation`): one all-gather per unit and evaluation.
+Each layer unit (T5Block) is, by default where the whole model fits (--gather_for_generation, `keep_gathered`),
+gathered at its first forward and kept until the evaluation ends (`gathered_for_generation`): one all-gather
+per unit and evaluation. Otherwise it is gathered only while it runs and freed after, as in training: a rank
+then holds at most the root unit and about one layer unit unsharded, never the whole model, at the price of
+one all-gather per decoder unit and generated token.
 
 Ranks that finish decoding early must keep joining the all-gathers of the others: `synced_gpus=True`
 makes every rank step until all are done. The evaluation sampler gives every rank the same number of
