@@ -48,6 +48,7 @@ def test_sample_is_byte_identical(regenerated: Path, name: str) -> None:
     )
 
 
+@pytest.mark.slow  # shares the 10 s regeneration with the sample files' checks
 def test_sentencepiece_model_is_byte_identical(regenerated: Path) -> None:
     new = (regenerated / "tiny-t5" / "spiece.model").read_bytes()
     assert new == (COMMITTED / "tiny-t5" / "spiece.model").read_bytes()
