@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict  # noqa: E402
-from transformers import AutoConfig, AutoModelForSeq2SeqLM  # noqa: E402
+from transformers import AutoModelForSeq2SeqLM  # noqa: E402
 
 from configs.fsdp import FSDPConfig  # noqa: E402
 from configs.paths import EMBEDDED_MODEL_DIR  # noqa: E402
@@ -36,6 +36,7 @@ from utils.distributed import process_group  # noqa: E402
 from utils.eval.generation import gathered_for_generation, generate  # noqa: E402
 from utils.fsdp.shard import forward_warnings_ignored, shard_model  # noqa: E402
 from utils.log import ProgressLines  # noqa: E402
+from utils.model.loading import load_model_config  # noqa: E402
 from utils.train.step import GRAD_NORM, StepSettings, train_step, validate  # noqa: E402
 
 FP32 = Precision("fp32_policy")
@@ -55,7 +56,7 @@ def random_batch(config, device: torch.device, rows: int = 4, seed: int = 0) -> 
 
 def fresh_model(model_name: str, fsdp: FSDPConfig, precision: Precision, device: torch.device):
     torch.manual_seed(0)
-    config = AutoConfig.from_pretrained(model_name, use_cache=False, dropout_rate=0.0)
+    config = load_model_config(model_name, dropout_rate=0.0)  # checked, the KV cache off, as a run loads it
     return shard_model(AutoModelForSeq2SeqLM.from_config(config), fsdp, precision, device), config
 
 

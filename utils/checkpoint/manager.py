@@ -75,6 +75,7 @@ from utils.checkpoint.state_dicts import (
     tensor_only_optimizer_state,
 )
 from utils.distributed.hang_report import WHERE
+from utils.distributed.launcher import ranks_on_this_host
 from utils.distributed.process_group import DistInfo, usable_cpus
 from utils.distributed.progress_bounded import progress_bounded
 from utils.files import disk_bytes, free_bytes, is_disk_full, write_json
@@ -596,7 +597,7 @@ def check_room_to_stage(rank_bytes: int, shared: bool) -> None:
     """Before training, with --async_checkpoint: the copies a background save stages on this host must fit, or
     every rank stops with one message naming the fix (`staging_problem`); staging that does not fit ends in
     SIGBUS (shared memory) or the OOM killer at the first save. Collective."""
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    ranks_here = ranks_on_this_host(dist.get_world_size())
     problem = staging_problem(rank_bytes, ranks_here, shared, free_shared_memory(), available_memory())
     problems: list = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
@@ -673,7 +674,7 @@ def say_if_background_writes_have_no_core(device: torch.device, world_size: int)
     if device.type != "cpu":
         return
     cores, threads = usable_cpus(), torch.get_num_threads()
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's ranks on this host
+    ranks = ranks_on_this_host(world_size)
     if cores < ranks * (threads + 1):
         get_logger().warning(
             "--async_checkpoint true: %d CPU core(s), %d rank(s) of %d thread(s) each: the background writes "

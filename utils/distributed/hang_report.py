@@ -91,7 +91,7 @@ def record_collectives(output_dir: str, backend: str, environ: MutableMapping[st
     output_dir/hang_reports/, which exists from now on (a collective may time out before the run has begun;
     `reported_hangs` removes it at the end if it stayed empty); each setting only where the user has set none of
     its names."""
-    if "nccl" in backend:  # also "cuda:nccl,cpu:gloo" (process_group.group_backend)
+    if device_backend(backend) == "nccl":
         os.makedirs(os.path.join(output_dir, layout.HANG_REPORTS_DIR), exist_ok=True)
     settings = {
         BUFFER_SIZE: BUFFER_ENTRIES,
@@ -110,7 +110,7 @@ def reported_hangs(output_dir: str, timeout_s: int) -> Iterator[None]:
     NCCL's watchdog writes its dump into the reports' folder (made by `record_collectives`); left empty, the
     folder goes again when the block ends."""
     folder = os.path.join(output_dir, layout.HANG_REPORTS_DIR)
-    nccl = dist.is_initialized() and device_backend() == "nccl"
+    nccl = dist.is_initialized() and device_backend(dist.get_backend()) == "nccl"
     try:
         yield
     except FAILURES as err:
@@ -135,17 +135,16 @@ def is_collective_timeout(err: BaseException | None) -> bool:
     return False
 
 
-def device_backend() -> str:
-    """The default group's backend for the device: "nccl" also where a GPU run's group has a CPU backend
-    beside it ("cuda:nccl,cpu:gloo", utils/distributed/process_group.py: group_backend)."""
-    backend = str(dist.get_backend())
-    return "nccl" if "nccl" in backend.split(",")[0] else backend
+def device_backend(backend: str) -> str:
+    """A process group's backend for the device: "nccl" also where a GPU run's group has a CPU backend beside
+    it ("cuda:nccl,cpu:gloo", utils/distributed/process_group.py: group_backend)."""
+    return "nccl" if "nccl" in str(backend) else str(backend)
 
 
 def write_report(err: BaseException, output_dir: str, timeout_s: int) -> str:
     """Write this rank's report of `err`, a collective's timeout; returns the one line that names it. No
     collective: the group is broken."""
-    rank, backend = dist.get_rank(), device_backend()
+    rank, backend = dist.get_rank(), device_backend(dist.get_backend())
     path = layout.hang_report_file(output_dir, rank, layout.time_stamp())
     entries, none_because = recorded_collectives(backend)
     now = time.time_ns()

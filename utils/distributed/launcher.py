@@ -21,6 +21,12 @@ def launcher_ranks() -> tuple[int, int, int]:
     )
 
 
+def ranks_on_this_host(world_size: int) -> int:
+    """How many of the job's ranks share this host: torchrun's LOCAL_WORLD_SIZE; without it, all `world_size`
+    (the cautious guess for what they share: memory, cores)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def point_launcher_to_the_log(rank: int) -> None:
     """Under torchrun: its closing report (ChildFailedError) shows, for the rank that failed first, what that
     rank's error file says, else only a link to torch's docs. The file says the cause is this rank's ERROR line

@@ -17,7 +17,6 @@ batches (repeats padded in and ignored when scoring).
 """
 
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from configs.data import DataConfig
 from configs.evaluation import EvalConfig
 from policies.private_api import fsdp1_units_kept_unsharded, fsdp1_unsharded_numel, fsdp2_units_kept_unsharded
+from utils.distributed.launcher import ranks_on_this_host
 from utils.distributed.process_group import any_rank
 from utils.observe.memory import available_memory
 
@@ -101,7 +101,7 @@ def keep_gathered(model: nn.Module, setting: str, compute_dtype: torch.dtype, de
         free = torch.cuda.mem_get_info(device)[0]
     else:
         available = available_memory()
-        free = None if available is None else available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        free = None if available is None else available // ranks_on_this_host(dist.get_world_size())
     return not any_rank(free is None or needed > free // 2, device)
 
 
