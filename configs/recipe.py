@@ -80,13 +80,16 @@ class RecipeConfig:
         ),
         minimum=0,
     )
-    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = option(
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "t5_flex"] = option(
         default="sdpa",
         help=(
             "The attention kernel (transformers' attn_implementation): sdpa (torch's "
             "scaled_dot_product_attention with the position bias as an additive mask; what transformers 5.15+ "
             "picks by default), eager (matmul, softmax, matmul: the reference), flex_attention (torch "
-            "FlexAttention). T5's learned position bias rules out flash attention."
+            "FlexAttention; refused for T5, whose bias it indexes wrongly at batch > 1), t5_flex (T5 family: "
+            "on a GPU FlexAttention with the position bias as a score_mod and padding as a block mask, no "
+            "(batch, heads, query, key) mask; cross-attention with a boolean mask; utils/model/t5_attention.py). "
+            "T5's learned position bias rules out flash attention."
         ),
     )
     dropout_rate: float | None = option(

@@ -108,6 +108,25 @@ SUITES = {
         "fp16 + scaler, FSDP1": ["--mixed_precision", "true", "--use_fp16", "true"],
         "bf16, FSDP1, CPU offload": ["--mixed_precision", "true", "--fsdp_cpu_offload", "true"],
         "bf16, FSDP2, compiled blocks": ["--mixed_precision", "true", "--fsdp_version", "2", "--compile", "true"],
+        "bf16, FSDP1, t5_flex": ["--mixed_precision", "true", "--attn_implementation", "t5_flex"],
+        "bf16, FSDP1, t5_flex, no activation checkpointing": [
+            "--mixed_precision",
+            "true",
+            "--attn_implementation",
+            "t5_flex",
+            "--fsdp_activation_checkpointing",
+            "false",
+        ],
+        "bf16, FSDP2, compiled blocks, t5_flex": [
+            "--mixed_precision",
+            "true",
+            "--fsdp_version",
+            "2",
+            "--compile",
+            "true",
+            "--attn_implementation",
+            "t5_flex",
+        ],
     },
     # Host memory of loading (the memory account's high-water mark from before the model is built until it
     # is sharded), with and without rank-0-only loading, per backend.
@@ -178,6 +197,8 @@ def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
                "--steps", str(args.steps), "--batch_size", str(args.batch_size),
                "--source_length", str(args.max_source_length), "--target_length", str(args.max_target_length),
                "--out", str(out)]  # fmt: skip
+    if args.dropout_rate is not None:
+        command += ["--dropout_rate", str(args.dropout_rate)]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise CaseFailed(done.stdout, done.stderr)
@@ -634,6 +655,13 @@ def main() -> int:
         ),
     )
     parser.add_argument("--mixed_precision", choices=["true", "false"], default="false")
+    parser.add_argument(
+        "--dropout_rate",
+        type=float,
+        default=None,
+        help="every case's and peer's model dropout (default: the model's own, 0.1 for T5); t5_flex runs "
+        "FlexAttention only without attention dropout, so compare kernels at 0",
+    )
     parser.add_argument("--out", default="bench", help="folder for results.json and results.md")
     parser.add_argument(
         "--cases", nargs="+", metavar="CASE", help="only these cases of the suite, by name (default: all)"
@@ -671,6 +699,8 @@ def main() -> int:
         "--mixed_precision",
         args.mixed_precision,
     ]
+    if args.dropout_rate is not None:
+        common += ["--dropout_rate", str(args.dropout_rate)]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "runs").mkdir()
@@ -726,7 +756,9 @@ def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
             report_failure(model, case, failure, args)
             continue
         results.append({"model": model, "case": case, **result, **planner_bytes(folder, case_args, args)})
-        print(f"{model} | {case} | {result['step_seconds']:.3f} s/step", flush=True)
+        peak = max(result["peak_memory_bytes"]) / 2**20
+        # the whole row as it comes: a suite cut off by a time limit keeps what it measured in its log
+        print(f"{model} | {case} | {result['step_seconds']:.3f} s/step | peak {peak:.0f} MiB", flush=True)
     for case, peer_args in PEERS_OF_SUITE.get(args.suite, {}).items():
         try:
             results.append({"model": model, "case": case, **run_peer(folder, peer_args, args, work / "runs")})
@@ -772,7 +804,8 @@ def planner_bytes(model_dir: str, case_args: list[str], args) -> dict:
         max_source_length=args.max_source_length,
         max_target_length=args.max_target_length,
         device="cuda" if torch.cuda.is_available() else "cpu",
-        attn_implementation=flag("--attn_implementation", "sdpa"),
+        # t5_flex keeps less than sdpa's masks (no score or mask tensor): sdpa's count is its upper bound
+        attn_implementation={"t5_flex": "sdpa"}.get(kernel := flag("--attn_implementation", "sdpa"), kernel),
     )
     return {"planner_bytes": predicted.total_bytes}
 

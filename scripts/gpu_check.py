@@ -1,5 +1,6 @@
-"""What only a GPU shows, checked in a few minutes: the process group's backends, host syncs in a training step,
-the bf16 choice, FSDP2 with CPU offload, a sharded save and load, and generation's all-gathers.
+"""What only a GPU shows, checked in a few minutes: the process group's backends, host syncs in a training step
+(with transformers' sdpa and with t5_flex), the bf16 choice, FSDP2 with CPU offload, t5_flex's FlexAttention
+forward and backward against the stock attention, a sharded save and load, and generation's all-gathers.
 
     torchrun --nproc_per_node 1 scripts/gpu_check.py --output gpu_check.json    # one GPU (or N)
     torchrun --nproc_per_node 2 scripts/gpu_check.py --device cpu               # tiny scale on CPU (the tests)
@@ -17,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -36,27 +38,33 @@ from utils.distributed import process_group  # noqa: E402
 from utils.eval.generation import gathered_for_generation, generate  # noqa: E402
 from utils.fsdp.shard import forward_warnings_ignored, shard_model  # noqa: E402
 from utils.log import ProgressLines  # noqa: E402
+from utils.model import t5_attention  # noqa: E402
 from utils.model.loading import load_model_config  # noqa: E402
-from utils.train.step import GRAD_NORM, StepSettings, train_step, validate  # noqa: E402
+from utils.train.step import GRAD_NORM, StepSettings, forward_token_losses, train_step, validate  # noqa: E402
 
 FP32 = Precision("fp32_policy")
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def random_batch(config, device: torch.device, rows: int = 4, seed: int = 0) -> dict:
-    """Token ids with right padding of different lengths, as the collate makes them."""
+def random_batch(config, device: torch.device, rows: int = 4, seed: int = 0, lengths: tuple = (32, 8)) -> dict:
+    """Token ids with right padding of different lengths (source, target), as the collate makes them."""
     gen = torch.Generator().manual_seed(seed)
-    source = torch.randint(2, config.vocab_size, (rows, 32), generator=gen)
-    target = torch.randint(2, config.vocab_size, (rows, 8), generator=gen)
-    source_mask = (torch.arange(32) < torch.randint(8, 33, (rows, 1), generator=gen)).long()
-    target_mask = (torch.arange(8) < torch.randint(2, 9, (rows, 1), generator=gen)).long()
+    src, tgt = lengths
+    source = torch.randint(2, config.vocab_size, (rows, src), generator=gen)
+    target = torch.randint(2, config.vocab_size, (rows, tgt), generator=gen)
+    source_mask = (torch.arange(src) < torch.randint(src // 4, src + 1, (rows, 1), generator=gen)).long()
+    target_mask = (torch.arange(tgt) < torch.randint(2, tgt + 1, (rows, 1), generator=gen)).long()
     batch = {"source_ids": source * source_mask, "source_mask": source_mask, "target_ids": target * target_mask,
              "target_mask": target_mask}  # fmt: skip
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def fresh_model(model_name: str, fsdp: FSDPConfig, precision: Precision, device: torch.device):
+def fresh_model(
+    model_name: str, fsdp: FSDPConfig, precision: Precision, device: torch.device, kernel: str = "sdpa"
+):
     torch.manual_seed(0)
-    config = load_model_config(model_name, dropout_rate=0.0)  # checked, the KV cache off, as a run loads it
+    # checked, the KV cache off, as a run loads it
+    config = load_model_config(model_name, dropout_rate=0.0, attn_implementation=kernel)
     return shard_model(AutoModelForSeq2SeqLM.from_config(config), fsdp, precision, device), config
 
 
@@ -97,45 +105,109 @@ def check_cpu_offload(model_name: str, device: torch.device) -> tuple[str, str]:
     return ("ok" if finite else "FAILED"), f"gradient norms {', '.join(f'{n:.3g}' for n in norms)}"
 
 
-def check_syncs(model_name: str, device: torch.device) -> tuple[str, str]:
+# Host syncs of three training steps and a validation pass of three batches, per kernel. transformers' sdpa is
+# the control: its mask helper asks whether a padding mask is all ones, twice a forward (encoder,
+# cross-attention), so at least 6 and 7 must be seen there (or the count sees nothing); t5_flex's mask never
+# asks, so none in training, and a validation pass reads its sums once.
+CONTROL_SYNCS = {"training": 3 * 2, "validation": 3 * 2 + 1}
+T5_FLEX_SYNCS = {"training": 0, "validation": 1}
+
+
+def check_syncs(model_name: str, device: torch.device, kernel: str) -> tuple[str, str]:
     """Host syncs in three training steps and a validation pass of three batches (FSDP2, bf16 where the GPU
-    has it), counted by CUDA's sync debug mode. The model's own: transformers' attention-mask helper asks
-    whether the padding mask is all ones, twice a forward; the validation pass's end reads its sums once
-    (tests/test_host_syncs.py counts the same on CPU)."""
+    has it), counted by CUDA's sync debug mode, each named by where it happened (the library line, and the
+    nearest line of this repository: none for one in the autograd engine's thread). The training batches are
+    on the GPU before the count, as the loader's pinned copies are; tests/test_host_syncs.py counts the same on
+    CPU. sdpa is the control (CONTROL_SYNCS)."""
     if device.type != "cuda":
         return "skipped", "CUDA's sync debug mode (tests/test_host_syncs.py counts them on CPU)"
     precision = resolve_precision(FSDPConfig(), device)
-    model, config = fresh_model(model_name, FSDPConfig(fsdp_version=2), precision, device)
+    model, config = fresh_model(model_name, FSDPConfig(fsdp_version=2), precision, device, kernel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     settings = StepSettings(max_grad_norm=1.0, skip_nonfinite=True)
-    train_step(model, random_batch(config, device), optimizer, None, dist.get_world_size(), settings)  # warm-up
+    lengths = (64, 24)  # t5_flex runs FlexAttention from 16 tokens on
+    train_step(model, random_batch(config, device, lengths=lengths), optimizer, None, dist.get_world_size(),
+               settings)  # fmt: skip  # warm-up (and FlexAttention's compile)
+    training = [random_batch(config, device, seed=step + 1, lengths=lengths) for step in range(3)]
+    validation = [random_batch(config, torch.device("cpu"), seed=10 + k, lengths=lengths) for k in range(3)]
     torch.cuda.synchronize()
     found = {}
     for phase in ("training", "validation"):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                if phase == "training":
-                    for step in range(3):
-                        batch = random_batch(config, device, seed=step + 1)
-                        train_step(model, batch, optimizer, None, dist.get_world_size(), settings)
-                else:
-                    batches = [random_batch(config, torch.device("cpu"), seed=10 + k) for k in range(3)]
-                    progress = ProgressLines(3, "validation", "batch")
-                    validate(model, batches, device=device, num_real_samples=12, progress=progress,
-                             stop_requested=lambda: False)  # fmt: skip
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        found[phase] = [w for w in caught if "synchroniz" in str(w.message)]
-    expected = {"training": 3 * 2, "validation": 3 * 2 + 1}  # forwards x mask checks; the sums
-    status = "ok" if all(len(found[phase]) <= expected[phase] for phase in found) else "FAILED"
+        with synced_places() as places:
+            if phase == "training":
+                for batch in training:
+                    train_step(model, batch, optimizer, None, dist.get_world_size(), settings)
+            else:
+                progress = ProgressLines(3, "validation", "batch")
+                validate(model, validation, device=device, num_real_samples=12, progress=progress,
+                         stop_requested=lambda: False)  # fmt: skip
+        found[phase] = places
+    if kernel == "sdpa":
+        good = all(len(found[phase]) >= CONTROL_SYNCS[phase] for phase in found)
+        wanted = {phase: f"at least {count}" for phase, count in CONTROL_SYNCS.items()}
+    else:
+        good = all(len(found[phase]) <= T5_FLEX_SYNCS[phase] for phase in found)
+        wanted = {phase: f"at most {count}" for phase, count in T5_FLEX_SYNCS.items()}
     text = "; ".join(
-        f"{phase}: {len(syncs)} syncs (expected at most {expected[phase]}) at "
-        f"{sorted({f'{Path(w.filename).name}:{w.lineno}' for w in syncs})}"
-        for phase, syncs in found.items()
+        f"{phase}: {len(places)} syncs (expected {wanted[phase]}) at {sorted(set(places))}"
+        for phase, places in found.items()
     )
-    return status, text
+    return ("ok" if good else "FAILED"), text
+
+
+class synced_places:  # noqa: N801 - used as a context manager, named as one
+    """CUDA's sync debug mode ("warn") for the block; `places` lists each sync as "library line < this
+    repository's nearest line" (the warning alone names the Python line that called into C++)."""
+
+    def __enter__(self) -> list[str]:
+        self.places: list[str] = []
+        self.caught = warnings.catch_warnings()
+        self.caught.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self.record
+        torch.cuda.set_sync_debug_mode("warn")
+        return self.places
+
+    def record(self, message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG002
+        if "synchroniz" not in str(message):
+            return
+        repo = str(REPO_ROOT)
+        ours = [
+            f for f in traceback.extract_stack() if f.filename.startswith(repo) and "gpu_check" not in f.filename
+        ]
+        where = f"{Path(filename).parent.name}/{Path(filename).name}:{lineno}"
+        if ours:
+            where += f" < {Path(ours[-1].filename).relative_to(repo)}:{ours[-1].lineno}"
+        self.places.append(where)
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self.caught.__exit__(*exc)
+
+
+def check_t5_flex(model_name: str, device: torch.device) -> tuple[str, str]:
+    """t5_flex on the GPU (FlexAttention, compiled, forward and backward) against transformers' sdpa, fp32,
+    padded batches of 64/24 tokens: the loss within 1e-5 relative, every gradient within 1e-5 of the largest."""
+    if device.type != "cuda":
+        return "skipped", "FlexAttention has no backward on CPU (tests/test_t5_attention.py checks its forward)"
+    results = {}
+    for kernel in ("sdpa", t5_attention.NAME):
+        model, config = fresh_model(model_name, FSDPConfig(fsdp_version=2, mixed_precision=False), FP32, device,
+                                    kernel)  # fmt: skip
+        batch = random_batch(config, device, lengths=(64, 24))
+        token_losses, labels = forward_token_losses(model, batch)
+        loss = token_losses.sum() / (labels != -100).sum()
+        loss.backward()
+        results[kernel] = (loss.item(), [p.grad.full_tensor() for p in model.parameters()])
+    (stock_loss, stock_grads), (loss, grads) = results["sdpa"], results[t5_attention.NAME]
+    largest = max(g.abs().max().item() for g in stock_grads)
+    worst = max((a - b).abs().max().item() for a, b in zip(grads, stock_grads, strict=True))
+    relative = abs(loss - stock_loss) / abs(stock_loss)
+    good = relative <= 1e-5 and worst <= 1e-5 * largest
+    return ("ok" if good else "FAILED"), (
+        f"loss {loss:.6f} vs sdpa {stock_loss:.6f} (relative {relative:.2g}); gradients differ by at most "
+        f"{worst:.2g}, {worst / largest:.2g} of the largest"
+    )
 
 
 def check_bf16(device: torch.device) -> tuple[str, str]:
@@ -206,7 +278,9 @@ def run_checks(device: torch.device, model_name: str, folder: str) -> dict:
         "backends": lambda: check_backends(device),
         "bf16 choice": lambda: check_bf16(device),
         "CPU offload": lambda: check_cpu_offload(model_name, device),
-        "host syncs": lambda: check_syncs(model_name, device),
+        "host syncs, sdpa": lambda: check_syncs(model_name, device, "sdpa"),
+        f"host syncs, {t5_attention.NAME}": lambda: check_syncs(model_name, device, t5_attention.NAME),
+        f"{t5_attention.NAME} against sdpa": lambda: check_t5_flex(model_name, device),
         "sharded save and load": lambda: check_sharded_save(model_name, device, folder),
         "generation's all-gathers": lambda: check_generation(model_name, device),
     }

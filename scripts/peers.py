@@ -60,9 +60,16 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def dropout(args) -> dict:
+    """The model-config override of --dropout_rate, as the package's own flag sets it (none: the model's)."""
+    return {} if args.dropout_rate is None else {"dropout_rate": args.dropout_rate}
+
+
 def bare_loop(args, device: torch.device) -> list[float]:
     """Step seconds of a plain loop over the wrapped model."""
-    model = T5ForConditionalGeneration.from_pretrained(args.model_name, use_cache=False).to(device)
+    model = T5ForConditionalGeneration.from_pretrained(args.model_name, use_cache=False, **dropout(args)).to(
+        device
+    )
     model.train()  # from_pretrained returns eval mode: without this, dropout (most of a CPU step) would be off
     layers = layer_classes(model)
     if args.framework == "fsdp":
@@ -105,7 +112,7 @@ def hf_trainer(args, device: torch.device) -> list[float]:
             synchronize(device)
             self.times.append(time.perf_counter())
 
-    model = T5ForConditionalGeneration.from_pretrained(args.model_name, use_cache=False)
+    model = T5ForConditionalGeneration.from_pretrained(args.model_name, use_cache=False, **dropout(args))
     timer = StepTimes()
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = Seq2SeqTrainingArguments(
@@ -147,6 +154,7 @@ def main() -> int:
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--source_length", type=int, default=256)
     parser.add_argument("--target_length", type=int, default=64)
+    parser.add_argument("--dropout_rate", type=float, default=None, help="the model's dropout (default: its own)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = device_for_rank()

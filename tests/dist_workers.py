@@ -52,6 +52,7 @@ from utils.distributed.process_group import DistInfo, StopAgreed, StopCheck
 from utils.distributed.progress_bounded import PeerFailed, PeerStalled, progress_bounded
 from utils.fsdp.shard import shard_model
 from utils.log import ProgressLines
+from utils.model import t5_attention
 from utils.model.loading import load_full_model_state, load_model, load_tokenizer
 from utils.model.lora import apply_lora
 from utils.model.rank0_loading import UnitMaterializer
@@ -68,8 +69,9 @@ FP32 = Precision("fp32_policy")
 EXPORT_FILE_BYTES = 100_000  # the tiny model's 1.2 MB over several files, as --export_max_file_gb splits
 
 
-def tiny_t5(seed: int = 0, on_meta: bool = False) -> T5ForConditionalGeneration:
+def tiny_t5(seed: int = 0, on_meta: bool = False, attn_implementation: str = "sdpa") -> T5ForConditionalGeneration:
     config = T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0, use_cache=False)
+    config._attn_implementation = attn_implementation
     if on_meta:
         with torch.device("meta"):
             return T5ForConditionalGeneration(config)
@@ -257,6 +259,21 @@ def parity_worker(
             if export_dir:
                 out["states"][name] = state
     out["reference_losses"] = reference_losses
+    return out
+
+
+def t5_flex_worker(rank: int, world_size: int, steps: int) -> dict:
+    """Per-step losses and final full weights (rank 0) of transformers' sdpa and of t5_flex, under FSDP1 and
+    FSDP2 with activation checkpointing (the mask object passes through the checkpointed blocks)."""
+    t5_attention.register()
+    out = {}
+    for version in (1, 2):
+        for kernel in ("sdpa", t5_attention.NAME):
+            config = _fsdp_config({"fsdp_version": version, "fsdp_activation_checkpointing": True})
+            model = shard_model(tiny_t5(attn_implementation=kernel), config, FP32, CPU)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = train_wrapped(model, optimizer, rank, world_size, steps)
+            out[(version, kernel)] = (losses, gather_full_state_dict(model, CPU))
     return out
 
 
@@ -1117,14 +1134,16 @@ class HostReads(TorchDispatchMode):
         return package, library
 
 
-def host_reads_worker(rank: int, world_size: int) -> dict:
+def host_reads_worker(rank: int, world_size: int, kernel: str = "sdpa") -> dict:
     """For each FSDP version, the host reads of a training step as the trainer takes it (2 accumulated
     micro-batches, clipping, the non-finite check, FLOPs counted, the step's statistics recorded), after a first
-    step that sets FSDP up, and of a validation pass of 3 batches that watches for a stop request."""
+    step that sets FSDP up, and of a validation pass of 3 batches that watches for a stop request; the model's
+    attention is `kernel`."""
+    t5_attention.register()
     out = {}
     for version in (1, 2):
         config = _fsdp_config({"fsdp_version": version, "fsdp_activation_checkpointing": True})
-        model = shard_model(tiny_t5(), config, FP32, CPU)
+        model = shard_model(tiny_t5(attn_implementation=kernel), config, FP32, CPU)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
         settings = step_module.StepSettings(
             max_grad_norm=1.0,

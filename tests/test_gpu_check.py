@@ -21,7 +21,8 @@ def test_the_gpu_check_runs_its_cpu_checks_at_tiny_scale(tmp_path, capfd):
     findings = run_ranks(checks_worker, str(tmp_path), False)[0]
     statuses = {name: check["status"] for name, check in findings.items()}
     assert statuses == {
-        "backends": "ok", "bf16 choice": "ok", "CPU offload": "skipped", "host syncs": "skipped",
+        "backends": "ok", "bf16 choice": "ok", "CPU offload": "skipped", "host syncs, sdpa": "skipped",
+        "host syncs, t5_flex": "skipped", "t5_flex against sdpa": "skipped",
         "sharded save and load": "ok", "generation's all-gathers": "ok",
     }, findings  # fmt: skip
     assert "backend gloo, cpu all-reduce 2" in findings["backends"]["found"]

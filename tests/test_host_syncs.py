@@ -3,7 +3,7 @@ queue more (tests/dist_workers.py: HostReads lists what counts). The step's stat
 until the step log's flush, once per --log_every_n_steps; a validation pass reads its stop flag a batch late.
 What is left is transformers' own: its attention-mask helper asks whether a padding mask is all ones (to
 skip the mask where nothing is padded), once for the encoder and once for the cross-attention of every
-forward."""
+forward; with --attn_implementation t5_flex, whose mask never asks, nothing at all."""
 
 import pytest
 
@@ -34,6 +34,15 @@ def test_a_training_step_reads_nothing_back_but_transformers_mask_check():
             assert len(stop_flag) == VALIDATION_BATCHES - 1, f"{where}: {reads['validation']}"
             others = [r for r in reads["validation"] if r not in stop_flag]
             assert reads_by_origin(others) == {masks: 2 * VALIDATION_BATCHES}, f"{where}: {others}"
+
+
+def test_with_t5_flex_a_training_step_reads_nothing_back():
+    for rank, versions in enumerate(run_ranks(host_reads_worker, "t5_flex")):
+        for version, reads in versions.items():
+            where = f"FSDP{version}, rank {rank}"
+            assert reads["steps"] == [], f"{where}: {reads['steps']}"
+            stop_flag = [r for r in reads["validation"] if "host.item()" in r[1]]
+            assert reads["validation"] == stop_flag and len(stop_flag) == VALIDATION_BATCHES - 1, where
 
 
 @pytest.mark.parametrize(

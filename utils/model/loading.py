@@ -46,6 +46,7 @@ from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
 from configs.recipe import RecipeConfig
 from utils.distributed.process_group import rank0_decides
 from utils.log import get_logger
+from utils.model import t5_attention
 from utils.model.source import HUB_HINT, check_local_model_dir, hub_model_source, looks_like_local_path
 from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
@@ -203,12 +204,22 @@ def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
     except (OSError, ValueError) as err:
         raise ConfigError(f"could not load model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
     check_encoder_decoder(model_name, config)
+    check_attention_fits(config, config_overrides.get("attn_implementation"))
     if config.decoder_start_token_id is None:
         raise ConfigError(
             f"model {model_name!r} ({config.model_type}) has no decoder_start_token_id in its config.json: "
             "training needs the token its decoder starts from (mBART: the target language's id). Set it there."
         )
     return AutoConfig.from_pretrained(model_name, use_cache=False, **family_overrides(config, config_overrides))
+
+
+def check_attention_fits(config: PretrainedConfig, attn_implementation: str | None) -> None:
+    """ConfigError where the kernel does not fit the family; `t5_flex` made a name transformers knows."""
+    if attn_implementation is None:
+        return
+    t5_attention.validate_family(config.model_type, attn_implementation)
+    if attn_implementation == t5_attention.NAME:
+        t5_attention.register()
 
 
 def check_encoder_decoder(model_name: str, config: PretrainedConfig) -> None:

@@ -1,0 +1,172 @@
+"""`--attn_implementation t5_flex`: T5's attention without a (batch, heads, query, key) float mask.
+
+transformers' `sdpa` path for T5 builds, in every attention call of every layer, `where(mask, position_bias,
+min)`: a float tensor of (batch, heads, query, key) that is kept for backward (0.5 GiB per encoder layer for
+t5-large at batch 64, 512 tokens, bf16) and that rules out SDPA's flash kernel; its cross-attention adds a
+bias of zeros the same way. This path, registered with transformers under the name `t5_flex` (its attention
+and mask interfaces), keeps T5's modules, parameter names and numbers:
+
+- self-attention over a whole sequence on a GPU (the encoder; the decoder in training and validation): torch's
+  FlexAttention, compiled, the position bias of the stack (computed once by its first layer, batch 1) added
+  as a `score_mod` and the padding (and causality) as a block mask, so no score or mask tensor is kept;
+- cross-attention: no position bias (T5 has none there), so SDPA with the boolean padding mask alone;
+- elsewhere (a CPU, generation's one-token steps, attention dropout in training, which FlexAttention does
+  not have): SDPA with the float mask, as transformers' `sdpa` computes it.
+
+transformers' own `flex_attention` indexes the batch-1 bias with the batch index (wrong at batch > 1),
+which is why `validate_family` refuses it for T5 models.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+
+from configs.errors import ConfigError
+
+NAME = "t5_flex"
+T5_FAMILY = ("t5", "mt5")  # model types whose attention is T5Attention: one position bias per stack
+FLEX_MIN_LENGTH = 16  # below this (generation's first steps) SDPA is as fast, and no compile is paid
+
+
+class T5Mask:
+    """What the stack hands every layer instead of a 4D mask: the boolean (batch, 1, query, key) mask SDPA
+    takes, and what a block mask is built from, once per stack and forward (cached here). A plain class, not a
+    dataclass: FSDP2 rebuilds dataclasses it finds in a block's inputs, which would drop the cache."""
+
+    def __init__(self, allowed: torch.Tensor, keys: torch.Tensor | None, causal: bool, cross: bool, q_offset: int):
+        self.allowed = allowed  # bool (batch, 1, query, key): True where a query may attend
+        self.keys = keys  # bool (batch, key): the padding mask, None where nothing is padded
+        self.causal = causal
+        self.cross = cross  # the decoder's attention over the encoder's output: no position bias
+        self.q_offset = q_offset
+        self.block_mask = None  # built by the stack's first layer that runs FlexAttention
+
+
+def t5_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    config=None,
+    **kwargs,
+) -> T5Mask:
+    """The mask interface of `t5_flex`: transformers' boolean SDPA mask, never skipped (skipping it asks the
+    GPU whether anything is padded, a host sync per stack), with what a block mask needs."""
+    for skip in ("allow_is_causal_skip", "allow_is_bidirectional_skip"):
+        kwargs[skip] = False
+    allowed = sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+        mask_function=mask_function, attention_mask=attention_mask, **kwargs,
+    )  # fmt: skip
+    causal = mask_function is causal_mask_function
+    keys = attention_mask if attention_mask is not None and attention_mask.shape[-1] == kv_length else None
+    cross = not causal and bool(getattr(config, "is_decoder", False))
+    return T5Mask(allowed=allowed, keys=keys, causal=causal, cross=cross, q_offset=q_offset + kv_offset)
+
+
+def t5_attention(
+    _module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: T5Mask | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    position_bias: torch.Tensor | None = None,
+    **_kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The attention interface of `t5_flex` (transformers calls it from T5Attention.forward): (batch, query,
+    heads, head_dim) out, no weights."""
+    mask = attention_mask
+    if mask is not None and mask.cross:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.allowed, dropout_p=dropout,
+                                             scale=scaling)  # fmt: skip
+    elif uses_flex(query, key, mask, dropout):
+        out = flex_self_attention(query, key, value, position_bias, block_mask_of(mask, query), scaling)
+    else:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=float_mask(position_bias, mask, query), dropout_p=dropout, scale=scaling
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def uses_flex(query: torch.Tensor, key: torch.Tensor, mask: T5Mask | None, dropout: float) -> bool:
+    """FlexAttention for self-attention over a whole sequence on a GPU, where no attention dropout is asked."""
+    length = query.shape[-2]
+    whole = mask is None or mask.q_offset == 0
+    return query.is_cuda and dropout == 0.0 and whole and length == key.shape[-2] and length >= FLEX_MIN_LENGTH
+
+
+def float_mask(position_bias: torch.Tensor | None, mask: T5Mask | None, query: torch.Tensor):
+    """transformers' `sdpa` mask for T5: the bias where attending is allowed, the dtype's minimum elsewhere."""
+    if mask is None or mask.allowed is None:
+        return position_bias
+    if position_bias is None:
+        return mask.allowed
+    return torch.where(mask.allowed, position_bias, torch.finfo(query.dtype).min)
+
+
+def block_mask_of(mask: T5Mask | None, query: torch.Tensor):
+    """The stack's block mask (padding, causality), built by its first layer and reused by the others."""
+    if mask is None or (mask.keys is None and not mask.causal):
+        return None
+    if mask.block_mask is None:
+        mask.block_mask = build_block_mask(mask.keys, mask.causal, query.shape[0], query.shape[-2], query.device)
+    return mask.block_mask
+
+
+def build_block_mask(keys: torch.Tensor | None, causal: bool, batch: int, length: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def allowed(b, h, q, k):  # noqa: ARG001 - FlexAttention's mask_mod signature: one mask for all heads
+        visible = k <= q if causal else k >= 0
+        return visible & keys[b, k] if keys is not None else visible
+
+    return create_block_mask(allowed, batch if keys is not None else None, None, length, length, device=device)
+
+
+def flex_self_attention(query, key, value, position_bias, block_mask, scaling) -> torch.Tensor:
+    """FlexAttention with the stack's batch-1 position bias added to every batch row's scores."""
+    if position_bias is None:
+        return compiled_flex()(query, key, value, block_mask=block_mask, scale=scaling)
+    bias = position_bias[0]  # (heads, query, key): the same for every row of the batch
+
+    def add_bias(score, b, h, q, k):  # noqa: ARG001 - FlexAttention's score_mod: one bias for every row
+        return score + bias[h, q, k]
+
+    return compiled_flex()(query, key, value, score_mod=add_bias, block_mask=block_mask, scale=scaling)
+
+
+@functools.cache
+def compiled_flex():
+    """FlexAttention compiled once per process (uncompiled it materialises the scores: a reference only)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def register() -> None:
+    """Make `t5_flex` a name transformers accepts as attn_implementation (idempotent)."""
+    AttentionInterface.register(NAME, t5_attention)
+    AttentionMaskInterface.register(NAME, t5_mask)
+
+
+def validate_family(model_type: str, attn_implementation: str) -> None:
+    """ConfigError where the kernel does not fit the model family (called with the model's config)."""
+    if attn_implementation == NAME and model_type not in T5_FAMILY:
+        raise ConfigError(
+            f"--attn_implementation {NAME} is T5's attention (T5, flan-t5, mT5); a {model_type} model has no "
+            "position bias to move out of the mask: use sdpa (the default), which reaches its fast kernels."
+        )
+    if attn_implementation == "flex_attention" and model_type in T5_FAMILY:
+        raise ConfigError(
+            f"--attn_implementation flex_attention gives a {model_type} model wrong scores at batch > 1 "
+            "(transformers indexes T5's batch-1 position bias with the batch index): use "
+            f"--attn_implementation {NAME}, which runs FlexAttention with the bias done right."
+        )
