@@ -45,6 +45,8 @@ def read_settings(argv: list[str] | None) -> tuple[RunConfig, dict]:
         config, changes = cli.continue_run(argv, recorded[1], recorded[0])
         changed = f"; changed here: {', '.join(changes)}" if changes else ""
         get_logger().info("resuming with the settings of %s%s", recorded[0], changed)
+    for note in cli.hf_name_notes(argv):
+        get_logger().info("HF's name: %s", note)
     from_accelerate = cli.fields_from_accelerate(sys.argv[1:] if argv is None else argv)
     if from_accelerate:
         values = {

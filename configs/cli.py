@@ -1,7 +1,9 @@
 """Command-line overrides of the config dataclasses: every field is `--field value`, strictly typed.
 
 Booleans take true/false (given alone, a boolean flag means true), choices take a name, an
-unknown flag or a bad value is a ConfigError that lists what is valid. The tutorial's flags are aliases.
+unknown flag or a bad value is a ConfigError that names the closest flags. The tutorial's flags are aliases,
+and HF's names (configs/hf_names.py: --learning_rate, --per_device_train_batch_size, --bf16, ...) become this
+package's flags.
 `--config FILE` gives the same fields from a YAML or JSON file (configs/config_file.py), under the flags.
 There is no other config system: the dataclasses are the single source of defaults and documentation.
 """
@@ -16,8 +18,9 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
+from configs import hf_names
 from configs.accelerate_env import settings_from_accelerate
-from configs.config_file import read_config_file
+from configs.config_file import hf_name_lines, read_config_file
 from configs.errors import ConfigError
 from configs.run import RECORD_KEYS, SECTION_TITLES, RunConfig
 
@@ -177,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = RunConfig()
     parser = _RaisingParser(
         prog="torchrun --nproc_per_node N T5_training.py",
-        description="Fine-tune T5 on WikiHow with FSDP. Every config field is a flag: --field value.",
+        description=(
+            "Fine-tune T5 on WikiHow with FSDP. Every config field is a flag: --field value. HF's names "
+            "(--learning_rate, --per_device_train_batch_size, --bf16, ...) are taken too, each said as its flag "
+            "at start (docs/configuration.md)."
+        ),
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -223,14 +230,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _unknown_flag_message(unknown: list[str], parser: argparse.ArgumentParser) -> str:
-    valid = sorted(opt for action in parser._actions for opt in action.option_strings if opt.startswith("--"))
-    lines = [f"unknown argument(s): {' '.join(unknown)}"]
+    """One line per unknown flag with the closest ones: this package's flags, and HF's names (with what they
+    become) where one is closer."""
+    own = sorted(opt for action in parser._actions for opt in action.option_strings if opt.startswith("--"))
+    hf = {f"--{name}": name for name in hf_names.HF_NAMES}
+    lines = [f"unknown argument(s): {' '.join(unknown)} (--help lists every flag)"]
     for arg in unknown:
-        close = difflib.get_close_matches(arg.split("=")[0], valid, n=3)
-        if close:
-            lines.append(f"  {arg}: did you mean {' or '.join(close)}?")
-    lines.append("valid flags: " + " ".join(valid))
+        close = difflib.get_close_matches(arg.split("=")[0], [*own, *hf], n=3)
+        close.sort(key=lambda flag: flag not in hf)  # a known HF name first, then the closest spellings
+        named = [f"{flag} (HF's name: {hf_names.plain(hf_names.HF_NAMES[hf[flag]].meaning)})" if flag in hf
+                 else flag for flag in close]  # fmt: skip
+        if named:
+            lines.append(f"  {arg}: did you mean {' or '.join(named)}?")
     return "\n".join(lines)
+
+
+def own_flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+def hf_name_notes(argv: list[str] | None = None) -> list[str]:
+    """One line for each HF name among the flags and the --config file's keys: what it became, or why it was
+    left out (read_settings logs them)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    translated, notes = hf_names.translate(argv, own_flags(parser))
+    config_file = parser.parse_known_args(translated)[0].config_file
+    return notes + (hf_name_lines(config_file) if config_file else [])
 
 
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> RunConfig:
@@ -329,7 +355,8 @@ def _resolve(argv: list[str] | None, environ: Mapping[str, str] | None) -> tuple
     settings), a --config file or argv give, argv winning over the file, the file over the environment; and
     {field: variables} of those taken from the environment."""
     parser = build_parser()
-    namespace, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    argv, _ = hf_names.translate(sys.argv[1:] if argv is None else argv, own_flags(parser))
+    namespace, unknown = parser.parse_known_args(argv)
     if unknown:
         raise ConfigError(_unknown_flag_message(unknown, parser))
     specs = {s.name: s for s in field_specs()}

@@ -9,7 +9,9 @@
 A field may also stand at the top level (field names are unique across sections). Values are checked as the
 flags are, with the same types, choices and bounds; flags given beside the file win. A run's own
 output_dir/config.json is such a file: it starts the same run again, except for the fields that belong to
-one launch (output_dir, resume, evaluate_only), which it leaves to the command line.
+one launch (output_dir, resume, evaluate_only), which it leaves to the command line. HF's names
+(configs/hf_names.py: learning_rate, per_device_train_batch_size, bf16, ...) are keys too, in any section or
+at the top level.
 """
 
 import difflib
@@ -19,6 +21,7 @@ from collections.abc import Callable
 
 import yaml
 
+from configs import hf_names
 from configs.errors import ConfigError
 from configs.run import RECORD_KEYS, SECTION_TITLES
 
@@ -56,9 +59,11 @@ def read_config_file(
     # A run record holds keys that no setting has (a setting may share a record key: --device).
     is_run_record = any(key in content and key not in section_of for key in RUN_RECORD_KEYS)
     section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
-    values = {}
+    values, hf_keys = {}, hf_keys_of(content, section_keys)
     for key, value in content.items():
-        if is_run_record and (key in RUN_RECORD_KEYS or key not in {**section_keys, **section_of}):
+        if key in hf_keys or (
+            is_run_record and (key in RUN_RECORD_KEYS or key not in {**section_keys, **section_of})
+        ):
             continue
         if key in section_keys:
             if value is None:  # a section whose fields are all commented out
@@ -66,7 +71,7 @@ def read_config_file(
             if not isinstance(value, dict):
                 raise ConfigError(f"--config {path}: {key} is a section and takes fields, not {value!r}")
             for name, field_value in value.items():
-                if _in_section(path, name, section_keys[key], section_of, is_run_record):
+                if name not in hf_keys and _in_section(path, name, section_keys[key], section_of, is_run_record):
                     values[name] = field_value
         elif key in section_of:
             values[key] = value
@@ -74,7 +79,34 @@ def read_config_file(
             raise ConfigError(_unknown_key(path, key, [*section_keys, *section_of]))
     if is_run_record:  # where this command writes and starts from is its own, not the recorded run's
         values = {name: value for name, value in values.items() if not is_launch_field(name)}
-    return {name: _text(path, name, value, takes_none(name)) for name, value in values.items()}
+    texts = {name: _text(path, name, value, takes_none(name)) for name, value in values.items()}
+    for key, value in hf_keys.items():
+        texts.update(_hf_flags(path, key, value)[0])
+    return texts
+
+
+def hf_name_lines(path: str) -> list[str]:
+    """One line for each HF name among the file's keys: what it became, or why it was left out."""
+    content = _load(path)
+    section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
+    return [_hf_flags(path, key, value)[1] for key, value in hf_keys_of(content, section_keys).items()]
+
+
+def hf_keys_of(content: dict, section_keys: dict[str, str]) -> dict:
+    """{HF name: value} of the keys of a file's top level and sections that are HF's names."""
+    found = {key: value for key, value in content.items() if key in hf_names.HF_NAMES}
+    for key, value in content.items():
+        if key in section_keys and isinstance(value, dict):
+            found.update({name: v for name, v in value.items() if name in hf_names.HF_NAMES})
+    return found
+
+
+def _hf_flags(path: str, key: str, value) -> tuple[dict[str, str], str]:
+    try:
+        flags, line = hf_names.translate_key(key, value)
+    except ConfigError as err:
+        raise ConfigError(f"--config {path}: {err}") from None
+    return dict(flags), line
 
 
 def _load(path: str) -> dict:

@@ -60,16 +60,16 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def dropout(args) -> dict:
+def dropout_override(args) -> dict:
     """The model-config override of --dropout_rate, as the package's own flag sets it (none: the model's)."""
     return {} if args.dropout_rate is None else {"dropout_rate": args.dropout_rate}
 
 
 def bare_loop(args, device: torch.device) -> list[float]:
     """Step seconds of a plain loop over the wrapped model."""
-    model = T5ForConditionalGeneration.from_pretrained(args.model_name, use_cache=False, **dropout(args)).to(
-        device
-    )
+    model = T5ForConditionalGeneration.from_pretrained(
+        args.model_name, use_cache=False, **dropout_override(args)
+    ).to(device)
     model.train()  # from_pretrained returns eval mode: without this, dropout (most of a CPU step) would be off
     layers = layer_classes(model)
     if args.framework == "fsdp":
@@ -112,7 +112,7 @@ def hf_trainer(args, device: torch.device) -> list[float]:
             synchronize(device)
             self.times.append(time.perf_counter())
 
-    model = T5ForConditionalGeneration.from_pretrained(args.model_name, use_cache=False, **dropout(args))
+    model = T5ForConditionalGeneration.from_pretrained(args.model_name, use_cache=False, **dropout_override(args))
     timer = StepTimes()
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = Seq2SeqTrainingArguments(

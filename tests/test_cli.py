@@ -365,16 +365,14 @@ def test_no_cuda_means_device_cpu():
 # ----------------------------------------------------------------------------------------------- errors
 
 
-def test_unknown_flag_lists_valid_flags_and_suggests_the_close_one():
+def test_unknown_flag_suggests_the_close_ones_and_leaves_the_list_to_help():
     message = expect_config_error(["--batch_size", "8"])
     assert "unknown argument" in message
     assert "--batch_size" in message
     assert "did you mean" in message and "--batch-size" in message.split("did you mean", 1)[1].splitlines()[0]
-    for _, name in all_fields():
-        assert f"--{name}" in message, f"--{name} not listed as a valid flag"
-    for aliases in ALIASES.values():
-        for alias in aliases:
-            assert alias in message
+    assert "--help lists every flag" in message
+    listed = [name for _, name in all_fields() if f"--{name}" in message]
+    assert len(listed) <= 3, f"the valid flags are listed: {listed}"
 
 
 def test_unknown_flag_equals_form_and_no_abbreviations():

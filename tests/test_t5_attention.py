@@ -1,11 +1,14 @@
-"""--attn_implementation t5_flex (utils/model/t5_attention.py) against transformers' stock T5 attention: the
-same losses, gradients and generated tokens in fp32, on one process and under FSDP1 and FSDP2; FlexAttention's
-forward on CPU (its backward runs on a GPU only: scripts/gpu_check.py); the kernels refused per family."""
+"""--attn_implementation t5_flex (utils/model/t5_attention.py) against transformers' stock T5 attention. On CPU
+t5_flex runs its SDPA paths (the float mask for self-attention, the boolean one for cross-attention): the same
+losses, gradients and generated tokens in fp32, on one process and under FSDP1 and FSDP2. Its GPU path,
+FlexAttention, runs here forward only (torch's reference implementation: no CPU backward), for logits and
+generated tokens; its backward is checked on a GPU by scripts/gpu_check.py. And the kernels refused per
+family."""
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
-from transformers import BartConfig, T5Config
+from transformers import BartConfig, T5Config, UMT5Config
 
 from configs.errors import ConfigError
 from tests.dist_harness import run_ranks
@@ -17,7 +20,8 @@ from utils.train.step import forward_token_losses
 STEPS = 3
 
 
-def batch_with_decoder_padding(seed: int) -> dict:
+def padded_batch(seed: int) -> dict:
+    """Source and target padding (training passes no decoder mask; the forward test below does)."""
     return make_batch(seed, rows=4, src_len=24, tgt_len=9)
 
 
@@ -28,7 +32,7 @@ def train(kernel: str, steps: int = STEPS) -> tuple[list[float], list[torch.Tens
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, first_grads = [], []
     for step in range(steps):
-        batch = batch_with_decoder_padding(step)
+        batch = padded_batch(step)
         token_losses, labels = forward_token_losses(model, batch)
         loss = token_losses.sum() / (labels != -100).sum()
         loss.backward()
@@ -38,7 +42,7 @@ def train(kernel: str, steps: int = STEPS) -> tuple[list[float], list[torch.Tens
         optimizer.zero_grad()
         losses.append(loss.item())
     model.eval()
-    batch = batch_with_decoder_padding(10)
+    batch = padded_batch(10)
     with torch.no_grad():
         tokens = [
             model.generate(
@@ -74,27 +78,41 @@ def test_t5_flex_generates_the_stock_models_tokens(runs):
 
 
 def test_flexattention_forward_matches_the_stock_model(monkeypatch):
-    """The GPU path (FlexAttention, bias as score_mod, padding and causality as block masks), run forward on
-    CPU by torch's reference implementation of FlexAttention."""
-    taken = []
+    """The GPU path (FlexAttention, bias as score_mod, padding and causality as block masks), forced on CPU for
+    every self-attention, run forward by torch's reference FlexAttention: the logits with source and target
+    padding, and the tokens of a generation (its one-token decoder steps too)."""
+    calls = []
 
-    def flex_wherever_allowed(query, key, mask, dropout):
-        uses = query.shape[-2] == key.shape[-2] and (mask is None or mask.q_offset == 0) and dropout == 0
-        taken.append(uses)
-        return uses
+    def reference_flex():
+        calls.append(1)
+        return flex_attention
 
-    monkeypatch.setattr(t5_attention, "uses_flex", flex_wherever_allowed)
-    monkeypatch.setattr(t5_attention, "compiled_flex", lambda: flex_attention)
+    monkeypatch.setattr(t5_attention, "flex_device", lambda query: True)
+    monkeypatch.setattr(t5_attention, "FLEX_MIN_LENGTH", 0)
+    monkeypatch.setattr(t5_attention, "flex_kernel", reference_flex)
     t5_attention.register()
-    batch = batch_with_decoder_padding(3)
+    batch = padded_batch(3)
     inputs = dict(input_ids=batch["source_ids"], attention_mask=batch["source_mask"],
                   decoder_input_ids=batch["target_ids"], decoder_attention_mask=batch["target_mask"])  # fmt: skip
+    stock, flex = (
+        tiny_t5(attn_implementation="eager").eval(),
+        tiny_t5(attn_implementation=t5_attention.NAME).eval(),
+    )
     with torch.no_grad(), pytest.warns(UserWarning, match="without torch.compile"):
-        want = tiny_t5(attn_implementation="eager").eval()(**inputs).logits
-        got = tiny_t5(attn_implementation=t5_attention.NAME).eval()(**inputs).logits
-    layers = tiny_t5().config.num_layers
-    assert taken.count(True) == 2 * layers, "every encoder and decoder self-attention takes FlexAttention"
-    assert (got - want).abs().max().item() < 1e-5
+        want, got = stock(**inputs).logits, flex(**inputs).logits
+        assert len(calls) == 2 * stock.config.num_layers, "every encoder and decoder self-attention"
+        assert (got - want).abs().max().item() < 1e-5
+        generated = [
+            model.generate(
+                input_ids=batch["source_ids"],
+                attention_mask=batch["source_mask"],
+                use_cache=True,
+                max_new_tokens=6,
+                do_sample=False,
+            )  # fmt: skip
+            for model in (stock, flex)
+        ]
+    assert torch.equal(*generated)
 
 
 @pytest.mark.slow  # 12 s: four sharded runs
@@ -115,7 +133,8 @@ def test_fsdp_backends_train_alike_with_t5_flex():
     ("config", "kernel", "message"),
     [
         (T5Config(), "flex_attention", "wrong scores at batch > 1.*t5_flex"),
-        (BartConfig(), "t5_flex", "a bart model has no position bias"),
+        (BartConfig(), "t5_flex", "not for a bart model"),
+        (UMT5Config(), "flex_attention", "umt5 model wrong scores at batch > 1"),
     ],
 )
 def test_kernels_that_do_not_fit_the_family_are_refused(config, kernel, message):

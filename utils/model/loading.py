@@ -210,7 +210,14 @@ def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
             f"model {model_name!r} ({config.model_type}) has no decoder_start_token_id in its config.json: "
             "training needs the token its decoder starts from (mBART: the target language's id). Set it there."
         )
-    return AutoConfig.from_pretrained(model_name, use_cache=False, **family_overrides(config, config_overrides))
+    config = AutoConfig.from_pretrained(model_name, use_cache=False, **family_overrides(config, config_overrides))
+    if config_overrides.get("attn_implementation") == t5_attention.NAME and config.dropout_rate > 0:
+        get_logger().info(
+            "%s with dropout_rate %g: training's self-attention takes SDPA's float-mask path (FlexAttention has "
+            "no attention dropout); --dropout_rate 0 runs FlexAttention on GPUs",
+            t5_attention.NAME, config.dropout_rate,
+        )  # fmt: skip
+    return config
 
 
 def check_attention_fits(config: PretrainedConfig, attn_implementation: str | None) -> None:

@@ -22,26 +22,36 @@ import functools
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
 
 from configs.errors import ConfigError
 
 NAME = "t5_flex"
 T5_FAMILY = ("t5", "mt5")  # model types whose attention is T5Attention: one position bias per stack
+BATCH_ONE_BIAS = (*T5_FAMILY, "umt5")  # whose bias transformers' flex_attention indexes with the batch index
 FLEX_MIN_LENGTH = 16  # below this (generation's first steps) SDPA is as fast, and no compile is paid
+# Compiled variants FlexAttention may need in one run: encoder and decoder, with and without gradients, each
+# static then dynamic in its lengths. Past dynamo's default (8) torch would fall back to uncompiled
+# FlexAttention, which materialises the scores this path exists to avoid.
+FLEX_RECOMPILE_LIMIT = 64
 
 
 class T5Mask:
     """What the stack hands every layer instead of a 4D mask: the boolean (batch, 1, query, key) mask SDPA
-    takes, and what a block mask is built from, once per stack and forward (cached here). A plain class, not a
-    dataclass: FSDP2 rebuilds dataclasses it finds in a block's inputs, which would drop the cache."""
+    takes, and the padding a block mask is built from, once per stack and forward (cached here). A plain
+    class, not a dataclass: FSDP2 rebuilds dataclasses it finds in a block's inputs, which would drop the
+    cache."""
 
-    def __init__(self, allowed: torch.Tensor, keys: torch.Tensor | None, causal: bool, cross: bool, q_offset: int):
+    def __init__(self, allowed: torch.Tensor, keys: torch.Tensor | None, whole: bool):
         self.allowed = allowed  # bool (batch, 1, query, key): True where a query may attend
-        self.keys = keys  # bool (batch, key): the padding mask, None where nothing is padded
-        self.causal = causal
-        self.cross = cross  # the decoder's attention over the encoder's output: no position bias
-        self.q_offset = q_offset
+        self.keys = keys  # bool (batch, key): the padding mask, None where none was given
+        self.whole = whole  # the queries start at position 0 (no cache before them)
         self.block_mask = None  # built by the stack's first layer that runs FlexAttention
 
 
@@ -53,71 +63,78 @@ def t5_mask(
     kv_offset: int = 0,
     mask_function=causal_mask_function,
     attention_mask: torch.Tensor | None = None,
-    config=None,
     **kwargs,
 ) -> T5Mask:
     """The mask interface of `t5_flex`: transformers' boolean SDPA mask, never skipped (skipping it asks the
-    GPU whether anything is padded, a host sync per stack), with what a block mask needs."""
+    GPU whether anything is padded, a host sync per stack), with the padding a block mask needs."""
+    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+        raise ConfigError(
+            f"--attn_implementation {NAME} takes T5's causal and bidirectional masks only (this model's forward "
+            "asked for another: packed sequences or an added mask function); use sdpa"
+        )
     for skip in ("allow_is_causal_skip", "allow_is_bidirectional_skip"):
         kwargs[skip] = False
     allowed = sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
         mask_function=mask_function, attention_mask=attention_mask, **kwargs,
     )  # fmt: skip
-    causal = mask_function is causal_mask_function
-    keys = attention_mask if attention_mask is not None and attention_mask.shape[-1] == kv_length else None
-    cross = not causal and bool(getattr(config, "is_decoder", False))
-    return T5Mask(allowed=allowed, keys=keys, causal=causal, cross=cross, q_offset=q_offset + kv_offset)
+    whole = isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0
+    keys = prepare_padding_mask(attention_mask, kv_length, kv_offset) if whole else None
+    if keys is not None and keys.shape[-1] != kv_length:
+        raise ConfigError(f"{NAME}: a padding mask of {keys.shape[-1]} positions for {kv_length} keys")
+    return T5Mask(allowed=allowed, keys=keys, whole=whole)
 
 
 def t5_attention(
-    _module: torch.nn.Module,
+    module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: T5Mask | None,
+    attention_mask: T5Mask,
     scaling: float | None = None,
     dropout: float = 0.0,
     position_bias: torch.Tensor | None = None,
     **_kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The attention interface of `t5_flex` (transformers calls it from T5Attention.forward): (batch, query,
-    heads, head_dim) out, no weights."""
+    heads, head_dim) out, no weights. Which attention this is comes from the module: T5's cross-attention is
+    the decoder's non-causal one."""
     mask = attention_mask
-    if mask is not None and mask.cross:
+    if not isinstance(mask, T5Mask):
+        raise ConfigError(
+            f"--attn_implementation {NAME} builds its own masks; this forward passed a prepared one "
+            f"({type(mask).__name__}): use sdpa"
+        )
+    if module.is_decoder and not module.is_causal:  # cross-attention: T5 adds no bias there (zeros)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.allowed, dropout_p=dropout,
                                              scale=scaling)  # fmt: skip
     elif uses_flex(query, key, mask, dropout):
-        out = flex_self_attention(query, key, value, position_bias, block_mask_of(mask, query), scaling)
+        block_mask = block_mask_of(mask, module.is_causal, query)
+        out = flex_self_attention(query, key, value, position_bias, block_mask, scaling)
     else:
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=float_mask(position_bias, mask, query), dropout_p=dropout, scale=scaling
-        )
+        where = torch.where(mask.allowed, position_bias, torch.finfo(query.dtype).min)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=where, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def uses_flex(query: torch.Tensor, key: torch.Tensor, mask: T5Mask | None, dropout: float) -> bool:
+def uses_flex(query: torch.Tensor, key: torch.Tensor, mask: T5Mask, dropout: float) -> bool:
     """FlexAttention for self-attention over a whole sequence on a GPU, where no attention dropout is asked."""
     length = query.shape[-2]
-    whole = mask is None or mask.q_offset == 0
-    return query.is_cuda and dropout == 0.0 and whole and length == key.shape[-2] and length >= FLEX_MIN_LENGTH
+    return flex_device(query) and dropout == 0.0 and mask.whole and length == key.shape[-2] and (
+        length >= FLEX_MIN_LENGTH)  # fmt: skip
 
 
-def float_mask(position_bias: torch.Tensor | None, mask: T5Mask | None, query: torch.Tensor):
-    """transformers' `sdpa` mask for T5: the bias where attending is allowed, the dtype's minimum elsewhere."""
-    if mask is None or mask.allowed is None:
-        return position_bias
-    if position_bias is None:
-        return mask.allowed
-    return torch.where(mask.allowed, position_bias, torch.finfo(query.dtype).min)
+def flex_device(query: torch.Tensor) -> bool:
+    """A device FlexAttention trains on: CUDA (on CPU it has no backward, and torch 2.13 cannot compile it)."""
+    return query.is_cuda
 
 
-def block_mask_of(mask: T5Mask | None, query: torch.Tensor):
+def block_mask_of(mask: T5Mask, causal: bool, query: torch.Tensor):
     """The stack's block mask (padding, causality), built by its first layer and reused by the others."""
-    if mask is None or (mask.keys is None and not mask.causal):
+    if mask.keys is None and not causal:
         return None
     if mask.block_mask is None:
-        mask.block_mask = build_block_mask(mask.keys, mask.causal, query.shape[0], query.shape[-2], query.device)
+        mask.block_mask = build_block_mask(mask.keys, causal, query.shape[0], query.shape[-2], query.device)
     return mask.block_mask
 
 
@@ -133,21 +150,29 @@ def build_block_mask(keys: torch.Tensor | None, causal: bool, batch: int, length
 
 def flex_self_attention(query, key, value, position_bias, block_mask, scaling) -> torch.Tensor:
     """FlexAttention with the stack's batch-1 position bias added to every batch row's scores."""
-    if position_bias is None:
-        return compiled_flex()(query, key, value, block_mask=block_mask, scale=scaling)
     bias = position_bias[0]  # (heads, query, key): the same for every row of the batch
 
     def add_bias(score, b, h, q, k):  # noqa: ARG001 - FlexAttention's score_mod: one bias for every row
         return score + bias[h, q, k]
 
-    return compiled_flex()(query, key, value, score_mod=add_bias, block_mask=block_mask, scale=scaling)
+    return flex_kernel()(query, key, value, score_mod=add_bias, block_mask=block_mask, scale=scaling)
+
+
+def flex_kernel():
+    """FlexAttention as it runs fast: compiled once per process; inside a region torch.compile is already
+    tracing (--compile true), the plain function, which that compile fuses."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention if torch.compiler.is_compiling() else compiled_flex()
 
 
 @functools.cache
 def compiled_flex():
-    """FlexAttention compiled once per process (uncompiled it materialises the scores: a reference only)."""
+    """FlexAttention compiled (uncompiled it materialises the scores: a reference only)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, FLEX_RECOMPILE_LIMIT)
     return torch.compile(flex_attention)
 
 
@@ -161,12 +186,16 @@ def validate_family(model_type: str, attn_implementation: str) -> None:
     """ConfigError where the kernel does not fit the model family (called with the model's config)."""
     if attn_implementation == NAME and model_type not in T5_FAMILY:
         raise ConfigError(
-            f"--attn_implementation {NAME} is T5's attention (T5, flan-t5, mT5); a {model_type} model has no "
-            "position bias to move out of the mask: use sdpa (the default), which reaches its fast kernels."
+            f"--attn_implementation {NAME} is written and checked for T5Attention (T5, flan-t5, mT5), not for a "
+            f"{model_type} model: use sdpa (the default)."
         )
-    if attn_implementation == "flex_attention" and model_type in T5_FAMILY:
+    if attn_implementation == "flex_attention" and model_type in BATCH_ONE_BIAS:
         raise ConfigError(
             f"--attn_implementation flex_attention gives a {model_type} model wrong scores at batch > 1 "
-            "(transformers indexes T5's batch-1 position bias with the batch index): use "
-            f"--attn_implementation {NAME}, which runs FlexAttention with the bias done right."
+            "(transformers indexes its batch-1 position bias with the batch index): use sdpa"
+            + (
+                f", or --attn_implementation {NAME}, which runs FlexAttention with the bias done right."
+                if model_type in T5_FAMILY
+                else "."
+            )  # fmt: skip
         )

@@ -1,0 +1,104 @@
+"""HF's flag names (configs/hf_names.py): each becomes this package's flag with one line, on the command line
+and in a --config file; names with no meaning here are left out with what the package does instead; an
+unknown flag's suggestions put HF's names first."""
+
+from pathlib import Path
+
+import pytest
+
+import T5_training
+from configs import hf_names
+from configs.cli import build_parser, hf_name_notes, own_flags, parse_args
+from configs.errors import ConfigError
+from tests.test_cli import all_fields
+
+# The 16 flags a user of run_summarization.py / Seq2SeqTrainer types first (issue 46), with what each becomes.
+FIRST_FLAGS = {
+    ("--per_device_train_batch_size", "4"): ("train", "batch_size_training", 4),
+    ("--per_device_eval_batch_size", "8"): ("train", "val_batch_size", 8),
+    ("--learning_rate", "3e-4"): ("train", "lr", 3e-4),
+    ("--num_train_epochs", "2.0"): ("train", "epochs", 2),
+    ("--lr_scheduler_type", "cosine"): ("recipe", "lr_scheduler", "cosine"),
+    ("--save_steps", "10"): ("checkpointing", "save_every_n_steps", 10),
+    ("--logging_steps", "5"): ("observe", "log_every_n_steps", 5),
+    ("--eval_steps", "20"): ("evaluation", "eval_every_n_steps", 20),
+    ("--bf16",): ("fsdp", "mixed_precision", True),
+    ("--fp16", "True"): ("fsdp", "use_fp16", True),
+    ("--gradient_checkpointing", "False"): ("fsdp", "fsdp_activation_checkpointing", False),
+    ("--warmup_ratio", "0.1"): ("recipe", "warmup_ratio", 0.1),
+    ("--model_name_or_path", "data/tiny-t5"): ("train", "model_name", "data/tiny-t5"),
+    ("--max_train_samples", "64"): ("data", "num_train_samples", 64),
+    ("--save_total_limit", "3"): ("checkpointing", "keep_last_n", 3),
+    ("--report_to", "tensorboard"): ("observe", "tensorboard", True),
+}
+LEFT_OUT = ["--do_train", "--do_eval", "--predict_with_generate", "--overwrite_output_dir", "--overwrite_cache"]
+
+
+def test_each_hf_name_becomes_its_flag_with_one_line():
+    argv = [token for flag in FIRST_FLAGS for token in flag]
+    config = parse_args(argv)
+    for flag, (section, field, want) in FIRST_FLAGS.items():
+        assert getattr(getattr(config, section), field) == pytest.approx(want), flag
+    notes = hf_name_notes(argv)
+    assert "--learning_rate 3e-4 -> --lr 3e-4" in notes
+    assert "--bf16 -> --mixed_precision true" in notes
+    assert "--fp16 True -> --mixed_precision true --use_fp16 true" in notes
+    assert len(notes) == len(FIRST_FLAGS) - 1  # warmup_ratio is this package's own name too
+
+
+def test_names_with_no_meaning_here_are_left_out_with_what_the_package_does():
+    argv = [*LEFT_OUT, "True", "--epochs", "2"]  # HF's boolean with a value, then one of ours
+    assert parse_args(argv).train.epochs == 2
+    notes = hf_name_notes(argv)
+    assert len(notes) == len(LEFT_OUT) and all(": left out (" in note for note in notes), notes
+    assert "--evaluate_only true" in notes[0] and "--eval_rouge true" in notes[2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num_train_epochs", "1.5"], "whole epochs.*--max_steps"),
+        (["--lr_scheduler_type", "polynomial"], "linear, cosine and constant"),
+        (["--bf16", "maybe"], "True or False"),
+        (["--report_to", "comet_ml"], "comet_ml is not one"),
+        (["--learning_rate"], "needs a value"),
+    ],
+)
+def test_values_this_package_cannot_honour_are_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv)
+
+
+def test_the_names_work_in_a_config_file(tmp_path):
+    path = tmp_path / "hf.yaml"
+    path.write_text("learning_rate: 0.001\ntrain:\n  per_device_train_batch_size: 2\nbf16: true\ndo_train: true\n")
+    config = parse_args(["--config", str(path)])
+    assert (config.train.lr, config.train.batch_size_training, config.fsdp.mixed_precision) == (0.001, 2, True)
+    notes = hf_name_notes(["--config", str(path)])
+    assert "learning_rate: 0.001 -> --lr 0.001" in notes and any(n.startswith("do_train: left out") for n in notes)
+    assert parse_args(["--config", str(path), "--lr", "0.5"]).train.lr == 0.5  # flags win over the file
+
+
+def test_an_unknown_flag_suggests_hf_names_first():
+    with pytest.raises(ConfigError) as refused:
+        parse_args(["--learning_rat", "3e-4"])
+    first = str(refused.value).split("did you mean ", 1)[1]
+    assert first.startswith("--learning_rate (HF's name: --lr)")
+
+
+def test_no_hf_name_is_one_of_this_packages_flags():
+    """A name that were both would mean two things."""
+    ours = {name for _, name in all_fields()} | {flag.lstrip("-") for flag in own_flags(build_parser())}
+    assert not ours & set(hf_names.HF_NAMES)
+
+
+def test_the_run_says_each_name_at_start(log_records):
+    T5_training.read_settings(["--learning_rate", "3e-4", "--do_train"])
+    said = [r.getMessage() for r in log_records]
+    assert "HF's name: --learning_rate 3e-4 -> --lr 3e-4" in said
+    assert any(line.startswith("HF's name: --do_train: left out") for line in said)
+
+
+def test_the_docs_table_is_the_codes():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert hf_names.markdown() in text
