@@ -112,7 +112,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import summarization_dataset
 from configs.errors import FAILURES, error_summary
-from configs.evaluation import METRIC_NAMES, generation_rows
+from configs.evaluation import METRIC_NAMES
 from policies.mixed_precision import Precision, resolve_precision
 from utils import layout
 from utils.checkpoint.manager import CheckpointManager
@@ -153,12 +153,12 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     )
     if precision.fallback:
         get_logger().info("%s", precision.fallback)
-    log_evaluation_plan(config)
 
     # Datasets and loaders: the data is read and checked before the model loads, so a data error costs
     # seconds, not the minutes of loading a large model.
     tokenizer = loading.load_tokenizer(train.model_name)
     loaders = summarization_dataset.build_loaders(tokenizer, config.data, train, evaluation, info)
+    log_evaluation_plan(config, loaders)
 
     # The model: pretrained weights (a skeleton on the meta device where rank-0-only loading fills it
     # later, or where a checkpoint does), the weights of a .pt, and LoRA adapters. Where rank 0 alone reads
@@ -234,8 +234,9 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
         dist.barrier()
 
 
-def log_evaluation_plan(config: RunConfig) -> None:
-    """One line saying what is evaluated, and which setting switches what off."""
+def log_evaluation_plan(config: RunConfig, loaders: summarization_dataset.Loaders) -> None:
+    """One line saying what is evaluated (the rows generation will really score), and which setting switches
+    what off."""
     train, evaluation = config.train, config.evaluation
     if evaluation.evaluate_only:
         return
@@ -246,8 +247,8 @@ def log_evaluation_plan(config: RunConfig) -> None:
         return
     metric = METRIC_NAMES[evaluation.eval_metric]
     scores = f"no {metric} (--eval_rouge false)"
-    if evaluation.eval_rouge:
-        rows = generation_rows(evaluation, config.data.num_val_samples) or "all"
+    if loaders.evaluation is not None:
+        rows = len(loaders.evaluation.dataset)
         scores = f"{metric} of {rows} generated outputs (--eval_rouge false switches it off)"
     when = "after each epoch"
     if evaluation.eval_every_n_steps:

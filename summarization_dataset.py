@@ -52,12 +52,13 @@ from pathlib import Path
 import datasets
 import pyarrow.compute as pc
 import torch
+import torch.distributed as dist
 from datasets.fingerprint import Hasher
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from configs.data import DataConfig
+from configs.data import DataConfig, rows_to_read
 from configs.errors import ConfigError, DataError, DataFileNotFoundError
 from configs.evaluation import EvalConfig, generation_rows
 from configs.training import TrainConfig
@@ -330,13 +331,28 @@ def _warn_once(folder: Path, topic: str, message: str, *args) -> None:
         get_logger().warning(message, *args)
 
 
+def _text_cache(data: DataConfig) -> tuple[TextSource, Path, dict]:
+    """The run's source, its text cache folder and the cache's manifest (the cache built first if needed)."""
+    source = text_source(data)
+    root = cache_root(data, source)
+    folder, manifest = shared_folder(root, "text", source.key, source.write, f"the text cache of {source.what}")
+    return source, folder, manifest
+
+
+def evaluation_split(data: DataConfig, asked: str) -> str:
+    """The split --evaluate_only scores: --eval_split, or for auto the validation split where the data has
+    one, else its test split (a test file alone will do)."""
+    if asked != "auto":
+        return asked
+    splits = _text_cache(data)[2]["origin"]
+    return "test" if "validation" not in splits and "test" in splits else "validation"
+
+
 def _cached_split(data: DataConfig, split: str) -> CachedSplit:
     """One split of the run's source, memory-mapped from the text cache (built first if needed)."""
     if split not in SPLITS:
         raise ConfigError(f"Unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")
-    source = text_source(data)
-    root = cache_root(data, source)
-    folder, manifest = shared_folder(root, "text", source.key, source.write, f"the text cache of {source.what}")
+    source, folder, manifest = _text_cache(data)
     if manifest.get("truncated"):
         _warn_once(folder, "truncated",
                    "%s ends inside a quoted field: it looks truncated (an interrupted download?). Its last row is "
@@ -519,7 +535,9 @@ class SummarizationDataset(Dataset):
             if length < 1:
                 raise ConfigError(f"{name} must be at least 1, got {length}.")
         cached = _cached_split(options, type_path)
-        self.dataset = self._select(cached.rows, num_samples, type_path)
+        self.split = type_path
+        self.split_rows = len(cached.rows)  # the whole split's, before num_samples
+        self.dataset = self._select(cached.rows, num_samples)
         self.token_ids = _cached_token_ids(
             self.dataset, cached, type_path, tokenizer, options, input_length, output_length
         )
@@ -534,17 +552,9 @@ class SummarizationDataset(Dataset):
         self.pad_to_max_length = options.pad_to_max_length
 
     @staticmethod
-    def _select(rows: datasets.Dataset, num_samples: int | None, split: str) -> datasets.Dataset:
-        if num_samples is None:
-            return rows
-        if num_samples > len(rows):
-            get_logger().warning(
-                "Asked for %d %s samples but the split has only %d; using all %d.",
-                num_samples,
-                split,
-                len(rows),
-                len(rows),
-            )
+    def _select(rows: datasets.Dataset, num_samples: int | None) -> datasets.Dataset:
+        """The first num_samples rows (all where None or more than the split has: build_dataset says so)."""
+        if num_samples is None or num_samples >= len(rows):
             return rows
         return rows.select(range(num_samples))  # a slice of the memory-mapped table, not a copy
 
@@ -623,13 +633,19 @@ def pad_collate(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int) -> 
 
 
 def build_dataset(
-    tokenizer, split: str, num_samples: int, data: DataConfig, world_size: int
+    tokenizer, split: str, num_samples: int | None, data: DataConfig, world_size: int
 ) -> SummarizationDataset:
-    """The tutorial's Dataset of one split, with at least one sample per rank."""
-    num_or_all = num_samples or None  # 0 means all
-    dataset = SummarizationDataset(
-        tokenizer, split, num_or_all, data.max_source_length, data.max_target_length, data
-    )
+    """The tutorial's Dataset of one split, the first `num_samples` rows (0: all; None: by source,
+    rows_to_read), with at least one sample per rank. More rows asked for than the split has: all of them,
+    said once, by rank 0."""
+    tutorial_data = text_source(data).cleaning == "wikihow"
+    limit = rows_to_read(num_samples, split, tutorial_data)
+    dataset = SummarizationDataset(tokenizer, split, limit, data.max_source_length, data.max_target_length, data)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if num_samples and num_samples > dataset.split_rows and rank0:
+        _warn_once(Path(dataset.source_description), f"{split} rows asked",
+                   "asked for %d %s rows but the split of %s has %d: using all %d", num_samples, split,
+                   dataset.source_description, dataset.split_rows, dataset.split_rows)  # fmt: skip
     if len(dataset) < world_size:
         raise DataError(
             f"the {split} split of {dataset.source_description} has {len(dataset)} usable "
@@ -637,6 +653,16 @@ def build_dataset(
             f"{world_size} ranks: every rank needs at least one. Use more data or fewer processes."
         )
     return dataset
+
+
+def rows_phrase(dataset: SummarizationDataset, asked: int | None) -> str:
+    """How many rows of its split a dataset reads and why, for the start line (`asked`: the setting)."""
+    split = dataset.split
+    flag = "--num_train_samples" if split == "train" else "--num_val_samples"
+    if len(dataset) == dataset.split_rows:
+        return f"{split} {len(dataset)} (all)"
+    why = flag if asked is not None else f"the tutorial's subset of WikiHow; {flag} 0 for all"
+    return f"{split} {len(dataset)} of {dataset.split_rows} ({why})"
 
 
 def build_loaders(
@@ -648,8 +674,14 @@ def build_loaders(
     if not bars_shown():  # datasets' own bars (loading, tokenising) follow the package's rule, in this process
         datasets.disable_progress_bars()
     if evaluation.evaluate_only:
-        eval_set = build_eval_set(tokenizer, data, train, evaluation, info, evaluation.eval_split)
-        get_logger().info("samples: %s %d", evaluation.eval_split, len(eval_set.dataset))
+        split = evaluation_split(data, evaluation.eval_split)
+        if evaluation.eval_split == "auto":
+            why = " (the data has no validation split)" if split == "test" else ""
+            get_logger().info("--eval_split auto: scoring the %s split%s", split, why)
+        eval_set = build_eval_set(tokenizer, data, train, evaluation, info, split)
+        get_logger().info(
+            "rows: %s", rows_phrase(eval_set.dataset, generation_rows(evaluation, data.num_val_samples))
+        )
         return Loaders(None, None, None, 0, eval_set, eval_set.dataset.cleaning)
     train_set = build_dataset(tokenizer, "train", data.num_train_samples, data, info.world_size)
     grouping = None
@@ -667,7 +699,11 @@ def build_loaders(
         val_num_real = val_sampler.num_real_samples
         if evaluation.eval_rouge:
             eval_set = build_eval_set(tokenizer, data, train, evaluation, info, "validation")
-    get_logger().info("samples: train %d, validation %s", len(train_set), len(val.dataset) if val else "-")
+    said = [
+        rows_phrase(train_set, data.num_train_samples),
+        rows_phrase(val.dataset, data.num_val_samples) if val else "validation - (--run_validation false)",
+    ]
+    get_logger().info("rows: %s", ", ".join(said))
     return Loaders(train_loader, train_sampler, val, val_num_real, eval_set, train_set.cleaning)
 
 

@@ -91,17 +91,21 @@ class DataConfig:
             "train file's folder/cache), or in datasets' cache for --dataset_name."
         ),
     )
-    num_train_samples: int = option(
-        default=1500,
-        help="Use the first N training rows (tutorial: 1500); 0 = all.",
+    num_train_samples: int | None = option(
+        default=None,
+        help=(
+            "Use the first N training rows; 0 = all. NONE: by source: the tutorial's 1500 of WikiHow, every row "
+            "of any other source (your files, a dataset)."
+        ),
         minimum=0,
         on_resume="fixed",
     )
-    num_val_samples: int = option(
-        default=300,
+    num_val_samples: int | None = option(
+        default=None,
         help=(
-            "Use the first N validation rows (tutorial: 300); 0 = all. Generation scores the same rows unless "
-            "--eval_num_samples says otherwise."
+            "Use the first N validation rows (of --eval_split's with --evaluate_only); 0 = all. NONE: by "
+            "source: the tutorial's 300 of WikiHow, every row of any other source. Generation scores the same "
+            "rows unless --eval_num_samples says otherwise."
         ),
         minimum=0,
         on_resume="fixed",
@@ -138,3 +142,15 @@ class DataConfig:
         on_resume="fixed",
     )
     print_text: bool = option(default=False, help="Log every source text when its item is read (debug).")
+
+
+# The tutorial's subset of WikiHow (its data), per split: what NONE means for WikiHow (rows_to_read).
+TUTORIAL_ROWS = {"train": 1500, "validation": 300, "test": 300}
+
+
+def rows_to_read(asked: int | None, split: str, tutorial_data: bool) -> int | None:
+    """The first N rows of `split` a run reads, None for all: `asked` (0: all), or where it is NONE, by source:
+    the tutorial's subset of WikiHow (`tutorial_data`), every row of any other source."""
+    if asked is None:
+        return TUTORIAL_ROWS[split] if tutorial_data else None
+    return asked or None

@@ -103,13 +103,17 @@ class EvalConfig:
         ),
         on_resume="launch",
     )
-    eval_split: Literal["validation", "test", "train"] = option(
-        default="validation",
-        help="The split --evaluate_only scores (training runs always evaluate the validation split).",
+    eval_split: Literal["auto", "validation", "test", "train"] = option(
+        default="auto",
+        help=(
+            "The split --evaluate_only scores (training runs always evaluate the validation split). auto: the "
+            "validation split where the data has one, else its test split (said at start)."
+        ),
     )
 
 
-def generation_rows(evaluation: EvalConfig, num_val_samples: int) -> int:
-    """How many rows of its split generation scores (0: all): --eval_num_samples, or with NONE as many as the
-    validation loss reads (--num_val_samples), so that both see the same articles."""
+def generation_rows(evaluation: EvalConfig, num_val_samples: int | None) -> int | None:
+    """How many rows of its split generation scores (0: all; None: by source, configs/data.rows_to_read):
+    --eval_num_samples, or with NONE as many as the validation loss reads (--num_val_samples), so that both
+    see the same articles."""
     return num_val_samples if evaluation.eval_num_samples is None else evaluation.eval_num_samples

@@ -242,7 +242,7 @@ def test_evaluate_only_scores_a_training_run_on_the_test_split_and_leaves_what_i
     run = pooled(args)
     assert run.returncode == 0, run.describe()
     assert "INFO training steps" not in run.output, run.describe()
-    assert "--eval_split test (the run had validation)" in run.output, run.describe()
+    assert "--eval_split test (the run had auto)" in run.output, run.describe()
     assert file_bytes(output_dir, leave_out=("run.lock", "evaluate_only")) == training_files
     folder = output_dir / "evaluate_only"
     [record] = eval_records(folder)

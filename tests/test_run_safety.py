@@ -329,6 +329,16 @@ def test_a_resume_keeps_the_runs_settings_unless_told_otherwise():
     assert continue_run(["--fsdp_version", "2"], run, "out/config.json")[1] == []
 
 
+def test_a_run_recorded_under_the_old_row_defaults_resumes_with_them():
+    """Before the defaults by source, a run recorded 1500/300 whatever its data; a resume keeps those, and a
+    run recorded since (NONE: by source) resumes by source."""
+    old = recorded(num_train_samples=1500, num_val_samples=300)
+    config, changes = continue_run(["--resume", "true"], old, "out/config.json")
+    assert (config.data.num_train_samples, config.data.num_val_samples, changes) == (1500, 300, [])
+    config, _ = continue_run(["--resume", "true"], recorded(), "out/config.json")
+    assert (config.data.num_train_samples, config.data.num_val_samples) == (None, None)
+
+
 @pytest.mark.parametrize(
     "flag", [["--num_train_samples", "64"], ["--peft", "none"], ["--model_name", "t5-base"], ["--lora_r", "4"]]
 )

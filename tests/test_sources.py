@@ -238,14 +238,32 @@ def test_phrasebank_lines_in_latin_1_and_the_committed_sample(tmp_path):
     assert out.read_bytes() == committed.read_bytes()
 
 
-def test_evaluate_only_needs_only_the_split_it_scores(tmp_path):
+@pytest.mark.parametrize("eval_split", ["test", "auto"])
+def test_evaluate_only_needs_only_the_split_it_scores(tmp_path, eval_split, log_records):
+    """A test file alone: --eval_split test scores it, and so does auto (the default), saying so."""
     path = write_rows(tmp_path / "test.jsonl", ROWS)
-    evaluation = EvalConfig(evaluate_only=True, eval_split="test", eval_metric="accuracy")
+    evaluation = EvalConfig(evaluate_only=True, eval_split=eval_split, eval_metric="accuracy")
     info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     loaders = build_loaders(tokenizer, DataConfig(test_file=str(path)), TrainConfig(), evaluation, info)
     assert loaders.train is None and loaders.evaluation.split == "test" and len(loaders.evaluation.dataset) == 3
     assert loaders.cleaning == "plain"
+    said = [record.getMessage() for record in log_records]
+    assert ("--eval_split auto: scoring the test split (the data has no validation split)" in said) == (
+        eval_split == "auto"
+    )
+    assert "rows: test 3 (all)" in said
+
+
+def test_evaluate_only_auto_scores_the_validation_split_where_there_is_one(tmp_path):
+    files = {split: str(write_rows(tmp_path / f"{split}.jsonl", ROWS[: 2 + (split == "test")]))
+             for split in ("validation", "test")}  # fmt: skip
+    data = DataConfig(validation_file=files["validation"], test_file=files["test"])
+    evaluation = EvalConfig(evaluate_only=True, eval_metric="accuracy")
+    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    loaders = build_loaders(tokenizer, data, TrainConfig(), evaluation, info)
+    assert loaders.evaluation.split == "validation" and len(loaders.evaluation.dataset) == 2
 
 
 def test_token_ids_follow_the_cleaning_of_the_source(tmp_path):
@@ -503,3 +521,28 @@ def test_accuracy_and_the_best_metric():
     with pytest.raises(ConfigError, match="--metric_for_best rougeL is a score of --eval_metric rouge"):
         check_evaluation(EvalConfig(eval_metric="accuracy", metric_for_best="rougeL"), TrainConfig())
     assert RunConfig().evaluation.eval_metric == "rouge"
+
+
+def test_rows_by_source_wikihow_keeps_the_tutorials_subset_other_sources_use_every_row(tmp_path, log_records):
+    """NONE (the default) of --num_train_samples/--num_val_samples: the tutorial's 1,500/300 of WikiHow, every
+    row of a file; a number larger than the split is said once; the start line says what each split gives."""
+    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    rows = [{"document": f"text number {i}", "summary": f"sum {i}"} for i in range(40)]
+    data = DataConfig(train_file=str(write_rows(tmp_path / "train.csv", rows)))  # 5% held out: 38 and 2
+    mine = build_loaders(tokenizer, data, TrainConfig(), EvalConfig(), info)
+    wikihow = build_loaders(tokenizer, DataConfig(), TrainConfig(), EvalConfig(), info)
+    split_rows = len(load_wikihow(EMBEDDED_DATA_DIR, "train"))
+    build_loaders(tokenizer, DataConfig(train_file=data.train_file, num_train_samples=500), TrainConfig(),
+                  EvalConfig(), info)  # fmt: skip
+    assert (len(mine.train.dataset), len(mine.val.dataset)) == (38, 2)
+    assert (len(wikihow.train.dataset), len(wikihow.val.dataset)) == (1500, 300) and split_rows > 1500
+    said = [record.getMessage() for record in log_records]
+    assert "rows: train 38 (all), validation 2 (all)" in said
+    assert (
+        f"rows: train 1500 of {split_rows} (the tutorial's subset of WikiHow; --num_train_samples 0 for all), "
+        f"validation 300 of {len(load_wikihow(EMBEDDED_DATA_DIR, 'validation'))} (the tutorial's subset of "
+        "WikiHow; --num_val_samples 0 for all)"
+    ) in said
+    asked = [line for line in said if line.startswith("asked for 500 train rows")]
+    assert len(asked) == 1 and asked[0].endswith("has 38: using all 38"), said
