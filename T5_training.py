@@ -225,7 +225,8 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
             else:
                 checkpoints.begin_training(start, progress)  # a rollback's abandoned checkpoints set aside
                 if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
-                    record_ = run_record.run_record(config, from_accelerate, info, precision, throughput, job)
+                    record_ = run_record.run_record(config, from_accelerate, info, precision, throughput, job,
+                                                    loaders.unknown_tokens())  # fmt: skip
                     config_file = os.path.join(train.output_dir, layout.CONFIG_FILE)
                     run_record.write_run_record(config_file, record_, start.path)
                 trainer.train(progress, resumed=start.is_checkpoint, stop=stop)

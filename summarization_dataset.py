@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import datasets
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
@@ -237,9 +239,9 @@ def _ends_inside_a_quoted_field(csv_path: Path) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 # Bump when the reading or cleaning above changes (the text cache is rebuilt), or when clean_text or the
-# encoding of items below changes (the token cache is rebuilt).
+# encoding of items below changes (the token cache is rebuilt; 3: its manifest counts unknown tokens).
 CLEANING_VERSION = 2
-ENCODING_VERSION = 2
+ENCODING_VERSION = 3
 _TOKEN_FEATURES = datasets.Features(
     {"source_ids": datasets.List(datasets.Value("int32")), "target_ids": datasets.List(datasets.Value("int32"))}
 )
@@ -429,8 +431,11 @@ def _tokenising_processes(rows: int) -> int | None:
     return processes if processes >= 2 else None
 
 
-def _write_token_cache(rows: datasets.Dataset, split: str, encode: functools.partial, folder: Path) -> dict:
-    rows.map(
+def _write_token_cache(
+    rows: datasets.Dataset, split: str, encode: functools.partial, unk_id: int | None, folder: Path
+) -> dict:
+    """Tokenise `rows` into `folder`; the manifest's extra field: how many tokens are the unknown token."""
+    ids = rows.map(
         encode,
         batched=True,
         batch_size=1000,
@@ -442,17 +447,39 @@ def _write_token_cache(rows: datasets.Dataset, split: str, encode: functools.par
         new_fingerprint=folder.name.split(".partial")[0],  # the cache is this folder, not datasets' own
         desc=f"Tokenising {len(rows)} {split} rows",
     )
-    return {}
+    return {"unknown_tokens": unknown_token_counts(ids.data, unk_id)}
+
+
+def unknown_token_counts(ids: pa.Table, unk_id: int | None) -> dict:
+    """How many source and target tokens are the tokenizer's unknown token, how many rows hold one, and the
+    first such row's index (text the tokenizer cannot read: the wrong model for the language, say)."""
+    counts = {"source": 0, "target": 0, "source_total": 0, "target_total": 0, "rows": 0, "first_row": None,
+              "rows_total": ids.num_rows}  # fmt: skip
+    any_row = np.zeros(ids.num_rows, dtype=bool)
+    for side in ("source", "target"):
+        column = ids.column(f"{side}_ids").combine_chunks()
+        flat = column.flatten().to_numpy()
+        counts[f"{side}_total"] = int(len(flat))
+        if unk_id is None or not len(flat):
+            continue
+        hits = flat == unk_id
+        counts[side] = int(hits.sum())
+        rows_of = np.repeat(np.arange(ids.num_rows), np.diff(column.offsets.to_numpy()))
+        any_row[rows_of[hits]] = True
+    counts["rows"] = int(any_row.sum())
+    counts["first_row"] = int(any_row.argmax()) if any_row.any() else None
+    return counts
 
 
 def _cached_token_ids(
     rows: datasets.Dataset, cached: CachedSplit, split: str, tokenizer, data: DataConfig, input_length: int,
     output_length: int,
-) -> datasets.Dataset:  # fmt: skip
+) -> tuple[datasets.Dataset, dict | None]:  # fmt: skip
     """Token ids (unpadded, int32) of `rows`, the first rows of a split, from the token cache: tokenised once
     per machine, and reused by every epoch, every rank and every later run with the same text cache (the
     source's files, columns and split), tokenizer, lengths and prefix. A cache of more rows (a run that used
-    more of them) serves too."""
+    more of them) serves too. With them, the cache's unknown_token_counts (None: a cache written before they
+    were counted)."""
     key = {
         "text_cache": cached.cache.name,
         "split": split,
@@ -477,11 +504,12 @@ def _cached_token_ids(
         _encode_batch, tokenizer=tokenizer, clean=CLEANINGS[cached.cleaning], source_prefix=data.source_prefix,
         input_length=input_length, output_length=output_length,
     )  # fmt: skip
-    build = functools.partial(_write_token_cache, rows, split, encode)
+    build = functools.partial(_write_token_cache, rows, split, encode, tokenizer.unk_token_id)
     what = f"the token ids of {len(rows)} {split} rows"
     folder, manifest = shared_folder(root, "tokens", {**key, "rows": len(rows)}, build, what, reuse=larger_cache)
     parts = [datasets.Dataset.from_file(str(folder / part)) for part in sorted(manifest["files"])]
-    return datasets.concatenate_datasets(parts).select(range(len(rows)))
+    token_ids = datasets.concatenate_datasets(parts).select(range(len(rows)))
+    return token_ids, manifest.get("unknown_tokens")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -538,7 +566,7 @@ class SummarizationDataset(Dataset):
         self.split = type_path
         self.split_rows = len(cached.rows)  # the whole split's, before num_samples
         self.dataset = self._select(cached.rows, num_samples)
-        self.token_ids = _cached_token_ids(
+        self.token_ids, self.unknown_tokens = _cached_token_ids(
             self.dataset, cached, type_path, tokenizer, options, input_length, output_length
         )
         self.source_description = cached.what
@@ -646,6 +674,8 @@ def build_dataset(
         _warn_once(Path(dataset.source_description), f"{split} rows asked",
                    "asked for %d %s rows but the split of %s has %d: using all %d", num_samples, split,
                    dataset.source_description, dataset.split_rows, dataset.split_rows)  # fmt: skip
+    if rank0:
+        warn_unknown_tokens(dataset, tokenizer)
     if len(dataset) < world_size:
         raise DataError(
             f"the {split} split of {dataset.source_description} has {len(dataset)} usable "
@@ -653,6 +683,33 @@ def build_dataset(
             f"{world_size} ranks: every rank needs at least one. Use more data or fewer processes."
         )
     return dataset
+
+
+# Above this share of tokens that are the unknown token, the data is mostly readable only in part.
+UNKNOWN_TOKEN_SHARE = 0.001
+
+
+def warn_unknown_tokens(dataset: SummarizationDataset, tokenizer) -> None:
+    """One warning when more than UNKNOWN_TOKEN_SHARE of a split's source or target tokens are the tokenizer's
+    unknown token, with the characters of the first such row it cannot read and the likely fix."""
+    counts = dataset.unknown_tokens
+    if not counts or counts["first_row"] is None:
+        return
+    shares = {side: counts[side] / max(counts[f"{side}_total"], 1) for side in ("source", "target")}
+    if max(shares.values()) <= UNKNOWN_TOKEN_SHARE:
+        return
+    row = counts["first_row"]
+    text = dataset.article(row) + " " + dataset.reference(row) if row < len(dataset) else ""
+    unknown = [c for c in dict.fromkeys(text) if not c.isspace()
+               and tokenizer.unk_token_id in tokenizer(c, add_special_tokens=False)["input_ids"]]  # fmt: skip
+    _warn_once(Path(dataset.source_description), f"{dataset.split} unknown tokens",
+               "%s, %s split: %.1f%% of source and %.1f%% of target tokens are the tokenizer's unknown token "
+               "(%d of %d rows hold one; the characters it cannot read in row %s: %s). The model will not see "
+               "that text: use a model whose tokenizer covers it (a multilingual one such as google/mt5-base or "
+               "google/umt5-base)",
+               dataset.source_description, dataset.split, 100 * shares["source"], 100 * shares["target"],
+               counts["rows"], counts["rows_total"],
+               dataset.row_id(row) if row < len(dataset) else row, " ".join(unknown[:12]) or "?")  # fmt: skip
 
 
 def rows_phrase(dataset: SummarizationDataset, asked: int | None) -> str:

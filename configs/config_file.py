@@ -36,6 +36,7 @@ RUN_RECORD_KEYS = (
     "mixed_precision_policy",
     "mfu_peak_tflops",
     "mfu_peak_source",
+    "unknown_tokens",
     "started_at",
     "versions",
     "command",

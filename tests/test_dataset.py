@@ -24,6 +24,7 @@ from configs.paths import REPO_ROOT
 from summarization_dataset import (
     ITEM_KEYS,
     SummarizationDataset,
+    build_dataset,
     clean_text,
     hash_split,
     load_wikihow,
@@ -382,12 +383,15 @@ def test_num_samples_takes_the_first_rows(tokenizer, data_dir, log_records):
     assert _warnings(log_records) == []
 
 
-def test_num_samples_more_than_available_warns(tokenizer, data_dir, log_records):
-    dataset = SummarizationDataset(tokenizer, "train", 100, 16, 8, data_options(data_dir=data_dir))
-    assert len(dataset) == 4
-    warnings = _warnings(log_records)
+def test_num_samples_more_than_available_warns_once(tokenizer, data_dir, log_records):
+    """The Dataset takes all the split has; a run's build_dataset says so, once however often it is built."""
+    assert len(SummarizationDataset(tokenizer, "train", 100, 16, 8, data_options(data_dir=data_dir))) == 4
+    assert _warnings(log_records) == []
+    for _ in range(2):
+        assert len(build_dataset(tokenizer, "train", 100, data_options(data_dir=data_dir), world_size=1)) == 4
+    warnings = [line for line in _warnings(log_records) if line.startswith("asked for")]
     assert len(warnings) == 1
-    assert "100" in warnings[0] and "4" in warnings[0]
+    assert "asked for 100 train rows" in warnings[0] and "using all 4" in warnings[0]
 
 
 @pytest.mark.parametrize("num_samples", [0, -3])
@@ -506,7 +510,7 @@ class CountingTokenizer:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.texts = tokenizer, []
-        self.pad_token_id = tokenizer.pad_token_id
+        self.pad_token_id, self.unk_token_id = tokenizer.pad_token_id, tokenizer.unk_token_id
         self.backend_tokenizer = tokenizer.backend_tokenizer
 
     def __call__(self, texts, **kwargs):

@@ -546,3 +546,26 @@ def test_rows_by_source_wikihow_keeps_the_tutorials_subset_other_sources_use_eve
     ) in said
     asked = [line for line in said if line.startswith("asked for 500 train rows")]
     assert len(asked) == 1 and asked[0].endswith("has 38: using all 38"), said
+
+
+def test_text_the_tokenizer_cannot_read_is_reported_once_and_recorded(tmp_path, log_records):
+    """The embedded vocabulary has no 梅 or ü: a file of such text gets one warning per split, naming the
+    characters and the fix, and the counts go to the run record; English text gets none."""
+    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    foreign = [
+        {"document": f"the plum 梅 grows in zürich {'so ' * i}", "summary": "梅 in zürich"} for i in range(20)
+    ]
+    english = [{"document": f"the plum grows in the garden {'so ' * i}", "summary": "a plum"} for i in range(20)]
+    for name, rows in (("foreign", foreign), ("english", english)):
+        data = DataConfig(train_file=str(write_rows(tmp_path / name / "train.csv", rows)))
+        loaders = build_loaders(tokenizer, data, TrainConfig(), EvalConfig(eval_rouge=False), info)
+        counts = loaders.unknown_tokens()
+        assert set(counts) == {"train", "validation"}
+        assert (counts["train"]["rows"] == counts["train"]["rows_total"] == 19) == (name == "foreign"), counts
+        assert (counts["train"]["rows"] == 0) == (name == "english"), counts
+    warned = [
+        r.getMessage() for r in log_records if r.levelname == "WARNING" and "unknown token" in r.getMessage()
+    ]
+    assert len(warned) == 2 and all("foreign" in line and "mt5" in line for line in warned), warned
+    assert "梅" in warned[0] and "ü" in warned[0]

@@ -44,18 +44,14 @@ def train(kernel: str, steps: int = STEPS) -> tuple[list[float], list[torch.Tens
     model.eval()
     batch = padded_batch(10)
     with torch.no_grad():
-        tokens = [
-            model.generate(
-                input_ids=batch["source_ids"],
-                attention_mask=batch["source_mask"],
-                use_cache=True,
-                max_new_tokens=8,
-                num_beams=beams,
-                do_sample=False,
-            )  # fmt: skip
-            for beams in (1, 2)
-        ]
+        tokens = [generated(model, batch, new_tokens=8, beams=beams) for beams in (1, 2)]
     return losses, first_grads, tokens
+
+
+def generated(model, batch: dict, new_tokens: int, beams: int = 1) -> torch.Tensor:
+    """Greedy (or beam-search) tokens of `batch`, with the KV cache as generation uses it."""
+    return model.generate(input_ids=batch["source_ids"], attention_mask=batch["source_mask"], use_cache=True,
+                          max_new_tokens=new_tokens, num_beams=beams, do_sample=False)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +98,8 @@ def test_flexattention_forward_matches_the_stock_model(monkeypatch):
         want, got = stock(**inputs).logits, flex(**inputs).logits
         assert len(calls) == 2 * stock.config.num_layers, "every encoder and decoder self-attention"
         assert (got - want).abs().max().item() < 1e-5
-        generated = [
-            model.generate(
-                input_ids=batch["source_ids"],
-                attention_mask=batch["source_mask"],
-                use_cache=True,
-                max_new_tokens=6,
-                do_sample=False,
-            )  # fmt: skip
-            for model in (stock, flex)
-        ]
-    assert torch.equal(*generated)
+        tokens = [generated(model, batch, new_tokens=6) for model in (stock, flex)]
+    assert torch.equal(*tokens)
 
 
 @pytest.mark.slow  # 12 s: four sharded runs

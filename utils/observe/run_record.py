@@ -22,10 +22,12 @@ def run_record(
     precision: Precision,
     throughput: Throughput,
     torchrun_job: str | None = None,
+    unknown_tokens: dict | None = None,
 ) -> dict:
     """The resolved configs (CLI spelling: feeding them back as flags reproduces the run), the fields taken
     from `accelerate launch`'s environment ({field: variables}; {} without it), and the setting, with the peak
-    FLOP/s per device that MFU divides by (null: none known)."""
+    FLOP/s per device that MFU divides by (null: none known), and per split how many tokens of the data are
+    the tokenizer's unknown token (summarization_dataset.unknown_token_counts)."""
     return {
         **config_to_dict(config),  # one key per section: train_config, fsdp_config, data_config, ...
         "from_accelerate": from_accelerate,
@@ -36,6 +38,7 @@ def run_record(
         "mixed_precision_policy": precision.name,
         "mfu_peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None,
         "mfu_peak_source": throughput.peak_source,
+        "unknown_tokens": unknown_tokens or {},
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": {
             "python": platform.python_version(),
