@@ -315,8 +315,38 @@ def text_source(data: DataConfig) -> TextSource:
 
 
 def cache_root(data: DataConfig, source: TextSource) -> Path:
-    """Where the cache lives: --cache_dir, by default beside the data (TextSource.default_cache)."""
-    return Path(data.cache_dir) if data.cache_dir else source.default_cache
+    """Where the cache lives: --cache_dir, by default beside the data (TextSource.default_cache); where that
+    folder cannot be written (a shared, read-only dataset mount), a folder of this user's cache, said once."""
+    if data.cache_dir:
+        return Path(data.cache_dir)
+    beside = source.default_cache
+    if writable(beside):
+        return beside
+    fallback = user_cache_dir() / hashlib.sha256(str(beside.resolve()).encode()).hexdigest()[:16]
+    if is_rank0():
+        _warn_once(beside, "read-only",
+                   "%s cannot be written: the data's cache goes to %s instead (--cache_dir chooses another)",
+                   beside, fallback)  # fmt: skip
+    return fallback
+
+
+def is_rank0() -> bool:
+    """Rank 0 of the run (a process without a group, such as a script's, counts as one): who says things once."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def writable(folder: Path) -> bool:
+    """Whether this process can create files in `folder`, or create it (its nearest existing parent)."""
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    return os.access(existing, os.W_OK | os.X_OK)
+
+
+def user_cache_dir() -> Path:
+    """This user's cache folder for data caches that cannot go beside their data (XDG_CACHE_HOME's)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "t5_fsdp_data"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -669,7 +699,7 @@ def build_dataset(
     tutorial_data = text_source(data).cleaning == "wikihow"
     limit = rows_to_read(num_samples, split, tutorial_data)
     dataset = SummarizationDataset(tokenizer, split, limit, data.max_source_length, data.max_target_length, data)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = is_rank0()
     if num_samples and num_samples > dataset.split_rows and rank0:
         _warn_once(Path(dataset.source_description), f"{split} rows asked",
                    "asked for %d %s rows but the split of %s has %d: using all %d", num_samples, split,

@@ -9,9 +9,11 @@ the cache keys, and a test per bad-input message.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -569,3 +571,41 @@ def test_text_the_tokenizer_cannot_read_is_reported_once_and_recorded(tmp_path, 
     ]
     assert len(warned) == 2 and all("foreign" in line and "mt5" in line for line in warned), warned
     assert "梅" in warned[0] and "ü" in warned[0]
+
+
+@contextlib.contextmanager
+def read_only_folder(folder: Path):
+    """`folder` as this process cannot write it: a read-only bind mount over it as root (whom file permissions
+    do not stop), its permissions otherwise."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield folder
+        finally:
+            folder.chmod(0o755)
+        return
+    try:
+        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as err:
+        pytest.skip(f"no read-only bind mount here ({err}): root ignores file permissions")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True, capture_output=True)
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_data_folder_that_cannot_be_written_gets_its_cache_in_the_users_cache(
+    tmp_path, monkeypatch, log_records
+):
+    """A shared, read-only dataset folder still trains: the cache goes to this user's cache, said once."""
+    data_file = write_rows(tmp_path / "shared" / "train.csv", ROWS)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    with read_only_folder(tmp_path / "shared"):
+        assert not os.access(tmp_path / "shared", os.W_OK)
+        for _ in range(2):
+            split = _cached_split(DataConfig(train_file=str(data_file)), "train")
+        assert split.cache.is_relative_to(tmp_path / "home" / "t5_fsdp_data") and len(split.rows) == 2
+        assert not (tmp_path / "shared" / "cache").exists()
+    said = [r.getMessage() for r in log_records if "cannot be written" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "home" / "t5_fsdp_data") in said[0], said
