@@ -111,9 +111,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import summarization_dataset
+from configs import accelerate_env
 from configs.errors import FAILURES, error_summary
 from configs.evaluation import METRIC_NAMES
 from policies.mixed_precision import Precision, resolve_precision
+from policies.wrapping import layer_classes
 from utils import layout
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.run_lock import claimed_output_dir
@@ -165,6 +167,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # them, the others wait for as long as it makes progress, not --dist_timeout_s.
     with progress_bounded("model loading"):
         loaded = build_model(config, info, start, tokenizer)
+    log_layer_classes_of_accelerate(loaded.model)
     model_config = loaded.model.config
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
     model_config.task_specific_params = {
@@ -257,6 +260,19 @@ def log_evaluation_plan(config: RunConfig, loaders: summarization_dataset.Loader
     get_logger().info(
         "evaluation %s: validation loss and %s; --run_validation false switches all evaluation off", when, scores
     )
+
+
+def log_layer_classes_of_accelerate(model: torch.nn.Module) -> None:
+    """One line where accelerate launch's config names other layer classes than the model's own, which are the
+    units (configs/accelerate_env.py checks the name, and does not use it)."""
+    named = accelerate_env.layer_classes_named(os.environ)
+    own = sorted(cls.__name__ for cls in layer_classes(model))
+    if named and sorted(named) != own:
+        get_logger().info(
+            "accelerate's fsdp_transformer_layer_cls_to_wrap names %s; this %s's layers are %s, and those are "
+            "the FSDP units (the config's value is checked, not used)",
+            ", ".join(named), type(model).__name__, ", ".join(own),
+        )  # fmt: skip
 
 
 def build_model(

@@ -296,6 +296,16 @@ def is_accepted(name: str, value: str) -> bool:
     return all(part.strip().lower() in accepted for part in value.split(","))
 
 
+LAYER_CLASSES_VARIABLE = "FSDP_TRANSFORMER_CLS_TO_WRAP"
+
+
+def layer_classes_named(environ: Env) -> list[str]:
+    """The layer classes accelerate launch's config names for the transformer policy (checked, not used: the
+    units are the model's own layers); [] without it."""
+    value = accelerate_environment(environ).get(LAYER_CLASSES_VARIABLE, "")
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
 def check_variables(env: Env) -> None:
     """Refuse an FSDP_* variable this package does not know, and a checked variable at another value."""
     known = known_variables()

@@ -279,3 +279,28 @@ def test_accelerate_launch_with_a_refused_value_stops_with_one_message(tmp_path)
     assert run.output.count("FSDP_STATE_DICT_TYPE='LOCAL_STATE_DICT'") == 1, run.describe()
     assert not program_tracebacks(run.output), run.describe()
     assert not (tmp_path / "run").exists()
+
+
+def test_a_layer_class_named_for_another_family_is_said_with_the_ones_taken(monkeypatch, log_records):
+    """accelerate's config names T5Block; a BART model's own layers are the units, and the run says so (a T5
+    model's are the named ones: nothing to say)."""
+    from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    import T5_training
+
+    environ = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_FSDP": "true",
+               "FSDP_TRANSFORMER_CLS_TO_WRAP": "T5Block"}  # fmt: skip
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    tiny = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=16, decoder_ffn_dim=16,
+                encoder_attention_heads=2, decoder_attention_heads=2, vocab_size=64)  # fmt: skip
+    T5_training.log_layer_classes_of_accelerate(BartForConditionalGeneration(BartConfig(**tiny)))
+    T5_training.log_layer_classes_of_accelerate(
+        T5ForConditionalGeneration(T5Config(d_model=16, d_ff=16, d_kv=8, num_heads=2, num_layers=1, vocab_size=64))
+    )
+    said = [record.getMessage() for record in log_records]
+    assert said == [
+        "accelerate's fsdp_transformer_layer_cls_to_wrap names T5Block; this BartForConditionalGeneration's "
+        "layers are BartDecoderLayer, BartEncoderLayer, and those are the FSDP units (the config's value is "
+        "checked, not used)"
+    ]
