@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog="The summaries go to stdout, one per line in input order; messages go to stderr, so "
         "`> summaries.txt` keeps the summaries alone.",
     )
-    parser.add_argument("--model", required=True, help="a folder such as OUTPUT_DIR/hf_model, or a hub name")
+    parser.add_argument("--model", required=True, help="a folder such as OUTPUT_DIR/hf_model (or a "
+                        "--peft lora run's OUTPUT_DIR/hf_adapter: its base, adapter merged in), or a hub "
+                        "name")  # fmt: skip
     parser.add_argument("--input", help="a data file (.csv, .jsonl, .json, .parquet), or a text file with one "
                         "article per line; default: stdin")  # fmt: skip
     parser.add_argument("--text_column", default="", help="a data file's text column (default: as in training)")
@@ -88,12 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # A mistyped folder, or a hub name offline, fails here in seconds (the model's config and tokenizer
         # checked), before the articles are read and the model loads.
-        tokenizer = loading.load_tokenizer(args.model)
         device = (
             "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
         )
-        articles = read_articles(args.input, args.text_column)
-        model = AutoModelForSeq2SeqLM.from_pretrained(loading.resolved_name(args.model)).to(device).eval()
+        if loading.adapter_base_of(args.model) is None:
+            tokenizer = loading.load_tokenizer(args.model)
+            articles = read_articles(args.input, args.text_column)
+            model = AutoModelForSeq2SeqLM.from_pretrained(loading.resolved_name(args.model))
+        else:  # a --peft lora run's adapter folder: its base with the adapter merged in
+            articles = read_articles(args.input, args.text_column)
+            model, tokenizer, base = loading.load_adapter_model(args.model)
+            get_logger().info("%s is a LoRA adapter: merged into its base model %s", args.model, base)
+        model = model.to(device).eval()
         for summary in summarize(model, tokenizer, articles, args.batch_size):
             print(summary)
     except (UserError, OSError) as err:

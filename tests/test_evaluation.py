@@ -11,11 +11,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from peft import PeftModel
 from rouge_score import rouge_scorer
-from transformers import AutoTokenizer, T5ForConditionalGeneration
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5ForConditionalGeneration
 
 from configs.data import DataConfig
 from configs.evaluation import EvalConfig
+from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
 from configs.training import TrainConfig
 from scripts.summarize import main as summarize_main
@@ -23,10 +25,13 @@ from summarization_dataset import build_loaders, load_wikihow
 from tests.dist_harness import run_ranks
 from tests.dist_workers import generation_worker
 from tests.launch import pooled
+from utils.checkpoint.hf_export import run_generation_config, write_adapter_folder
 from utils.distributed.process_group import DistInfo
+from utils.eval.generation import summarization_params
 from utils.eval.rouge import ROUGE_KEYS, rouge_scores
 from utils.eval.scores import mean_scores
 from utils.log import get_logger
+from utils.model.lora import adapter_base, apply_lora
 
 N_SAMPLES = 7  # uneven over 2 ranks: 4 and 3 real samples, one padding repeat
 EVAL_KEYS = {"type", "epoch", "step", "split", *ROUGE_KEYS, "gen_len", "num_samples", "seconds", "baselines"}
@@ -271,3 +276,37 @@ def test_hf_model_generates_like_the_evaluation(trained):
     with torch.no_grad():
         ids = model.generate(**tokenizer("Knead the dough. Bake it.", return_tensors="pt"))
     assert ids.shape[1] <= 1 + 150
+
+
+def test_summarize_takes_a_lora_adapter_folder_as_its_merged_model(tmp_path, capsys):
+    """A --peft lora run's hf_adapter/ (written as the run writes it): scripts/summarize.py merges it into the
+    base its config names and summarises with the run's settings, as the merged model does."""
+    tokenizer = AutoTokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    base = str(EMBEDDED_MODEL_DIR)
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForSeq2SeqLM.from_pretrained(base), LoraConfig(peft="lora"), adapter_base(base))
+    adapters = {}
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data.normal_(0, 0.5)  # B starts at zero: an adapter that changes the model
+            adapters[name.replace(".default", "")] = param.detach().clone()
+    settings = EvalConfig(max_new_tokens=12)
+    model.base_model.model.config.task_specific_params = {
+        "summarization": summarization_params(DataConfig(source_prefix="summarize: "), settings, "wikihow")
+    }
+    folder = tmp_path / "hf_adapter"
+    write_adapter_folder(adapters, model.base_model.model.config, LoraConfig(peft="lora"), adapter_base(base),
+                         tokenizer, str(folder))  # fmt: skip
+    articles = list(load_wikihow(EMBEDDED_DATA_DIR, "validation")["text"])[:3]
+    csv = tmp_path / "articles.csv"
+    pd.DataFrame({"text": articles}).to_csv(csv, index=False)
+    got = summarize(folder, ["--input", str(csv)], capsys)
+    # The same adapter merged by PEFT and saved as a whole model, as a --merge_lora true run writes it.
+    merged = PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained(base), folder).merge_and_unload()
+    merged.config.task_specific_params = model.base_model.model.config.task_specific_params
+    merged.save_pretrained(tmp_path / "merged")
+    run_generation_config(merged.config).save_pretrained(tmp_path / "merged")
+    tokenizer.save_pretrained(tmp_path / "merged")
+    want = summarize(tmp_path / "merged", ["--input", str(csv)], capsys)
+    plain = summarize(base, ["--input", str(csv)], capsys)
+    assert got == want and got != plain, (got, want, plain)

@@ -175,24 +175,33 @@ def write_model_description(model_config, tokenizer, dtype: torch.dtype, folder:
     config.architectures = [MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING[type(config)].__name__]
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(folder)
-    # generation_config.json gets the run's generation settings, so `generate()` summarises as evaluated.
+    run_generation_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def summarization_settings(config) -> dict:
+    """The run's summarization settings (cleaning, prefix, lengths, generation) its model config carries."""
+    return (getattr(config, "task_specific_params", None) or {}).get("summarization", {})
+
+
+def run_generation_config(config) -> GenerationConfig:
+    """generation_config.json with the run's generation settings, so `generate()` summarises as evaluated."""
     generation_config = GenerationConfig.from_model_config(config)
-    summarization = (getattr(config, "task_specific_params", None) or {}).get("summarization", {})
+    summarization = summarization_settings(config)
     generation = {key: summarization[key] for key in GENERATION_KEYS if key in summarization}
     if generation.get("num_beams", 1) == 1:
         generation.pop("length_penalty", None)  # a beam-search setting; transformers refuses it otherwise
     generation_config.update(use_cache=True, **generation)
-    generation_config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    return generation_config
 
 
 def write_adapter_folder(
     adapters: dict, model_config, lora: LoraConfig, base_model: str, tokenizer, folder: str
 ) -> None:
     """Rank 0: PEFT's adapter folder (adapter_config.json naming `base_model`, adapter_model.safetensors)
-    from the gathered adapters, and the tokenizer. PEFT's save_pretrained writes it, from a PEFT model on
-    the meta device: its module names and configuration, no weights (the live one's names carry FSDP1's
-    wrappers, which PEFT's key matching does not know)."""
+    from the gathered adapters, the tokenizer, and the run's generation and summarization settings. PEFT's
+    save_pretrained writes it, from a PEFT model on the meta device: its module names and configuration, no
+    weights (the live one's names carry FSDP1's wrappers, which PEFT's key matching does not know)."""
     config = copy.deepcopy(model_config)
     config.use_cache = True
     with torch.device("meta"):
@@ -200,6 +209,10 @@ def write_adapter_folder(
     with atomic_path(folder) as tmp:
         peft_skeleton.save_pretrained(tmp, state_dict=adapters, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        # What a whole model's config.json and generation_config.json carry, for scripts/summarize.py.
+        run_generation_config(config).save_pretrained(tmp)
+        with open(os.path.join(tmp, layout.ADAPTER_SUMMARIZATION_FILE), "w", encoding="utf-8") as f:
+            json.dump(summarization_settings(config), f, indent=1)
 
 
 def convert_checkpoint(checkpoint: str, output: str, max_file_bytes: int) -> str:

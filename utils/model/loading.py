@@ -36,6 +36,7 @@ from transformers import (
     AutoConfig,
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
 )
@@ -44,6 +45,7 @@ from transformers.utils import cached_file
 
 from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
 from configs.recipe import RecipeConfig
+from utils import layout
 from utils.distributed.process_group import rank0_decides
 from utils.log import get_logger
 from utils.model import t5_attention
@@ -137,6 +139,37 @@ def hub_source(model_id: str) -> str:
     """A hub id as from_pretrained should read it, decided by rank 0 for every rank (collective the first time
     for an id: load_tokenizer, which every rank calls at the same point, is the first reader of the model)."""
     return rank0_decides(lambda: hub_model_source(model_id))
+
+
+def adapter_base_of(folder: str) -> str | None:
+    """The base model a --peft lora run's adapter folder names (adapter_config.json); None for any other."""
+    path = os.path.join(os.path.expanduser(folder), layout.ADAPTER_CONFIG_FILE)
+    if not looks_like_local_path(folder) or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["base_model_name_or_path"]
+
+
+def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase, str]:
+    """A --peft lora run's adapter folder as a model for generation: its base (checked as --model_name is)
+    with the adapter merged in through PEFT, the run's generation and summarization settings, and the
+    tokenizer saved with it (checked against the base); and the base's name."""
+    from peft import PeftModel
+
+    base = adapter_base_of(folder)
+    config = load_model_config(base)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(folder))
+    check_tokenizer(folder, tokenizer, config)
+    model = AutoModelForSeq2SeqLM.from_pretrained(resolved_name(base))
+    model = PeftModel.from_pretrained(model, os.path.expanduser(folder)).merge_and_unload()
+    settings = os.path.join(os.path.expanduser(folder), layout.ADAPTER_SUMMARIZATION_FILE)
+    if os.path.isfile(settings):
+        with open(settings, encoding="utf-8") as f:
+            params = getattr(model.config, "task_specific_params", None) or {}
+            model.config.task_specific_params = {**params, "summarization": json.load(f)}
+    if os.path.isfile(os.path.join(os.path.expanduser(folder), "generation_config.json")):  # since this version
+        model.generation_config = GenerationConfig.from_pretrained(os.path.expanduser(folder))
+    return model, tokenizer, base
 
 
 def load_tokenizer(model_name: str) -> PreTrainedTokenizerBase:

@@ -44,8 +44,9 @@ def check_local_model_dir(path: str) -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a --peft lora run's hf_adapter/
             raise ConfigError(
-                f"model folder {path!r} is a LoRA adapter, not a whole model: use the merged model a --peft lora "
-                "--merge_lora true run writes (hf_model/), or load the adapter onto its base model with "
+                f"model folder {path!r} is a LoRA adapter, not a whole model: scripts/summarize.py takes it "
+                "(merged into its base), but to train or evaluate here use the merged model a --peft lora "
+                "--merge_lora true run writes (hf_model/), or load the adapter onto its base with "
                 "peft.PeftModel.from_pretrained (docs/ecosystem.md)"
             )
         raise ConfigError(
