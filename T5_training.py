@@ -267,7 +267,7 @@ def log_layer_classes_of_accelerate(model: torch.nn.Module) -> None:
     units (configs/accelerate_env.py checks the name, and does not use it)."""
     named = accelerate_env.layer_classes_named(os.environ)
     own = sorted(cls.__name__ for cls in layer_classes(model))
-    if named and sorted(named) != own:
+    if named and sorted(name.lower() for name in named) != [name.lower() for name in own]:  # checked so too
         get_logger().info(
             "accelerate's fsdp_transformer_layer_cls_to_wrap names %s; this %s's layers are %s, and those are "
             "the FSDP units (the config's value is checked, not used)",

@@ -51,10 +51,8 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-import torch.distributed as dist
 from datasets.fingerprint import Hasher
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
@@ -67,7 +65,7 @@ from configs.training import TrainConfig
 from utils.data import sources
 from utils.data.loaders import EvalSet, Loaders, build_loader
 from utils.data.samplers import LengthGrouping, PaddedEvalSampler, train_sampler_for
-from utils.data.shared_cache import complete_folders, shared_folder
+from utils.data.shared_cache import checked_manifest, complete_folders, folder_for, shared_folder
 from utils.data.sources import (
     SPLITS,
     WIKIHOW_CSV,
@@ -77,7 +75,7 @@ from utils.data.sources import (
     how_to_get_wikihow,
     not_utf8,
 )
-from utils.distributed.process_group import DistInfo, usable_cpus
+from utils.distributed.process_group import DistInfo, is_rank0, usable_cpus
 from utils.log import ProgressLines, bars_shown, get_logger, progress_bar
 
 EXPECTED_HEADER = ["headline", "title", "text"]
@@ -239,9 +237,9 @@ def _ends_inside_a_quoted_field(csv_path: Path) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 # Bump when the reading or cleaning above changes (the text cache is rebuilt), or when clean_text or the
-# encoding of items below changes (the token cache is rebuilt; 3: its manifest counts unknown tokens).
+# encoding of items below changes (the token cache is rebuilt).
 CLEANING_VERSION = 2
-ENCODING_VERSION = 3
+ENCODING_VERSION = 2
 _TOKEN_FEATURES = datasets.Features(
     {"source_ids": datasets.List(datasets.Value("int32")), "target_ids": datasets.List(datasets.Value("int32"))}
 )
@@ -315,24 +313,26 @@ def text_source(data: DataConfig) -> TextSource:
 
 
 def cache_root(data: DataConfig, source: TextSource) -> Path:
-    """Where the cache lives: --cache_dir, by default beside the data (TextSource.default_cache); where that
-    folder cannot be written (a shared, read-only dataset mount), a folder of this user's cache, said once."""
-    if data.cache_dir:
-        return Path(data.cache_dir)
-    beside = source.default_cache
-    if writable(beside):
-        return beside
-    fallback = user_cache_dir() / hashlib.sha256(str(beside.resolve()).encode()).hexdigest()[:16]
+    """Where the text cache lives: --cache_dir, by default beside the data (TextSource.default_cache)."""
+    return Path(data.cache_dir) if data.cache_dir else source.default_cache
+
+
+def usable_cache_root(root: Path, ready: Callable[[Path], bool]) -> Path:
+    """`root`, where this process can write it or `ready(root)` says what is needed is built there already (a
+    shared, read-only dataset mount with its cache); else a folder of this user's cache, said once."""
+    if writable(root) or ready(root):
+        return root
+    fallback = user_cache_dir() / hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
     if is_rank0():
-        _warn_once(beside, "read-only",
+        _warn_once(root, "read-only",
                    "%s cannot be written: the data's cache goes to %s instead (--cache_dir chooses another)",
-                   beside, fallback)  # fmt: skip
+                   root, fallback)  # fmt: skip
     return fallback
 
 
-def is_rank0() -> bool:
-    """Rank 0 of the run (a process without a group, such as a script's, counts as one): who says things once."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+def is_built(root: Path, name: str, key: dict) -> bool:
+    """Whether the cache folder of `key` under `root` is complete."""
+    return checked_manifest(folder_for(root, name, key), key)[0] is not None
 
 
 def writable(folder: Path) -> bool:
@@ -367,17 +367,21 @@ def _text_cache(data: DataConfig) -> tuple[TextSource, Path, dict]:
     """The run's source, its text cache folder and the cache's manifest (the cache built first if needed)."""
     source = text_source(data)
     root = cache_root(data, source)
+    if not data.cache_dir:  # a --cache_dir is where the user wants it, or a clear error
+        root = usable_cache_root(root, lambda root: is_built(root, "text", source.key))
     folder, manifest = shared_folder(root, "text", source.key, source.write, f"the text cache of {source.what}")
     return source, folder, manifest
 
 
 def evaluation_split(data: DataConfig, asked: str) -> str:
     """The split --evaluate_only scores: --eval_split, or for auto the validation split where the data has
-    one, else its test split (a test file alone will do)."""
+    one of its own, else its test split (a test file alone will do)."""
     if asked != "auto":
         return asked
-    splits = _text_cache(data)[2]["origin"]
-    return "test" if "validation" not in splits and "test" in splits else "validation"
+    origin = _text_cache(data)[2]["origin"]
+    # A validation split held out of train is no better than a test split the data has.
+    held_out = "held out" in origin.get("validation", "held out")
+    return "test" if "test" in origin and held_out else "validation"
 
 
 def _cached_split(data: DataConfig, split: str) -> CachedSplit:
@@ -461,11 +465,8 @@ def _tokenising_processes(rows: int) -> int | None:
     return processes if processes >= 2 else None
 
 
-def _write_token_cache(
-    rows: datasets.Dataset, split: str, encode: functools.partial, unk_id: int | None, folder: Path
-) -> dict:
-    """Tokenise `rows` into `folder`; the manifest's extra field: how many tokens are the unknown token."""
-    ids = rows.map(
+def _write_token_cache(rows: datasets.Dataset, split: str, encode: functools.partial, folder: Path) -> dict:
+    rows.map(
         encode,
         batched=True,
         batch_size=1000,
@@ -477,39 +478,42 @@ def _write_token_cache(
         new_fingerprint=folder.name.split(".partial")[0],  # the cache is this folder, not datasets' own
         desc=f"Tokenising {len(rows)} {split} rows",
     )
-    return {"unknown_tokens": unknown_token_counts(ids.data, unk_id)}
+    return {}
 
 
-def unknown_token_counts(ids: pa.Table, unk_id: int | None) -> dict:
-    """How many source and target tokens are the tokenizer's unknown token, how many rows hold one, and the
-    first such row's index (text the tokenizer cannot read: the wrong model for the language, say)."""
+def unknown_token_counts(ids: datasets.Dataset, unk_id: int | None) -> dict:
+    """How many source and target tokens of `ids` (a split's token ids, the rows a run reads) are the
+    tokenizer's unknown token, how many rows hold one, and the first such row (text the tokenizer cannot read:
+    the wrong model for the language, say). Chunk by chunk: a column's chunks stay as the cache holds them."""
     counts = {"source": 0, "target": 0, "source_total": 0, "target_total": 0, "rows": 0, "first_row": None,
-              "rows_total": ids.num_rows}  # fmt: skip
-    any_row = np.zeros(ids.num_rows, dtype=bool)
+              "rows_total": len(ids)}  # fmt: skip
+    holding = np.zeros(len(ids), dtype=bool)
     for side in ("source", "target"):
-        column = ids.column(f"{side}_ids").combine_chunks()
-        flat = column.flatten().to_numpy()
-        counts[f"{side}_total"] = int(len(flat))
-        if unk_id is None or not len(flat):
-            continue
-        hits = flat == unk_id
-        counts[side] = int(hits.sum())
-        rows_of = np.repeat(np.arange(ids.num_rows), np.diff(column.offsets.to_numpy()))
-        any_row[rows_of[hits]] = True
-    counts["rows"] = int(any_row.sum())
-    counts["first_row"] = int(any_row.argmax()) if any_row.any() else None
+        start = 0
+        for chunk in ids.data.column(f"{side}_ids").chunks:
+            flat = chunk.flatten().to_numpy(zero_copy_only=False)
+            counts[f"{side}_total"] += len(flat)
+            if unk_id is not None and len(flat):
+                hits = np.flatnonzero(flat == unk_id)
+                counts[side] += len(hits)
+                offsets = chunk.offsets.to_numpy()  # a slice's start at offsets[0], not 0
+                rows_hit = np.searchsorted(offsets - offsets[0], hits, side="right") - 1
+                holding[start + rows_hit] = True
+            start += len(chunk)
+    counts["rows"] = int(holding.sum())
+    counts["first_row"] = int(holding.argmax()) if holding.any() else None
     return counts
 
 
 def _cached_token_ids(
     rows: datasets.Dataset, cached: CachedSplit, split: str, tokenizer, data: DataConfig, input_length: int,
     output_length: int,
-) -> tuple[datasets.Dataset, dict | None]:  # fmt: skip
+) -> datasets.Dataset:  # fmt: skip
     """Token ids (unpadded, int32) of `rows`, the first rows of a split, from the token cache: tokenised once
     per machine, and reused by every epoch, every rank and every later run with the same text cache (the
     source's files, columns and split), tokenizer, lengths and prefix. A cache of more rows (a run that used
-    more of them) serves too. With them, the cache's unknown_token_counts (None: a cache written before they
-    were counted)."""
+    more of them) serves too. Where the text cache's folder cannot be written and lacks these ids, they go to
+    this user's cache (usable_cache_root)."""
     key = {
         "text_cache": cached.cache.name,
         "split": split,
@@ -520,9 +524,8 @@ def _cached_token_ids(
         "output_length": output_length,
         "encoding": ENCODING_VERSION,
     }
-    root = cached.cache.parent
 
-    def larger_cache() -> tuple[Path, dict] | None:
+    def larger_cache(root: Path) -> tuple[Path, dict] | None:
         for folder, manifest in complete_folders(root, "tokens"):
             saved = dict(manifest["key"])
             # A folder written by another version of this key (no row count) never matches.
@@ -530,16 +533,23 @@ def _cached_token_ids(
                 return folder, manifest
         return None
 
+    sized_key = {**key, "rows": len(rows)}
+    root = cached.cache.parent
+    if not data.cache_dir:  # beside the text cache, unless that cannot be written and lacks these ids
+        root = usable_cache_root(
+            root, lambda root: is_built(root, "tokens", sized_key) or larger_cache(root) is not None
+        )
+
     encode = functools.partial(
         _encode_batch, tokenizer=tokenizer, clean=CLEANINGS[cached.cleaning], source_prefix=data.source_prefix,
         input_length=input_length, output_length=output_length,
     )  # fmt: skip
-    build = functools.partial(_write_token_cache, rows, split, encode, tokenizer.unk_token_id)
+    build = functools.partial(_write_token_cache, rows, split, encode)
     what = f"the token ids of {len(rows)} {split} rows"
-    folder, manifest = shared_folder(root, "tokens", {**key, "rows": len(rows)}, build, what, reuse=larger_cache)
+    reuse = functools.partial(larger_cache, root)
+    folder, manifest = shared_folder(root, "tokens", sized_key, build, what, reuse=reuse)
     parts = [datasets.Dataset.from_file(str(folder / part)) for part in sorted(manifest["files"])]
-    token_ids = datasets.concatenate_datasets(parts).select(range(len(rows)))
-    return token_ids, manifest.get("unknown_tokens")
+    return datasets.concatenate_datasets(parts).select(range(len(rows)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -596,9 +606,10 @@ class SummarizationDataset(Dataset):
         self.split = type_path
         self.split_rows = len(cached.rows)  # the whole split's, before num_samples
         self.dataset = self._select(cached.rows, num_samples)
-        self.token_ids, self.unknown_tokens = _cached_token_ids(
+        self.token_ids = _cached_token_ids(
             self.dataset, cached, type_path, tokenizer, options, input_length, output_length
         )
+        self.unknown_tokens = unknown_token_counts(self.token_ids, tokenizer.unk_token_id)
         self.source_description = cached.what
         self.cleaning = cached.cleaning
         self.clean_text = CLEANINGS[cached.cleaning]
@@ -691,13 +702,13 @@ def pad_collate(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int) -> 
 
 
 def build_dataset(
-    tokenizer, split: str, num_samples: int | None, data: DataConfig, world_size: int
+    tokenizer, split: str, num_samples: int | None, data: DataConfig, world_size: int, read_as: str = ""
 ) -> SummarizationDataset:
     """The tutorial's Dataset of one split, the first `num_samples` rows (0: all; None: by source,
-    rows_to_read), with at least one sample per rank. More rows asked for than the split has: all of them,
-    said once, by rank 0."""
+    rows_to_read, as split `read_as` would be: generation reads any split as the validation split), with at
+    least one sample per rank. More rows asked for than the split has: all of them, said once, by rank 0."""
     tutorial_data = text_source(data).cleaning == "wikihow"
-    limit = rows_to_read(num_samples, split, tutorial_data)
+    limit = rows_to_read(num_samples, read_as or split, tutorial_data)
     dataset = SummarizationDataset(tokenizer, split, limit, data.max_source_length, data.max_target_length, data)
     rank0 = is_rank0()
     if num_samples and num_samples > dataset.split_rows and rank0:
@@ -742,10 +753,10 @@ def warn_unknown_tokens(dataset: SummarizationDataset, tokenizer) -> None:
                dataset.row_id(row) if row < len(dataset) else row, " ".join(unknown[:12]) or "?")  # fmt: skip
 
 
-def rows_phrase(dataset: SummarizationDataset, asked: int | None) -> str:
-    """How many rows of its split a dataset reads and why, for the start line (`asked`: the setting)."""
+def rows_phrase(dataset: SummarizationDataset, asked: int | None, flag: str) -> str:
+    """How many rows of its split a dataset reads and why, for the start line (`asked`: the value of `flag`,
+    the setting that chose them)."""
     split = dataset.split
-    flag = "--num_train_samples" if split == "train" else "--num_val_samples"
     if len(dataset) == dataset.split_rows:
         return f"{split} {len(dataset)} (all)"
     why = flag if asked is not None else f"the tutorial's subset of WikiHow; {flag} 0 for all"
@@ -763,11 +774,14 @@ def build_loaders(
     if evaluation.evaluate_only:
         split = evaluation_split(data, evaluation.eval_split)
         if evaluation.eval_split == "auto":
-            why = " (the data has no validation split)" if split == "test" else ""
+            why = " (the data has no validation split of its own)" if split == "test" else ""
             get_logger().info("--eval_split auto: scoring the %s split%s", split, why)
         eval_set = build_eval_set(tokenizer, data, train, evaluation, info, split)
         get_logger().info(
-            "rows: %s", rows_phrase(eval_set.dataset, generation_rows(evaluation, data.num_val_samples))
+            "rows: %s",
+            rows_phrase(
+                eval_set.dataset, generation_rows(evaluation, data.num_val_samples), generation_flag(evaluation)
+            ),
         )
         return Loaders(None, None, None, 0, eval_set, eval_set.dataset.cleaning)
     train_set = build_dataset(tokenizer, "train", data.num_train_samples, data, info.world_size)
@@ -787,11 +801,18 @@ def build_loaders(
         if evaluation.eval_rouge:
             eval_set = build_eval_set(tokenizer, data, train, evaluation, info, "validation")
     said = [
-        rows_phrase(train_set, data.num_train_samples),
-        rows_phrase(val.dataset, data.num_val_samples) if val else "validation - (--run_validation false)",
+        rows_phrase(train_set, data.num_train_samples, "--num_train_samples"),
+        rows_phrase(val.dataset, data.num_val_samples, "--num_val_samples")
+        if val
+        else "validation - (--run_validation false)",
     ]
     get_logger().info("rows: %s", ", ".join(said))
     return Loaders(train_loader, train_sampler, val, val_num_real, eval_set, train_set.cleaning)
+
+
+def generation_flag(evaluation: EvalConfig) -> str:
+    """The setting that chose how many rows generation scores (generation_rows)."""
+    return "--num_val_samples" if evaluation.eval_num_samples is None else "--eval_num_samples"
 
 
 def build_eval_set(
@@ -801,7 +822,7 @@ def build_eval_set(
     batch padded to its longest source only (generation needs no fixed shapes)."""
     dynamic = dataclasses.replace(data, pad_to_max_length=False)
     rows = generation_rows(evaluation, data.num_val_samples)
-    dataset = build_dataset(tokenizer, split, rows, dynamic, info.world_size)
+    dataset = build_dataset(tokenizer, split, rows, dynamic, info.world_size, read_as="validation")
     sampler = PaddedEvalSampler(len(dataset), info.rank, info.world_size)
     collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)
     loader = build_loader(

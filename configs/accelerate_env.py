@@ -224,10 +224,11 @@ ENV_RULES = (
 )  # fmt: skip
 
 ONLY_FALSE = FALSE_WORDS
+LAYER_CLASSES_VARIABLE = "FSDP_TRANSFORMER_CLS_TO_WRAP"
 # Variables accepted at these values only (compared case-insensitively; ONLY_FALSE: accelerate's spellings
 # of false), with the reason and the fix.
 CHECKED_VARIABLES = {
-    "FSDP_TRANSFORMER_CLS_TO_WRAP": (
+    LAYER_CLASSES_VARIABLE: (
         TESTED_LAYER_CLASSES,
         "the transformer policy here makes each layer of the model's encoder and decoder stacks a unit, read "
         "from the model (docs/models.md): set fsdp_transformer_layer_cls_to_wrap to its layer classes, "
@@ -294,9 +295,6 @@ def is_accepted(name: str, value: str) -> bool:
     values only."""
     accepted = {option.lower() for option in CHECKED_VARIABLES[name][0]}
     return all(part.strip().lower() in accepted for part in value.split(","))
-
-
-LAYER_CLASSES_VARIABLE = "FSDP_TRANSFORMER_CLS_TO_WRAP"
 
 
 def layer_classes_named(environ: Env) -> list[str]:

@@ -81,16 +81,21 @@ def read_config_file(
     if is_run_record:  # where this command writes and starts from is its own, not the recorded run's
         values = {name: value for name, value in values.items() if not is_launch_field(name)}
     texts = {name: _text(path, name, value, takes_none(name)) for name, value in values.items()}
-    for key, value in hf_keys.items():
-        texts.update(_hf_flags(path, key, value)[0])
-    return texts
+    translated = _hf_flags(path, hf_keys)[0]
+    both = sorted(set(translated) & set(texts))
+    if both:
+        raise ConfigError(
+            f"--config {path}: {', '.join(both)} given twice, by its own key and by an HF name "
+            f"({', '.join(hf_keys)}): keep one"
+        )
+    return {**texts, **translated}
 
 
 def hf_name_lines(path: str) -> list[str]:
     """One line for each HF name among the file's keys: what it became, or why it was left out."""
     content = _load(path)
     section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
-    return [_hf_flags(path, key, value)[1] for key, value in hf_keys_of(content, section_keys).items()]
+    return _hf_flags(path, hf_keys_of(content, section_keys))[1]
 
 
 def hf_keys_of(content: dict, section_keys: dict[str, str]) -> dict:
@@ -102,12 +107,11 @@ def hf_keys_of(content: dict, section_keys: dict[str, str]) -> dict:
     return found
 
 
-def _hf_flags(path: str, key: str, value) -> tuple[dict[str, str], str]:
+def _hf_flags(path: str, keys: dict) -> tuple[dict[str, str], list[str]]:
     try:
-        flags, line = hf_names.translate_key(key, value)
+        return hf_names.translate_keys(keys)
     except ConfigError as err:
         raise ConfigError(f"--config {path}: {err}") from None
-    return dict(flags), line
 
 
 def _load(path: str) -> dict:

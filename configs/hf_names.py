@@ -7,12 +7,13 @@ HF's boolean spellings (`--bf16`, `--bf16 True`) work. A name with no meaning he
 work as keys of a --config file. docs/configuration.md's table is `markdown()`.
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from configs.errors import ConfigError
 
-HF_TRUE = {"true": "true", "1": "true", "yes": "true", "false": "false", "0": "false", "no": "false"}
+HF_BOOLEANS = {"true": "true", "1": "true", "yes": "true", "false": "false", "0": "false", "no": "false"}
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class HFName:
     """One HF name: the flags it becomes, from its value (None: it takes no value here and is left out)."""
 
     becomes: Callable[[str], list[tuple[str, str]]] | None
-    takes: str  # "value", "boolean" (alone means true), "values" (one or more) or "nothing"
+    takes: str  # "value", "boolean" (alone means true) or "values" (one or more)
     meaning: str  # docs/configuration.md's cell: what it became, or what the package does instead
 
 
@@ -33,7 +34,7 @@ def boolean(*fields: str) -> HFName:
                   " and ".join(f"`--{field}`" for field in fields))  # fmt: skip
 
 
-def left_out(instead: str, takes: str = "nothing") -> HFName:
+def left_out(instead: str, takes: str) -> HFName:
     return HFName(None, takes, instead)
 
 
@@ -42,7 +43,7 @@ def whole_epochs(value: str) -> list[tuple[str, str]]:
         epochs = float(value)
     except ValueError:
         raise ConfigError(f"--num_train_epochs {value}: not a number") from None
-    if epochs != int(epochs):
+    if not math.isfinite(epochs) or epochs != int(epochs):
         raise ConfigError(
             f"--num_train_epochs {value}: this package trains whole epochs (--epochs); for part of one give "
             "--max_steps (optimizer steps)"
@@ -76,11 +77,29 @@ def trackers(values: str) -> list[tuple[str, str]]:
     return [(tracker, "true" if tracker in chosen else "false") for tracker in TRACKERS]
 
 
-def fp16(value: str) -> list[tuple[str, str]]:
-    return [("mixed_precision", "true"), ("use_fp16", "true")] if value == "true" else [("use_fp16", "false")]
+def whole_number_limit(value: str) -> list[tuple[str, str]]:
+    if value.strip() in ("0", "None"):
+        raise ConfigError(
+            f"--save_total_limit {value}: HF keeps every checkpoint then; this package keeps the newest "
+            "--keep_last_n (0 writes none): give the number to keep"
+        )
+    return [("keep_last_n", value)]
 
 
-ALWAYS_TRAINS = "none needed: a run trains; --evaluate_only true evaluates a model without training"
+def strategy(name: str, field: str, off: str) -> Callable[[str], list[tuple[str, str]]]:
+    """HF's --*_strategy: `no` switches the package's own off (`field` `off`); epoch and steps are its ways
+    already (every epoch; --eval_steps/--save_steps add step-wise ones)."""
+
+    def becomes(value: str) -> list[tuple[str, str]]:
+        if value == "no":
+            return [(field, off)]
+        if value in ("epoch", "steps"):
+            return []
+        raise ConfigError(f"--{name} {value}: HF's strategies are no, steps and epoch")
+
+    return becomes
+
+
 HF_NAMES = {
     # TrainingArguments / Seq2SeqTrainingArguments
     "per_device_train_batch_size": renamed("batch_size_training"),
@@ -93,21 +112,26 @@ HF_NAMES = {
     "logging_steps": renamed("log_every_n_steps"),
     "eval_steps": renamed("eval_every_n_steps"),
     "save_steps": renamed("save_every_n_steps"),
-    "save_total_limit": renamed("keep_last_n"),
+    "save_total_limit": HFName(whole_number_limit, "value", "`--keep_last_n` (0 here writes no checkpoints)"),
     "resume_from_checkpoint": renamed("resume"),
     "dataloader_num_workers": renamed("num_workers_dataloader"),
     "gradient_checkpointing": boolean("fsdp_activation_checkpointing"),
-    "bf16": boolean("mixed_precision"),
-    "fp16": HFName(fp16, "boolean", "`--mixed_precision` and `--use_fp16` (fp16 with the gradient scaler)"),
-    "report_to": HFName(trackers, "values", "`--tensorboard`, `--wandb`, `--mlflow` (each true if named)"),
+    "bf16": HFName(None, "boolean", "`--mixed_precision` (with --fp16: one of the two)"),
+    "fp16": HFName(None, "boolean", "`--mixed_precision` and `--use_fp16` (fp16 with the gradient scaler)"),
+    "report_to": HFName(trackers, "values", "`--tensorboard`, `--wandb`, `--mlflow`: true if named, false if not"),
     "run_name": renamed("tracker_run_name"),
     "generation_num_beams": renamed("num_beams"),
-    "do_train": left_out(ALWAYS_TRAINS, "boolean"),
-    "do_eval": left_out(
-        "none needed: validation runs after every epoch (--run_validation; --eval_every_n_steps N adds more)",
+    "do_train": HFName(
+        None,
         "boolean",
+        "none needed: a run trains (False, with --do_eval or --do_predict: `--evaluate_only true`)",
     ),  # fmt: skip
-    "do_predict": left_out("--evaluate_only true --eval_split test scores the test split", "boolean"),
+    "do_eval": HFName(
+        None,
+        "boolean",
+        "none needed: validation runs after every epoch; without --do_train: `--evaluate_only true`",
+    ),  # fmt: skip
+    "do_predict": HFName(None, "boolean", "without --do_train: `--evaluate_only true --eval_split test`"),
     "predict_with_generate": left_out(
         "none needed: validation generates and scores summaries (--eval_rouge true, the default)", "boolean"
     ),  # fmt: skip
@@ -116,11 +140,19 @@ HF_NAMES = {
         "default) or is refused: give another --output_dir for a new run",
         "boolean",
     ),
-    "eval_strategy": left_out("validation runs every epoch; --eval_every_n_steps N adds step-wise ones", "value"),
-    "evaluation_strategy": left_out(
-        "validation runs every epoch; --eval_every_n_steps N adds step-wise ones", "value"
-    ),  # fmt: skip
-    "save_strategy": left_out("a checkpoint every epoch; --save_every_n_steps N adds step-wise ones", "value"),
+    "eval_strategy": HFName(
+        strategy("eval_strategy", "run_validation", "false"),
+        "value",
+        "no: `--run_validation false`; epoch, steps: as here (--eval_steps N adds steps)",
+    ),
+    "evaluation_strategy": HFName(
+        strategy("evaluation_strategy", "run_validation", "false"), "value", "as --eval_strategy"
+    ),
+    "save_strategy": HFName(
+        strategy("save_strategy", "keep_last_n", "0"),
+        "value",
+        "no: `--keep_last_n 0`; epoch, steps: as here (--save_steps N adds steps)",
+    ),
     "logging_strategy": left_out("a step line every --log_every_n_steps steps", "value"),
     # run_summarization.py's arguments
     "model_name_or_path": renamed("model_name"),
@@ -142,7 +174,7 @@ def canonical(flag: str) -> str:
 def translate(argv: list[str], own_flags: set[str]) -> tuple[list[str], list[str]]:
     """argv with HF's names replaced by this package's flags (`own_flags`, which are left as they are), and
     one line for each name met."""
-    out, notes, position = [], [], 0
+    out, used, position = [], [], 0
     while position < len(argv):
         token = argv[position]
         position += 1
@@ -151,25 +183,80 @@ def translate(argv: list[str], own_flags: set[str]) -> tuple[list[str], list[str
         if not token.startswith("--") or flag in own_flags or name not in HF_NAMES:
             out.append(token)
             continue
-        hf = HF_NAMES[name]
         given = [inline] if has_value else []
         # Every token up to the next flag is this name's: the package takes no positional arguments.
         while not has_value and position < len(argv) and not argv[position].startswith("--"):
-            if hf.takes == "nothing":
-                break
             given.append(argv[position])
             position += 1
-            if hf.takes != "values":
+            if HF_NAMES[name].takes != "values":
                 break
-        value = value_of(flag, hf, given)
-        if hf.becomes is None:
-            notes.append(f"{flag}: left out ({plain(hf.meaning)})")
+        used.append((flag, name, given))
+    flags, notes = resolve(used)
+    return out + [part for field, text in flags for part in (f"--{field}", text)], notes
+
+
+def translate_keys(keys: dict) -> tuple[dict[str, str], list[str]]:
+    """A --config file's keys that are HF names ({name: value}): {field: text} and one line each."""
+    used = []
+    for name, value in keys.items():
+        text = (str(value).lower() if isinstance(value, bool) else
+                " ".join(map(str, value)) if isinstance(value, list) else str(value))  # fmt: skip
+        used.append((name, name, [text]))
+    flags, notes = resolve(used)
+    return dict(flags), notes
+
+
+def resolve(used: list[tuple[str, str, list[str]]]) -> tuple[list[tuple[str, str]], list[str]]:
+    """The flags HF's names become ((label, name, the texts given) each), and one line each. Precision and the
+    do_* names are read together, as HF reads them."""
+    values = {name: value_of(label, HF_NAMES[name], given) for label, name, given in used}
+    joint = {**precision(values), **tasks(values)}
+    flags, notes = [], []
+    for label, name, given in used:
+        hf = HF_NAMES[name]
+        said = f"{label}{' ' + ' '.join(given) if given else ''}"
+        became = joint[name] if name in joint else hf.becomes(values[name]) if hf.becomes else None
+        if not became:
+            notes.append(f"{said}: left out ({plain(hf.meaning)})")
             continue
-        flags = hf.becomes(value)
-        out += [part for field, text in flags for part in (f"--{field}", text)]
-        notes.append(f"{flag}{' ' + ' '.join(given) if given else ''} -> " + " ".join(
-            f"--{field} {text}" for field, text in flags))  # fmt: skip
-    return out, notes
+        flags += became
+        notes.append(f"{said} -> " + " ".join(f"--{field} {text}" for field, text in became))
+    return flags, notes
+
+
+def precision(values: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
+    """--bf16 and --fp16 as HF reads them together: both true is refused; fp16's own false keeps bf16's."""
+    bf16, fp16 = values.get("bf16"), values.get("fp16")
+    if bf16 == fp16 == "true":
+        raise ConfigError("--bf16 and --fp16 are both true: choose one (HF refuses both too)")
+    joint = {}
+    if fp16 is not None:
+        joint["fp16"] = [("mixed_precision", "true"), ("use_fp16", "true")] if fp16 == "true" else [
+            ("use_fp16", "false")]  # fmt: skip
+    if bf16 is not None:
+        joint["bf16"] = [] if bf16 == "false" and fp16 == "true" else [("mixed_precision", bf16)]
+    return joint
+
+
+def tasks(values: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
+    """--do_train, --do_eval and --do_predict as HF reads them together: evaluation without training is
+    --evaluate_only (of the test split for --do_predict alone); no task at all is refused."""
+    given = {name: values[name] for name in ("do_train", "do_eval", "do_predict") if name in values}
+    if not given:
+        return {}
+    trains = given.get("do_train") == "true"
+    evaluates = given.get("do_eval") == "true"
+    predicts = given.get("do_predict") == "true"
+    if not (trains or evaluates or predicts):
+        raise ConfigError(
+            f"{' '.join(f'--{name} {text}' for name, text in given.items())}: nothing to do. A run trains (and "
+            "validates); --evaluate_only true scores a model without training"
+        )
+    if trains:
+        return {name: [] for name in given}
+    name = "do_eval" if evaluates else "do_predict"
+    only = [("evaluate_only", "true")] + ([] if evaluates else [("eval_split", "test")])
+    return {**{other: [] for other in given}, name: only}
 
 
 def value_of(flag: str, hf: HFName, given: list[str]) -> str:
@@ -178,27 +265,12 @@ def value_of(flag: str, hf: HFName, given: list[str]) -> str:
         raise ConfigError(f"{flag} {' '.join(given)}: takes one value, True or False")
     if hf.takes == "boolean":
         text = given[0].lower() if given else "true"
-        if text not in HF_TRUE:
+        if text not in HF_BOOLEANS:
             raise ConfigError(f"{flag} {given[0]}: HF's booleans are True or False")
-        return HF_TRUE[text]
-    if hf.takes in ("value", "values") and not given:
+        return HF_BOOLEANS[text]
+    if not given:
         raise ConfigError(f"{flag} needs a value")
     return " ".join(given)
-
-
-def translate_key(name: str, value) -> tuple[list[tuple[str, str]], str] | None:
-    """A --config file's key that is an HF name: the fields it becomes with their texts, and its line; None for
-    any other key."""
-    hf = HF_NAMES.get(name)
-    if hf is None:
-        return None
-    text = (str(value).lower() if isinstance(value, bool) else
-            " ".join(map(str, value)) if isinstance(value, list) else str(value))  # fmt: skip
-    value = value_of(name, hf, [text])
-    if hf.becomes is None:
-        return [], f"{name}: left out ({plain(hf.meaning)})"
-    flags = hf.becomes(value)
-    return flags, f"{name}: {text} -> " + " ".join(f"--{field} {flag_text}" for field, flag_text in flags)
 
 
 def plain(meaning: str) -> str:

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(stream=sys.stderr)  # stdout holds the summaries alone
     try:
         # A mistyped folder, or a hub name offline, fails here in seconds (the model's config and tokenizer
-        # checked), before the articles are read and the model loads.
+        # checked), before the model loads; an adapter's base is checked as it loads.
         device = (
             "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
         )

@@ -17,13 +17,13 @@ FIRST_FLAGS = {
     ("--per_device_train_batch_size", "4"): ("train", "batch_size_training", 4),
     ("--per_device_eval_batch_size", "8"): ("train", "val_batch_size", 8),
     ("--learning_rate", "3e-4"): ("train", "lr", 3e-4),
-    ("--num_train_epochs", "2.0"): ("train", "epochs", 2),
+    ("--num_train_epochs", "3.0"): ("train", "epochs", 3),
     ("--lr_scheduler_type", "cosine"): ("recipe", "lr_scheduler", "cosine"),
     ("--save_steps", "10"): ("checkpointing", "save_every_n_steps", 10),
     ("--logging_steps", "5"): ("observe", "log_every_n_steps", 5),
     ("--eval_steps", "20"): ("evaluation", "eval_every_n_steps", 20),
-    ("--bf16",): ("fsdp", "mixed_precision", True),
-    ("--fp16", "True"): ("fsdp", "use_fp16", True),
+    ("--bf16", "False"): ("fsdp", "mixed_precision", False),
+    ("--dataloader_num_workers", "3"): ("train", "num_workers_dataloader", 3),
     ("--gradient_checkpointing", "False"): ("fsdp", "fsdp_activation_checkpointing", False),
     ("--warmup_ratio", "0.1"): ("recipe", "warmup_ratio", 0.1),
     ("--model_name_or_path", "data/tiny-t5"): ("train", "model_name", "data/tiny-t5"),
@@ -32,6 +32,7 @@ FIRST_FLAGS = {
     ("--report_to", "tensorboard"): ("observe", "tensorboard", True),
 }
 LEFT_OUT = ["--do_train", "--do_eval", "--predict_with_generate", "--overwrite_output_dir", "--overwrite_cache"]
+# (with --do_train true, --do_eval asks for nothing more than a run does)
 
 
 def test_each_hf_name_becomes_its_flag_with_one_line():
@@ -41,17 +42,56 @@ def test_each_hf_name_becomes_its_flag_with_one_line():
         assert getattr(getattr(config, section), field) == pytest.approx(want), flag
     notes = hf_name_notes(argv)
     assert "--learning_rate 3e-4 -> --lr 3e-4" in notes
-    assert "--bf16 -> --mixed_precision true" in notes
-    assert "--fp16 True -> --mixed_precision true --use_fp16 true" in notes
+    assert "--bf16 False -> --mixed_precision false" in notes
     assert len(notes) == len(FIRST_FLAGS) - 1  # warmup_ratio is this package's own name too
 
 
+@pytest.mark.parametrize(
+    ("argv", "mixed_precision", "use_fp16"),
+    [
+        (["--bf16"], True, False),
+        (["--fp16"], True, True),
+        (["--fp16", "True", "--bf16", "False"], True, True),  # either order: read together, as HF reads them
+        (["--bf16", "False", "--fp16", "True"], True, True),
+        (["--bf16", "false"], False, False),
+        (["--bf16", "True", "--fp16", "True"], None, None),  # refused, as HF refuses it
+    ],
+)
+def test_bf16_and_fp16_are_read_together(argv, mixed_precision, use_fp16):
+    if mixed_precision is None:
+        with pytest.raises(ConfigError, match="both true"):
+            parse_args(argv)
+        return
+    fsdp = parse_args(argv).fsdp
+    assert (fsdp.mixed_precision, fsdp.use_fp16) == (mixed_precision, use_fp16)
+
+
+@pytest.mark.parametrize(
+    ("argv", "evaluate_only", "eval_split"),
+    [
+        (["--do_train", "--do_eval"], False, "auto"),
+        (["--do_eval"], True, "auto"),
+        (["--do_predict"], True, "test"),
+        (["--do_train", "False", "--do_eval", "True", "--do_predict", "True"], True, "auto"),
+    ],
+)
+def test_do_eval_or_predict_without_training_evaluates_only(argv, evaluate_only, eval_split):
+    evaluation = parse_args(argv).evaluation
+    assert (evaluation.evaluate_only, evaluation.eval_split) == (evaluate_only, eval_split)
+
+
+def test_strategies_of_no_switch_the_feature_off():
+    config = parse_args(["--eval_strategy", "no", "--save_strategy", "no", "--logging_strategy", "steps"])
+    assert (config.train.run_validation, config.checkpointing.keep_last_n) == (False, 0)
+    assert parse_args(["--eval_strategy", "epoch"]).train.run_validation
+
+
 def test_names_with_no_meaning_here_are_left_out_with_what_the_package_does():
-    argv = [*LEFT_OUT, "True", "--epochs", "2"]  # HF's boolean with a value, then one of ours
-    assert parse_args(argv).train.epochs == 2
+    argv = [*LEFT_OUT, "True", "--epochs", "5"]  # HF's boolean with a value, then one of ours
+    assert parse_args(argv).train.epochs == 5
     notes = hf_name_notes(argv)
     assert len(notes) == len(LEFT_OUT) and all(": left out (" in note for note in notes), notes
-    assert "--evaluate_only true" in notes[0] and "--eval_rouge true" in notes[2]
+    assert "evaluate_only true" in notes[0] and "--eval_rouge true" in notes[2]
 
 
 @pytest.mark.parametrize(
@@ -62,6 +102,10 @@ def test_names_with_no_meaning_here_are_left_out_with_what_the_package_does():
         (["--bf16", "maybe"], "True or False"),
         (["--report_to", "comet_ml"], "comet_ml is not one"),
         (["--learning_rate"], "needs a value"),
+        (["--num_train_epochs", "inf"], "whole epochs"),
+        (["--save_total_limit", "0"], "keeps every checkpoint then"),
+        (["--do_train", "False"], "nothing to do"),
+        (["--eval_strategy", "sometimes"], "no, steps and epoch"),
     ],
 )
 def test_values_this_package_cannot_honour_are_refused(argv, message):
@@ -75,8 +119,13 @@ def test_the_names_work_in_a_config_file(tmp_path):
     config = parse_args(["--config", str(path)])
     assert (config.train.lr, config.train.batch_size_training, config.fsdp.mixed_precision) == (0.001, 2, True)
     notes = hf_name_notes(["--config", str(path)])
-    assert "learning_rate: 0.001 -> --lr 0.001" in notes and any(n.startswith("do_train: left out") for n in notes)
+    assert "learning_rate 0.001 -> --lr 0.001" in notes and any(
+        n.startswith("do_train true: left out") for n in notes
+    )
     assert parse_args(["--config", str(path), "--lr", "0.5"]).train.lr == 0.5  # flags win over the file
+    path.write_text("learning_rate: 0.001\nlr: 0.002\n")
+    with pytest.raises(ConfigError, match="lr given twice"):
+        parse_args(["--config", str(path)])
 
 
 def test_an_unknown_flag_suggests_hf_names_first():

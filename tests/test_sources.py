@@ -251,7 +251,7 @@ def test_evaluate_only_needs_only_the_split_it_scores(tmp_path, eval_split, log_
     assert loaders.train is None and loaders.evaluation.split == "test" and len(loaders.evaluation.dataset) == 3
     assert loaders.cleaning == "plain"
     said = [record.getMessage() for record in log_records]
-    assert ("--eval_split auto: scoring the test split (the data has no validation split)" in said) == (
+    assert ("--eval_split auto: scoring the test split (the data has no validation split of its own)" in said) == (
         eval_split == "auto"
     )
     assert "rows: test 3 (all)" in said
@@ -266,6 +266,10 @@ def test_evaluate_only_auto_scores_the_validation_split_where_there_is_one(tmp_p
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     loaders = build_loaders(tokenizer, data, TrainConfig(), evaluation, info)
     assert loaders.evaluation.split == "validation" and len(loaders.evaluation.dataset) == 2
+    # A validation split held out of train is no better than the data's own test split: auto takes the test.
+    held_out = DataConfig(train_file=str(write_rows(tmp_path / "train.jsonl", ROWS * 4)), test_file=files["test"])
+    loaders = build_loaders(tokenizer, held_out, TrainConfig(), evaluation, info)
+    assert loaders.evaluation.split == "test" and len(loaders.evaluation.dataset) == 3
 
 
 def test_token_ids_follow_the_cleaning_of_the_source(tmp_path):
@@ -592,7 +596,7 @@ def read_only_folder(folder: Path):
         subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True, capture_output=True)
         yield folder
     finally:
-        subprocess.run(["umount", str(folder)], check=True)
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)  # the run's memory maps hold it
 
 
 def test_a_data_folder_that_cannot_be_written_gets_its_cache_in_the_users_cache(
@@ -609,3 +613,16 @@ def test_a_data_folder_that_cannot_be_written_gets_its_cache_in_the_users_cache(
         assert not (tmp_path / "shared" / "cache").exists()
     said = [r.getMessage() for r in log_records if "cannot be written" in r.getMessage()]
     assert len(said) == 1 and str(tmp_path / "home" / "t5_fsdp_data") in said[0], said
+
+
+def test_a_read_only_data_folder_with_its_cache_built_reads_that_cache(tmp_path, monkeypatch, log_records):
+    """A shared dataset mount whose cache was built before it was made read-only: used as it is."""
+    data_file = write_rows(tmp_path / "shared" / "train.csv", ROWS)
+    tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    built = SummarizationDataset(tokenizer, "train", None, 32, 8, DataConfig(train_file=str(data_file)))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    with read_only_folder(tmp_path / "shared"):
+        again = SummarizationDataset(tokenizer, "train", None, 32, 8, DataConfig(train_file=str(data_file)))
+    assert again.token_ids.cache_files == built.token_ids.cache_files
+    assert not (tmp_path / "home").exists()
+    assert not [r for r in log_records if "cannot be written" in r.getMessage()]

@@ -238,6 +238,11 @@ def is_peer_failure(err: BaseException) -> bool:
     return any(phrase in str(err) for phrase in PEER_FAILURE_PHRASES)
 
 
+def is_rank0() -> bool:
+    """Rank 0 of the run (a process without a group, such as a script's, counts as one): who says things once."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def rank0_decides(decide: Callable[[], object]) -> object:
     """Run `decide` on rank 0 only and give every rank its result, or its UserError. Collective.
 

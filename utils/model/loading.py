@@ -146,8 +146,14 @@ def adapter_base_of(folder: str) -> str | None:
     path = os.path.join(os.path.expanduser(folder), layout.ADAPTER_CONFIG_FILE)
     if not looks_like_local_path(folder) or not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)["base_model_name_or_path"]
+    try:
+        with open(path, encoding="utf-8") as f:
+            base = json.load(f).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"{path} cannot be read as PEFT's adapter config: {err}") from None
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path} names no base model (base_model_name_or_path): set it to the base's folder")
+    return base
 
 
 def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase, str]:
@@ -157,7 +163,13 @@ def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase,
     from peft import PeftModel
 
     base = adapter_base_of(folder)
-    config = load_model_config(base)
+    try:
+        config = load_model_config(base)
+    except ConfigError as err:
+        raise ConfigError(
+            f"the base model {folder}/{layout.ADAPTER_CONFIG_FILE} names cannot be loaded ({err}); a folder moved "
+            "from another machine: set base_model_name_or_path there to the base's folder here"
+        ) from None
     tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(folder))
     check_tokenizer(folder, tokenizer, config)
     model = AutoModelForSeq2SeqLM.from_pretrained(resolved_name(base))
@@ -167,8 +179,12 @@ def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase,
         with open(settings, encoding="utf-8") as f:
             params = getattr(model.config, "task_specific_params", None) or {}
             model.config.task_specific_params = {**params, "summarization": json.load(f)}
-    if os.path.isfile(os.path.join(os.path.expanduser(folder), "generation_config.json")):  # since this version
         model.generation_config = GenerationConfig.from_pretrained(os.path.expanduser(folder))
+    else:  # written by an earlier version, which kept the run's settings in the merged model alone
+        get_logger().warning(
+            "%s holds no %s: summarising with the base model's own settings, not the run's", folder,
+            layout.ADAPTER_SUMMARIZATION_FILE,
+        )  # fmt: skip
     return model, tokenizer, base
 
 

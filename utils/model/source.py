@@ -12,6 +12,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from configs.errors import ConfigError
+from utils import layout
 from utils.files import closest_folder
 from utils.log import get_logger
 
@@ -42,7 +43,7 @@ def check_local_model_dir(path: str) -> None:
     if not os.path.isdir(path):
         raise ConfigError(f"model path {path!r} is a file, not a folder. {HUB_HINT}")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a --peft lora run's hf_adapter/
+        if os.path.isfile(os.path.join(path, layout.ADAPTER_CONFIG_FILE)):  # a --peft lora run's hf_adapter/
             raise ConfigError(
                 f"model folder {path!r} is a LoRA adapter, not a whole model: scripts/summarize.py takes it "
                 "(merged into its base), but to train or evaluate here use the merged model a --peft lora "
