@@ -76,6 +76,7 @@ from utils.data.sources import (
     not_utf8,
 )
 from utils.distributed.process_group import DistInfo, is_rank0, usable_cpus
+from utils.files import writable
 from utils.log import ProgressLines, bars_shown, get_logger, progress_bar
 
 EXPECTED_HEADER = ["headline", "title", "text"]
@@ -333,14 +334,6 @@ def usable_cache_root(root: Path, ready: Callable[[Path], bool]) -> Path:
 def is_built(root: Path, name: str, key: dict) -> bool:
     """Whether the cache folder of `key` under `root` is complete."""
     return checked_manifest(folder_for(root, name, key), key)[0] is not None
-
-
-def writable(folder: Path) -> bool:
-    """Whether this process can create files in `folder`, or create it (its nearest existing parent)."""
-    existing = folder
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
-    return os.access(existing, os.W_OK | os.X_OK)
 
 
 def user_cache_dir() -> Path:
@@ -609,7 +602,6 @@ class SummarizationDataset(Dataset):
         self.token_ids = _cached_token_ids(
             self.dataset, cached, type_path, tokenizer, options, input_length, output_length
         )
-        self.unknown_tokens = unknown_token_counts(self.token_ids, tokenizer.unk_token_id)
         self.source_description = cached.what
         self.cleaning = cached.cleaning
         self.clean_text = CLEANINGS[cached.cleaning]
@@ -619,6 +611,12 @@ class SummarizationDataset(Dataset):
         self.print_text = options.print_text
         self.source_prefix = options.source_prefix
         self.pad_to_max_length = options.pad_to_max_length
+
+    @functools.cached_property
+    def unknown_tokens(self) -> dict:
+        """unknown_token_counts of the rows this dataset reads, counted when first asked: by rank 0 alone, for
+        its warning and the run record."""
+        return unknown_token_counts(self.token_ids, self.tokenizer.unk_token_id)
 
     @staticmethod
     def _select(rows: datasets.Dataset, num_samples: int | None) -> datasets.Dataset:
@@ -734,13 +732,13 @@ def warn_unknown_tokens(dataset: SummarizationDataset, tokenizer) -> None:
     """One warning when more than UNKNOWN_TOKEN_SHARE of a split's source or target tokens are the tokenizer's
     unknown token, with the characters of the first such row it cannot read and the likely fix."""
     counts = dataset.unknown_tokens
-    if not counts or counts["first_row"] is None:
+    if counts["first_row"] is None:
         return
     shares = {side: counts[side] / max(counts[f"{side}_total"], 1) for side in ("source", "target")}
     if max(shares.values()) <= UNKNOWN_TOKEN_SHARE:
         return
     row = counts["first_row"]
-    text = dataset.article(row) + " " + dataset.reference(row) if row < len(dataset) else ""
+    text = dataset.article(row) + " " + dataset.reference(row)
     unknown = [c for c in dict.fromkeys(text) if not c.isspace()
                and tokenizer.unk_token_id in tokenizer(c, add_special_tokens=False)["input_ids"]]  # fmt: skip
     _warn_once(Path(dataset.source_description), f"{dataset.split} unknown tokens",
@@ -750,7 +748,7 @@ def warn_unknown_tokens(dataset: SummarizationDataset, tokenizer) -> None:
                "google/umt5-base)",
                dataset.source_description, dataset.split, 100 * shares["source"], 100 * shares["target"],
                counts["rows"], counts["rows_total"],
-               dataset.row_id(row) if row < len(dataset) else row, " ".join(unknown[:12]) or "?")  # fmt: skip
+               dataset.row_id(row), " ".join(unknown[:12]) or "?")  # fmt: skip
 
 
 def rows_phrase(dataset: SummarizationDataset, asked: int | None, flag: str) -> str:

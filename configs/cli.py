@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _unknown_flag_message(unknown: list[str], parser: argparse.ArgumentParser) -> str:
     """One line per unknown flag with the closest ones: this package's flags, and HF's names (with what they
     become) where one is closer."""
-    own = sorted(opt for action in parser._actions for opt in action.option_strings if opt.startswith("--"))
+    own = sorted(flag for flag in own_flags(parser) if flag.startswith("--"))
     hf = {f"--{name}": name for name in hf_names.HF_NAMES}
     lines = [f"unknown argument(s): {' '.join(unknown)} (--help lists every flag)"]
     for arg in unknown:

@@ -114,11 +114,22 @@ def is_disk_full(err: BaseException | None) -> bool:
     return False
 
 
-def free_bytes(path: str) -> int | None:
-    """Free space of the file system that holds `path` (or its nearest existing parent), None if unknown."""
+def nearest_existing(path: str | os.PathLike) -> str:
+    """`path`, or its nearest parent that exists (where a file or folder made at `path` would land)."""
+    path = os.fspath(path)
     while path and not os.path.exists(path):
         path = os.path.dirname(path)
+    return path or "."
+
+
+def free_bytes(path: str) -> int | None:
+    """Free space of the file system that holds `path` (or its nearest existing parent), None if unknown."""
     try:
-        return shutil.disk_usage(path or ".").free
+        return shutil.disk_usage(nearest_existing(path)).free
     except OSError:
         return None
+
+
+def writable(folder: str | os.PathLike) -> bool:
+    """Whether this process can create files in `folder`, or create it (its nearest existing parent)."""
+    return os.access(nearest_existing(folder), os.W_OK | os.X_OK)

@@ -19,13 +19,11 @@ import os
 import shutil
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from configs.errors import CheckpointError, ConfigError
 from utils import layout
 from utils.checkpoint.integrity import find_damage
 from utils.checkpoint.progress import TrainProgress
-from utils.distributed.process_group import rank0_decides
+from utils.distributed.process_group import is_rank0, rank0_decides
 from utils.log import get_logger
 
 
@@ -108,7 +106,7 @@ def resolve_start(
     for candidate in choice.candidates:
         problem = candidate.problem or find_damage(candidate.path, candidate.state)  # collective
         if problem is None:
-            if not dist.is_initialized() or dist.get_rank() == 0:
+            if is_rank0():
                 for old, why in damaged:
                     _set_aside_damaged(output_dir, old.path, why, candidate.path)
             return StartPoint(candidate.path, candidate.state["checkpoint_type"])

@@ -33,13 +33,9 @@ class Loaders:
     cleaning: str  # how the source's texts are prepared (summarization_dataset.CLEANINGS)
 
     def unknown_tokens(self) -> dict:
-        """{split: its cache's unknown-token counts} of the splits this run reads (the run record's)."""
+        """{split: its unknown-token counts} of the splits this run reads (the run record's)."""
         loaders = (self.train, self.val, self.evaluation.loader if self.evaluation else None)
-        return {
-            loader.dataset.split: loader.dataset.unknown_tokens
-            for loader in loaders
-            if loader is not None and getattr(loader.dataset, "unknown_tokens", None) is not None
-        }
+        return {loader.dataset.split: loader.dataset.unknown_tokens for loader in loaders if loader is not None}
 
 
 def move_batch(batch: dict, device: torch.device) -> dict:

@@ -163,6 +163,7 @@ def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase,
     from peft import PeftModel
 
     base = adapter_base_of(folder)
+    local = os.path.expanduser(folder)
     try:
         config = load_model_config(base)
     except ConfigError as err:
@@ -170,16 +171,16 @@ def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase,
             f"the base model {folder}/{layout.ADAPTER_CONFIG_FILE} names cannot be loaded ({err}); a folder moved "
             "from another machine: set base_model_name_or_path there to the base's folder here"
         ) from None
-    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(folder))
+    tokenizer = AutoTokenizer.from_pretrained(local)
     check_tokenizer(folder, tokenizer, config)
     model = AutoModelForSeq2SeqLM.from_pretrained(resolved_name(base))
-    model = PeftModel.from_pretrained(model, os.path.expanduser(folder)).merge_and_unload()
-    settings = os.path.join(os.path.expanduser(folder), layout.ADAPTER_SUMMARIZATION_FILE)
+    model = PeftModel.from_pretrained(model, local).merge_and_unload()
+    settings = os.path.join(local, layout.ADAPTER_SUMMARIZATION_FILE)
     if os.path.isfile(settings):
         with open(settings, encoding="utf-8") as f:
             params = getattr(model.config, "task_specific_params", None) or {}
             model.config.task_specific_params = {**params, "summarization": json.load(f)}
-        model.generation_config = GenerationConfig.from_pretrained(os.path.expanduser(folder))
+        model.generation_config = GenerationConfig.from_pretrained(local)
     else:  # written by an earlier version, which kept the run's settings in the merged model alone
         get_logger().warning(
             "%s holds no %s: summarising with the base model's own settings, not the run's", folder,
