@@ -155,6 +155,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     )
     if precision.fallback:
         get_logger().info("%s", precision.fallback)
+    precision.set_matmul_precision()
 
     # Datasets and loaders: the data is read and checked before the model loads, so a data error costs
     # seconds, not the minutes of loading a large model.
@@ -184,9 +185,10 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # AdamW and the LR scheduler, built after sharding: the optimizer must hold FSDP's sharded parameters.
     # fp16 needs a gradient scaler; the sharded one agrees on inf/NaN across ranks, so all skip the same steps.
     scaler = ShardedGradScaler(device=info.device.type) if precision.needs_grad_scaler else None
-    # --on_nonfinite skip needs the fused kernel, the one that honours a found-inf flag (utils/train/step.py);
-    # it rounds differently from the default for-each kernel in the last bit, so it is used only then.
-    fused = recipe.on_nonfinite == "skip" and scaler is None
+    # The fused kernel: one launch per step on a GPU, and the one that honours --on_nonfinite skip's found-inf
+    # flag (utils/train/step.py). On CPU it rounds differently from the default for-each kernel in the last
+    # bit, which exact comparisons against an unsharded reference would see, so there it is used only for skip.
+    fused = scaler is None and (info.device.type == "cuda" or recipe.on_nonfinite == "skip")
     optimizer = torch.optim.AdamW(optim.parameter_groups(model, train.weight_decay), lr=train.lr, fused=fused)
     batches_per_epoch = len(loaders.train) if loaders.train is not None else 1  # --evaluate_only trains none
     total_steps = optim.total_optimizer_steps(recipe, train.epochs, batches_per_epoch)

@@ -64,7 +64,7 @@ from configs.evaluation import EvalConfig, generation_rows
 from configs.training import TrainConfig
 from utils.data import sources
 from utils.data.loaders import EvalSet, Loaders, build_loader
-from utils.data.samplers import LengthGrouping, PaddedEvalSampler, train_sampler_for
+from utils.data.samplers import LengthGrouping, PaddedEvalSampler, length_keys, train_sampler_for
 from utils.data.shared_cache import checked_manifest, complete_folders, folder_for, shared_folder
 from utils.data.sources import (
     SPLITS,
@@ -647,6 +647,10 @@ class SummarizationDataset(Dataset):
         """The number of source tokens of every sample (after truncation), read from the cached ids."""
         return pc.list_value_length(self.token_ids.data.column("source_ids")).to_pylist()
 
+    def target_lengths(self) -> list[int]:
+        """The number of target tokens of every sample (after truncation), read from the cached ids."""
+        return pc.list_value_length(self.token_ids.data.column("target_ids")).to_pylist()
+
     def _ids(self, column: str, index: int) -> torch.Tensor:
         # Straight from the Arrow column: a view of the mapped file, copied once into the int64 tensor.
         return torch.from_numpy(self.token_ids.data.column(column)[index].values.to_numpy().astype("int64"))
@@ -785,7 +789,8 @@ def build_loaders(
     train_set = build_dataset(tokenizer, "train", data.num_train_samples, data, info.world_size)
     grouping = None
     if data.group_by_length:
-        grouping = LengthGrouping(train_set.source_lengths(), train.batch_size_training)
+        keys = length_keys(train_set.source_lengths(), train_set.target_lengths(), data.length_key)
+        grouping = LengthGrouping(keys, train.batch_size_training)
     train_sampler = train_sampler_for(train_set, info.rank, info.world_size, train.seed, grouping)
     collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)
     loader_args = dict(collate_fn=collate, num_workers=train.num_workers_dataloader, device=info.device)

@@ -2,6 +2,7 @@
 (utils/data/sources.py, summarization_dataset.py; docs/your_data.md)."""
 
 from dataclasses import dataclass
+from typing import Literal
 
 from configs.options import option
 from configs.paths import EMBEDDED_DATA_DIR
@@ -138,6 +139,16 @@ class DataConfig:
             "by length within groups of 256 x batch_size_training samples): less padding with "
             "pad_to_max_length false. The order stays a function of seed and epoch, the same on every rank "
             "and exactly resumable, also on another number of ranks."
+        ),
+        on_resume="fixed",
+    )
+    length_key: Literal["source", "target_then_source"] = option(
+        default="source",
+        help=(
+            "What group_by_length sorts by. source: the articles' token counts. target_then_source: the "
+            "summaries' token counts in buckets of 8, then the articles': less padding on both sides (the "
+            "decoder's too), most at large batches (scripts/padding_share.py measures it on your data; "
+            "docs/throughput.md: the data path). Needs --group_by_length true."
         ),
         on_resume="fixed",
     )

@@ -70,6 +70,15 @@ class FSDPConfig:
             "T5 is known to overflow in fp16, bf16 is its precision."
         ),
     )
+    tf32: bool = option(
+        default=True,
+        help=(
+            "On CUDA: fp32 matrix multiplications on TF32 tensor cores (torch.set_float32_matmul_precision "
+            "'high'): fp32's range with a 10-bit mantissa, several times faster on A100/H100 for the fp32 "
+            "policy, bfSixteen_working and the fp32 parts of a bf16 step. false: IEEE fp32 matmuls (torch's "
+            "default). No effect on CPU. HF's --tf32 is this flag."
+        ),
+    )
     bf16_policy: Literal["bfSixteen", "bfSixteen_working"] = option(
         default="bfSixteen",
         help=(

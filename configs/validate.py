@@ -176,6 +176,10 @@ def check_data_source(data: DataConfig) -> None:
         )
     if data.dataset_config_name and not data.dataset_name:
         raise ConfigError("--dataset_config_name is the config of --dataset_name: give the dataset's name too")
+    if data.length_key != "source" and not data.group_by_length:
+        raise ConfigError(
+            f"--length_key {data.length_key} is what --group_by_length sorts by: add --group_by_length true"
+        )
 
 
 def check_evaluation(evaluation: EvalConfig, train_config: TrainConfig) -> None:

@@ -111,6 +111,7 @@ class Precision:
 
     name: str  # a key of POLICIES (config.json, the log)
     fallback: str | None = None  # why bf16 was asked for and fp32 is used (to be logged), else None
+    tf32: bool = False  # fp32 matmuls on TF32 tensor cores (--tf32 on a CUDA device)
 
     @property
     def policy(self) -> MixedPrecision:
@@ -119,6 +120,12 @@ class Precision:
         root then runs in fp32 and hands fp32 activations to bf16 units, and a BART layer's LayerNorm refuses
         them on CPU ("mixed dtype"). In training every unit's input already is in the compute dtype."""
         return dataclasses.replace(POLICIES[self.name], cast_forward_inputs=True)
+
+    def set_matmul_precision(self) -> None:
+        """TF32 for this process's fp32 matmuls where the run takes it; otherwise torch's setting is left as
+        it is (IEEE by default), so CPU runs and in-process tests keep their exact fp32."""
+        if self.tf32:
+            torch.set_float32_matmul_precision("high")
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -145,4 +152,5 @@ def resolve_precision(
     fallback = bf16_problem(device, fsdp_config.allow_emulated_bf16) if wants_bf16 else None
     if any_rank(fallback is not None) and fallback is None:
         fallback = "another rank's device has no bf16 kernels: every rank trains in fp32"
-    return Precision(select_policy_name(fsdp_config, fallback is None), fallback)
+    tf32 = fsdp_config.tf32 and device.type == "cuda"
+    return Precision(name=select_policy_name(fsdp_config, fallback is None), fallback=fallback, tf32=tf32)

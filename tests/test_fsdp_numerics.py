@@ -156,6 +156,24 @@ def test_the_dtype_for_each_gpu_generation(monkeypatch, capability, allow_emulat
         assert f"compute capability {capability[0]}.{capability[1]}" in precision.fallback
 
 
+def test_tf32_is_taken_on_cuda_alone_and_leaves_cpu_matmuls_exact(monkeypatch):
+    """--tf32 (default true) sets fp32 matmuls to TF32 on a CUDA device; on CPU, or with --tf32 false, torch's
+    setting is left alone."""
+    calls = []
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", calls.append)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for config, device, expected in [
+        (FSDPConfig(mixed_precision=False), cuda, True),
+        (FSDPConfig(mixed_precision=False, tf32=False), cuda, False),
+        (FSDPConfig(mixed_precision=False), cpu, False),
+    ]:
+        precision = resolve_precision(config, device)
+        assert precision.tf32 == expected, (config.tf32, device)
+        precision.set_matmul_precision()
+        assert calls == (["high"] if expected else []), (config.tf32, device)
+        calls.clear()
+
+
 class _Properties:
     def __init__(self, major: int, minor: int) -> None:
         self.major, self.minor = major, minor

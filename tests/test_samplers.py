@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from utils.data.samplers import LengthGrouping, train_sampler_for
+from utils.data.samplers import TARGET_BUCKET, LengthGrouping, length_keys, train_sampler_for
 
 N, WORLD, BATCH = 3000, 2, 4  # 3 mega-batches of 256 batches
 RNG = random.Random(7)
@@ -43,6 +43,32 @@ def test_every_sample_once_per_epoch_on_disjoint_ranks(grouped):
 def test_grouping_gives_each_step_similar_lengths():
     plain, grouped = statistics.mean(step_spreads(dealt(False))), statistics.mean(step_spreads(dealt(True)))
     assert grouped < plain / 10, (grouped, plain)  # measured: about 110x narrower
+
+
+def test_grouping_by_target_then_source_pads_less_on_both_sides():
+    """--length_key target_then_source: a step's summaries within one bucket but at the mega-batches' edges,
+    and less padding of source plus target than grouping by the source alone (which leaves the summaries
+    shuffled) where most articles fill the source length, as WikiHow's do at 512 tokens."""
+    sources = [min(length, 512) for length in LENGTHS]
+    targets = [RNG.randint(5, 300) for _ in range(N)]
+
+    def padded(keys) -> tuple[float, list[int]]:
+        grouping = LengthGrouping(keys, BATCH)
+        ranks = [list(train_sampler_for(range(N), rank, WORLD, 1, grouping)) for rank in range(WORLD)]
+        pads, spreads = 0, []
+        for rank in ranks:
+            for start in range(0, len(rank) - BATCH + 1, BATCH):
+                batch = rank[start : start + BATCH]
+                for side in (sources, targets):
+                    pads += max(side[i] for i in batch) * BATCH - sum(side[i] for i in batch)
+                spreads.append(max(targets[i] for i in batch) - min(targets[i] for i in batch))
+        return pads, spreads
+
+    by_source, _ = padded(length_keys(sources, targets, "source"))
+    both, spreads = padded(length_keys(sources, targets, "target_then_source"))
+    assert both < by_source / 2, (both, by_source)
+    assert statistics.median(spreads) < TARGET_BUCKET, spreads
+    assert length_keys(LENGTHS, targets, "source") is LENGTHS
 
 
 @pytest.mark.parametrize("grouped", [False, True])

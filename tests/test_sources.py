@@ -510,6 +510,7 @@ def test_missing_files_and_folders(tmp_path):
         ({"data_dir": "x", "train_file": "t.csv"}, "--train_file and --data_dir name two sources"),
         ({"dataset_name": "xsum", "test_file": "t.csv"}, "--test_file and --dataset_name name two sources"),
         ({"dataset_config_name": "3.0.0"}, "--dataset_config_name is the config of --dataset_name"),
+        ({"length_key": "target_then_source"}, "--length_key target_then_source is what --group_by_length sorts"),
     ],
 )
 def test_one_source_of_data(fields, message):
@@ -626,3 +627,13 @@ def test_a_read_only_data_folder_with_its_cache_built_reads_that_cache(tmp_path,
     assert again.token_ids.cache_files == built.token_ids.cache_files
     assert not (tmp_path / "home").exists()
     assert not [r for r in log_records if "cannot be written" in r.getMessage()]
+
+
+def test_the_lead_baseline_is_named_for_what_a_line_of_the_data_is(tmp_path):
+    """WikiHow's lines are steps; a JSON-lines source's (a dialogue's turns) are lines."""
+    from summarization_dataset import text_source
+    from utils.eval.evaluator import lead_steps_label
+
+    own = DataConfig(train_file=str(write_rows(tmp_path / "train.jsonl", ROWS)))
+    assert lead_steps_label(text_source(DataConfig()).cleaning) == "first sentence of each step"
+    assert lead_steps_label(text_source(own).cleaning) == "first sentence of each line"

@@ -48,7 +48,7 @@ class LengthGrouping:
     (the usual trade-off of length grouping).
     """
 
-    lengths: list[int]  # a length per sample: its source tokens, read from the cached token ids
+    lengths: list  # a sort key per sample (length_keys), read from the cached token ids
     batch_size: int  # per rank
 
     MEGA_BATCHES = 256
@@ -56,9 +56,22 @@ class LengthGrouping:
     def arrange(self, order: list[int]) -> list[int]:
         size = self.batch_size * self.MEGA_BATCHES
         arranged = []
-        for start in range(0, len(order), size):
-            arranged += sorted(order[start : start + size], key=lambda index: -self.lengths[index])
+        for start in range(0, len(order), size):  # longest first; equal keys keep their shuffled order
+            arranged += sorted(order[start : start + size], key=self.lengths.__getitem__, reverse=True)
         return arranged
+
+
+TARGET_BUCKET = 8  # --length_key target_then_source: summaries within 8 tokens share a bucket
+
+
+def length_keys(source_lengths: list[int], target_lengths: list[int], length_key: str) -> list:
+    """--length_key's sort key per sample: the source length, or (the target's bucket, the source length),
+    so that a batch's summaries are within a bucket of each other and its articles as close as the bucket's
+    samples allow."""
+    if length_key == "source":
+        return source_lengths
+    pairs = zip(source_lengths, target_lengths, strict=True)
+    return [(-(-target // TARGET_BUCKET), source) for source, target in pairs]
 
 
 class ResumableDistributedSampler(DistributedSampler):

@@ -36,6 +36,12 @@ EXAMPLES_LOGGED = 3
 BASELINES = {"lead_steps": lead_steps, "lead3": lead_sentences}
 
 
+def lead_steps_label(cleaning: str) -> str:
+    """What the log calls `lead_steps`: each line's first sentence is a WikiHow step's, or in other data a
+    line's (a dialogue's turn, a paragraph)."""
+    return "first sentence of each step" if cleaning == "wikihow" else "first sentence of each line"
+
+
 class Evaluator:
     """Generates, scores and records one evaluation set (the first N rows of a split)."""
 
@@ -155,9 +161,10 @@ class Evaluator:
             baselines = record["baselines"]
             get_logger().info(
                 "ROUGE (%s): R1 %.2f | R2 %.2f | RL %.2f | RLsum %.2f | gen_len %.1f | %.1f s (baselines RL: "
-                "lead-3 %.2f, first sentence of each step %.2f)",
+                "lead-3 %.2f, %s %.2f)",
                 what, record["rouge1"], record["rouge2"], record["rougeL"], record["rougeLsum"], record["gen_len"],
-                record["seconds"], baselines["lead3"]["rougeL"], baselines["lead_steps"]["rougeL"],
+                record["seconds"], baselines["lead3"]["rougeL"], lead_steps_label(self.eval_set.dataset.cleaning),
+                baselines["lead_steps"]["rougeL"],
             )  # fmt: skip
         else:
             get_logger().info("accuracy (%s): %.2f%% | gen_len %.1f | %.1f s", what, record["accuracy"],

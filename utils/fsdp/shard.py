@@ -211,12 +211,13 @@ def log_fsdp_layout(model: nn.Module, precision: Precision) -> None:
     # FSDP1's strategy as it runs (NO_SHARD at world size 1, whatever was asked)
     strategy = "" if isinstance(model, FSDPModule) else f", {model.sharding_strategy.name}"
     get_logger().info(
-        "FSDP%d: %d units (root + %s)%s, mixed precision %s",
+        "FSDP%d: %d units (root + %s)%s, mixed precision %s%s",
         2 if isinstance(model, FSDPModule) else 1,
         len(units),
         " + ".join(f"{count} {name}" for name, count in by_class.items()),
         strategy,
         precision.name,
+        ", fp32 matmuls in TF32 (--tf32)" if precision.tf32 else "",
     )
     # LoRA's lora_A and lora_B, units of their own under FSDP1 in a partly frozen model
     adapters = by_class.get("Linear", 0) if any(not p.requires_grad for p in model.parameters()) else 0
