@@ -95,3 +95,13 @@ def test_a_resume_on_another_world_size_sees_every_sample_once(grouped):
         first = [i for rank in dealt(grouped, world=before) for i in rank[: steps * BATCH]]
         rest = [i for rank in dealt(grouped, consumed=steps * BATCH * before, world=after) for i in rank]
         assert sorted(first + rest) == list(range(N)), (before, after)
+
+
+def test_padding_share_counts_each_sides_padding_over_what_the_model_sees():
+    """scripts/padding_share.py: one batch of articles of 1 and 3 tokens, summaries of 2: 2 padded source
+    tokens of 6, none of the target's 4, 2 of all 10."""
+    from scripts.padding_share import padded_shares
+
+    for order in ("shuffled", "source", "target_then_source"):
+        shares = padded_shares([1, 3], [2, 2], batch_size=2, nproc=1, order=order)
+        assert shares == pytest.approx((2 / 6, 0, 2 / 10)), order
