@@ -185,10 +185,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # AdamW and the LR scheduler, built after sharding: the optimizer must hold FSDP's sharded parameters.
     # fp16 needs a gradient scaler; the sharded one agrees on inf/NaN across ranks, so all skip the same steps.
     scaler = ShardedGradScaler(device=info.device.type) if precision.needs_grad_scaler else None
-    # The fused kernel: one launch per step on a GPU, and the one that honours --on_nonfinite skip's found-inf
-    # flag (utils/train/step.py). On CPU it rounds differently from the default for-each kernel in the last
-    # bit, which exact comparisons against an unsharded reference would see, so there it is used only for skip.
-    fused = scaler is None and (info.device.type == "cuda" or recipe.on_nonfinite == "skip")
+    fused = optim.uses_fused_adamw(info.device.type, recipe.on_nonfinite, has_grad_scaler=scaler is not None)
     optimizer = torch.optim.AdamW(optim.parameter_groups(model, train.weight_decay), lr=train.lr, fused=fused)
     batches_per_epoch = len(loaders.train) if loaders.train is not None else 1  # --evaluate_only trains none
     total_steps = optim.total_optimizer_steps(recipe, train.epochs, batches_per_epoch)
@@ -316,7 +313,9 @@ def build_throughput(
     model_config, config: RunConfig, info: process_group.DistInfo, precision: Precision
 ) -> flops.Throughput:
     """How steps are counted in FLOPs and rated against the device's peak in the compute dtype. Collective."""
-    peak, source = flops.device_peak_flops(info.device, precision.compute_dtype, config.observe.peak_tflops)
+    peak, source = flops.device_peak_flops(
+        info.device, precision.compute_dtype, config.observe.peak_tflops, tf32=precision.tf32
+    )
     counter = flops.Seq2SeqFlops.from_config(model_config, frozen_weights=config.lora.peft == "lora")
     if counter is None:
         get_logger().warning(

@@ -789,7 +789,8 @@ def build_loaders(
     train_set = build_dataset(tokenizer, "train", data.num_train_samples, data, info.world_size)
     grouping = None
     if data.group_by_length:
-        keys = length_keys(train_set.source_lengths(), train_set.target_lengths(), data.length_key)
+        targets = train_set.target_lengths() if data.length_key != "source" else None
+        keys = length_keys(train_set.source_lengths(), targets, data.length_key)
         grouping = LengthGrouping(keys, train.batch_size_training)
     train_sampler = train_sampler_for(train_set, info.rank, info.world_size, train.seed, grouping)
     collate = functools.partial(pad_collate, pad_token_id=tokenizer.pad_token_id)

@@ -286,8 +286,11 @@ def continue_run(
     recorded_texts = _recorded_texts(recorded)
     overrides = {section: {} for section in SECTION_TITLES}
     changes = []
+    defaults = RunConfig()
     for spec in field_specs():
         text = recorded_texts.get(spec.name)
+        if text is None and spec.on_resume == "fixed" and recorded:  # a field newer than the record: the default
+            text = format_value(getattr(getattr(defaults, spec.section), spec.name))
         if spec.on_resume == "launch" or text is None:
             if spec.name in given_values:
                 overrides[spec.section][spec.name] = given_values[spec.name]
@@ -307,7 +310,6 @@ def continue_run(
                 "keep the run's value, or start a new run in another --output_dir."
             )
         changes.append(f"--{spec.name} {format_value(value)} (the run had {text})")
-    defaults = RunConfig()
     config = RunConfig(
         **{section: replace(getattr(defaults, section), **values) for section, values in overrides.items()}
     )

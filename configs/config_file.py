@@ -34,6 +34,7 @@ RUN_RECORD_KEYS = (
     "backend",
     "device",
     "mixed_precision_policy",
+    "tf32_matmuls",
     "mfu_peak_tflops",
     "mfu_peak_source",
     "unknown_tokens",

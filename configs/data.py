@@ -135,8 +135,8 @@ class DataConfig:
     group_by_length: bool = option(
         default=False,
         help=(
-            "Order each epoch so that a step's batches hold articles of similar length (shuffled, then sorted "
-            "by length within groups of 256 x batch_size_training samples): less padding with "
+            "Order each epoch so that a step's batches hold samples of similar length (shuffled, then sorted "
+            "by --length_key within groups of 256 x batch_size_training samples): less padding with "
             "pad_to_max_length false. The order stays a function of seed and epoch, the same on every rank "
             "and exactly resumable, also on another number of ranks."
         ),

@@ -74,8 +74,9 @@ class FSDPConfig:
         default=True,
         help=(
             "On CUDA: fp32 matrix multiplications on TF32 tensor cores (torch.set_float32_matmul_precision "
-            "'high'): fp32's range with a 10-bit mantissa, several times faster on A100/H100 for the fp32 "
-            "policy, bfSixteen_working and the fp32 parts of a bf16 step. false: IEEE fp32 matmuls (torch's "
+            "'high'): fp32's range with a 10-bit mantissa, about 8x IEEE fp32's peak on A100/H100 by NVIDIA's "
+            "data sheets; it matters where the model computes in fp32 (mixed_precision false, "
+            "bfSixteen_working). MFU is then rated against the TF32 peak. false: IEEE fp32 matmuls (torch's "
             "default). No effect on CPU. HF's --tf32 is this flag."
         ),
     )

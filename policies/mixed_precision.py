@@ -125,6 +125,8 @@ class Precision:
         """TF32 for this process's fp32 matmuls where the run takes it; otherwise torch's setting is left as
         it is (IEEE by default), so CPU runs and in-process tests keep their exact fp32."""
         if self.tf32:
+            # The global setter, not torch.backends.cuda.matmul.fp32_precision: after the per-backend one,
+            # torch.get_float32_matmul_precision() (which inductor calls) raises on the mix of the two APIs.
             torch.set_float32_matmul_precision("high")
 
     @property

@@ -87,10 +87,18 @@ SUITES = {
     },
     # This package against what users would pick instead (PEERS, run by scripts/peers.py): the same model,
     # batch, fixed lengths (--data full_lengths), fp32, steps.
+    # --tf32 false: the peers compute fp32 matmuls in IEEE fp32 on a GPU (torch's default), so does the package.
     "peers": {
-        "this package, FSDP1, defaults": ["--fsdp_version", "1"],
-        "this package, FSDP2, defaults": ["--fsdp_version", "2"],
-        "this package, FSDP1, tutorial settings": ["--fsdp_version", "1", "--pad_to_max_length", "true"],
+        "this package, FSDP1, defaults": ["--fsdp_version", "1", "--tf32", "false"],
+        "this package, FSDP2, defaults": ["--fsdp_version", "2", "--tf32", "false"],
+        "this package, FSDP1, tutorial settings": [
+            "--fsdp_version",
+            "1",
+            "--pad_to_max_length",
+            "true",
+            "--tf32",
+            "false",
+        ],
     },
     # One GPU (run with --nproc 1): precision, backends, checkpointing and attention kernels, and the
     # unwrapped model (PEERS_OF_SUITE); CI runs it at tiny scale on CPU, where the GPU_ONLY cases are skipped.

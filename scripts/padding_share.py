@@ -3,13 +3,14 @@
     python scripts/padding_share.py
     python scripts/padding_share.py --batch_sizes 4 64 --nproc 8 -- --train_file my.jsonl --max_source_length 1024
 
-The flags after `--` are T5_training.py's (the data, the tokenizer, the lengths, --num_train_samples); the
-train split is read and tokenised as a run reads it (through the same cache). For each batch size per rank it
-deals one epoch (seed 1, epoch 0) to --nproc ranks as the training sampler does, pads each batch to its longest
-sample (--pad_to_max_length false, the default), and prints the padded share of the source and target tokens:
-for the shuffled order, `--group_by_length true` (by source) and `--length_key target_then_source`. Padding is
-computed by the encoder and the decoder like real tokens, so the share is about the share of the step's work
-spent on it (attention's cost grows faster than that with the length).
+The flags after `--` are T5_training.py's (the data, the tokenizer, the lengths, --num_train_samples, --seed);
+the train split is read and tokenised as a run reads it (through the same cache). For each batch size per rank
+it deals one epoch (epoch 0) to --nproc ranks as the training sampler does, pads each batch to its longest
+sample (--pad_to_max_length false, the default; with true every order pads to the max lengths alike), and
+prints the padded share of the source, target and all tokens: for the shuffled order, `--group_by_length true`
+(by source) and `--length_key target_then_source`. Padding is computed by the encoder and the decoder like
+real tokens, so the share is about the share of the step's work spent on it (attention's cost grows faster
+than that with the length).
 """
 
 import argparse
@@ -27,14 +28,14 @@ ORDERS = ("shuffled", "source", "target_then_source")
 
 
 def padded_shares(
-    sources: list[int], targets: list[int], batch_size: int, nproc: int, order: str
+    sources: list[int], targets: list[int], batch_size: int, nproc: int, order: str, seed: int = 1
 ) -> tuple[float, float, float]:
     """The padded share of the source tokens, of the target tokens and of both over one epoch dealt in
     `order`."""
     grouping = None if order == "shuffled" else LengthGrouping(length_keys(sources, targets, order), batch_size)
     padded, real = [0, 0], [0, 0]
     for rank in range(nproc):
-        indices = list(train_sampler_for(range(len(sources)), rank, nproc, seed=1, grouping=grouping))
+        indices = list(train_sampler_for(range(len(sources)), rank, nproc, seed=seed, grouping=grouping))
         for start in range(0, len(indices), batch_size):
             batch = indices[start : start + batch_size]
             for side, lengths in enumerate((sources, targets)):
@@ -63,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     for batch_size in args.batch_sizes:
         cells = []
         for order in ORDERS:
-            source, target, both = padded_shares(sources, targets, batch_size, args.nproc, order)
+            source, target, both = padded_shares(
+                sources, targets, batch_size, args.nproc, order, config.train.seed
+            )
             cells.append(f"{source:.1%}, {target:.1%} ({both:.1%})")
         print(f"| {batch_size} | " + " | ".join(cells) + " |")
     return 0

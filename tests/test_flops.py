@@ -138,6 +138,11 @@ def test_peak_table_matches_device_names_most_specific_first():
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
     assert gpu_peak_flops("Tesla V100-SXM2-16GB", torch.bfloat16) is None  # no bf16 on Volta
     assert gpu_peak_flops("Some Future GPU", torch.bfloat16) is None
+    # --tf32 (on by default on CUDA): fp32 matmuls at TF32's dense rate, half bf16's; none without bf16
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.float32, tf32=True) == pytest.approx(494.7e12)
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=True) == pytest.approx(156e12)
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16, tf32=True) == 312e12
+    assert gpu_peak_flops("Tesla V100-SXM2-16GB", torch.float32, tf32=True) == pytest.approx(15.7e12)
 
 
 def test_lora_training_flops_against_torchs_flop_counter():

@@ -288,3 +288,14 @@ def test_a_restored_optimizer_keeps_its_own_kernel():
     set_optimizer_state(model, running, state, full=False)
     assert state["param_groups"][0]["fused"] is True and running.param_groups[0]["fused"] is True
     assert torch.equal(running.state[model.weight]["exp_avg"], saving.state[model.weight]["exp_avg"])
+
+
+@pytest.mark.parametrize(
+    "device, on_nonfinite, scaler, fused",
+    [("cuda", "stop", False, True), ("cuda", "skip", False, True), ("cuda", "stop", True, False),
+     ("cpu", "stop", False, False), ("cpu", "skip", False, True), ("cpu", "skip", True, False)],
+)  # fmt: skip
+def test_adamw_is_fused_on_gpus_and_for_skip_but_not_with_the_fp16_scaler(device, on_nonfinite, scaler, fused):
+    from utils.train.optim import uses_fused_adamw
+
+    assert uses_fused_adamw(device, on_nonfinite, has_grad_scaler=scaler) is fused

@@ -366,6 +366,18 @@ def test_a_batch_size_that_orders_the_epoch_is_held_and_a_record_this_version_ca
     assert config.recipe.attn_implementation == "eager" and "(the run had a_later_kernel)" in changes[0]
 
 
+def test_a_fixed_field_newer_than_the_record_holds_the_default_the_run_had():
+    """A run recorded before --length_key existed ordered its epochs by the source: a resume may not change
+    that, and may give the default (what the run had)."""
+    run = recorded(group_by_length="true")
+    del run["data_config"]["length_key"]
+    with pytest.raises(ConfigError, match="--length_key target_then_source: the run being resumed was trained "
+                                          "with --length_key source"):  # fmt: skip
+        continue_run(["--length_key", "target_then_source"], run, "out/config.json")
+    config, changes = continue_run(["--length_key", "source"], run, "out/config.json")
+    assert config.data.length_key == "source" and changes == []
+
+
 def test_the_record_a_resume_reads(tmp_path):
     (tmp_path / layout.CONFIG_FILE).write_text(json.dumps(recorded(lr=0.005)))
     assert recorded_run("true", str(tmp_path)) is None  # no checkpoint: nothing to continue

@@ -39,16 +39,16 @@ class PaddedEvalSampler(Sampler[int]):
 class LengthGrouping:
     """--group_by_length: arrange an epoch's shuffled order so that each step's batches hold similar lengths.
 
-    The order is cut into mega-batches of `MEGA_BATCHES` batches' worth of samples and each sorted by
-    length, longest first; ranks deal from it every world_size-th entry as before, so a step's batches come
-    from neighbours in length. Only the order changes: each sample still comes once per epoch, and the
-    order is still a function of (seed, epoch), the same on every rank. The mega-batch size does not depend
-    on the number of ranks, so a resume on another world size continues the same order, as without
-    grouping (a resume with another batch size does not). Its cost is less randomness inside a mega-batch
-    (the usual trade-off of length grouping).
+    The order is cut into mega-batches of `MEGA_BATCHES` batches' worth of samples and each sorted by its
+    length key (--length_key), longest first; ranks deal from it every world_size-th entry as before, so a
+    step's batches come from neighbours in length. Only the order changes: each sample still comes once per
+    epoch, and the order is still a function of (seed, epoch), the same on every rank. The mega-batch size
+    does not depend on the number of ranks, so a resume on another world size continues the same order, as
+    without grouping (a resume with another batch size does not). Its cost is less randomness inside a
+    mega-batch (the usual trade-off of length grouping).
     """
 
-    lengths: list  # a sort key per sample (length_keys), read from the cached token ids
+    lengths: list[int]  # a sort key per sample (length_keys), read from the cached token ids
     batch_size: int  # per rank
 
     MEGA_BATCHES = 256
@@ -64,14 +64,14 @@ class LengthGrouping:
 TARGET_BUCKET = 8  # --length_key target_then_source: summaries within 8 tokens share a bucket
 
 
-def length_keys(source_lengths: list[int], target_lengths: list[int], length_key: str) -> list:
-    """--length_key's sort key per sample: the source length, or (the target's bucket, the source length),
-    so that a batch's summaries are within a bucket of each other and its articles as close as the bucket's
-    samples allow."""
+def length_keys(source_lengths: list[int], target_lengths: list[int] | None, length_key: str) -> list[int]:
+    """--length_key's sort key per sample: the source length, or the target's bucket then the source length
+    (one int, bucket above bit 32: a tuple per sample would take three times the memory), so that a batch's
+    summaries are within a bucket of each other and its articles as close as the bucket's samples allow."""
     if length_key == "source":
         return source_lengths
     pairs = zip(source_lengths, target_lengths, strict=True)
-    return [(-(-target // TARGET_BUCKET), source) for source, target in pairs]
+    return [(-(-target // TARGET_BUCKET) << 32) | source for source, target in pairs]
 
 
 class ResumableDistributedSampler(DistributedSampler):

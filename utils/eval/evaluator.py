@@ -31,8 +31,8 @@ from utils.files import atomic_path
 from utils.log import get_logger, progress_bar
 
 EXAMPLES_LOGGED = 3
-# ROUGE's extractive baselines, beside the model's: the first sentence of every paragraph (WikiHow's steps) and
-# the text's first three sentences (lead-3).
+# ROUGE's extractive baselines, beside the model's: the first sentence of every line (WikiHow's steps, a
+# dialogue's turns) and the text's first three sentences (lead-3).
 BASELINES = {"lead_steps": lead_steps, "lead3": lead_sentences}
 
 

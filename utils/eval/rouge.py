@@ -34,7 +34,8 @@ def rouge_scores(reference: str, prediction: str) -> dict[str, float]:
 
 
 def lead_steps(article: str, clean) -> str:
-    """The first sentence of each step (paragraph) of an article, cleaned like a summary."""
+    """The first sentence of each line of an article (a WikiHow step, a dialogue's turn), cleaned like a
+    summary."""
     firsts = [_SENTENCE_END.split(line.strip())[0] for line in article.splitlines() if line.strip()]
     return clean(" ".join(firsts))
 

@@ -42,8 +42,11 @@ FLEX_MIN_LENGTH = 16  # below this (generation's first steps) SDPA is as fast, a
 FLEX_RECOMPILE_LIMIT = 64
 # The forward kernel's tile (query x key rows). torch 2.11's default tile for 64-wide heads ran T5-large's
 # encoder self-attention (batch 64, 512 tokens, bf16, H100) in 2.97 ms, this one in 0.30 ms; the backward
-# keeps torch's choice (smaller tiles made it slower). docs/throughput.md has the measurement.
+# keeps torch's choice (smaller tiles made it slower). docs/throughput.md has the measurement. Used where it
+# was measured (16-bit, heads up to 64 wide, 128 queries or more); elsewhere torch's own choice: fp32 or
+# 128-wide heads (t5-3b, t5-11b) need other shared memory, and shorter queries take torch's decoding kernel.
 FLEX_FORWARD_TILE = {"BLOCK_M": 64, "BLOCK_N": 64}
+FLEX_TILE_MIN_QUERIES = 128
 
 
 class T5Mask:
@@ -160,7 +163,13 @@ def flex_self_attention(query, key, value, position_bias, block_mask, scaling) -
         return score + bias[h, q, k]
 
     return flex_kernel()(query, key, value, score_mod=add_bias, block_mask=block_mask, scale=scaling,
-                         kernel_options=FLEX_FORWARD_TILE)  # fmt: skip
+                         kernel_options=forward_tile(query))  # fmt: skip
+
+
+def forward_tile(query: torch.Tensor) -> dict | None:
+    """FLEX_FORWARD_TILE where it was measured to help, else None (torch's choice)."""
+    measured = query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] <= 64
+    return FLEX_FORWARD_TILE if measured and query.shape[-2] >= FLEX_TILE_MIN_QUERIES else None
 
 
 def flex_kernel():

@@ -106,8 +106,8 @@ class Seq2SeqFlops:
 
 
 # Dense (no sparsity) peak TFLOP/s per GPU by compute dtype, from the vendors' data sheets (SXM parts;
-# fp32 without TF32, which torch leaves off for matmuls by default). The first name contained in
-# torch.cuda.get_device_name() wins, so the more specific names come first.
+# fp32 without TF32: --tf32 false, torch's default). The first name contained in torch.cuda.get_device_name()
+# wins, so the more specific names come first.
 GPU_PEAK_TFLOPS = {
     "H200 NVL": {torch.bfloat16: 835.5, torch.float16: 835.5, torch.float32: 60.0},
     "H200": {torch.bfloat16: 989.4, torch.float16: 989.4, torch.float32: 66.9},
@@ -122,8 +122,13 @@ GPU_PEAK_TFLOPS = {
 }
 
 
-def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
-    """The table's peak FLOP/s for this GPU and dtype; None for a GPU or dtype it does not know."""
+def gpu_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """The table's peak FLOP/s for this GPU and dtype; None for a GPU or dtype it does not know. fp32 with
+    `tf32` (its matmuls on TF32 tensor cores): half the bf16 peak, TF32's dense rate on the Ampere, Ada and
+    Hopper data sheets; a GPU without bf16 (a V100) has no TF32 either, and keeps its fp32 peak."""
+    bf16 = gpu_peak_flops(device_name, torch.bfloat16) if tf32 and dtype == torch.float32 else None
+    if bf16 is not None:
+        return bf16 / 2
     for name, peaks in GPU_PEAK_TFLOPS.items():
         if name in device_name:
             peak = peaks.get(dtype)
@@ -179,16 +184,17 @@ class Throughput:
 
 
 def device_peak_flops(
-    device: torch.device, dtype: torch.dtype, override_tflops: float
+    device: torch.device, dtype: torch.dtype, override_tflops: float, tf32: bool = False
 ) -> tuple[float | None, str]:
-    """(peak FLOP/s of one device in `dtype`, where it comes from). Collective on CPU: every rank probes at
-    once, as they train at once, and the mean is used."""
+    """(peak FLOP/s of one device in `dtype`, where it comes from; fp32 matmuls in TF32 with `tf32`).
+    Collective on CPU: every rank probes at once, as they train at once, and the mean is used."""
     if override_tflops:
         return override_tflops * 1e12, "--peak_tflops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = gpu_peak_flops(name, dtype)
-        return peak, (f"data sheet of {name}" if peak else f"{name} is not in the peak table: give --peak_tflops")
+        peak = gpu_peak_flops(name, dtype, tf32)
+        sheet = f"data sheet of {name}" + (", TF32" if peak != gpu_peak_flops(name, dtype) else "")
+        return peak, (sheet if peak else f"{name} is not in the peak table: give --peak_tflops")
     probe = torch.tensor(cpu_gemm_flops(dtype), dtype=torch.float64)
     torch.distributed.all_reduce(probe)
     threads = torch.get_num_threads()

@@ -36,6 +36,7 @@ def run_record(
         "backend": info.backend,
         "device": str(info.device),
         "mixed_precision_policy": precision.name,
+        "tf32_matmuls": precision.tf32,  # --tf32 as it applied: on CUDA only
         "mfu_peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None,
         "mfu_peak_source": throughput.peak_source,
         "unknown_tokens": unknown_tokens or {},

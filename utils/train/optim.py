@@ -22,6 +22,15 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def uses_fused_adamw(device_type: str, on_nonfinite: str, has_grad_scaler: bool) -> bool:
+    """AdamW's fused kernel on a GPU (fewer, larger kernels than the for-each one), and wherever --on_nonfinite
+    skip needs it (it is the kernel that honours a found-inf flag: utils/train/step.py), parameters offloaded
+    to the CPU included. On a CPU otherwise the for-each kernel: the fused one rounds differently in the last
+    bit, which the exact comparisons against an unsharded reference would see. Not with fp16's gradient
+    scaler, which skips non-finite steps itself and has not run with the fused kernel here."""
+    return not has_grad_scaler and (device_type == "cuda" or on_nonfinite == "skip")
+
+
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's parameter groups: with weight decay, the matrices decay and the layer norms (and any bias)
     do not, the usual recipe. Grouped by name, which both backends keep (FSDP1 with use_orig_params, which
