@@ -755,23 +755,38 @@ def nonfinite_worker(rank: int, world_size: int, steps: int = 4, bad_step: int =
 
 def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict:
     """fp32 per-step losses and final weights with every T5Block compiled (torch.compile `backend`), for
-    FSDP1 (original parameters) and FSDP2; the unsharded, uncompiled reference on rank 0."""
+    FSDP1 (original parameters) and FSDP2, and the step in which each graph was compiled (counted by the
+    backend's calls, recompiles and graph breaks included); the unsharded, uncompiled reference on rank 0."""
     import torch._dynamo
 
     from utils.fsdp import shard as shard_module
 
+    step_now = [0]
+    compiled_at: list[int] = []
+
+    def counting_backend(graph, example_inputs):
+        compiled_at.append(step_now[0])
+        return torch._dynamo.lookup_backend(backend)(graph, example_inputs)
+
     def compile_with_backend(model, layers):
         for module in model.modules():
             if isinstance(module, tuple(layers)):
-                module.compile(backend=backend)
+                module.compile(backend=counting_backend)
 
     shard_module.compile_layers, original = compile_with_backend, shard_module.compile_layers
     out = {"reference": reference_run(steps, world_size) if rank == 0 else None}
     try:
         for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
             torch._dynamo.reset()
-            losses, state = fsdp_run(_fsdp_config({**overrides, "compile": True}), rank, world_size, steps)
-            out[version] = {"losses": losses, "state": state if rank == 0 else None}
+            compiled_at.clear()
+            model = shard_model(tiny_t5(), _fsdp_config({**overrides, "compile": True}), FP32, CPU)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = []
+            for step in range(steps):
+                step_now[0] = step
+                losses += train_wrapped(model, optimizer, rank, world_size, step + 1, first=step)
+            state = gather_full_state_dict(model, CPU)
+            out[version] = {"losses": losses, "state": state if rank == 0 else None, "compiled_at": compiled_at[:]}
     finally:
         shard_module.compile_layers = original
     return out

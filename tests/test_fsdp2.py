@@ -130,3 +130,7 @@ def test_compiled_blocks_train_like_the_reference_on_both_backends(backend):
             assert relative_diff(got, want) < 1e-5, f"FSDP{version} step {step + 1}: {got} vs {want}"
         diff = max((rank0[version]["state"][k] - v).abs().max().item() for k, v in reference_state.items())
         assert diff < 1e-5, (version, diff)
+        # Compiled blocks stay compiled: every graph (forward and backward of each kind of block, and any
+        # recompile) is made in the first step; the later steps, of the same shapes, make none.
+        compiled_at = rank0[version]["compiled_at"]
+        assert compiled_at and set(compiled_at) == {0}, (version, compiled_at)
