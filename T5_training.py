@@ -66,7 +66,7 @@ def check_inputs(config: RunConfig) -> None:
     a dataset name when it is read. The same checks run again where the model and the data are read."""
     model = config.train.model_name
     if looks_like_local_path(model):
-        check_local_model_dir(model)
+        check_local_model_dir(model, adapter_ok=config.evaluation.evaluate_only)
     elif launcher_ranks()[0] == 0:
         hub_model_source(model)
     sources.check_data_found(config.data)
@@ -159,7 +159,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
 
     # Datasets and loaders: the data is read and checked before the model loads, so a data error costs
     # seconds, not the minutes of loading a large model.
-    tokenizer = loading.load_tokenizer(train.model_name)
+    tokenizer = loading.load_tokenizer(train.model_name, evaluating=evaluation.evaluate_only)
     loaders = summarization_dataset.build_loaders(tokenizer, config.data, train, evaluation, info)
     log_evaluation_plan(config, loaders)
 
@@ -294,7 +294,16 @@ def build_model(
         )
     overrides = loading.model_config_overrides(config.recipe)
     weights = None if adapter_weights else weights_file
-    loaded = loading.load_model_for_run(train.model_name, on_meta, weights, overrides, tokenizer)
+    evaluated_adapter = config.evaluation.evaluate_only and loading.adapter_base_of(train.model_name)
+    if evaluated_adapter and fsdp.cpu_ram_efficient_loading and fsdp.fsdp_version == 1:
+        raise ConfigError(
+            f"--model_name {train.model_name} is a LoRA adapter, merged into its base in memory; FSDP1's "
+            "rank-0-only loading fills each unit from the model's files instead. Add --cpu_ram_efficient_loading "
+            "false, or --fsdp_version 2 (rank 0 merges, then broadcasts)."
+        )
+    loaded = loading.load_model_for_run(
+        train.model_name, on_meta, weights, overrides, tokenizer, evaluating=config.evaluation.evaluate_only
+    )
     if uses_lora:
         loaded.model = lora.apply_lora(loaded.model, lora_config, lora.adapter_base(train.model_name))
         trainable, total = lora.trainable_share(loaded.model)

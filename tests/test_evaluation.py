@@ -278,9 +278,10 @@ def test_hf_model_generates_like_the_evaluation(trained):
     assert ids.shape[1] <= 1 + 150
 
 
-def test_summarize_takes_a_lora_adapter_folder_as_its_merged_model(tmp_path, capsys):
-    """A --peft lora run's hf_adapter/ (written as the run writes it): scripts/summarize.py merges it into the
-    base its config names and summarises with the run's settings, as the merged model does."""
+@pytest.fixture
+def adapter_folders(tmp_path) -> tuple[Path, Path]:
+    """A --peft lora run's hf_adapter/ (written as the run writes it, with an adapter that changes the model)
+    and the same adapter merged by PEFT and saved as a whole model, as a --merge_lora true run writes it."""
     tokenizer = AutoTokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     base = str(EMBEDDED_MODEL_DIR)
     torch.manual_seed(0)
@@ -297,16 +298,47 @@ def test_summarize_takes_a_lora_adapter_folder_as_its_merged_model(tmp_path, cap
     folder = tmp_path / "hf_adapter"
     write_adapter_folder(adapters, model.base_model.model.config, LoraConfig(peft="lora"), adapter_base(base),
                          tokenizer, str(folder))  # fmt: skip
-    articles = list(load_wikihow(EMBEDDED_DATA_DIR, "validation")["text"])[:3]
-    csv = tmp_path / "articles.csv"
-    pd.DataFrame({"text": articles}).to_csv(csv, index=False)
-    got = summarize(folder, ["--input", str(csv)], capsys)
-    # The same adapter merged by PEFT and saved as a whole model, as a --merge_lora true run writes it.
     merged = PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained(base), folder).merge_and_unload()
     merged.config.task_specific_params = model.base_model.model.config.task_specific_params
     merged.save_pretrained(tmp_path / "merged")
     run_generation_config(merged.config).save_pretrained(tmp_path / "merged")
     tokenizer.save_pretrained(tmp_path / "merged")
-    want = summarize(tmp_path / "merged", ["--input", str(csv)], capsys)
-    plain = summarize(base, ["--input", str(csv)], capsys)
+    return folder, tmp_path / "merged"
+
+
+def test_summarize_takes_a_lora_adapter_folder_as_its_merged_model(adapter_folders, tmp_path, capsys):
+    """scripts/summarize.py merges an adapter folder into the base its config names and summarises with the
+    run's settings, as the merged model does."""
+    folder, merged = adapter_folders
+    articles = list(load_wikihow(EMBEDDED_DATA_DIR, "validation")["text"])[:3]
+    csv = tmp_path / "articles.csv"
+    pd.DataFrame({"text": articles}).to_csv(csv, index=False)
+    got = summarize(folder, ["--input", str(csv)], capsys)
+    want = summarize(merged, ["--input", str(csv)], capsys)
+    plain = summarize(EMBEDDED_MODEL_DIR, ["--input", str(csv)], capsys)
     assert got == want and got != plain, (got, want, plain)
+
+
+@pytest.mark.slow
+def test_evaluate_only_takes_a_lora_adapter_folder_as_its_merged_model(adapter_folders, tmp_path):
+    """--evaluate_only --model_name on an adapter folder scores its base with the adapter merged in: the
+    merged model's scores and summaries, and the log says which base it read."""
+    folder, merged = adapter_folders
+    evaluated = {}
+    for name, model in (("adapter", folder), ("merged", merged)):
+        output_dir = tmp_path / f"evaluated_{name}"
+        run = pooled(["--evaluate_only", "true", "--model_name", str(model), "--eval_num_samples", "6",
+                      "--output_dir", str(output_dir)])  # fmt: skip
+        assert run.returncode == 0, run.describe()
+        [record] = eval_records(output_dir / "evaluate_only")
+        [predictions] = (output_dir / "evaluate_only").glob("*_step_*.jsonl")
+        evaluated[name] = ({key: record[key] for key in ROUGE_KEYS}, read_jsonl(predictions))
+        if name == "adapter":
+            assert f"(a LoRA adapter, merged into its base {EMBEDDED_MODEL_DIR})" in run.output, run.describe()
+    assert evaluated["adapter"] == evaluated["merged"]
+    # FSDP1's rank-0-only loading reads each unit from the model's files, which hold no merged weights.
+    run = pooled(["--evaluate_only", "true", "--model_name", str(folder), "--cpu_ram_efficient_loading", "true",
+                  "--output_dir", str(tmp_path / "refused")])  # fmt: skip
+    assert run.returncode == 2 and "Add --cpu_ram_efficient_loading false, or --fsdp_version 2" in run.output, (
+        run.describe()
+    )

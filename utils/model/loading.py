@@ -108,15 +108,23 @@ def load_model_for_run(
     weights_file: str | None,
     overrides: dict,
     tokenizer: PreTrainedTokenizerBase,
+    evaluating: bool = False,
 ) -> LoadedModel:
     """The unwrapped model, with the weights of `weights_file` (a full .pt) if given, and the model-config
-    `overrides` (model_config_overrides); `tokenizer` (load_tokenizer, loaded once per run) goes with it."""
+    `overrides` (model_config_overrides); `tokenizer` (load_tokenizer, loaded once per run) goes with it.
+    `evaluating` (--evaluate_only): an adapter folder is its base with the adapter merged in (evaluated_model)."""
     reset_peak_rss()
     rss_before = current_rss_bytes()
-    model = load_model(model_name, on_meta=on_meta, **overrides)
+    base, adapter = evaluated_model(model_name, evaluating)
+    model = load_model(base, on_meta=on_meta, **overrides)
+    if adapter and not on_meta:  # a skeleton is the base's shape; rank 0's merged weights fill it
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, os.path.expanduser(adapter)).merge_and_unload()
+    merged = f" (a LoRA adapter, merged into its base {base})" if adapter else ""
     get_logger().info(
-        "model %s: %.2fM parameters, vocab %d",
-        model_name, sum(p.numel() for p in model.parameters()) / 1e6, len(tokenizer),
+        "model %s%s: %.2fM parameters, vocab %d",
+        model_name, merged, sum(p.numel() for p in model.parameters()) / 1e6, len(tokenizer),
     )  # fmt: skip
     if weights_file is not None and not on_meta:
         # A full state dict goes into the unwrapped model; FSDP then shards it (the tutorial's way).
@@ -156,6 +164,14 @@ def adapter_base_of(folder: str) -> str | None:
     return base
 
 
+def evaluated_model(model_name: str, evaluating: bool) -> tuple[str, str | None]:
+    """(the model to load, the adapter folder to merge into it or None). A --peft lora run's adapter folder
+    given to --evaluate_only is its base with the adapter merged in, as scripts/summarize.py reads it; to
+    train, it stays refused (check_local_model_dir says what to give instead)."""
+    base = adapter_base_of(model_name) if evaluating else None
+    return (model_name, None) if base is None else (base, model_name)
+
+
 def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase, str]:
     """A --peft lora run's adapter folder as a model for generation: its base (checked as --model_name is)
     with the adapter merged in through PEFT, the run's generation and summarization settings, and the
@@ -189,13 +205,15 @@ def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase,
     return model, tokenizer, base
 
 
-def load_tokenizer(model_name: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_name: str, evaluating: bool = False) -> PreTrainedTokenizerBase:
     """The model's tokenizer alone (seconds), so the data can be read and checked before the model loads. The
     model's config is checked first (load_model_config), and the tokenizer against it (check_tokenizer): a
     model this package cannot train, or a tokenizer that does not fit it, stops the run before any data is
-    read or cached. Collective for a hub name the first time (rank 0 looks it up: hub_source)."""
-    config = load_model_config(model_name)
-    model_name = resolved_name(model_name)
+    read or cached. Collective for a hub name the first time (rank 0 looks it up: hub_source). `evaluating`:
+    an adapter folder's own tokenizer, checked against its base's config (evaluated_model)."""
+    base, adapter = evaluated_model(model_name, evaluating)
+    config = load_model_config(base)
+    model_name = os.path.expanduser(adapter) if adapter else resolved_name(model_name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name)
     except (OSError, ValueError) as err:

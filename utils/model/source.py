@@ -35,8 +35,9 @@ def looks_like_local_path(model_name: str) -> bool:
     return False
 
 
-def check_local_model_dir(path: str) -> None:
-    """Fail early, on every rank, with the fix, instead of a hub lookup of a mistyped path."""
+def check_local_model_dir(path: str, adapter_ok: bool = False) -> None:
+    """Fail early, on every rank, with the fix, instead of a hub lookup of a mistyped path. `adapter_ok`
+    (--evaluate_only): a LoRA adapter folder passes; its base is checked where it is loaded."""
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         raise ConfigError(f"no such folder: model path {path!r} does not exist{did_you_mean(path)}. {HUB_HINT}")
@@ -44,10 +45,12 @@ def check_local_model_dir(path: str) -> None:
         raise ConfigError(f"model path {path!r} is a file, not a folder. {HUB_HINT}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         if os.path.isfile(os.path.join(path, layout.ADAPTER_CONFIG_FILE)):  # a --peft lora run's hf_adapter/
+            if adapter_ok:
+                return
             raise ConfigError(
-                f"model folder {path!r} is a LoRA adapter, not a whole model: scripts/summarize.py takes it "
-                "(merged into its base), but to train or evaluate here use the merged model a --peft lora "
-                "--merge_lora true run writes (hf_model/), or load the adapter onto its base with "
+                f"model folder {path!r} is a LoRA adapter, not a whole model: --evaluate_only true and "
+                "scripts/summarize.py take it (merged into its base), but to train from it use the merged model "
+                "a --peft lora --merge_lora true run writes (hf_model/), or load the adapter onto its base with "
                 "peft.PeftModel.from_pretrained (docs/ecosystem.md)"
             )
         raise ConfigError(
