@@ -742,17 +742,26 @@ def warn_unknown_tokens(dataset: SummarizationDataset, tokenizer) -> None:
     if max(shares.values()) <= UNKNOWN_TOKEN_SHARE:
         return
     row = counts["first_row"]
-    text = dataset.article(row) + " " + dataset.reference(row)
-    unknown = [c for c in dict.fromkeys(text) if not c.isspace()
-               and tokenizer.unk_token_id in tokenizer(c, add_special_tokens=False)["input_ids"]]  # fmt: skip
+
+    def unreadable(text: str) -> str:
+        unknown = tokenizer.unk_token_id
+        characters = [c for c in dict.fromkeys(text) if not c.isspace()
+                      and unknown in tokenizer(c, add_special_tokens=False)["input_ids"]]  # fmt: skip
+        return " ".join(characters[:12])
+
+    # The source prefix is in every source: what it cannot read there is the prefix's, not the data's.
+    in_row = unreadable(dataset.article(row) + " " + dataset.reference(row))
+    in_prefix = unreadable(dataset.source_prefix)
+    where = [f"row {dataset.row_id(row)}: {in_row or '?'}"] if in_row or not in_prefix else []
+    if in_prefix:
+        where.append(f"--source_prefix {dataset.source_prefix!r}: {in_prefix}")
     _warn_once(Path(dataset.source_description), f"{dataset.split} unknown tokens",
                "%s, %s split: %.1f%% of source and %.1f%% of target tokens are the tokenizer's unknown token "
-               "(%d of %d rows hold one; the characters it cannot read in row %s: %s). The model will not see "
-               "that text: use a model whose tokenizer covers it (a multilingual one such as google/mt5-base or "
+               "(%d of %d rows hold one; the characters it cannot read in %s). The model will not see that "
+               "text: use a model whose tokenizer covers it (a multilingual one such as google/mt5-base or "
                "google/umt5-base)",
                dataset.source_description, dataset.split, 100 * shares["source"], 100 * shares["target"],
-               counts["rows"], counts["rows_total"],
-               dataset.row_id(row), " ".join(unknown[:12]) or "?")  # fmt: skip
+               counts["rows"], counts["rows_total"], ", and in ".join(where))  # fmt: skip
 
 
 def rows_phrase(dataset: SummarizationDataset, asked: int | None, flag: str) -> str:

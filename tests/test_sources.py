@@ -576,6 +576,15 @@ def test_text_the_tokenizer_cannot_read_is_reported_once_and_recorded(tmp_path, 
     ]
     assert len(warned) == 2 and all("foreign" in line and "mt5" in line for line in warned), warned
     assert "梅" in warned[0] and "ü" in warned[0]
+    # The embedded vocabulary has no ':': with T5's usual prefix every source holds one unknown token, which
+    # the warning puts on the prefix, not on the data (before, it named the row's characters: none, "?").
+    log_records.clear()
+    data = DataConfig(train_file=str(tmp_path / "english" / "train.csv"), source_prefix="summarize: ")
+    build_loaders(tokenizer, data, TrainConfig(), EvalConfig(eval_rouge=False), info).unknown_tokens()
+    warned = [
+        r.getMessage() for r in log_records if r.levelname == "WARNING" and "unknown token" in r.getMessage()
+    ]
+    assert warned and all("cannot read in --source_prefix 'summarize: ': :)" in line for line in warned), warned
 
 
 @contextlib.contextmanager
