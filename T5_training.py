@@ -294,7 +294,12 @@ def build_model(
         )
     overrides = loading.model_config_overrides(config.recipe)
     weights = None if adapter_weights else weights_file
-    evaluated_adapter = config.evaluation.evaluate_only and loading.adapter_base_of(train.model_name)
+    evaluated_adapter = loading.evaluated_model(train.model_name, config.evaluation.evaluate_only)[1]
+    if evaluated_adapter and (restores or weights_file):
+        raise ConfigError(
+            f"--model_name {train.model_name} is a LoRA adapter to evaluate, and --resume names weights too "
+            f"({start.path}): give one. --resume false scores the adapter merged into its base."
+        )
     if evaluated_adapter and fsdp.cpu_ram_efficient_loading and fsdp.fsdp_version == 1:
         raise ConfigError(
             f"--model_name {train.model_name} is a LoRA adapter, merged into its base in memory; FSDP1's "

@@ -96,8 +96,9 @@ class EvalConfig:
     evaluate_only: bool = option(
         default=False,
         help=(
-            "Score a saved model without training: --model_name (a hub name or a folder such as "
-            "OUTPUT_DIR/hf_model), or the checkpoint or .pt of --resume, on --eval_split, under FSDP on every "
+            "Score a saved model without training: --model_name (a hub name, a folder such as "
+            "OUTPUT_DIR/hf_model, or a LoRA run's local OUTPUT_DIR/hf_adapter, merged into its base), or the "
+            "checkpoint or .pt of --resume, on --eval_split, under FSDP on every "
             "rank. Writes the eval record and the predictions file into output_dir/evaluate_only/, apart from "
             "what training wrote."
         ),

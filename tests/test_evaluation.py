@@ -325,17 +325,26 @@ def test_evaluate_only_takes_a_lora_adapter_folder_as_its_merged_model(adapter_f
     merged model's scores and summaries, and the log says which base it read."""
     folder, merged = adapter_folders
     evaluated = {}
-    for name, model in (("adapter", folder), ("merged", merged)):
+    # FSDP2's rank-0-only loading: rank 0 merges, the others' skeletons receive its weights.
+    fsdp2_from_rank0 = ["--fsdp_version", "2", "--cpu_ram_efficient_loading", "true"]
+    for name, model, flags in (
+        ("adapter", folder, []),
+        ("merged", merged, []),
+        ("FSDP2", folder, fsdp2_from_rank0),
+    ):
         output_dir = tmp_path / f"evaluated_{name}"
         run = pooled(["--evaluate_only", "true", "--model_name", str(model), "--eval_num_samples", "6",
-                      "--output_dir", str(output_dir)])  # fmt: skip
+                      "--output_dir", str(output_dir), *flags])  # fmt: skip
         assert run.returncode == 0, run.describe()
         [record] = eval_records(output_dir / "evaluate_only")
         [predictions] = (output_dir / "evaluate_only").glob("*_step_*.jsonl")
         evaluated[name] = ({key: record[key] for key in ROUGE_KEYS}, read_jsonl(predictions))
         if name == "adapter":
             assert f"(a LoRA adapter, merged into its base {EMBEDDED_MODEL_DIR})" in run.output, run.describe()
-    assert evaluated["adapter"] == evaluated["merged"]
+    assert evaluated["adapter"] == evaluated["merged"] == evaluated["FSDP2"]
+    # Training from it stays refused, before anything loads.
+    run = pooled(["--model_name", str(folder), "--output_dir", str(tmp_path / "trained")])
+    assert run.returncode == 2 and "is a LoRA adapter, not a whole model" in run.output, run.describe()
     # FSDP1's rank-0-only loading reads each unit from the model's files, which hold no merged weights.
     run = pooled(["--evaluate_only", "true", "--model_name", str(folder), "--cpu_ram_efficient_loading", "true",
                   "--output_dir", str(tmp_path / "refused")])  # fmt: skip

@@ -49,7 +49,13 @@ from utils import layout
 from utils.distributed.process_group import rank0_decides
 from utils.log import get_logger
 from utils.model import t5_attention
-from utils.model.source import HUB_HINT, check_local_model_dir, hub_model_source, looks_like_local_path
+from utils.model.source import (
+    HUB_HINT,
+    check_local_model_dir,
+    hub_model_source,
+    is_adapter_folder,
+    looks_like_local_path,
+)
 from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 PROBE_TEXT = "hello world how are you"  # any vocabulary of a text model has these words (or their letters)
@@ -121,6 +127,7 @@ def load_model_for_run(
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, os.path.expanduser(adapter)).merge_and_unload()
+        model.requires_grad_(True)  # PEFT froze the base; every rank's model must be alike (load_model's skeleton)
     merged = f" (a LoRA adapter, merged into its base {base})" if adapter else ""
     get_logger().info(
         "model %s%s: %.2fM parameters, vocab %d",
@@ -168,8 +175,20 @@ def evaluated_model(model_name: str, evaluating: bool) -> tuple[str, str | None]
     """(the model to load, the adapter folder to merge into it or None). A --peft lora run's adapter folder
     given to --evaluate_only is its base with the adapter merged in, as scripts/summarize.py reads it; to
     train, it stays refused (check_local_model_dir says what to give instead)."""
-    base = adapter_base_of(model_name) if evaluating else None
+    base = adapter_base_of(model_name) if evaluating and is_adapter_folder(model_name) else None
     return (model_name, None) if base is None else (base, model_name)
+
+
+def base_config(folder: str, base: str) -> PretrainedConfig:
+    """The config of the base an adapter folder names (load_model_config), or a ConfigError that says where
+    the name comes from."""
+    try:
+        return load_model_config(base)
+    except ConfigError as err:
+        raise ConfigError(
+            f"the base model {folder}/{layout.ADAPTER_CONFIG_FILE} names cannot be loaded ({err}); a folder moved "
+            "from another machine: set base_model_name_or_path there to the base's folder here"
+        ) from None
 
 
 def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase, str]:
@@ -180,13 +199,7 @@ def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase,
 
     base = adapter_base_of(folder)
     local = os.path.expanduser(folder)
-    try:
-        config = load_model_config(base)
-    except ConfigError as err:
-        raise ConfigError(
-            f"the base model {folder}/{layout.ADAPTER_CONFIG_FILE} names cannot be loaded ({err}); a folder moved "
-            "from another machine: set base_model_name_or_path there to the base's folder here"
-        ) from None
+    config = base_config(folder, base)
     tokenizer = AutoTokenizer.from_pretrained(local)
     check_tokenizer(folder, tokenizer, config)
     model = AutoModelForSeq2SeqLM.from_pretrained(resolved_name(base))
@@ -212,7 +225,7 @@ def load_tokenizer(model_name: str, evaluating: bool = False) -> PreTrainedToken
     read or cached. Collective for a hub name the first time (rank 0 looks it up: hub_source). `evaluating`:
     an adapter folder's own tokenizer, checked against its base's config (evaluated_model)."""
     base, adapter = evaluated_model(model_name, evaluating)
-    config = load_model_config(base)
+    config = base_config(adapter, base) if adapter else load_model_config(model_name)
     model_name = os.path.expanduser(adapter) if adapter else resolved_name(model_name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name)

@@ -4,6 +4,7 @@ entry point checks the model's source before it imports them, so a mistyped fold
 read is said in about a second (utils/model/loading.py reads the model from the source decided here).
 """
 
+import importlib.util
 import os
 
 from huggingface_hub import constants as hub_constants
@@ -35,16 +36,29 @@ def looks_like_local_path(model_name: str) -> bool:
     return False
 
 
+def is_adapter_folder(path: str) -> bool:
+    """A --peft lora run's hf_adapter/: PEFT's adapter config and no model of its own (config.json)."""
+    path = os.path.expanduser(path)
+    return os.path.isfile(os.path.join(path, layout.ADAPTER_CONFIG_FILE)) and not os.path.isfile(
+        os.path.join(path, "config.json")
+    )
+
+
 def check_local_model_dir(path: str, adapter_ok: bool = False) -> None:
     """Fail early, on every rank, with the fix, instead of a hub lookup of a mistyped path. `adapter_ok`
-    (--evaluate_only): a LoRA adapter folder passes; its base is checked where it is loaded."""
+    (--evaluate_only): a LoRA adapter folder passes, if PEFT is installed; its base is checked where it is
+    loaded."""
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         raise ConfigError(f"no such folder: model path {path!r} does not exist{did_you_mean(path)}. {HUB_HINT}")
     if not os.path.isdir(path):
         raise ConfigError(f"model path {path!r} is a file, not a folder. {HUB_HINT}")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        if os.path.isfile(os.path.join(path, layout.ADAPTER_CONFIG_FILE)):  # a --peft lora run's hf_adapter/
+        if is_adapter_folder(path):
+            if adapter_ok and importlib.util.find_spec("peft") is None:
+                raise ConfigError(
+                    f"model folder {path!r} is a LoRA adapter, merged in through PEFT: pip install peft"
+                )
             if adapter_ok:
                 return
             raise ConfigError(
