@@ -157,10 +157,11 @@ def hub_source(model_id: str) -> str:
 
 
 def adapter_base_of(folder: str) -> str | None:
-    """The base model a --peft lora run's adapter folder names (adapter_config.json); None for any other."""
-    path = os.path.join(os.path.expanduser(folder), layout.ADAPTER_CONFIG_FILE)
-    if not looks_like_local_path(folder) or not os.path.isfile(path):
+    """The base model a --peft lora run's adapter folder (is_adapter_folder) names in adapter_config.json; None
+    for any other."""
+    if not looks_like_local_path(folder) or not is_adapter_folder(folder):
         return None
+    path = os.path.join(os.path.expanduser(folder), layout.ADAPTER_CONFIG_FILE)
     try:
         with open(path, encoding="utf-8") as f:
             base = json.load(f).get("base_model_name_or_path")
@@ -175,7 +176,7 @@ def evaluated_model(model_name: str, evaluating: bool) -> tuple[str, str | None]
     """(the model to load, the adapter folder to merge into it or None). A --peft lora run's adapter folder
     given to --evaluate_only is its base with the adapter merged in, as scripts/summarize.py reads it; to
     train, it stays refused (check_local_model_dir says what to give instead)."""
-    base = adapter_base_of(model_name) if evaluating and is_adapter_folder(model_name) else None
+    base = adapter_base_of(model_name) if evaluating else None
     return (model_name, None) if base is None else (base, model_name)
 
 
