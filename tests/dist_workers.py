@@ -754,26 +754,25 @@ def nonfinite_worker(rank: int, world_size: int, steps: int = 4, bad_step: int =
 
 
 def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict:
-    """fp32 per-step losses and final weights with every T5Block compiled (torch.compile `backend`), for
-    FSDP1 (original parameters) and FSDP2, and the step in which each graph was compiled (counted by the
-    backend's calls, recompiles and graph breaks included); the unsharded, uncompiled reference on rank 0."""
+    """fp32 per-step losses and final weights with every T5Block compiled (torch.compile `backend`, through
+    utils/fsdp/shard.py's own compile_layers), for FSDP1 (original parameters) and FSDP2; then an evaluation:
+    a no-grad forward twice, generation at two lengths. Where each graph was compiled (the step, or the
+    evaluation's phase; counted by the backend's calls, recompiles and graph breaks included); the unsharded,
+    uncompiled reference on rank 0."""
     import torch._dynamo
 
+    from utils.eval.generation import generate
     from utils.fsdp import shard as shard_module
 
-    step_now = [0]
-    compiled_at: list[int] = []
+    phase: list = [0]
+    compiled_at: list = []
 
     def counting_backend(graph, example_inputs):
-        compiled_at.append(step_now[0])
+        compiled_at.append(phase[0])
         return torch._dynamo.lookup_backend(backend)(graph, example_inputs)
 
-    def compile_with_backend(model, layers):
-        for module in model.modules():
-            if isinstance(module, tuple(layers)):
-                module.compile(backend=counting_backend)
-
-    shard_module.compile_layers, original = compile_with_backend, shard_module.compile_layers
+    original = shard_module.compile_layers
+    shard_module.compile_layers = functools.partial(original, backend=counting_backend)
     out = {"reference": reference_run(steps, world_size) if rank == 0 else None}
     try:
         for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
@@ -783,9 +782,17 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
             losses = []
             for step in range(steps):
-                step_now[0] = step
+                phase[0] = step
                 losses += train_wrapped(model, optimizer, rank, world_size, step + 1, first=step)
             state = gather_full_state_dict(model, CPU)
+            model.eval()
+            for label in ("validation", "validation again"):
+                phase[0] = label
+                with torch.no_grad():
+                    forward_token_losses(model, make_batch(batch_seed(steps, rank)))
+            for label, new_tokens in (("generation", 6), ("generation, other lengths", 9)):
+                phase[0] = label
+                generate(model, make_batch(batch_seed(steps, rank)), {"max_new_tokens": new_tokens})
             out[version] = {"losses": losses, "state": state if rank == 0 else None, "compiled_at": compiled_at[:]}
     finally:
         shard_module.compile_layers = original

@@ -87,6 +87,14 @@ RESHARD_AFTER_FORWARD = {
 }
 
 
+# Graphs of the one forward every stack layer shares, in a run: T5's 4 kinds of block (each stack's first,
+# which computes the position bias, and the rest) in training and again without gradients (validation),
+# each static then dynamic in its lengths, and generation's cached steps (5 for the embedded model).
+# Dynamo's default limit (8) is spent by training and the first validation; past it torch warns and runs
+# every new variant uncompiled, generation included.
+COMPILE_RECOMPILE_LIMIT = 32
+
+
 def shard_model(
     model: nn.Module,
     fsdp: FSDPConfig,
@@ -180,15 +188,18 @@ def layer_units(model: nn.Module, layers: frozenset[type]) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(wrapped_module(m), layer_types) and id(m) not in wrapped]
 
 
-def compile_layers(model: nn.Module, layers: frozenset[type]) -> None:
+def compile_layers(model: nn.Module, layers: frozenset[type], backend="inductor") -> None:
     """torch.compile every stack layer in place, before sharding (FSDP2's recommended order; FSDP1 needs
     use_orig_params). In place (`Module.compile`), the layers keep their class, so the wrap policy and
     activation checkpointing still find them. Compilation happens at each layer's first call (and again
-    when the shapes change, as with per-batch padding, until torch marks them dynamic)."""
+    when the shapes change, as with per-batch padding, until torch marks them dynamic). `backend`: torch's
+    (the tests count compiles through a backend of their own)."""
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, COMPILE_RECOMPILE_LIMIT)
     layer_types = tuple(layers)
     for module in model.modules():
         if isinstance(module, layer_types):
-            module.compile()
+            module.compile(backend=backend)
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
