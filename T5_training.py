@@ -122,13 +122,13 @@ from utils.checkpoint.run_lock import claimed_output_dir
 from utils.checkpoint.start import StartPoint, resolve_start
 from utils.distributed import hang_report, process_group
 from utils.distributed.progress_bounded import progress_bounded
-from utils.eval import generation
 from utils.eval.evaluator import Evaluator
 from utils.files import is_disk_full
 from utils.fsdp.shard import forward_warnings_ignored, log_fsdp_layout, shard_model
 from utils.log import quiet_helper_process
 from utils.model import loading, lora
 from utils.observe import flops, memory, metrics, run_record, tensorboard
+from utils.task import Seq2SeqTask, task_for
 from utils.train import optim
 from utils.train.preemption import StopRequest
 from utils.train.trainer import Trainer
@@ -170,10 +170,13 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
         loaded = build_model(config, info, start, tokenizer)
     log_layer_classes_of_accelerate(loaded.model)
     model_config = loaded.model.config
+    # What this kind of model trains on and is scored by (utils/task.py): asked by the step, the trainer,
+    # evaluation and the FLOP count from here on.
+    task = task_for(model_config, train.model_name)
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
     model_config.task_specific_params = {
         **(getattr(model_config, "task_specific_params", None) or {}),
-        "summarization": generation.summarization_params(config.data, evaluation, loaders.cleaning),
+        task.params_key: task.saved_params(config.data, evaluation, loaders.cleaning),
     }
 
     # FSDP: FullyShardedDataParallel (--fsdp_version 1, the tutorial's) or fully_shard (2).
@@ -197,30 +200,37 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # for a save and a stop; after it they are noted until the manager is closed (utils/train/preemption.py).
     base_model = lora.adapter_base(train.model_name)
     checkpoints = CheckpointManager(
-        config.checkpointing, config.fsdp, train.output_dir, model, optimizer, scheduler, scaler,
-        model_config, tokenizer, info, config.lora, base_model,
+        checkpointing=config.checkpointing, fsdp=config.fsdp, output_dir=train.output_dir, model=model,
+        optimizer=optimizer, scheduler=scheduler, scaler=scaler, model_config=model_config, tokenizer=tokenizer,
+        info=info, lora=config.lora, base_model=base_model,
     )  # fmt: skip
     with StopRequest() as stop, checkpoints:
         # A GEMM probe on CPU: before the load. --evaluate_only trains nothing, so it has no MFU to say.
-        throughput = None if evaluation.evaluate_only else build_throughput(model_config, config, info, precision)
+        throughput = (
+            None if evaluation.evaluate_only else build_throughput(task, model_config, config, info, precision)
+        )
         progress = checkpoints.load(start)
         memory_baseline = loaded.memory_baseline()  # loading measured until sharded and restored
         memory.trim_host_heap()  # what loading freed goes back to the OS instead of inflating the run's peak
 
         if evaluation.evaluate_only:
-            evaluate_saved_model(model, loaders.evaluation, config, info, progress, start, precision.compute_dtype)
+            evaluate_saved_model(
+                model, loaders.evaluation, task, config, info, progress, start, precision.compute_dtype
+            )
         else:
             evaluator = None
             if loaders.evaluation is not None:
-                generate_kwargs = generation.generation_kwargs(evaluation, config.data.max_target_length)
+                generate_kwargs = task.generation_kwargs(evaluation, config.data.max_target_length)
                 predictions_file = functools.partial(layout.predictions_file, train.output_dir)
                 evaluator = Evaluator(
                     loaders.evaluation, generate_kwargs, evaluation.eval_metric, predictions_file, info,
                     gather_for_generation=evaluation.gather_for_generation, compute_dtype=precision.compute_dtype,
                 )  # fmt: skip
             trainer = Trainer(
-                model, optimizer, scheduler, scaler, loaders, checkpoints, evaluator, info,
-                train, recipe, evaluation, config.observe, throughput, memory_baseline,
+                model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loaders=loaders,
+                checkpoints=checkpoints, evaluator=evaluator, info=info, train=train, recipe=recipe,
+                evaluation=evaluation, observe=config.observe, throughput=throughput,
+                memory_baseline=memory_baseline, task=task,
             )  # fmt: skip
             if start.is_checkpoint and trainer.done(progress):
                 trainer.finish_finished_run(progress)  # a resume of a finished run changes nothing
@@ -324,13 +334,13 @@ def build_model(
 
 
 def build_throughput(
-    model_config, config: RunConfig, info: process_group.DistInfo, precision: Precision
+    task: Seq2SeqTask, model_config, config: RunConfig, info: process_group.DistInfo, precision: Precision
 ) -> flops.Throughput:
     """How steps are counted in FLOPs and rated against the device's peak in the compute dtype. Collective."""
     peak, source = flops.device_peak_flops(
         info.device, precision.compute_dtype, config.observe.peak_tflops, tf32=precision.tf32
     )
-    counter = flops.Seq2SeqFlops.from_config(model_config, frozen_weights=config.lora.peft == "lora")
+    counter = task.flop_counter(model_config, frozen_weights=config.lora.peft == "lora")
     if counter is None:
         get_logger().warning(
             "no MFU: the FLOPs of a %s model are not counted here (docs/models.md)", model_config.model_type
@@ -345,6 +355,7 @@ def build_throughput(
 def evaluate_saved_model(
     model,
     eval_set,
+    task: Seq2SeqTask,
     config: RunConfig,
     info: process_group.DistInfo,
     progress,
@@ -357,7 +368,7 @@ def evaluate_saved_model(
     Its eval record (appended to output_dir/evaluate_only/metrics.jsonl, naming the model evaluated) and its
     predictions (a file per evaluation) go apart from what training wrote, which stays as it was."""
     train, evaluation = config.train, config.evaluation
-    generate_kwargs = generation.generation_kwargs(evaluation, config.data.max_target_length)
+    generate_kwargs = task.generation_kwargs(evaluation, config.data.max_target_length)
     stamp = layout.time_stamp()
 
     def predictions_file(split: str, step: int) -> str:

@@ -88,7 +88,8 @@ class RecipeConfig:
             "picks by default), eager (matmul, softmax, matmul: the reference), flex_attention (torch "
             "FlexAttention; refused for T5, whose bias it indexes wrongly at batch > 1), t5_flex (T5 family: "
             "on a GPU FlexAttention with the position bias as a score_mod and padding as a block mask, no "
-            "(batch, heads, query, key) mask; cross-attention with a boolean mask; utils/model/t5_attention.py). "
+            "(batch, heads, query, key) mask; cross-attention with a boolean mask; T5's norms as the fused "
+            "F.rms_norm; utils/model/t5_attention.py). "
             "T5's learned position bias rules out flash attention."
         ),
     )

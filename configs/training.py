@@ -70,7 +70,7 @@ class TrainConfig:
     weight_decay: float = option(
         default=0.0,
         help=(
-            "AdamW decoupled weight decay of the matrices; the layer norms never decay (0 = none, as in the "
+            "AdamW decoupled weight decay of the matrices; norms and biases never decay (0 = none, as in the "
             "tutorial). With FSDP1 it needs --use_orig_params true (per-parameter optimizer groups)."
         ),
         minimum=0,

@@ -101,9 +101,19 @@ def sharded_setup(rank: int, world_size: int, model_dir: str, version: int, lora
         typed = dataclasses.replace(fsdp, checkpoint_type=checkpoint_type)
         checkpointing = CheckpointConfig(keep_last_n=1)
         return CheckpointManager(
-            checkpointing, typed, out, model, optimizer, scheduler, None, model_config, tokenizer, info,
-            lora_config, model_dir,
-        )  # fmt: skip
+            checkpointing=checkpointing,
+            fsdp=typed,
+            output_dir=out,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=None,
+            model_config=model_config,
+            tokenizer=tokenizer,
+            info=info,
+            lora=lora_config,
+            base_model=model_dir,
+        )
 
     return model, optimizer, model_bytes, manager
 

@@ -34,8 +34,9 @@ from summarization_dataset import build_eval_set  # noqa: E402
 from tests.dist_harness import run_ranks  # noqa: E402
 from utils.data.loaders import move_batch  # noqa: E402
 from utils.distributed.process_group import DistInfo  # noqa: E402
-from utils.eval.generation import generate, generation_kwargs  # noqa: E402
+from utils.eval.generation import generate  # noqa: E402
 from utils.fsdp.shard import shard_model  # noqa: E402
+from utils.task import SEQ2SEQ  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -61,7 +62,7 @@ def measure(rank: int, world_size: int, model_dir: str, articles: int) -> dict:
     peak = [0]
     for block in (m for m in model.modules() if isinstance(m, T5Block)):
         block.register_forward_pre_hook(lambda *_: peak.__setitem__(0, max(peak[0], unsharded_bytes(model))))
-    settings = generation_kwargs(evaluation, data.max_target_length)
+    settings = SEQ2SEQ.generation_kwargs(evaluation, data.max_target_length)
     for batch in eval_set.loader:
         generate(model, move_batch(batch, CPU), settings)
     return {"peak_unsharded_bytes": peak[0], "whole_model_bytes": whole}

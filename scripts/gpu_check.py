@@ -41,7 +41,8 @@ from utils.fsdp.shard import forward_warnings_ignored, shard_model  # noqa: E402
 from utils.log import ProgressLines  # noqa: E402
 from utils.model import t5_attention  # noqa: E402
 from utils.model.loading import load_model_config  # noqa: E402
-from utils.train.step import GRAD_NORM, StepSettings, forward_token_losses, train_step, validate  # noqa: E402
+from utils.task import SEQ2SEQ  # noqa: E402
+from utils.train.step import GRAD_NORM, StepSettings, train_step, validate  # noqa: E402
 
 FP32 = Precision("fp32_policy")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,10 @@ def fresh_model(
     torch.manual_seed(0)
     # checked, the KV cache off, as a run loads it
     config = load_model_config(model_name, dropout_rate=0.0, attn_implementation=kernel)
-    return shard_model(AutoModelForSeq2SeqLM.from_config(config), fsdp, precision, device), config
+    model = AutoModelForSeq2SeqLM.from_config(config)
+    if kernel == t5_attention.NAME:
+        t5_attention.fuse_norms(model)  # as a run loads it
+    return shard_model(model, fsdp, precision, device), config
 
 
 def check_backends(device: torch.device) -> tuple[str, str]:
@@ -227,7 +231,7 @@ def loss_and_grads(model_name: str, device: torch.device, precision: Precision, 
     """The token-mean loss and every parameter's full gradient of one padded batch (FSDP2, dropout 0)."""
     fsdp = FSDPConfig(fsdp_version=2, mixed_precision=precision.name != FP32.name)
     model, config = fresh_model(model_name, fsdp, precision, device, kernel)
-    token_losses, labels = forward_token_losses(model, random_batch(config, device, lengths=(64, 24)))
+    token_losses, labels = SEQ2SEQ.token_losses(model, random_batch(config, device, lengths=(64, 24)))
     loss = token_losses.sum() / (labels != -100).sum()
     loss.backward()
     return loss.item(), {name: p.grad.full_tensor().float() for name, p in model.named_parameters()}

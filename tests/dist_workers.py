@@ -58,8 +58,9 @@ from utils.model.lora import apply_lora
 from utils.model.rank0_loading import UnitMaterializer
 from utils.observe.flops import Seq2SeqFlops
 from utils.observe.memory import optim_state_numel_local
+from utils.task import SEQ2SEQ
 from utils.train import step as step_module
-from utils.train.step import forward_token_losses, train_step, validate
+from utils.train.step import train_step, validate
 from utils.train.step_log import StepLog
 
 CPU = torch.device("cpu")
@@ -74,9 +75,13 @@ def tiny_t5(seed: int = 0, on_meta: bool = False, attn_implementation: str = "sd
     config._attn_implementation = attn_implementation
     if on_meta:
         with torch.device("meta"):
-            return T5ForConditionalGeneration(config)
-    torch.manual_seed(seed)
-    return T5ForConditionalGeneration(config)
+            model = T5ForConditionalGeneration(config)
+    else:
+        torch.manual_seed(seed)
+        model = T5ForConditionalGeneration(config)
+    if attn_implementation == t5_attention.NAME:
+        t5_attention.fuse_norms(model)  # as loading does (utils/model/loading.py: load_model_for_run)
+    return model
 
 
 def make_batch(seed: int, rows: int = 3, src_len: int = 12, tgt_len: int = 7, vocab: int = VOCAB) -> dict:
@@ -113,7 +118,7 @@ def reference_run(
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(steps):
-        token_losses, labels = forward_token_losses(model, global_batch(step, world_size, vocab))
+        token_losses, labels = SEQ2SEQ.token_losses(model, global_batch(step, world_size, vocab))
         loss = token_losses.sum() / (labels != -100).sum()
         loss.backward()
         optimizer.step()
@@ -385,10 +390,8 @@ def self_closing_stager_worker(rank: int, world_size: int, output_root: str) -> 
     for stager_per_save in (True, False):
         output_dir = os.path.join(output_root, f"per_save_{stager_per_save}")
         model = shard_model(tiny_t5(), fsdp, FP32, CPU)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        manager = CheckpointManager(checkpointing, fsdp, output_dir, model, optimizer, scheduler, None,
-                                    model.config, tokenizer, info, LoraConfig(), EMBEDDED_MODEL_DIR)  # fmt: skip
+        manager = plain_manager(model, fsdp, checkpointing, output_dir, info, tokenizer)
+        optimizer = manager.optimizer
         with (
             mock.patch.object(DefaultStager, "stage", stage_then_close),
             mock.patch.object(checkpoint_manager, "STAGER_SERVES_ONE_SAVE", stager_per_save),
@@ -404,6 +407,26 @@ def self_closing_stager_worker(rank: int, world_size: int, output_root: str) -> 
             except Exception as err:  # the control's failure, returned to be asserted
                 out[stager_per_save] = f"{type(err).__name__}: {err}"
     return out
+
+
+def plain_manager(model: nn.Module, fsdp, checkpointing, output_dir: str, info, tokenizer) -> CheckpointManager:
+    """The checkpoint manager of a sharded tiny model without LoRA, with AdamW at LR and a constant schedule
+    (`manager.optimizer`)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    return CheckpointManager(
+        checkpointing=checkpointing,
+        fsdp=fsdp,
+        output_dir=output_dir,
+        model=model,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        scaler=None,
+        model_config=model.config,
+        tokenizer=tokenizer,
+        info=info,
+        lora=LoraConfig(),
+        base_model=EMBEDDED_MODEL_DIR,
+    )
 
 
 def forward_logits(model, batch: dict) -> torch.Tensor:
@@ -456,7 +479,7 @@ def validation_worker(rank: int, world_size: int, n_samples: int, batch_size: in
         with torch.no_grad():
             for item in dataset.items:
                 batch = {key: value.unsqueeze(0) for key, value in item.items()}
-                token_losses, labels = forward_token_losses(reference_model, batch)
+                token_losses, labels = SEQ2SEQ.token_losses(reference_model, batch)
                 sums.append(token_losses.sum().item())
                 counts.append((labels != -100).sum().item())
         out["hand_token_mean"] = sum(sums) / sum(counts)
@@ -553,7 +576,7 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
     from summarization_dataset import build_eval_set
     from utils.distributed.process_group import DistInfo
     from utils.eval.evaluator import Evaluator
-    from utils.eval.generation import generate, generation_kwargs
+    from utils.eval.generation import generate
 
     info = DistInfo(rank, rank, world_size, CPU, "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
@@ -562,7 +585,7 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
     eval_set = build_eval_set(tokenizer, data, train, evaluation, info, "validation")
 
     def settings_with(beams: int) -> dict:
-        return generation_kwargs(dataclasses.replace(evaluation, num_beams=beams), data.max_target_length)
+        return SEQ2SEQ.generation_kwargs(dataclasses.replace(evaluation, num_beams=beams), data.max_target_length)
 
     out = {"records": {}, "uneven": {}}
     for beams in (1, 2):
@@ -610,7 +633,7 @@ def accumulation_reference(steps: int, world_size: int, max_norm: float) -> tupl
     for step in range(steps):
         parts = [make_batch(batch_seed(step, rank), rows=4) for rank in range(world_size)]
         batch = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-        token_losses, labels = forward_token_losses(model, batch)
+        token_losses, labels = SEQ2SEQ.token_losses(model, batch)
         loss = token_losses.sum() / (labels != -100).sum()
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")).item())
@@ -672,7 +695,7 @@ def _reduced_gradients(version: int, policy: str, batch: dict, all_tokens: torch
     all-ranks token count, x world size) and FSDP's gradient reduction. Collective."""
     config = _fsdp_config({"fsdp_version": version, "use_orig_params": version == 1})
     model = shard_model(tiny_t5(), config, Precision(policy), CPU)
-    token_losses, _ = forward_token_losses(model, batch)
+    token_losses, _ = SEQ2SEQ.token_losses(model, batch)
     (token_losses.sum() * world_size / all_tokens).backward()
     if isinstance(model, FSDP):
         with FSDP.summon_full_params(model, with_grads=True):
@@ -704,17 +727,14 @@ def reduction_worker(rank: int, world_size: int) -> dict:
 @contextlib.contextmanager
 def _nan_loss(enabled: bool):
     """This rank's token losses (and so its gradients) become NaN while the context is open."""
-    original = step_module.forward_token_losses
+    original = SEQ2SEQ.token_losses
 
     def poisoned(model, batch):
         token_losses, labels = original(model, batch)
         return token_losses * float("nan"), labels
 
-    step_module.forward_token_losses = poisoned if enabled else original
-    try:
+    with mock.patch.object(SEQ2SEQ, "token_losses", poisoned if enabled else original):
         yield
-    finally:
-        step_module.forward_token_losses = original
 
 
 def _guarded_run(version: int, rank: int, world_size: int, steps: list[int], bad_step: int, stop: bool) -> dict:
@@ -755,8 +775,8 @@ def nonfinite_worker(rank: int, world_size: int, steps: int = 4, bad_step: int =
 
 def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict:
     """fp32 per-step losses and final weights with every T5Block compiled (torch.compile `backend`, through
-    utils/fsdp/shard.py's own compile_layers), for FSDP1 (original parameters) and FSDP2; then an evaluation:
-    a no-grad forward twice, generation at two lengths. Where each graph was compiled (the step, or the
+    utils/fsdp/shard.py's own compile_layers), for FSDP1 (original parameters) and FSDP2; then, on FSDP2, an
+    evaluation: a no-grad forward twice, generation at two lengths. Where each graph was compiled (the step, or the
     evaluation's phase; counted by the backend's calls, recompiles and graph breaks included); the unsharded,
     uncompiled reference on rank 0."""
     import torch._dynamo
@@ -785,14 +805,15 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
                 phase[0] = step
                 losses += train_wrapped(model, optimizer, rank, world_size, step + 1, first=step)
             state = gather_full_state_dict(model, CPU)
-            model.eval()
-            for label in ("validation", "validation again"):
-                phase[0] = label
-                with torch.no_grad():
-                    forward_token_losses(model, make_batch(batch_seed(steps, rank)))
-            for label, new_tokens in (("generation", 6), ("generation, other lengths", 9)):
-                phase[0] = label
-                generate(model, make_batch(batch_seed(steps, rank)), {"max_new_tokens": new_tokens})
+            if version == 2:  # the evaluation's graphs are the blocks', alike on both backends: counted once
+                model.eval()
+                for label in ("validation", "validation again"):
+                    phase[0] = label
+                    with torch.no_grad():
+                        SEQ2SEQ.token_losses(model, make_batch(batch_seed(steps, rank)))
+                for label, new_tokens in (("generation", 6), ("generation, other lengths", 9)):
+                    phase[0] = label
+                    generate(model, make_batch(batch_seed(steps, rank)), {"max_new_tokens": new_tokens})
             out[version] = {"losses": losses, "state": state if rank == 0 else None, "compiled_at": compiled_at[:]}
     finally:
         shard_module.compile_layers = original
@@ -914,9 +935,20 @@ def family_worker(rank: int, world_size: int, folder: str, steps: int, output_ro
         model = shard_model(model, fsdp, FP32, CPU, restores=on_meta)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        return CheckpointManager(CheckpointConfig(save_every_n_steps=0, keep_last_n=1), fsdp,
-                                 f"{output_root}/fsdp{version}", model, optimizer, scheduler, None, model_config,
-                                 tokenizer, info, LoraConfig(), folder)  # fmt: skip
+        return CheckpointManager(
+            checkpointing=CheckpointConfig(save_every_n_steps=0, keep_last_n=1),
+            fsdp=fsdp,
+            output_dir=f"{output_root}/fsdp{version}",
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=None,
+            model_config=model_config,
+            tokenizer=tokenizer,
+            info=info,
+            lora=LoraConfig(),
+            base_model=folder,
+        )
 
     half = steps // 2
     for version in (1, 2):
@@ -998,8 +1030,6 @@ def long_rank0_work_worker(rank: int, world_size: int, output_dir: str, timeout_
     model = shard_model(model, fsdp, FP32, CPU)
     seconds["loading"] = time.monotonic() - started
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=2)
     real_hashed_file = checkpoint_manager.hashed_file
@@ -1010,8 +1040,8 @@ def long_rank0_work_worker(rank: int, world_size: int, output_dir: str, timeout_
         with real_hashed_file(*args, **kwargs) as stream:
             yield stream
 
-    manager = CheckpointManager(checkpointing, fsdp, output_dir, model, optimizer, scheduler, None,
-                                model.config, tokenizer, info, LoraConfig(), EMBEDDED_MODEL_DIR)  # fmt: skip
+    manager = plain_manager(model, fsdp, checkpointing, output_dir, info, tokenizer)
+    optimizer = manager.optimizer
     train_step(model, make_batch(batch_seed(1, rank)), optimizer, None, world_size)
     started = time.monotonic()
     with mock.patch.object(checkpoint_manager, "hashed_file", slow_hashed_file if rank == 0 else real_hashed_file):
@@ -1067,11 +1097,9 @@ def disk_full_worker(rank: int, world_size: int, output_root: str) -> dict:
         fsdp = _fsdp_config({"fsdp_version": 1, **overrides})
         output_dir = os.path.join(output_root, case)
         model = shard_model(tiny_t5(), fsdp, FP32, CPU)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=2, async_checkpoint=background)
-        manager = CheckpointManager(checkpointing, fsdp, output_dir, model, optimizer, scheduler, None,
-                                    model.config, tokenizer, info, LoraConfig(), EMBEDDED_MODEL_DIR)  # fmt: skip
+        manager = plain_manager(model, fsdp, checkpointing, output_dir, info, tokenizer)
+        optimizer = manager.optimizer
         full["fail"] = False
         with manager, mock.patch.object(integrity.HashingFile, "write", write):
             train_step(model, make_batch(batch_seed(1, rank)), optimizer, None, world_size)

@@ -7,7 +7,7 @@ from configs.paths import EMBEDDED_MODEL_DIR
 from configs.recipe import RecipeConfig
 from tests.dist_workers import make_batch
 from utils.model.loading import load_model_for_run, load_tokenizer, model_config_overrides
-from utils.train.step import forward_token_losses
+from utils.task import SEQ2SEQ
 
 KERNELS = ["eager", "sdpa"]  # flex_attention has no backward on CPU (refused there by configs/validate.py)
 
@@ -21,7 +21,7 @@ def train_losses(attn_implementation: str, steps: int = 3) -> list[float]:
     optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
-        token_losses, labels = forward_token_losses(loaded.model, make_batch(step, rows=4, src_len=24, tgt_len=9))
+        token_losses, labels = SEQ2SEQ.token_losses(loaded.model, make_batch(step, rows=4, src_len=24, tgt_len=9))
         loss = token_losses.sum() / (labels != -100).sum()
         loss.backward()
         optimizer.step()

@@ -30,7 +30,7 @@ from summarization_dataset import (
     load_wikihow,
     pad_collate,
 )
-from utils.train.step import labels_for_loss
+from utils.task import labels_for_loss
 
 
 def data_options(**fields) -> DataConfig:

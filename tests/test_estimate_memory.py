@@ -12,7 +12,7 @@ from scripts.estimate_memory import T5Shape, estimate, load_shape, main
 from scripts.make_random_t5 import SHAPES
 from tests.dist_workers import make_batch
 from utils.observe.memory import SavedTensorCounter
-from utils.train.step import forward_token_losses
+from utils.task import SEQ2SEQ
 
 SETTINGS = dict(
     mixed_precision="bf16", activation_checkpointing=True, batch_size=4, max_source_length=64, max_target_length=16
@@ -104,7 +104,7 @@ def saved_and_planned(config: T5Config, lengths: tuple, checkpointing: bool, dty
     if checkpointing:
         apply_fsdp_checkpointing(model, layer_classes(model))
     with SavedTensorCounter() as counter:
-        forward_token_losses(model, make_batch(0, rows=4, src_len=lengths[0], tgt_len=lengths[1]))
+        SEQ2SEQ.token_losses(model, make_batch(0, rows=4, src_len=lengths[0], tgt_len=lengths[1]))
     planned = estimate(
         T5Shape.from_config(config.to_dict()),
         nproc=1,

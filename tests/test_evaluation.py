@@ -27,11 +27,11 @@ from tests.dist_workers import generation_worker
 from tests.launch import pooled
 from utils.checkpoint.hf_export import run_generation_config, write_adapter_folder
 from utils.distributed.process_group import DistInfo
-from utils.eval.generation import summarization_params
 from utils.eval.rouge import ROUGE_KEYS, rouge_scores
 from utils.eval.scores import mean_scores
 from utils.log import get_logger
 from utils.model.lora import adapter_base, apply_lora
+from utils.task import SEQ2SEQ
 
 N_SAMPLES = 7  # uneven over 2 ranks: 4 and 3 real samples, one padding repeat
 EVAL_KEYS = {"type", "epoch", "step", "split", *ROUGE_KEYS, "gen_len", "num_samples", "seconds", "baselines"}
@@ -293,7 +293,7 @@ def adapter_folders(tmp_path) -> tuple[Path, Path]:
             adapters[name.replace(".default", "")] = param.detach().clone()
     settings = EvalConfig(max_new_tokens=12)
     model.base_model.model.config.task_specific_params = {
-        "summarization": summarization_params(DataConfig(source_prefix="summarize: "), settings, "wikihow")
+        "summarization": SEQ2SEQ.saved_params(DataConfig(source_prefix="summarize: "), settings, "wikihow")
     }
     folder = tmp_path / "hf_adapter"
     write_adapter_folder(adapters, model.base_model.model.config, LoraConfig(peft="lora"), adapter_base(base),

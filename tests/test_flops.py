@@ -17,7 +17,7 @@ from transformers import (
 from configs.paths import EMBEDDED_MODEL_DIR
 from scripts import make_tiny_family
 from utils.observe.flops import Seq2SeqFlops, Throughput, gpu_peak_flops
-from utils.train.step import forward_token_losses
+from utils.task import SEQ2SEQ
 
 # The embedded T5 as it is and gated, make_tiny_family's folders, and mBART (BART's matmuls, pre-norm), which
 # has no folder of its own: built from BART's tiny shape.
@@ -106,7 +106,7 @@ def counted_training_flops(model, batch: dict) -> int:
     """Every matmul FLOP of one forward and backward, as torch.utils.flop_counter counts them."""
     counter = FlopCounterMode(display=False)
     with counter:
-        token_losses, _ = forward_token_losses(model, batch)
+        token_losses, _ = SEQ2SEQ.token_losses(model, batch)
         token_losses.sum().backward()
     return counter.get_total_flops()
 

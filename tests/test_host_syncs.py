@@ -10,7 +10,6 @@ import pytest
 from tests.dist_harness import run_ranks
 from tests.dist_workers import host_reads_worker, stop_check_worker
 
-MODEL_CALL = "step.py"  # forward_token_losses's model(...) call: the reads below it are the model's own
 TRANSFORMERS_MASKS = "transformers/masking_utils.py"
 FORWARDS, VALIDATION_BATCHES = 2, 3  # a step of two micro-batches
 

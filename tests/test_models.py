@@ -19,6 +19,7 @@ from tests.dist_workers import family_worker
 from utils.checkpoint.hf_export import convert_checkpoint
 from utils.model.loading import load_model, load_tokenizer
 from utils.model.lora import target_modules
+from utils.train.optim import parameter_groups
 
 LAYERS = {
     "t5": {"T5Block"},
@@ -166,3 +167,20 @@ def test_each_family_trains_as_unsharded_resumes_exactly_and_exports_what_it_tra
         again, info = AutoModelForSeq2SeqLM.from_pretrained(converted, output_loading_info=True)
         assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
         assert (again.get_output_embeddings().weight is again.get_input_embeddings().weight) == head_tied
+
+
+@pytest.mark.parametrize("family", sorted(LAYERS))
+def test_weight_decay_spares_every_norm_and_bias_of_each_family(family_dirs, family):
+    """With --weight_decay, every matrix decays and every norm weight and bias does not: by dimension, an
+    independent description of the same split for these families (BART's layernorm_embedding included, which a
+    match on "layer_norm" missed)."""
+    model = load_model(family_dirs[family], dropout_rate=0.0)
+    decay, spared = parameter_groups(model, 0.01)
+    assert (decay["weight_decay"], spared["weight_decay"]) == (0.01, 0.0)
+    names = {id(param): name for name, param in model.named_parameters()}
+    assert sorted(names[id(p)] for p in spared["params"]) == sorted(
+        n for n, p in model.named_parameters() if p.dim() == 1
+    )
+    assert all(p.dim() >= 2 for p in decay["params"])
+    if family == "bart":
+        assert "model.encoder.layernorm_embedding.weight" in {names[id(p)] for p in spared["params"]}

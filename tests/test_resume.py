@@ -464,8 +464,20 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
         optimizer = torch.optim.AdamW(parameter_groups, lr=train_config.lr)
         scheduler = optim.lr_scheduler(optimizer, train_config.gamma, RecipeConfig(), total_steps=10)
         folder = os.path.join(output_root, f"{checkpoint_type}-{save_optimizer}")
-        return CheckpointManager(checkpointing, fsdp, folder, model, optimizer, scheduler, None, plain.config,
-                                 tokenizer, info, LoraConfig(), str(EMBEDDED_MODEL))  # fmt: skip
+        return CheckpointManager(
+            checkpointing=checkpointing,
+            fsdp=fsdp,
+            output_dir=folder,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=None,
+            model_config=plain.config,
+            tokenizer=tokenizer,
+            info=info,
+            lora=LoraConfig(),
+            base_model=str(EMBEDDED_MODEL),
+        )
 
     def start_of(path: str) -> StartPoint:
         """Where a run resuming from `path` starts (as --resume PATH resolves it)."""

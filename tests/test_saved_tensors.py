@@ -10,7 +10,7 @@ from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
 from policies.wrapping import layer_classes
 from tests.dist_workers import make_batch
 from utils.observe.memory import SavedTensorCounter
-from utils.train.step import forward_token_losses
+from utils.task import SEQ2SEQ
 
 
 def test_hand_count_of_linear_relu_linear():
@@ -34,14 +34,14 @@ def test_activation_checkpointing_keeps_only_block_inputs_and_what_is_outside_th
         if checkpointing:
             apply_fsdp_checkpointing(model, layer_classes(model))
         with SavedTensorCounter() as counter:
-            token_losses, _ = forward_token_losses(model, batch)
+            token_losses, _ = SEQ2SEQ.token_losses(model, batch)
         token_losses.sum().backward()  # the saved tensors were real: backward runs on them
         measured[checkpointing] = counter.bytes
     assert 0 < measured[True] < measured[False] / 2, measured
 
 
 def test_decoder_inputs_are_t5s_own_shift_and_its_loss_is_not_kept():
-    """forward_token_losses passes decoder_input_ids (utils/train/step.shift_right) instead of labels: the
+    """The task's token_losses passes decoder_input_ids (utils/task.py: shift_right) instead of labels: the
     logits equal T5's own labels path exactly, and the bytes kept for backward are smaller by T5's unused
     loss, one batch x target x vocabulary log-softmax."""
     config = T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0, use_cache=False)
@@ -55,7 +55,7 @@ def test_decoder_inputs_are_t5s_own_shift_and_its_loss_is_not_kept():
             reference.logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
         ).view_as(labels)
     with SavedTensorCounter() as ours:
-        token_losses, _ = forward_token_losses(model, batch)
+        token_losses, _ = SEQ2SEQ.token_losses(model, batch)
     assert torch.equal(token_losses, expected)
     log_softmax = 4 * 8 * config.vocab_size * 4  # fp32, 4 x 8 target tokens
     assert 0 <= with_labels.bytes - ours.bytes - log_softmax <= 8  # and T5's loss scalar

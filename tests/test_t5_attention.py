@@ -5,6 +5,8 @@ FlexAttention, runs here forward only (torch's reference implementation: no CPU 
 generated tokens; its backward is checked on a GPU by scripts/gpu_check.py. And the kernels refused per
 family."""
 
+import copy
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -15,7 +17,7 @@ from tests.dist_harness import run_ranks
 from tests.dist_workers import make_batch, t5_flex_worker, tiny_t5
 from utils.model import t5_attention
 from utils.model.loading import check_attention_fits
-from utils.train.step import forward_token_losses
+from utils.task import SEQ2SEQ
 
 STEPS = 3
 
@@ -33,7 +35,7 @@ def train(kernel: str, steps: int = STEPS) -> tuple[list[float], list[torch.Tens
     losses, first_grads = [], []
     for step in range(steps):
         batch = padded_batch(step)
-        token_losses, labels = forward_token_losses(model, batch)
+        token_losses, labels = SEQ2SEQ.token_losses(model, batch)
         loss = token_losses.sum() / (labels != -100).sum()
         loss.backward()
         if step == 0:
@@ -132,3 +134,37 @@ def test_kernels_that_do_not_fit_the_family_are_refused(config, kernel, message)
 def test_kernels_that_fit_are_accepted():
     for config, kernel in [(T5Config(), "t5_flex"), (BartConfig(), "flex_attention"), (T5Config(), "sdpa")]:
         check_attention_fits(config, kernel)
+
+
+@pytest.mark.parametrize("model_type", ["t5", "mt5"])
+def test_fused_norms_compute_t5s_norm(model_type):
+    """fuse_norms: every RMS norm of the stacks (a block's two or three, each stack's final one) computed by
+    F.rms_norm, with T5's class as its base and its weight names; in float32 the forward and the weight
+    gradients equal T5's bit for bit, in bf16 within one rounding (T5 rounds twice); mixed dtypes take T5's
+    own forward."""
+    from transformers import AutoModelForSeq2SeqLM, MT5Config
+
+    config = (MT5Config if model_type == "mt5" else T5Config)(
+        vocab_size=64, d_model=32, d_kv=8, num_heads=4, d_ff=48, num_layers=2, num_decoder_layers=2
+    )
+    torch.manual_seed(0)
+    stock = AutoModelForSeq2SeqLM.from_config(config)
+    fused = copy.deepcopy(stock)
+    norm_class = type(stock.encoder.final_layer_norm)
+    assert t5_attention.fuse_norms(fused) == 2 * 2 + 2 * 3 + 2
+    assert isinstance(fused.encoder.final_layer_norm, norm_class)
+    assert list(fused.state_dict()) == list(stock.state_dict())
+    for dtype, tolerance in ((torch.float32, 0.0), (torch.bfloat16, 2**-7)):
+        stock_norm, fused_norm = stock.encoder.final_layer_norm.to(dtype), fused.encoder.final_layer_norm.to(dtype)
+        hidden = (torch.randn(3, 5, 32) * 4).to(dtype).requires_grad_()
+        want, got = stock_norm(hidden), fused_norm(hidden)
+        assert got.dtype == want.dtype == dtype
+        worst = ((got - want).abs() / want.abs().clamp(min=1)).max().item()
+        assert worst <= tolerance, (dtype, worst)
+        if dtype == torch.float32:
+            pairs = ((want, stock_norm), (got, fused_norm))
+            grads = [torch.autograd.grad(out.square().sum(), norm.weight)[0] for out, norm in pairs]
+            assert torch.equal(*grads)
+    mixed = torch.randn(3, 5, 32, dtype=torch.bfloat16)
+    fused_norm.float()  # a float32 weight on bf16 inputs: T5's forward, which returns float32
+    assert torch.equal(fused_norm(mixed), stock_norm.float()(mixed))

@@ -34,7 +34,6 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoTokenizer, GenerationConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
 
 from configs.errors import FAILURES, CheckpointError, UserError, error_summary
 from configs.lora import LoraConfig
@@ -49,11 +48,11 @@ from utils.checkpoint.state_dicts import (
     local_rows,
     with_local_rows,
 )
-from utils.eval.generation import GENERATION_KEYS
 from utils.files import atomic_path, tmp_path
 from utils.log import get_logger, progress_bar, warnings_ignored
 from utils.model.loading import saved_config, skeleton
 from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
+from utils.task import GENERATION_KEYS, task_for
 
 # Each rank serializes its rows of a batch of tensors in memory before writing them (DCP's safetensors
 # writer; about twice the batch's bytes while it does): batches of about this many bytes per rank keep that
@@ -172,7 +171,7 @@ def write_model_description(model_config, tokenizer, dtype: torch.dtype, folder:
     # Training runs without the KV cache (activation checkpointing needs that); whoever loads the folder
     # generates, which wants it.
     config.use_cache = True
-    config.architectures = [MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING[type(config)].__name__]
+    config.architectures = [task_for(config).architecture(config)]
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(folder)
     run_generation_config(config).save_pretrained(folder)
@@ -181,7 +180,7 @@ def write_model_description(model_config, tokenizer, dtype: torch.dtype, folder:
 
 def summarization_settings(config) -> dict:
     """The run's summarization settings (cleaning, prefix, lengths, generation) its model config carries."""
-    return (getattr(config, "task_specific_params", None) or {}).get("summarization", {})
+    return (getattr(config, "task_specific_params", None) or {}).get(task_for(config).params_key, {})
 
 
 def run_generation_config(config) -> GenerationConfig:

@@ -106,6 +106,7 @@ class CheckpointManager:
 
     def __init__(
         self,
+        *,
         checkpointing: CheckpointConfig,
         fsdp: FSDPConfig,
         output_dir: str,

@@ -2,7 +2,7 @@
 them with --eval_metric (ROUGE, or exact-match accuracy), and rank 0 gathers the scores in split order, writes
 the eval record and the predictions.
 
-    evaluator = Evaluator(eval_set, generation_kwargs(config.evaluation, max_target_length), metric, where, info)
+    evaluator = Evaluator(eval_set, task.generation_kwargs(evaluation, max_target_length), metric, where, info)
     record = evaluator.evaluate(model, epoch, step)   # collective; the record on every rank
 
 `where(split, step)` names the predictions file (utils/layout.py: training's, or --evaluate_only's own).
@@ -57,7 +57,7 @@ class Evaluator:
         compute_dtype: torch.dtype = torch.float32,
     ):
         self.eval_set = eval_set
-        self.generation = generation  # generate's settings (utils/eval/generation.py: generation_kwargs)
+        self.generation = generation  # generate's settings (utils/task.py: generation_kwargs)
         self.metric = metric  # --eval_metric: a key of utils/eval/scores.py's SCORERS
         self.predictions_file = predictions_file  # (split, step) -> where its predictions go (utils/layout.py)
         self.info = info

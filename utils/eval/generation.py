@@ -23,44 +23,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from configs.data import DataConfig
-from configs.evaluation import EvalConfig
 from policies.private_api import fsdp1_units_kept_unsharded, fsdp1_unsharded_numel, fsdp2_units_kept_unsharded
 from utils.distributed.launcher import ranks_on_this_host
 from utils.distributed.process_group import any_rank
 from utils.observe.memory import available_memory
 
-GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
-
-
-def generation_kwargs(evaluation: EvalConfig, max_target_length: int) -> dict:
-    """The keyword arguments of `generate` for these settings (also saved as hf_model/generation_config.json).
-    Summaries are as long as the model was trained to write unless --max_new_tokens says otherwise."""
-    return {
-        "num_beams": evaluation.num_beams,
-        "max_new_tokens": evaluation.max_new_tokens or max_target_length,
-        "length_penalty": evaluation.length_penalty,
-        "no_repeat_ngram_size": evaluation.no_repeat_ngram_size,
-        "do_sample": False,
-    }
-
-
-def summarization_params(data: DataConfig, evaluation: EvalConfig, cleaning: str) -> dict:
-    """How this run prepares a source text (its cleaning, named as in summarization_dataset.CLEANINGS, the
-    prefix, the length) and generates its output. Saved in the model config's
-    `task_specific_params["summarization"]` (where T5's published checkpoints keep theirs), so checkpoints and
-    hf_model/ carry it and scripts/summarize.py needs no flags."""
-    return {
-        "cleaning": cleaning,
-        "prefix": data.source_prefix,
-        "max_source_length": data.max_source_length,
-        **generation_kwargs(evaluation, data.max_target_length),
-    }
-
 
 def generate(model: nn.Module, batch: dict, generation: dict) -> torch.Tensor:
-    """Token ids of the summaries of one batch (on the model's device), with `generation` (generation_kwargs)
-    as generate's settings. Collective: every rank calls it the same number of times."""
+    """Token ids of the summaries of one batch (on the model's device), with `generation` (the task's
+    generation_kwargs, utils/task.py) as generate's settings. Collective: every rank calls it the same number of
+    times."""
     kwargs = {
         "input_ids": batch["source_ids"],
         "attention_mask": batch["source_mask"],

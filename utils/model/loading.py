@@ -29,18 +29,15 @@ import os
 from dataclasses import dataclass
 
 import torch
-import transformers
 from safetensors import safe_open
 from torch import nn
 from transformers import (
     AutoConfig,
-    AutoModelForSeq2SeqLM,
     AutoTokenizer,
     GenerationConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
 from transformers.utils import cached_file
 
 from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
@@ -57,6 +54,7 @@ from utils.model.source import (
     looks_like_local_path,
 )
 from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from utils.task import task_for
 
 PROBE_TEXT = "hello world how are you"  # any vocabulary of a text model has these words (or their letters)
 MAX_KEYS_NAMED = 8  # a message names this many weights, then counts the rest
@@ -123,6 +121,8 @@ def load_model_for_run(
     rss_before = current_rss_bytes()
     base, adapter = evaluated_model(model_name, evaluating)
     model = load_model(base, on_meta=on_meta, **overrides)
+    if overrides.get("attn_implementation") == t5_attention.NAME:
+        t5_attention.fuse_norms(model)  # before LoRA and sharding, so every rank's model has the same modules
     if adapter and not on_meta:  # a skeleton is the base's shape; rank 0's merged weights fill it
         from peft import PeftModel
 
@@ -203,13 +203,14 @@ def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase,
     config = base_config(folder, base)
     tokenizer = AutoTokenizer.from_pretrained(local)
     check_tokenizer(folder, tokenizer, config)
-    model = AutoModelForSeq2SeqLM.from_pretrained(resolved_name(base))
+    task = task_for(config, base)
+    model = task.model_class.from_pretrained(resolved_name(base))
     model = PeftModel.from_pretrained(model, local).merge_and_unload()
     settings = os.path.join(local, layout.ADAPTER_SUMMARIZATION_FILE)
     if os.path.isfile(settings):
         with open(settings, encoding="utf-8") as f:
             params = getattr(model.config, "task_specific_params", None) or {}
-            model.config.task_specific_params = {**params, "summarization": json.load(f)}
+            model.config.task_specific_params = {**params, task.params_key: json.load(f)}
         model.generation_config = GenerationConfig.from_pretrained(local)
     else:  # written by an earlier version, which kept the run's settings in the merged model alone
         get_logger().warning(
@@ -285,7 +286,7 @@ def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(model_name)
     except (OSError, ValueError) as err:
         raise ConfigError(f"could not load model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
-    check_encoder_decoder(model_name, config)
+    task_for(config, model_name)  # a model of another kind is refused here
     check_attention_fits(config, config_overrides.get("attn_implementation"))
     if config.decoder_start_token_id is None:
         raise ConfigError(
@@ -311,26 +312,6 @@ def check_attention_fits(config: PretrainedConfig, attn_implementation: str | No
         t5_attention.register()
 
 
-def check_encoder_decoder(model_name: str, config: PretrainedConfig) -> None:
-    """ConfigError unless AutoModelForSeq2SeqLM has a class for this config, and the architecture config.json
-    names (if any) belongs to its model_type: a folder of one family is never loaded into another's class."""
-    if type(config) not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
-        raise ConfigError(
-            f"model {model_name!r} is a {config.model_type} model, not an encoder-decoder: this package "
-            "fine-tunes sequence-to-sequence models (AutoModelForSeq2SeqLM: T5, flan-t5, mT5, UMT5, BART, "
-            "PEGASUS, ...). Pick one of those for --model_name."
-        )
-    for architecture in getattr(config, "architectures", None) or []:
-        named = getattr(transformers, architecture, None)
-        family = getattr(named, "config_class", None)
-        if family is not None and family is not type(config):
-            raise ConfigError(
-                f"model {model_name!r}: its config.json names the architecture {architecture} (a "
-                f"{family.model_type} model) but its model_type is {config.model_type}: the weights would not "
-                "fit the class. Fix model_type or architectures in config.json to the family that saved it."
-            )
-
-
 def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn.Module:
     """The pretrained encoder-decoder (AutoModelForSeq2SeqLM) in host memory, or (on_meta) only its skeleton
     on the meta device; `config_overrides` replace fields of its config (dropout, attn_implementation).
@@ -348,7 +329,8 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
         model.requires_grad_(True)
         return model
     try:
-        model, info = AutoModelForSeq2SeqLM.from_pretrained(model_name, config=config, output_loading_info=True)
+        model_class = task_for(config, model_name).model_class
+        model, info = model_class.from_pretrained(model_name, config=config, output_loading_info=True)
     except OSError as err:
         raise ConfigError(f"could not load model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
     if info["missing_keys"] or info["mismatched_keys"]:
@@ -374,15 +356,16 @@ def skeleton(config: PretrainedConfig) -> nn.Module:
     from_pretrained would build it. For the T5 family (whose config class forces the tie, docs/pitfalls.md
     #32) tie_word_embeddings False unties the lm_head only: built so, T5 would also untie its embed_tokens
     from `shared`, which no T5 checkpoint does."""
+    model_class = task_for(config).model_class
     if forces_tie(config) and not config.tie_word_embeddings:
         config = copy.deepcopy(config)
         config.tie_word_embeddings = True
         with torch.device("meta"):
-            model = AutoModelForSeq2SeqLM.from_config(config)
+            model = model_class.from_config(config)
         untie_head(model)
         return model
     with torch.device("meta"):
-        return AutoModelForSeq2SeqLM.from_config(config)
+        return model_class.from_config(config)
 
 
 def forces_tie(config: PretrainedConfig) -> bool:

@@ -19,6 +19,7 @@ from configs.errors import ConfigError
 from configs.lora import LoraConfig
 from utils.log import warnings_ignored
 from utils.model.source import looks_like_local_path
+from utils.task import task_for
 
 # get_peft_model reads transformers' `is_gradient_checkpointing`, which transformers 5 deprecates (for
 # `is_activation_checkpointing`): a warning about the two libraries' internals, per rank and per call.
@@ -69,7 +70,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str) -> nn.Module
     layers = linear_layer_names(model)
     targets = target_modules(lora, model)
     peft_config = PeftLoraConfig(
-        task_type=TaskType.SEQ_2_SEQ_LM,
+        task_type=TaskType(task_for(model.config).lora_task_type),
         r=lora.lora_r,
         lora_alpha=lora.lora_alpha,
         lora_dropout=lora.lora_dropout,

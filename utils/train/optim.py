@@ -32,19 +32,27 @@ def uses_fused_adamw(device_type: str, on_nonfinite: str, has_grad_scaler: bool)
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW's parameter groups: with weight decay, the matrices decay and the layer norms (and any bias)
+    """AdamW's parameter groups: with weight decay, the matrices decay and the norms' weights and every bias
     do not, the usual recipe. Grouped by name, which both backends keep (FSDP1 with use_orig_params, which
     configs/validate.py requires for this). Without weight decay, one group, as the tutorial had."""
     trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]  # LoRA: adapters
     if not weight_decay:
         return [{"params": [param for _, param in trained], "weight_decay": 0.0}]
+    # A norm is known by its module, not its name: T5's layer_norm, BART's layernorm_embedding and
+    # self_attn_layer_norm, Llama's input_layernorm and norm. T5's relative_attention_bias is an embedding
+    # matrix, which decays.
+    norms = {prefix for prefix, module in model.named_modules() if is_norm(module)}
     decay, no_decay = [], []
     for name, param in trained:
-        # T5's norms are *.layer_norm.weight and *.final_layer_norm.weight; it has no biases, and its
-        # relative_attention_bias is an embedding matrix, which decays.
-        (no_decay if "layer_norm" in name or name.endswith(".bias") else decay).append(param)
+        owner, _, leaf = name.rpartition(".")
+        (no_decay if owner in norms or leaf == "bias" else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
+
+
+def is_norm(module: nn.Module) -> bool:
+    """torch's normalisation layers, and the models' own (T5LayerNorm, MT5LayerNorm, LlamaRMSNorm, ...)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)) or type(module).__name__.endswith("Norm")
 
 
 def lr_scheduler(

@@ -3,7 +3,8 @@
 The tutorial summed per-batch mean losses and divided by `len(batch)`, the number of keys of the batch
 dict (4), and trained on padding (docs/pitfalls.md #7, #8). Here each rank sums the cross-entropy of its
 non-padding target tokens and counts them; the sums and counts are all-reduced, and the loss is their
-ratio. The gradient is that of the same global token mean.
+ratio. The gradient is that of the same global token mean. How a batch becomes token losses is the task's
+(utils/task.py).
 """
 
 import contextlib
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
@@ -26,6 +26,7 @@ from utils.distributed.process_group import StopCheck
 from utils.log import ProgressLines
 from utils.observe.flops import Seq2SeqFlops
 from utils.observe.memory import SavedTensorCounter
+from utils.task import IGNORED, SEQ2SEQ, Seq2SeqTask
 
 # Columns of the per-step statistics kept on the device until the next flush. GRAD_NORM holds the global
 # norm divided by the world size: the flush sums over ranks, and every rank has the same global norm.
@@ -33,39 +34,6 @@ from utils.observe.memory import SavedTensorCounter
 LOSS_SUM, TARGET_TOKENS, INPUT_TOKENS, SAMPLES, GRAD_NORM, MODEL_FLOPS, HARDWARE_FLOPS = range(7)
 STAT_COLUMNS = 7
 STAT_DTYPE = torch.float64  # exact token counts and accurate loss sums for long epochs
-
-
-def labels_for_loss(target_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-    """A copy of target_ids with -100 (ignored by the loss) wherever target_mask is 0.
-
-    Padding must never count in the loss, or the model learns to predict padding and the loss reads too
-    low (docs/pitfalls.md #8). T5 shifts the labels right itself to make the decoder inputs.
-    """
-    return target_ids.long().masked_fill(target_mask == 0, -100)
-
-
-def shift_right(target_ids: torch.Tensor, start_token_id: int) -> torch.Tensor:
-    """T5's decoder inputs: the start token, then the targets but the last. Padding positions of the targets
-    hold the pad token already, which is what T5's own shift puts there."""
-    start = target_ids.new_full((target_ids.shape[0], 1), start_token_id)
-    return torch.cat([start, target_ids[:, :-1]], dim=1)
-
-
-def forward_token_losses(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token cross-entropy (float32, 0 at padding) and the labels, for a batch already on the device."""
-    labels = labels_for_loss(batch["target_ids"], batch["target_mask"])
-    # The decoder inputs are passed rather than `labels`: given labels, T5 also computes its own mean loss,
-    # whose log-softmax keeps a batch x target x vocabulary tensor alive for backward although the loss
-    # below (a float32 sum, so ranks combine exactly) is the one trained on.
-    logits = model(
-        input_ids=batch["source_ids"],
-        attention_mask=batch["source_mask"],
-        decoder_input_ids=shift_right(batch["target_ids"], model.config.decoder_start_token_id),
-    ).logits
-    token_losses = F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
-    ).view_as(labels)
-    return token_losses, labels
 
 
 @dataclass(frozen=True)
@@ -76,6 +44,7 @@ class StepSettings:
     flops: Seq2SeqFlops | None = None  # counts each batch's training FLOPs (None: zeros)
     recompute: bool = False  # activation checkpointing: hardware FLOPs include the blocks' second forward
     saved_counter: SavedTensorCounter | None = None  # counts what the first micro-batch saves for backward
+    task: Seq2SeqTask = SEQ2SEQ  # how a batch becomes token losses (utils/task.py; the one task there is)
 
 
 def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict, settings: StepSettings):
@@ -86,8 +55,8 @@ def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict, s
     stats = torch.stack(
         [
             token_losses.detach().sum(dtype=STAT_DTYPE),
-            (labels != -100).sum().to(STAT_DTYPE),
-            (batch["source_mask"].sum() + batch["target_mask"].sum()).to(STAT_DTYPE),
+            (labels != IGNORED).sum().to(STAT_DTYPE),
+            settings.task.read_tokens(batch).to(STAT_DTYPE),
             torch.full((), labels.shape[0], dtype=STAT_DTYPE, device=labels.device),  # not torch.tensor: a copy
             zero,
             *flops,
@@ -113,7 +82,7 @@ def train_step(
     all-reduced once per step (one scalar, no host sync), before the first forward.
     """
     micro_batches = micro_batches if isinstance(micro_batches, list) else [micro_batches]
-    global_tokens = sum(batch["target_mask"].sum() for batch in micro_batches).to(torch.float32)
+    global_tokens = sum(settings.task.trained_tokens(batch) for batch in micro_batches).to(torch.float32)
     dist.all_reduce(global_tokens)
     stats = []
     for index, batch in enumerate(micro_batches):
@@ -121,7 +90,7 @@ def train_step(
         counting = settings.saved_counter if index == 0 and settings.saved_counter else contextlib.nullcontext()
         with gradient_sync(model, last or settings.sync_each_micro_batch), counting:
             WHERE.enter("forward")  # where a hang report says the rank was (utils/distributed/hang_report.py)
-            token_losses, labels = forward_token_losses(model, batch)
+            token_losses, labels = settings.task.token_losses(model, batch)
             loss = token_losses.sum() * world_size / global_tokens.clamp(min=1)
             WHERE.enter("backward")
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -190,6 +159,7 @@ def validate(
     num_real_samples: int,
     progress: "tqdm | ProgressLines",
     stop_requested: Callable[[], bool] | None = None,
+    task: Seq2SeqTask = SEQ2SEQ,
 ):
     """Token-mean validation loss over the real samples of every rank.
 
@@ -198,7 +168,8 @@ def validate(
     `num_real_samples` are those repeats: they run, but are masked out of the sums, so the loss is not
     biased by duplicates (docs/pitfalls.md #14). One all-reduce and one host sync at the end. With
     `stop_requested`, every rank abandons the pass within two batches once it is true on any (StopAgreed;
-    the flag is read a batch late, so the host never waits for the batch it just queued).
+    the flag is read a batch late, so the host never waits for the batch it just queued). `task`: how a
+    batch becomes token losses.
     """
     WHERE.enter("validation")
     model.eval()
@@ -208,12 +179,12 @@ def validate(
     for batch in loader:
         check_stop()
         batch = move_batch(batch, device)
-        token_losses, labels = forward_token_losses(model, batch)
+        token_losses, labels = task.token_losses(model, batch)
         rows = labels.shape[0]
         is_real = (torch.arange(position, position + rows, device=device) < num_real_samples).to(STAT_DTYPE)
         position += rows
         sums[0] += (token_losses.sum(dim=1, dtype=STAT_DTYPE) * is_real).sum()
-        sums[1] += ((labels != -100).sum(dim=1).to(STAT_DTYPE) * is_real).sum()
+        sums[1] += ((labels != IGNORED).sum(dim=1).to(STAT_DTYPE) * is_real).sum()
         progress.update(1)
     dist.all_reduce(sums)
     loss_sum, tokens = sums.tolist()

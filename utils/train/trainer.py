@@ -1,6 +1,6 @@
 """The training loop: epochs of steps, validation, ROUGE, the LR schedule, the epoch record and checkpoints.
 
-    trainer = Trainer(model, optimizer, scheduler, scaler, loaders, checkpoints, evaluator, info, ...)
+    trainer = Trainer(model=model, optimizer=optimizer, ..., task=task)
     finished = trainer.train(progress, resumed, stop)   # False: stopped early (SIGTERM, Ctrl-C), saved first
 
 `train` is the tutorial's `for epoch in range(1, epochs + 1): train(); validation(); scheduler.step(); save`,
@@ -13,7 +13,6 @@ backward, clipping, optimizer step) is utils/train/step.py's `train_step`.
 
 import contextlib
 import dataclasses
-import math
 import os
 import time
 
@@ -46,6 +45,7 @@ from utils.observe.memory import (
 )
 from utils.observe.metrics import MetricsWriter, open_metrics
 from utils.observe.profiler import StepProfiler
+from utils.task import Seq2SeqTask
 from utils.train import optim
 from utils.train.preemption import StopRequest
 from utils.train.step import (
@@ -68,6 +68,7 @@ class Trainer:
 
     def __init__(
         self,
+        *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: LRScheduler,
@@ -82,6 +83,7 @@ class Trainer:
         observe: ObserveConfig,
         throughput: Throughput,
         memory_baseline: MemoryBaseline,
+        task: Seq2SeqTask,
     ):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.loaders = loaders
@@ -91,12 +93,14 @@ class Trainer:
         self.train_config, self.recipe, self.evaluation, self.observe = train, recipe, evaluation, observe
         self.throughput = throughput
         self.memory_baseline = memory_baseline
+        self.task = task
         self.step_settings = StepSettings(
             recipe.max_grad_norm,
             sync_each_micro_batch=recipe.accumulate_grad_sync,
             skip_nonfinite=recipe.on_nonfinite == "skip",
             flops=throughput.flops,
             recompute=throughput.recompute,
+            task=task,
         )
         # The run's optimizer steps (--max_steps or every epoch's), for the time left; and the step last shown.
         # (--max_steps may exceed what the epochs hold: the epochs then end the run first.)
@@ -323,7 +327,7 @@ class Trainer:
         _log_epoch(record, peaks)
         metric_name = self.evaluation.metric_for_best
         metric = val_loss if metric_name == "val_loss" else (scores or {}).get(metric_name)
-        improved = metric is not None and is_better(metric_name, metric, progress.best_metric)
+        improved = metric is not None and self.task.is_better(metric_name, metric, progress.best_metric)
         # Without a metric there is no "best": every epoch's .pt is saved, under its own name.
         if self.train_config.save_model and (improved or metric is None):
             self.checkpoints.save_full_model(epoch, val_loss)
@@ -408,6 +412,7 @@ class Trainer:
                 num_real_samples=self.loaders.val_num_real_samples,
                 progress=bar,
                 stop_requested=lambda: stop.requested,
+                task=self.task,
             )
 
     def _evaluate(self, epoch: int, step: int, stop: StopRequest) -> dict | None:
@@ -434,7 +439,7 @@ class Trainer:
 
     def _write_memory_account(self, first_batch: dict, saved_activation_bytes: int) -> None:
         """The memory records (utils/observe/memory.py), after the run's first optimizer step."""
-        counted = (*first_batch["source_ids"].shape, first_batch["target_ids"].shape[1])
+        counted = self.task.batch_shape(first_batch)
         for record in memory_records(
             self.model, self.optimizer, self.info.device, self.memory_baseline, saved_activation_bytes, counted
         ):
@@ -519,16 +524,6 @@ class EpochClock:
             paused = time.perf_counter() - start
             self.started += paused
             step_log.window_start += paused
-
-
-def is_better(metric_name: str, value: float, best: float | None) -> bool:
-    """Lower is better for val_loss, higher for the ROUGE scores. A NaN or infinite value is never better
-    (a diverged epoch must not become the exported model), and replaces a best that is not finite."""
-    if not math.isfinite(value):
-        return False
-    if best is None or not math.isfinite(best):
-        return True
-    return value < best if metric_name == "val_loss" else value > best
 
 
 def _log_epoch(record: dict, peaks: list[int] | None) -> None:

@@ -1,0 +1,158 @@
+"""The task: what a kind of model trains on and is scored by, chosen once from the model's config.
+
+    task = task_for(config, model_name)   # Seq2SeqTask: the one kind this package trains today
+
+It names the model class loading builds, how a batch becomes per-token losses (the step and validation), the
+tokens a batch trains on and reads (the loss's mean, the rates), how its FLOPs are counted (MFU), which way
+each metric improves (the best model), the generation settings and the parameters saved with the model
+(evaluation, hf_model/), and the LoRA task type. Loading, the step, the trainer and the entry point ask it
+instead of assuming an encoder-decoder, so a second kind of model (decoder-only) is a second class here, not
+branches through them.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers import AutoModelForSeq2SeqLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
+
+from configs.data import DataConfig
+from configs.errors import ConfigError
+from configs.evaluation import EvalConfig
+from utils.observe.flops import Seq2SeqFlops
+
+GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
+IGNORED = -100  # the label of a token the loss leaves out (padding): cross_entropy's ignore_index
+LOWER_IS_BETTER = frozenset({"val_loss"})  # every other metric (the ROUGE scores, accuracy) is higher-better
+
+
+class Seq2SeqTask:
+    """An encoder-decoder (T5, flan-t5, mT5, UMT5, BART, PEGASUS, ...) writing a target from a source: the
+    tutorial's summarization. Its batches hold source_ids / source_mask and target_ids / target_mask
+    (summarization_dataset.py); the decoder reads the targets shifted right, and every real target token is
+    trained on."""
+
+    name = "sequence-to-sequence"
+    model_class = AutoModelForSeq2SeqLM
+    lora_task_type = "SEQ_2_SEQ_LM"  # peft's TaskType
+    params_key = "summarization"  # the model config's task_specific_params entry the run's settings go in
+
+    def check_model(self, model_name: str, config: PretrainedConfig) -> None:
+        """ConfigError unless AutoModelForSeq2SeqLM has a class for this config, and the architecture
+        config.json names (if any) belongs to its model_type: a folder of one family is never loaded into
+        another's class."""
+        if type(config) not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+            raise ConfigError(
+                f"model {model_name!r} is a {config.model_type} model, not an encoder-decoder: this package "
+                "fine-tunes sequence-to-sequence models (AutoModelForSeq2SeqLM: T5, flan-t5, mT5, UMT5, BART, "
+                "PEGASUS, ...). Pick one of those for --model_name."
+            )
+        for architecture in getattr(config, "architectures", None) or []:
+            named = getattr(transformers, architecture, None)
+            family = getattr(named, "config_class", None)
+            if family is not None and family is not type(config):
+                raise ConfigError(
+                    f"model {model_name!r}: its config.json names the architecture {architecture} (a "
+                    f"{family.model_type} model) but its model_type is {config.model_type}: the weights would "
+                    "not fit the class. Fix model_type or architectures in config.json to the family that "
+                    "saved it."
+                )
+
+    def architecture(self, config: PretrainedConfig) -> str:
+        """The class name an export's config.json gives as its architecture."""
+        return MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING[type(config)].__name__
+
+    def token_losses(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cross-entropy (float32, 0 at padding) and the labels, for a batch already on the device."""
+        labels = labels_for_loss(batch["target_ids"], batch["target_mask"])
+        # The decoder inputs are passed rather than `labels`: given labels, T5 also computes its own mean loss,
+        # whose log-softmax keeps a batch x target x vocabulary tensor alive for backward although the loss
+        # below (a float32 sum, so ranks combine exactly) is the one trained on.
+        logits = model(
+            input_ids=batch["source_ids"],
+            attention_mask=batch["source_mask"],
+            decoder_input_ids=shift_right(batch["target_ids"], model.config.decoder_start_token_id),
+        ).logits
+        token_losses = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORED, reduction="none"
+        ).view_as(labels)
+        return token_losses, labels
+
+    def trained_tokens(self, batch: dict) -> torch.Tensor:
+        """The tokens the loss is a mean over (the real target tokens), on the batch's device."""
+        return batch["target_mask"].sum()
+
+    def read_tokens(self, batch: dict) -> torch.Tensor:
+        """The real tokens the model reads and writes (source and target): tokens_per_s counts these."""
+        return batch["source_mask"].sum() + batch["target_mask"].sum()
+
+    def batch_shape(self, batch: dict) -> tuple[int, int, int]:
+        """(rows, source length, target length) of a padded batch: the memory account's shape."""
+        return (*batch["source_ids"].shape, batch["target_ids"].shape[1])
+
+    def flop_counter(self, config: PretrainedConfig, frozen_weights: bool) -> Seq2SeqFlops | None:
+        """How a batch's training FLOPs are counted (None where this family's are not)."""
+        return Seq2SeqFlops.from_config(config, frozen_weights=frozen_weights)
+
+    def generation_kwargs(self, evaluation: EvalConfig, max_target_length: int) -> dict:
+        """The keyword arguments of `generate` for these settings (GENERATION_KEYS; also saved as
+        hf_model/generation_config.json). Summaries are as long as the model was trained to write unless
+        --max_new_tokens says otherwise."""
+        return {
+            "num_beams": evaluation.num_beams,
+            "max_new_tokens": evaluation.max_new_tokens or max_target_length,
+            "length_penalty": evaluation.length_penalty,
+            "no_repeat_ngram_size": evaluation.no_repeat_ngram_size,
+            "do_sample": False,
+        }
+
+    def saved_params(self, data: DataConfig, evaluation: EvalConfig, cleaning: str) -> dict:
+        """How this run prepares a source text (its cleaning, named as in summarization_dataset.CLEANINGS, the
+        prefix, the length) and generates its output. Saved in the model config's
+        `task_specific_params["summarization"]` (where T5's published checkpoints keep theirs), so checkpoints
+        and hf_model/ carry it and scripts/summarize.py needs no flags."""
+        return {
+            "cleaning": cleaning,
+            "prefix": data.source_prefix,
+            "max_source_length": data.max_source_length,
+            **self.generation_kwargs(evaluation, data.max_target_length),
+        }
+
+    @staticmethod
+    def is_better(metric_name: str, value: float, best: float | None) -> bool:
+        """Lower is better for val_loss, higher for the scores. A NaN or infinite value is never better (a
+        diverged epoch must not become the exported model), and replaces a best that is not finite."""
+        if not math.isfinite(value):
+            return False
+        if best is None or not math.isfinite(best):
+            return True
+        return value < best if metric_name in LOWER_IS_BETTER else value > best
+
+
+SEQ2SEQ = Seq2SeqTask()
+
+
+def task_for(config: PretrainedConfig, model_name: str = "") -> Seq2SeqTask:
+    """The task of the model `config` describes (`model_name` names it in a refusal), checked to fit it: an
+    encoder-decoder is SEQ2SEQ; any other model is refused (Seq2SeqTask.check_model)."""
+    SEQ2SEQ.check_model(model_name or config.model_type, config)
+    return SEQ2SEQ
+
+
+def labels_for_loss(target_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """A copy of target_ids with IGNORED wherever target_mask is 0.
+
+    Padding must never count in the loss, or the model learns to predict padding and the loss reads too
+    low (docs/pitfalls.md #8). T5 shifts the labels right itself to make the decoder inputs.
+    """
+    return target_ids.long().masked_fill(target_mask == 0, IGNORED)
+
+
+def shift_right(target_ids: torch.Tensor, start_token_id: int) -> torch.Tensor:
+    """The decoder inputs: the start token, then the targets but the last. Padding positions of the targets
+    hold the pad token already, which is what T5's own shift puts there."""
+    start = target_ids.new_full((target_ids.shape[0], 1), start_token_id)
+    return torch.cat([start, target_ids[:, :-1]], dim=1)
