@@ -44,6 +44,17 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401, E402 - re-exported
 
 CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"  # checkpoint_wrapper's attribute for what it wraps
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"  # FSDP1's attribute for what it wraps
+WRAPPER_ATTRIBUTES = (FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE)
+
+
+def state_dict_name(name: str) -> str:
+    """A parameter's name (`named_parameters` of the wrapped model) as torch's state dicts spell it: without
+    FSDP1's and the checkpoint wrapper's attributes. Public replacement: none (get_optimizer_state_dict
+    computes it inside)."""
+    return ".".join(
+        part for part in name.split(".") if part not in (FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE)
+    )
 
 
 def wrapped_module(module: nn.Module) -> nn.Module:

@@ -23,6 +23,7 @@ from transformers import AutoModelForSeq2SeqLM  # noqa: E402
 
 from configs.errors import UserError  # noqa: E402
 from summarization_dataset import CLEANINGS  # noqa: E402
+from utils.checkpoint.hf_export import summarization_settings  # noqa: E402
 from utils.data import sources  # noqa: E402
 from utils.log import get_logger, setup_logging  # noqa: E402
 from utils.model import loading  # noqa: E402
@@ -54,7 +55,7 @@ def read_articles(source: str | None, text_column: str = "") -> list[str]:
 
 def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[str]:
     """Summaries of `articles`, prepared and generated as the model's training run did."""
-    params = (getattr(model.config, "task_specific_params", None) or {}).get("summarization", {})
+    params = summarization_settings(model.config)
     cleaning = params.get("cleaning", "wikihow")  # models saved before the field: WikiHow runs
     if cleaning not in CLEANINGS:
         raise UserError(f"the model's cleaning {cleaning!r} is unknown to this version: update the package")

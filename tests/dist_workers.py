@@ -38,6 +38,7 @@ from policies.mixed_precision import POLICIES, Precision
 from policies.private_api import TorchDispatchMode, default_store, fsdp1_unsharded_flat_parameter
 from summarization_dataset import pad_collate
 from utils import layout
+from utils.checkpoint import background as background_writing
 from utils.checkpoint import integrity
 from utils.checkpoint import manager as checkpoint_manager
 from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
@@ -394,7 +395,7 @@ def self_closing_stager_worker(rank: int, world_size: int, output_root: str) -> 
         optimizer = manager.optimizer
         with (
             mock.patch.object(DefaultStager, "stage", stage_then_close),
-            mock.patch.object(checkpoint_manager, "STAGER_SERVES_ONE_SAVE", stager_per_save),
+            mock.patch.object(background_writing, "STAGER_SERVES_ONE_SAVE", stager_per_save),
             manager as checkpoints,
         ):
             try:
@@ -1124,9 +1125,9 @@ def start_checks_worker(rank: int, world_size: int, root: str) -> dict:
     a working directory of its own, as a node is, given a relative --output_dir (each its own folder) and then
     an absolute one (shared). The background saves' room: rank 1's host reads 1 MB free in /dev/shm (faked)."""
     seen = {}
-    with mock.patch.object(checkpoint_manager, "free_shared_memory", lambda: 2**20 if rank == 1 else 10**12):
+    with mock.patch.object(background_writing, "free_shared_memory", lambda: 2**20 if rank == 1 else 10**12):
         try:
-            checkpoint_manager.check_room_to_stage(50 * 10**6, shared=True)
+            background_writing.check_room_to_stage(50 * 10**6, shared=True)
             seen["room"] = "enough"
         except ConfigError as err:
             seen["room"] = str(err)

@@ -132,7 +132,7 @@ def test_a_background_save_on_cores_that_all_train_says_it_costs_as_much_as_a_sy
     with the fix. The controls: with a spare core per rank, and on a GPU, nothing is said."""
     import torch
 
-    from utils.checkpoint.manager import say_if_background_writes_have_no_core
+    from utils.checkpoint.background import say_if_background_writes_have_no_core
 
     def said(cores: int, ranks_here: int | None, device: str = "cpu", world_size: int = 2) -> list[str]:
         log_records.clear()

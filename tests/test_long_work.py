@@ -19,8 +19,9 @@ from tests.dist_workers import (
     start_checks_worker,
 )
 from utils.checkpoint import integrity
+from utils.checkpoint.background import staging_problem
 from utils.checkpoint.integrity import Piece, dealt, file_record, find_damage, hashed_file, pieces_of
-from utils.checkpoint.manager import say_if_full_saves_are_large, staging_problem
+from utils.checkpoint.manager import say_if_full_saves_are_large
 from utils.files import is_disk_full
 
 TIMEOUT_S = 2  # the collectives' and the store's in these scenarios; every injected delay is 3x or more

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from configs.errors import ConfigError
 from configs.lora import LoraConfig
@@ -17,6 +18,7 @@ from scripts.make_tiny_family import FAMILIES, make
 from tests.dist_harness import run_ranks
 from tests.dist_workers import family_worker
 from utils.checkpoint.hf_export import convert_checkpoint
+from utils.checkpoint.state_dicts import set_optimizer_state
 from utils.model.loading import load_model, load_tokenizer
 from utils.model.lora import target_modules
 from utils.train.optim import parameter_groups
@@ -184,3 +186,31 @@ def test_weight_decay_spares_every_norm_and_bias_of_each_family(family_dirs, fam
     assert all(p.dim() >= 2 for p in decay["params"])
     if family == "bart":
         assert "model.encoder.layernorm_embedding.weight" in {names[id(p)] for p in spared["params"]}
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_an_optimizer_saved_under_the_earlier_weight_decay_groups_loads_into_this_runs(family_dirs, full):
+    """BART's layernorm_embedding decayed until 01eb195 (a name match on "layer_norm" missed it): an optimizer
+    state of that grouping, as checkpoints hold it, loads into this run's groups, each with its
+    hyper-parameters, and every moment by name."""
+    folder = family_dirs["bart"]
+    torch.manual_seed(0)
+    saved_model = load_model(folder, dropout_rate=0.0)
+    earlier: dict = {"decay": [], "spared": []}
+    for name, param in saved_model.named_parameters():
+        earlier["spared" if "layer_norm" in name or name.endswith(".bias") else "decay"].append(param)
+    groups = [{"params": earlier["decay"], "weight_decay": 0.1}, {"params": earlier["spared"], "weight_decay": 0}]
+    saved_optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    for param in saved_model.parameters():
+        param.grad = torch.randn_like(param)
+    saved_optimizer.step()
+    optim_state = get_optimizer_state_dict(saved_model, saved_optimizer)
+    model = load_model(folder, dropout_rate=0.0)
+    optimizer = torch.optim.AdamW(parameter_groups(model, 0.1), lr=1e-3)
+    set_optimizer_state(model, optimizer, optim_state, full=full)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert all(group["lr"] == 1e-3 and "betas" in group for group in optimizer.param_groups)
+    saved_params = dict(saved_model.named_parameters())
+    for name, param in model.named_parameters():
+        want = saved_optimizer.state[saved_params[name]]["exp_avg"]
+        assert torch.equal(optimizer.state[param]["exp_avg"], want), name

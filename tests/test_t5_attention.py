@@ -6,6 +6,7 @@ generated tokens; its backward is checked on a GPU by scripts/gpu_check.py. And 
 family."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -139,9 +140,9 @@ def test_kernels_that_fit_are_accepted():
 @pytest.mark.parametrize("model_type", ["t5", "mt5"])
 def test_fused_norms_compute_t5s_norm(model_type):
     """fuse_norms: every RMS norm of the stacks (a block's two or three, each stack's final one) computed by
-    F.rms_norm, with T5's class as its base and its weight names; in float32 the forward and the weight
-    gradients equal T5's bit for bit, in bf16 within one rounding (T5 rounds twice); mixed dtypes take T5's
-    own forward."""
+    F.rms_norm, with T5's class as its base and its weight names (and a model that pickles); on CPU in float32
+    the forward and the gradients equal T5's bit for bit, in bf16 within one rounding (T5 rounds twice);
+    mixed dtypes take T5's own forward. (On a GPU the fused kernel sums in another order: gpu_check.)"""
     from transformers import AutoModelForSeq2SeqLM, MT5Config
 
     config = (MT5Config if model_type == "mt5" else T5Config)(
@@ -154,6 +155,9 @@ def test_fused_norms_compute_t5s_norm(model_type):
     assert t5_attention.fuse_norms(fused) == 2 * 2 + 2 * 3 + 2
     assert isinstance(fused.encoder.final_layer_norm, norm_class)
     assert list(fused.state_dict()) == list(stock.state_dict())
+    assert (
+        type(pickle.loads(pickle.dumps(fused.encoder.final_layer_norm))).__name__ == f"Fused{norm_class.__name__}"
+    )
     for dtype, tolerance in ((torch.float32, 0.0), (torch.bfloat16, 2**-7)):
         stock_norm, fused_norm = stock.encoder.final_layer_norm.to(dtype), fused.encoder.final_layer_norm.to(dtype)
         hidden = (torch.randn(3, 5, 32) * 4).to(dtype).requires_grad_()
@@ -161,10 +165,10 @@ def test_fused_norms_compute_t5s_norm(model_type):
         assert got.dtype == want.dtype == dtype
         worst = ((got - want).abs() / want.abs().clamp(min=1)).max().item()
         assert worst <= tolerance, (dtype, worst)
-        if dtype == torch.float32:
+        if dtype == torch.float32:  # the gradients of the weight and of the input, which reaches every layer
             pairs = ((want, stock_norm), (got, fused_norm))
-            grads = [torch.autograd.grad(out.square().sum(), norm.weight)[0] for out, norm in pairs]
-            assert torch.equal(*grads)
+            grads = [torch.autograd.grad(out.square().sum(), (norm.weight, hidden)) for out, norm in pairs]
+            assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     mixed = torch.randn(3, 5, 32, dtype=torch.bfloat16)
     fused_norm.float()  # a float32 weight on bf16 inputs: T5's forward, which returns float32
     assert torch.equal(fused_norm(mixed), stock_norm.float()(mixed))

@@ -135,6 +135,11 @@ class ProgressLines:
         return f"{self.desc}: {amount} ({share:.0%}), {times}"
 
 
+def size_text(size: int) -> str:
+    """Bytes as people read them: MB below a GB, else GB."""
+    return f"{size / 1e6:.1f} MB" if size < 1e9 else f"{size / 1e9:.2f} GB"
+
+
 def format_duration(seconds: float) -> str:
     """h:mm:ss, or m:ss under an hour."""
     minutes, secs = divmod(round(seconds), 60)

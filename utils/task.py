@@ -35,7 +35,6 @@ class Seq2SeqTask:
     (summarization_dataset.py); the decoder reads the targets shifted right, and every real target token is
     trained on."""
 
-    name = "sequence-to-sequence"
     model_class = AutoModelForSeq2SeqLM
     lora_task_type = "SEQ_2_SEQ_LM"  # peft's TaskType
     params_key = "summarization"  # the model config's task_specific_params entry the run's settings go in

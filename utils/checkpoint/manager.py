@@ -13,7 +13,8 @@ model.pt and optimizer.pt (each rank copies its own rows). No rank holds the who
 and the model they go into is an empty skeleton (utils/model/loading.py: builds_on_meta), not pretrained
 weights read only to be overwritten.
 
-With --async_checkpoint the shards are written in the background by DCP's `async_save`. With FSDP2 a writer
+With --async_checkpoint the shards are written in the background by DCP's `async_save`
+(utils/checkpoint/background.py: `BackgroundWriter`). With FSDP2 a writer
 process per rank writes them (`AsyncCheckpointerType.PROCESS`): training stops only while they are copied
 into shared memory, which that process reads; the write shares neither the training process's GIL nor its
 threads. The writer process is started before the first step (`begin_training`), so no step waits for it.
@@ -33,31 +34,26 @@ is read by utils/checkpoint/safe_dcp.py.
 
 import copy
 import json
-import math
 import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim.lr_scheduler import LRScheduler
-from torch.torch_version import TorchVersion
 
 from configs.checkpointing import CheckpointConfig
-from configs.errors import FAILURES, CheckpointError, ConfigError, UserError, error_summary
+from configs.errors import FAILURES, CheckpointError, UserError, error_summary
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
 from utils import layout
+from utils.checkpoint.background import BackgroundWriter
 from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
 from utils.checkpoint.integrity import RecordingWriter, checkpoint_files, hashed_file
 from utils.checkpoint.progress import TrainProgress
@@ -75,13 +71,12 @@ from utils.checkpoint.state_dicts import (
     tensor_only_optimizer_state,
 )
 from utils.distributed.hang_report import WHERE
-from utils.distributed.launcher import ranks_on_this_host
-from utils.distributed.process_group import DistInfo, usable_cpus
+from utils.distributed.process_group import DistInfo
 from utils.distributed.progress_bounded import progress_bounded
 from utils.files import disk_bytes, free_bytes, is_disk_full, write_json
-from utils.log import get_logger
+from utils.log import get_logger, size_text
 from utils.model.lora import trainable_share
-from utils.observe.memory import available_memory, param_numel_local, trim_host_heap
+from utils.observe.memory import param_numel_local, trim_host_heap
 
 
 @dataclass
@@ -137,20 +132,11 @@ class CheckpointManager:
         # every rank at the next collective.
         self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if info.is_main else None
         self.purged = 0  # folders handed to it
-        # Background writes (collective: every rank creates the group). DCP's writer process needs a group
-        # to agree on its own store's address; a writer thread talks over it, so that its collectives never
-        # interleave with training's.
-        self.background_group = self.stager = self.make_stager = self.background_writer = None
         rank_bytes = staged_bytes(model, self.save_optimizer)
         if info.is_main and self.checkpoint_type == layout.FULL and checkpointing.keep_last_n:
             say_if_full_saves_are_large(rank_bytes * info.world_size)
-        if checkpointing.async_checkpoint:
-            if info.is_main:
-                say_if_background_writes_have_no_core(info.device, info.world_size)
-            check_room_to_stage(rank_bytes, isinstance(model, FSDPModule))
-            self.background_group = dist.new_group(backend="gloo")
-            self.make_stager, self.background_writer = _background_writer(model, info.device)
-            self.stager = self.make_stager()
+        # --async_checkpoint (collective: every rank makes the writer's group).
+        self.background = BackgroundWriter(model, info, rank_bytes) if checkpointing.async_checkpoint else None
 
     # ------------------------------------------------------------------------------------ resumable
 
@@ -208,7 +194,7 @@ class CheckpointManager:
             payload = {layout.MODEL_SECTION: model_state}
             if self.save_optimizer:
                 payload[layout.OPTIMIZER_SECTION] = tensor_only_optimizer_state(optim_state)
-            if self.background_group is not None and not blocking:
+            if self.background is not None and not blocking:
                 self._save_in_background(payload, tmp, final, train_state, started)
                 return final
             dcp.save(payload, storage_writer=RecordingWriter(tmp))  # collective; each rank writes its shards
@@ -220,25 +206,11 @@ class CheckpointManager:
 
     def _save_in_background(self, payload: dict, tmp: str, final: str, train_state: dict, started: float) -> None:
         dist.barrier()  # every rank's small files are on disk before rank 0 may complete the folder
-        future = self._write_in_background(payload, tmp)
+        future = self.background.write(payload, tmp)
         stalled = time.perf_counter() - started
         self.pending = BackgroundSave(future, tmp, final, train_state, started, stalled)
         get_logger().info(
             "checkpoint %s: training resumes after %.2f s; written in the background", final, stalled
-        )
-
-    def _write_in_background(self, payload: dict, folder: str) -> Future:
-        """DCP's async_save of `payload` into `folder` with this run's stager and writer: staged (copied to
-        host memory) before it returns, written in the background. Collective."""
-        if STAGER_SERVES_ONE_SAVE and isinstance(self.stager, DefaultStager):
-            self.stager.close()
-            self.stager = self.make_stager()
-        return dcp.async_save(
-            payload,
-            storage_writer=RecordingWriter(folder),
-            process_group=self.background_group,
-            async_checkpointer_type=self.background_writer,
-            async_stager=self.stager,
         )
 
     def _wait_for_the_previous_write(self, step: int, periodic: bool) -> None:
@@ -351,8 +323,8 @@ class CheckpointManager:
                     say("the background save was abandoned: %s", err)
         if self.purger is not None:
             self.purger.shutdown(wait=not at_once)
-        if self.stager is not None:
-            self.stager.close()
+        if self.background is not None:
+            self.background.close()
 
     def _write_small_files(self, folder: str, optim_state: dict) -> None:
         """Every rank's RNG state; on rank 0 the optimizer's parameter groups, the model config, the tokenizer."""
@@ -409,20 +381,8 @@ class CheckpointManager:
                 self._purge(stale)
                 get_logger().info("removing %s, a save that never completed", stale)
         dist.barrier()
-        if self.background_writer == AsyncCheckpointerType.PROCESS and self.checkpointing.keep_last_n:
-            self._start_writer_process()
-
-    def _start_writer_process(self) -> None:
-        """DCP starts its writer process at the first background save: a Python that imports torch and this
-        package (about 5 s of a core here), which would slow the steps around that save. A save of one number
-        into a scratch folder starts it now. Collective."""
-        started = time.perf_counter()
-        scratch = layout.tmp_checkpoint_dir(self.output_dir, 0) + "_writer_start"
-        self._write_in_background({"writer_start": torch.zeros(1)}, scratch).result()
-        dist.barrier()
-        if self.info.is_main:
-            shutil.rmtree(scratch, ignore_errors=True)
-        get_logger().info("background checkpoint writer started (%.1f s)", time.perf_counter() - started)
+        if self.background is not None and self.checkpointing.keep_last_n:
+            self.background.start_process(layout.tmp_checkpoint_dir(self.output_dir, 0) + "_writer_start")
 
     @fsdp1_state_dict_warnings_ignored()
     def load(self, start: StartPoint) -> TrainProgress:
@@ -566,87 +526,11 @@ class CheckpointManager:
         return layout.HF_LAST_DIR if last else layout.HF_DIR
 
 
-# torch 2.11 and 2.12's DefaultStager clears its copy tables at the end of every stage (to break a reference
-# cycle), so a second save through it fails with "KeyError: <class 'type'>" (docs/pitfalls.md #45); 2.10 and
-# 2.13 on keep them, and the stager's buffers, for the next save. On 2.11 and 2.12 each background save gets a
-# DefaultStager of its own (those versions freed the buffers after each save anyway: this costs nothing there).
-STAGER_SERVES_ONE_SAVE = (2, 11) <= TorchVersion(torch.__version__) < (2, 13)
-
-
-def _background_writer(model: nn.Module, device: torch.device) -> tuple:
-    """(what makes the stager that copies the shards to host memory, who writes them) for a background save.
-    FSDP2: into shared memory (pinned too on GPU) that DCP's writer process reads directly, kept for the next
-    save (except on torch 2.11 and 2.12). FSDP1: a plain copy (on GPU into pinned buffers kept for the next
-    save) that a thread writes."""
-    on_gpu = device.type == "cuda"
-    if isinstance(model, FSDPModule):
-        options = StagingOptions(
-            use_pinned_memory=on_gpu, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=on_gpu
-        )
-        return partial(DefaultStager, options), AsyncCheckpointerType.PROCESS
-    return partial(BlockingAsyncStager, cache_staged_state_dict=on_gpu), AsyncCheckpointerType.THREAD
-
-
 def staged_bytes(model: nn.Module, save_optimizer: bool) -> int:
     """The bytes of this rank's part of a checkpoint, about: its parameter shards in fp32 (the sharded
     parameters' dtype) and, with the optimizer, AdamW's two moments of the trainable ones."""
     trainable, total = trainable_share(model)  # LoRA: the optimizer holds moments of the adapters only
     return int(param_numel_local(model) * 4 * (1 + (2 * trainable / max(1, total) if save_optimizer else 0)))
-
-
-def check_room_to_stage(rank_bytes: int, shared: bool) -> None:
-    """Before training, with --async_checkpoint: the copies a background save stages on this host must fit, or
-    every rank stops with one message naming the fix (`staging_problem`); staging that does not fit ends in
-    SIGBUS (shared memory) or the OOM killer at the first save. Collective."""
-    ranks_here = ranks_on_this_host(dist.get_world_size())
-    problem = staging_problem(rank_bytes, ranks_here, shared, free_shared_memory(), available_memory())
-    problems: list = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    found = next((p for p in problems if p is not None), None)
-    if found is not None:
-        raise ConfigError(found)
-
-
-def staging_problem(
-    rank_bytes: int, ranks_here: int, shared: bool, free_shared: int | None, available: int | None
-) -> str | None:
-    """Why `ranks_here` ranks' background saves of `rank_bytes` each cannot be staged on this host, or None.
-    `shared`: FSDP2's writer process reads the copies from shared memory (/dev/shm, which Docker and Kubernetes
-    give 64 MB by default); FSDP1's writer thread reads them from host memory. A reading that is None (not
-    Linux) refuses nothing."""
-    needed = rank_bytes * ranks_here
-    copies = f"{ranks_here} rank(s) x {size_text(rank_bytes)} (each rank's model and optimizer shards)"
-    if shared and free_shared is not None and needed > free_shared:
-        return (
-            f"--async_checkpoint true: a background save stages {copies} in shared memory, {size_text(needed)}, "
-            f"and {SHM} has {size_text(free_shared)} free. Give it more (docker run "
-            f"--shm-size={math.ceil(needed * 1.1 / 1e9)}g; Kubernetes: an emptyDir of medium Memory mounted at "
-            f"{SHM}), or save synchronously: --async_checkpoint false"
-        )
-    if available is not None and needed > available:
-        return (
-            f"--async_checkpoint true: a background save copies {copies} into host memory, {size_text(needed)}, "
-            f"and this host has {size_text(available)} available. Save synchronously: --async_checkpoint false "
-            "(or fewer ranks per host, a larger host)"
-        )
-    return None
-
-
-SHM = "/dev/shm"  # where torch's shared memory lives on Linux
-
-
-def free_shared_memory() -> int | None:
-    """Free bytes of /dev/shm (None where there is none: not Linux)."""
-    try:
-        stats = os.statvfs(SHM)
-    except (OSError, AttributeError):
-        return None
-    return stats.f_bavail * stats.f_frsize
-
-
-def size_text(size: int) -> str:
-    """Bytes as people read them: MB below a GB, else GB."""
-    return f"{size / 1e6:.1f} MB" if size < 1e9 else f"{size / 1e9:.2f} GB"
 
 
 FULL_SAVE_WARNING_BYTES = 10**10  # t5-3b's model and AdamW in fp32 are 34 GB; t5-large's 9 GB
@@ -664,26 +548,6 @@ def say_if_full_saves_are_large(checkpoint_bytes: int) -> None:
             "has every rank write its share at once (docs/checkpoints.md: large models)",
             checkpoint_bytes / 1e9,
         )
-
-
-def say_if_background_writes_have_no_core(device: torch.device, world_size: int) -> None:
-    """A background write needs CPU of its own: on a CPU run whose ranks' threads take every core of the host,
-    it takes that CPU from training, and seen from outside a background save costs training as much as a
-    synchronous one, or more (docs/checkpoints.md: 2 ranks on 2 cores; with 1 rank on them, 0.13-0.43 of one).
-    Rank 0 calls it once, when the manager is made, and it says so with the fix. GPU ranks leave their cores
-    mostly free."""
-    if device.type != "cpu":
-        return
-    cores, threads = usable_cpus(), torch.get_num_threads()
-    ranks = ranks_on_this_host(world_size)
-    if cores < ranks * (threads + 1):
-        get_logger().warning(
-            "--async_checkpoint true: %d CPU core(s), %d rank(s) of %d thread(s) each: the background writes "
-            "have no core of their own, so they take their CPU from training, and a background save costs it as "
-            "much as a synchronous one, or more. Leave a core per rank free (fewer threads: OMP_NUM_THREADS, or "
-            "fewer ranks) or keep --async_checkpoint false",
-            cores, ranks, threads,
-        )  # fmt: skip
 
 
 def _rng_state(device: torch.device) -> dict:

@@ -25,6 +25,7 @@ from policies.private_api import (
     compute_local_shape_and_global_offset,
     sharded_tensor_group,
     sharded_tensor_like,
+    state_dict_name,
 )
 from utils.files import atomic_path, disk_bytes
 from utils.log import get_logger, warnings_ignored
@@ -168,8 +169,16 @@ def set_optimizer_state(model: nn.Module, optimizer, optim_state: dict, full: bo
     it in the loaded groups *before* loading: torch places each `step` counter by the loaded group's kernel
     (on the GPU for fused), so restoring the flags afterwards would leave a fused kernel with CPU counters
     (docs/pitfalls.md #31)."""
-    for saved, group in zip(optim_state.get("param_groups", []), optimizer.param_groups, strict=True):
+    saved_groups = optim_state.get("param_groups", [])
+    for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
         saved.update(fused=group["fused"], foreach=group["foreach"])
+    if len(saved_groups) > 1:
+        # Each group holds what this run's rule puts in it (utils/train/optim.py), matched by position: a
+        # checkpoint of an earlier rule (BART's layernorm_embedding decayed until 01eb195) would otherwise
+        # leave a group without its hyper-parameters. Each parameter's moments load by name either way.
+        names = {id(param): state_dict_name(name) for name, param in model.named_parameters()}
+        for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
+            saved["params"] = [names[id(param)] for param in group["params"]]
     set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=full))
 
 

@@ -89,7 +89,7 @@ RESHARD_AFTER_FORWARD = {
 
 # Graphs of the one forward every stack layer shares, in a run: T5's 4 kinds of block (each stack's first,
 # which computes the position bias, and the rest) in training and again without gradients (validation),
-# each static then dynamic in its lengths, and generation's cached steps (5 for the embedded model).
+# each static then dynamic in its lengths, and generation's cached steps (8 for the embedded model).
 # Dynamo's default limit (8) is spent by training and the first validation; past it torch warns and runs
 # every new variant uncompiled, generation included.
 COMPILE_RECOMPILE_LIMIT = 32

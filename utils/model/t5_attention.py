@@ -12,7 +12,7 @@ and mask interfaces), keeps T5's modules, parameter names and numbers:
 - cross-attention: no position bias (T5 has none there), so SDPA with the boolean padding mask alone;
 - elsewhere (a CPU, generation's one-token steps, attention dropout in training, which FlexAttention does
   not have): SDPA with the float mask, as transformers' `sdpa` computes it;
-- T5's RMS norms as torch's fused `F.rms_norm` (`fuse_norms`; the same numbers in float32).
+- T5's RMS norms as torch's fused `F.rms_norm` (`fuse_norms`; on CPU the same numbers in float32).
 
 transformers' own `flex_attention` indexes the batch-1 bias with the batch index (wrong at batch > 1),
 which is why `validate_family` refuses it for T5 models.
@@ -31,6 +31,8 @@ from transformers.masking_utils import (
     prepare_padding_mask,
     sdpa_mask,
 )
+from transformers.models.mt5.modeling_mt5 import MT5LayerNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 from configs.errors import ConfigError
 
@@ -192,30 +194,35 @@ def compiled_flex():
     return torch.compile(flex_attention)
 
 
-NORM_CLASS_NAMES = ("T5LayerNorm", "MT5LayerNorm")  # T5's RMS norm, and mT5's copy of it
-
-
 def fuse_norms(model: nn.Module) -> int:
     """T5's RMS norms computed by torch's `F.rms_norm`: one fused kernel instead of T5's seven (square, mean,
     add, rsqrt, two multiplies and a cast, with float32 intermediates), in each of a block's two or three norms.
-    Bit-identical to T5's in float32; in bf16 or fp16 it rounds once, where T5 rounds the normalised value and
-    then its product with the weight. Input and weight of different dtypes have no fused kernel: T5's own
-    forward then. Each norm keeps its class as a base (isinstance, weight names and initialisation are T5's).
+    On CPU it equals T5's bit for bit in float32 (forward and gradients); on a GPU its kernel sums in another
+    order (last bits), and in bf16 or fp16 it rounds once where T5 rounds the normalised value and then its
+    product with the weight. Input and weight of different dtypes have no fused kernel: T5's own forward
+    then. Each norm keeps its class as a base (isinstance, weight names and initialisation are T5's).
     Returns how many norms it changed."""
-    norms = [module for module in model.modules() if type(module).__name__ in NORM_CLASS_NAMES]
+    norms = [module for module in model.modules() if type(module) in FUSED_NORMS]
     for norm in norms:
-        norm.__class__ = fused_norm_class(type(norm))
+        norm.__class__ = FUSED_NORMS[type(norm)]
     return len(norms)
 
 
-@functools.cache
 def fused_norm_class(norm_class: type) -> type:
+    """`norm_class` with F.rms_norm as its forward, named Fused<name> in this module (so a model pickles)."""
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.dtype != self.weight.dtype:
             return norm_class.forward(self, hidden_states)
         return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
 
-    return type(f"Fused{norm_class.__name__}", (norm_class,), {"forward": forward, "__doc__": fuse_norms.__doc__})
+    name = f"Fused{norm_class.__name__}"
+    return type(name, (norm_class,), {"forward": forward, "__module__": __name__, "__qualname__": name})
+
+
+FusedT5LayerNorm = fused_norm_class(T5LayerNorm)
+FusedMT5LayerNorm = fused_norm_class(MT5LayerNorm)  # mT5's copy of T5's norm
+FUSED_NORMS = {T5LayerNorm: FusedT5LayerNorm, MT5LayerNorm: FusedMT5LayerNorm}
 
 
 def register() -> None:
