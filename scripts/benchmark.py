@@ -37,10 +37,12 @@ import argparse
 import csv
 import json
 import math
+import os
 import random
 import re
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -189,6 +191,21 @@ PEERS_OF_SUITE = {
 }
 
 
+def run_by_deadline(command: list[str], deadline: float | None) -> subprocess.CompletedProcess:
+    """`command` (a torchrun) to its end, or until `deadline` (time.monotonic()): then it and every process it
+    started (its ranks, which hold the GPU) are killed, and the case fails as over the time budget."""
+    with subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:  # fmt: skip
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            raise CaseFailed(stdout, stderr + "\nstopped: over the time budget (--time_budget_s)") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 class CaseFailed(Exception):
     """A case's run ended with an error: its stdout (the package's log, with the ERROR line) and stderr."""
 
@@ -207,7 +224,7 @@ def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
                "--out", str(out)]  # fmt: skip
     if args.dropout_rate is not None:
         command += ["--dropout_rate", str(args.dropout_rate)]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    done = run_by_deadline(command, args.deadline)
     if done.returncode != 0:
         raise CaseFailed(done.stdout, done.stderr)
     result = json.loads(out.read_text())
@@ -262,7 +279,14 @@ def peers_markdown(results: list[dict]) -> str:
 
 
 def run_case(
-    model_dir: str, case_args: list[str], nproc: int, steps: int, batch: int, common: list[str], work: Path
+    model_dir: str,
+    case_args: list[str],
+    nproc: int,
+    steps: int,
+    batch: int,
+    common: list[str],
+    work: Path,
+    deadline: float | None = None,
 ) -> dict:
     out = work / f"run{len(list(work.iterdir()))}"
     accumulation = int(case_args[case_args.index("--gradient_accumulation_steps") + 1]) if (
@@ -299,7 +323,7 @@ def run_case(
         str(REPO_ROOT / "T5_training.py"),
         *args,
     ]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    done = run_by_deadline(command, deadline)
     if done.returncode != 0:
         raise CaseFailed(done.stdout, done.stderr)
     records = [json.loads(line) for line in open(out / "metrics.jsonl", encoding="utf-8")]
@@ -674,7 +698,16 @@ def main() -> int:
     parser.add_argument(
         "--cases", nargs="+", metavar="CASE", help="only these cases of the suite, by name (default: all)"
     )
+    parser.add_argument(
+        "--time_budget_s",
+        type=float,
+        default=None,
+        help="stop after this many seconds: the case then running is killed with its ranks and listed as failed, "
+        "the ones left are listed as skipped, and what was measured is written (results are also written after "
+        "each model). For a machine lent for a fixed time (default: no budget)",
+    )
     args = parser.parse_args()
+    args.deadline = None if args.time_budget_s is None else time.monotonic() + args.time_budget_s
     args.failures = []  # cases that ended with an error (report_failure): listed under the table
     known = set(SUITES[args.suite]) | (set(EXPORT_CASE_NAMES) if args.suite == "checkpoint" else set())
     unknown = sorted(set(args.cases or []) - known)
@@ -719,25 +752,22 @@ def main() -> int:
             # Rows for every case's samples (up to 4 micro-batches a step), about 9 in 10 of them in train.
             rows = max(1600, 2 * args.steps * args.batch_size * args.nproc * 4)
             common += ["--data_dir", wikihow_length_sample(work / "data", means, sigma, rows)]
-        results = [result for model in args.models for result in run_suite(model, args, common, work)]
+        results = []
+        for model in args.models:
+            results += run_suite(model, args, common, work)
+            if model != args.models[-1]:  # what a later model's kill would otherwise take with it
+                write_results(args, results, SUITE_TABLES.get(args.suite, markdown)(results))
         if args.suite == "checkpoint":
             for model in args.models:
                 exported = measure_exports(model_folder(model, work), args.nproc, work, args.cases)
                 results += [{"model": model, "export": True, **result} for result in exported]
-    tables = {
-        "peers": peers_markdown,
-        "gpu": gpu_markdown,
-        "loading": loading_markdown,
-        "checkpoint": checkpoint_markdown,
-    }
-    table = tables.get(args.suite, markdown)(results)
-    return write_results(args, results, table)
+    return write_results(args, results, SUITE_TABLES.get(args.suite, markdown)(results))
 
 
 def write_results(args, results: list[dict], table: str) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {name: value for name, value in vars(args).items() if name != "failures"}
+    settings = {name: value for name, value in vars(args).items() if name not in ("failures", "deadline")}
     summary = {"settings": settings, "results": results, "failed": args.failures}
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     if args.failures:
@@ -758,8 +788,11 @@ def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
         if GPU_ONLY & set(case_args) and not torch.cuda.is_available():
             print(f"{model} | {case} | skipped: needs a GPU", flush=True)
             continue
+        if over_budget(args, model, case):
+            continue
         try:
-            result = run_case(folder, case_args, args.nproc, args.steps, args.batch_size, common, work / "runs")
+            result = run_case(folder, case_args, args.nproc, args.steps, args.batch_size, common, work / "runs",
+                              deadline=args.deadline)  # fmt: skip
         except CaseFailed as failure:
             report_failure(model, case, failure, args)
             continue
@@ -768,6 +801,8 @@ def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
         # the whole row as it comes: a suite cut off by a time limit keeps what it measured in its log
         print(f"{model} | {case} | {result['step_seconds']:.3f} s/step | peak {peak:.0f} MiB", flush=True)
     for case, peer_args in PEERS_OF_SUITE.get(args.suite, {}).items():
+        if over_budget(args, model, case):
+            continue
         try:
             results.append({"model": model, "case": case, **run_peer(folder, peer_args, args, work / "runs")})
         except CaseFailed as failure:
@@ -782,6 +817,15 @@ def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
         for result in results:
             result.update(fixed_shape_rates(result, folder, args, result.get("peak_tflops") or reference_peak))
     return results
+
+
+def over_budget(args, model: str, case: str) -> bool:
+    """Whether --time_budget_s is spent before `case` starts: then it is listed as skipped."""
+    if args.deadline is None or time.monotonic() < args.deadline:
+        return False
+    print(f"{model} | {case} | skipped: the time budget is spent", flush=True)
+    args.failures.append({"model": model, "case": case, "error": "skipped: --time_budget_s spent"})
+    return True
 
 
 def report_failure(model: str, case: str, failure: CaseFailed, args) -> None:
@@ -830,6 +874,14 @@ def gpu_markdown(results: list[dict]) -> str:
         )
     return markdown_table(header, rows)
 
+
+# Each suite's table (markdown for the others).
+SUITE_TABLES = {
+    "peers": peers_markdown,
+    "gpu": gpu_markdown,
+    "loading": loading_markdown,
+    "checkpoint": checkpoint_markdown,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,6 +6,8 @@ a note, and every row has a step time, a rate, an MFU and a planner figure."""
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +104,47 @@ def test_a_failed_case_is_listed_with_the_packages_error_line_and_the_suite_goes
     assert "t5-large | fp32, FSDP1 | FAILED" in capsys.readouterr().out
     benchmark.report_failure("t5-large", "bf16, FSDP1", benchmark.CaseFailed("", "Killed\n\n"), args)
     assert args.failures[-1]["error"] == "Killed"
+
+
+def test_a_case_past_the_deadline_is_killed_with_every_process_it_started(tmp_path):
+    """run_by_deadline: a command still running at the deadline (a torchrun stands for it: a shell whose child
+    outlives it, as ranks would) is killed with its whole process group, and the case fails as over the budget."""
+    child_pid = tmp_path / "child.pid"
+    command = ["bash", "-c", f"sleep 120 & echo $! > {child_pid}; wait"]
+    started = time.monotonic()
+    with pytest.raises(benchmark.CaseFailed) as failed:
+        benchmark.run_by_deadline(command, started + 1)
+    assert "over the time budget" in failed.value.stderr
+    # Long before the child's own end: a kill of the shell alone would wait for the child's 120 s (its pipes).
+    assert time.monotonic() - started < 60
+    pid = int(child_pid.read_text())
+    for _ in range(50):  # the kill is delivered at once; the orphan's end may take a moment to show
+        if not running(pid):
+            break
+        time.sleep(0.1)
+    assert not running(pid)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux's /proc)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_spent_time_budget_skips_every_case_left_and_writes_what_was_measured(tmp_path):
+    command = [sys.executable, "scripts/benchmark.py", "--suite", "gpu", "--steps", "3", "--cases", *RUN_CASES,
+               "--batch_size", "2", "--max_source_length", "32", "--max_target_length", "8",
+               "--time_budget_s", "0", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "results.json").read_text())
+    assert summary["results"] == []
+    runnable = [case for case in SUITES["gpu"] if case in RUN_CASES and not GPU_ONLY & set(SUITES["gpu"][case])]
+    skipped = runnable + list(PEERS_OF_SUITE["gpu"])
+    assert [(f["case"], f["error"]) for f in summary["failed"]] == [
+        (case, "skipped: --time_budget_s spent") for case in skipped
+    ]
+    assert all(f"| {case} | skipped: the time budget is spent" in done.stdout for case in skipped)
