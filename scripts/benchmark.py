@@ -37,12 +37,10 @@ import argparse
 import csv
 import json
 import math
-import os
 import random
 import re
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -191,27 +189,46 @@ PEERS_OF_SUITE = {
 }
 
 
+STOP_GRACE_S = 60  # torchrun's own grace for its ranks after a SIGTERM is 30 s
+
+
 def run_by_deadline(command: list[str], deadline: float | None) -> subprocess.CompletedProcess:
-    """`command` (a torchrun) to its end, or until `deadline` (time.monotonic()): then it and every process it
-    started (its ranks, which hold the GPU) are killed, and the case fails as over the time budget."""
-    with subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:  # fmt: skip
+    """`command` (a torchrun) to its end, or until `deadline` (time.monotonic()): then it is stopped as
+    `stop` says, and the case fails as over the time budget. A Ctrl-C stops it the same way."""
+    with subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
         try:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            raise CaseFailed(stdout, stderr + "\nstopped: over the time budget (--time_budget_s)") from None
+            stdout, stderr = stop(process)
+            raise CaseFailed(stdout, stderr, reason="stopped: over the time budget (--time_budget_s)") from None
+        except BaseException:  # Ctrl-C, which reached torchrun too: its ranks are not left holding the GPU
+            stop(process)
+            raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-class CaseFailed(Exception):
-    """A case's run ended with an error: its stdout (the package's log, with the ERROR line) and stderr."""
+def stop(process: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM to torchrun, which closes its ranks (each in a session of its own, out of reach of a signal to
+    its group: SIGTERM, then SIGKILL after its grace); SIGKILL to torchrun if it is still there after
+    STOP_GRACE_S. Its output until then."""
+    process.terminate()
+    try:
+        return process.communicate(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.communicate(timeout=STOP_GRACE_S)
 
-    def __init__(self, stdout: str, stderr: str):
-        super().__init__(stdout[-300:])
-        self.stdout, self.stderr = stdout, stderr
+
+class CaseFailed(Exception):
+    """A case's run ended with an error: its stdout (the package's log, with the ERROR line) and stderr, and
+    why it was stopped where the benchmark stopped it."""
+
+    def __init__(self, stdout: str, stderr: str, reason: str = ""):
+        super().__init__(reason or stdout[-300:])
+        self.stdout, self.stderr, self.reason = stdout, stderr, reason
 
 
 def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
@@ -702,9 +719,10 @@ def main() -> int:
         "--time_budget_s",
         type=float,
         default=None,
-        help="stop after this many seconds: the case then running is killed with its ranks and listed as failed, "
-        "the ones left are listed as skipped, and what was measured is written (results are also written after "
-        "each model). For a machine lent for a fixed time (default: no budget)",
+        help="stop the training cases and peers after this many seconds (the data suite and the checkpoint "
+        "suite's exports are not bounded): the case then running is stopped with its ranks and listed as "
+        "failed, the ones left are listed as skipped, and what was measured is written (results are also "
+        "written after each model). For a machine lent for a fixed time (default: no budget)",
     )
     args = parser.parse_args()
     args.deadline = None if args.time_budget_s is None else time.monotonic() + args.time_budget_s
@@ -835,7 +853,8 @@ def report_failure(model: str, case: str, failure: CaseFailed, args) -> None:
     print(f"{model} | {case} | FAILED\n{failure.stdout[-3000:]}\n{failure.stderr[-3000:]}", flush=True)
     errors = [line for line in failure.stdout.splitlines() if re.match(r"(\[rank \d+\] )?ERROR ", line)]
     last_lines = [line for line in failure.stderr.splitlines() if line.strip()] or [""]
-    args.failures.append({"model": model, "case": case, "error": (errors or last_lines[-1:])[0][:300]})
+    error = failure.reason or (errors or last_lines[-1:])[0][:300]
+    args.failures.append({"model": model, "case": case, "error": error})
 
 
 def planner_bytes(model_dir: str, case_args: list[str], args) -> dict:

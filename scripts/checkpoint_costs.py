@@ -26,7 +26,7 @@ in the run; `writer` launches this script's own worker:
 - `writer`: who pays for a background save, on an otherwise idle machine: the CPU seconds of the training
   process (staging, handing over, and a writer thread's write) and of DCP's writer processes, per save, for
   each background writer DCP offers (a thread, a process) and each backend: the choice of
-  utils/checkpoint/manager.py, and its control, the other writer.
+  utils/checkpoint/background.py, and its control, the other writer.
 
 `--repo` runs another checkout's T5_training.py (the control: the same measurement without the change).
 """

@@ -106,19 +106,29 @@ def test_a_failed_case_is_listed_with_the_packages_error_line_and_the_suite_goes
     assert args.failures[-1]["error"] == "Killed"
 
 
-def test_a_case_past_the_deadline_is_killed_with_every_process_it_started(tmp_path):
-    """run_by_deadline: a command still running at the deadline (a torchrun stands for it: a shell whose child
-    outlives it, as ranks would) is killed with its whole process group, and the case fails as over the budget."""
-    child_pid = tmp_path / "child.pid"
-    command = ["bash", "-c", f"sleep 120 & echo $! > {child_pid}; wait"]
+# A stand-in for torchrun: its rank runs in a session of its own (out of reach of a signal to torchrun's group),
+# and SIGTERM closes the rank, as torchrun's does.
+TORCHRUN_STAND_IN = """
+import os, signal, subprocess, sys
+rank = subprocess.Popen(["sleep", "120"], start_new_session=True)
+open(sys.argv[1], "w").write(str(rank.pid))
+signal.signal(signal.SIGTERM, lambda *_: (os.kill(rank.pid, signal.SIGKILL), os._exit(143)))
+rank.wait()
+"""
+
+
+def test_a_case_past_the_deadline_is_stopped_with_its_ranks(tmp_path):
+    """run_by_deadline: a torchrun still running at the deadline is stopped, and with it the rank it started
+    (which would otherwise hold the GPU and the output pipes), and the case fails as over the budget."""
+    rank_pid = tmp_path / "rank.pid"
     started = time.monotonic()
     with pytest.raises(benchmark.CaseFailed) as failed:
-        benchmark.run_by_deadline(command, started + 1)
-    assert "over the time budget" in failed.value.stderr
-    # Long before the child's own end: a kill of the shell alone would wait for the child's 120 s (its pipes).
+        benchmark.run_by_deadline([sys.executable, "-c", TORCHRUN_STAND_IN, str(rank_pid)], started + 1)
+    assert failed.value.reason == "stopped: over the time budget (--time_budget_s)"
+    # Long before the rank's own end: a kill that missed the rank would wait for its 120 s (the pipes it holds).
     assert time.monotonic() - started < 60
-    pid = int(child_pid.read_text())
-    for _ in range(50):  # the kill is delivered at once; the orphan's end may take a moment to show
+    pid = int(rank_pid.read_text())
+    for _ in range(50):  # the rank is killed before its torchrun exits; its end may take a moment to show
         if not running(pid):
             break
         time.sleep(0.1)
