@@ -52,9 +52,7 @@ def state_dict_name(name: str) -> str:
     """A parameter's name (`named_parameters` of the wrapped model) as torch's state dicts spell it: without
     FSDP1's and the checkpoint wrapper's attributes. Public replacement: none (get_optimizer_state_dict
     computes it inside)."""
-    return ".".join(
-        part for part in name.split(".") if part not in (FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE)
-    )
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
 
 
 def wrapped_module(module: nn.Module) -> nn.Module:

@@ -170,16 +170,15 @@ def set_optimizer_state(model: nn.Module, optimizer, optim_state: dict, full: bo
     (on the GPU for fused), so restoring the flags afterwards would leave a fused kernel with CPU counters
     (docs/pitfalls.md #31)."""
     saved_groups = optim_state.get("param_groups", [])
+    decays = [group["weight_decay"] for group in optimizer.param_groups]
+    # Each group holds what this run's rule puts in it (utils/train/optim.py), matched by position where the
+    # groups decay alike: a checkpoint of an earlier rule (BART's layernorm_embedding decayed until 01eb195)
+    # would otherwise leave a group without its hyper-parameters. Moments load by name either way.
+    regroup = len(saved_groups) > 1 and [group.get("weight_decay") for group in saved_groups] == decays
+    names = {id(param): state_dict_name(name) for name, param in model.named_parameters()} if regroup else {}
     for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
         saved.update(fused=group["fused"], foreach=group["foreach"])
-    decays = [group["weight_decay"] for group in optimizer.param_groups]
-    same_kinds = [group.get("weight_decay") for group in saved_groups] == decays
-    if len(saved_groups) > 1 and same_kinds:
-        # Each group holds what this run's rule puts in it (utils/train/optim.py), matched by position (the
-        # same decay, group by group): a checkpoint of an earlier rule (BART's layernorm_embedding decayed until
-        # 01eb195) would otherwise leave a group without its hyper-parameters. Moments load by name either way.
-        names = {id(param): state_dict_name(name) for name, param in model.named_parameters()}
-        for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
+        if regroup:
             saved["params"] = [names[id(param)] for param in group["params"]]
     set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=full))
 
