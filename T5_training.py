@@ -120,6 +120,7 @@ from utils import layout
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.run_lock import claimed_output_dir
 from utils.checkpoint.start import StartPoint, resolve_start
+from utils.data.loaders import Loaders, build_loaders
 from utils.distributed import hang_report, process_group
 from utils.distributed.progress_bounded import progress_bounded
 from utils.eval.evaluator import Evaluator
@@ -128,10 +129,13 @@ from utils.fsdp.shard import forward_warnings_ignored, log_fsdp_layout, shard_mo
 from utils.log import quiet_helper_process
 from utils.model import loading, lora
 from utils.observe import flops, memory, metrics, run_record, tensorboard
-from utils.task import Seq2SeqTask, task_for
+from utils.task import Seq2SeqTask
 from utils.train import optim
 from utils.train.preemption import StopRequest
 from utils.train.trainer import Trainer
+
+# Each task's Dataset and collate: sequence-to-sequence reads the tutorial's (summarization_dataset.py).
+DATA_FORMATS = {Seq2SeqTask: summarization_dataset.FORMAT}
 
 if __name__ == "__mp_main__":  # imported by a process torch starts from this one: the background checkpoint
     quiet_helper_process()  # writer of --async_checkpoint (utils/checkpoint/manager.py)
@@ -160,7 +164,11 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # Datasets and loaders: the data is read and checked before the model loads, so a data error costs
     # seconds, not the minutes of loading a large model.
     tokenizer = loading.load_tokenizer(train.model_name, evaluating=evaluation.evaluate_only)
-    loaders = summarization_dataset.build_loaders(tokenizer, config.data, train, evaluation, info)
+    # What this kind of model trains on and is scored by (utils/task.py), from its config: it chooses the
+    # Dataset here, and the step, the trainer, evaluation and the FLOP count ask it from here on.
+    task = loading.run_task(train.model_name, evaluating=evaluation.evaluate_only)
+    # The task's Dataset and collate (the tutorial's, summarization_dataset.py) over the run's rows.
+    loaders = build_loaders(tokenizer, DATA_FORMATS[type(task)], config.data, train, evaluation, info)
     log_evaluation_plan(config, loaders)
 
     # The model: pretrained weights (a skeleton on the meta device where rank-0-only loading fills it
@@ -170,9 +178,6 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
         loaded = build_model(config, info, start, tokenizer)
     log_layer_classes_of_accelerate(loaded.model)
     model_config = loaded.model.config
-    # What this kind of model trains on and is scored by (utils/task.py): asked by the step, the trainer,
-    # evaluation and the FLOP count from here on.
-    task = task_for(model_config, train.model_name)
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
     model_config.task_specific_params = {
         **(getattr(model_config, "task_specific_params", None) or {}),
@@ -247,7 +252,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
         dist.barrier()
 
 
-def log_evaluation_plan(config: RunConfig, loaders: summarization_dataset.Loaders) -> None:
+def log_evaluation_plan(config: RunConfig, loaders: Loaders) -> None:
     """One line saying what is evaluated (the rows generation will really score), and which setting switches
     what off."""
     train, evaluation = config.train, config.evaluation

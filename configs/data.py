@@ -1,5 +1,5 @@
 """Which rows a run reads (WikiHow, your files, a saved or named dataset), and how they become token ids
-(utils/data/sources.py, summarization_dataset.py; docs/your_data.md)."""
+(utils/data/sources.py, utils/data/cache.py; docs/your_data.md)."""
 
 from dataclasses import dataclass
 from typing import Literal

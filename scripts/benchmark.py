@@ -57,7 +57,8 @@ from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT  # no
 from scripts.export_memory import EXPORT_CASE_NAMES  # noqa: E402
 from scripts.export_memory import measure as measure_exports  # noqa: E402
 from scripts.make_random_t5 import SHAPES, make  # noqa: E402
-from summarization_dataset import clean_text, load_wikihow  # noqa: E402
+from utils.data.cache import load_wikihow  # noqa: E402
+from utils.data.wikihow import clean_text  # noqa: E402
 
 # Every step its own record: the steps right after a save are the ones a background write overlaps.
 CHECKPOINT_EVERY_3 = ["--checkpoint_type", "SHARDED_STATE_DICT", "--keep_last_n", "2", "--save_every_n_steps", "3",

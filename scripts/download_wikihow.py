@@ -24,8 +24,8 @@ from typing import BinaryIO
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from configs.errors import UserError  # noqa: E402
-from summarization_dataset import SPLIT_FILES, check_csv_header  # noqa: E402
 from utils.data.sources import WIKIHOW_CSV, WIKIHOW_CSV_URL  # noqa: E402
+from utils.data.wikihow import SPLIT_FILES, check_csv_header  # noqa: E402
 from utils.files import atomic_path  # noqa: E402
 from utils.log import get_logger, progress_bar, setup_logging  # noqa: E402
 

@@ -30,9 +30,12 @@ from configs.training import TrainConfig  # noqa: E402
 from policies.mixed_precision import Precision  # noqa: E402
 from policies.private_api import fsdp1_unsharded_flat_parameter  # noqa: E402
 from scripts.make_random_t5 import make  # noqa: E402
-from summarization_dataset import build_eval_set  # noqa: E402
+from summarization_dataset import FORMAT  # noqa: E402
 from tests.dist_harness import run_ranks  # noqa: E402
-from utils.data.loaders import move_batch  # noqa: E402
+from utils.data.loaders import (
+    build_eval_set,  # noqa: E402
+    move_batch,  # noqa: E402
+)
 from utils.distributed.process_group import DistInfo  # noqa: E402
 from utils.eval.generation import generate  # noqa: E402
 from utils.fsdp.shard import shard_model  # noqa: E402
@@ -54,7 +57,8 @@ def measure(rank: int, world_size: int, model_dir: str, articles: int) -> dict:
     info = DistInfo(rank, rank, world_size, CPU, "gloo")
     data, train = DataConfig(max_source_length=256), TrainConfig(val_batch_size=4)
     evaluation = EvalConfig(eval_num_samples=articles, max_new_tokens=32)
-    eval_set = build_eval_set(T5Tokenizer.from_pretrained(model_dir), data, train, evaluation, info, "validation")
+    tokenizer = T5Tokenizer.from_pretrained(model_dir)
+    eval_set = build_eval_set(tokenizer, FORMAT, data, train, evaluation, info, "validation")
     plain = T5ForConditionalGeneration.from_pretrained(model_dir, use_cache=False)
     whole = sum(p.numel() * p.element_size() for p in plain.parameters())
     fsdp_config = FSDPConfig(mixed_precision=False, fsdp_activation_checkpointing=False)

@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.cli import parse_args  # noqa: E402
-from summarization_dataset import build_dataset  # noqa: E402
+from summarization_dataset import FORMAT  # noqa: E402
+from utils.data.loaders import build_dataset  # noqa: E402
 from utils.data.samplers import LengthGrouping, length_keys, train_sampler_for  # noqa: E402
 from utils.model.loading import load_tokenizer  # noqa: E402
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = parse_args(args.run_flags)
     tokenizer = load_tokenizer(config.train.model_name)
-    dataset = build_dataset(tokenizer, "train", config.data.num_train_samples, config.data, args.nproc)
+    dataset = build_dataset(tokenizer, FORMAT, "train", config.data.num_train_samples, config.data, args.nproc)
     sources, targets = dataset.source_lengths(), dataset.target_lengths()
     print(f"{len(sources)} training samples of {dataset.source_description}; padded share of the source, target "
           "and all tokens")  # fmt: skip

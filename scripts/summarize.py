@@ -22,9 +22,9 @@ import torch  # noqa: E402
 from transformers import AutoModelForSeq2SeqLM  # noqa: E402
 
 from configs.errors import UserError  # noqa: E402
-from summarization_dataset import CLEANINGS  # noqa: E402
 from utils.checkpoint.hf_export import summarization_settings  # noqa: E402
 from utils.data import sources  # noqa: E402
+from utils.data.cache import CLEANINGS  # noqa: E402
 from utils.log import get_logger, setup_logging  # noqa: E402
 from utils.model import loading  # noqa: E402
 

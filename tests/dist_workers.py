@@ -36,7 +36,7 @@ from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR, REPO_ROOT
 from policies.mixed_precision import POLICIES, Precision
 from policies.private_api import TorchDispatchMode, default_store, fsdp1_unsharded_flat_parameter
-from summarization_dataset import pad_collate
+from summarization_dataset import FORMAT, pad_collate
 from utils import layout
 from utils.checkpoint import background as background_writing
 from utils.checkpoint import integrity
@@ -574,7 +574,7 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
     from configs.data import DataConfig
     from configs.evaluation import EvalConfig
     from configs.training import TrainConfig
-    from summarization_dataset import build_eval_set
+    from utils.data.loaders import build_eval_set
     from utils.distributed.process_group import DistInfo
     from utils.eval.evaluator import Evaluator
     from utils.eval.generation import generate
@@ -583,7 +583,7 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     data, train = DataConfig(), TrainConfig(val_batch_size=batch_size)
     evaluation = EvalConfig(eval_num_samples=n_samples, max_new_tokens=12)
-    eval_set = build_eval_set(tokenizer, data, train, evaluation, info, "validation")
+    eval_set = build_eval_set(tokenizer, FORMAT, data, train, evaluation, info, "validation")
 
     def settings_with(beams: int) -> dict:
         return SEQ2SEQ.generation_kwargs(dataclasses.replace(evaluation, num_beams=beams), data.max_target_length)
@@ -889,8 +889,7 @@ def source_parity_worker(rank: int, world_size: int, sources: dict, steps: int) 
     from configs.data import DataConfig
     from configs.evaluation import EvalConfig
     from configs.training import TrainConfig
-    from summarization_dataset import build_loaders
-    from utils.data.loaders import move_batch
+    from utils.data.loaders import build_loaders, move_batch
     from utils.distributed.process_group import DistInfo
 
     info = DistInfo(rank, rank, world_size, CPU, "gloo")
@@ -899,7 +898,7 @@ def source_parity_worker(rank: int, world_size: int, sources: dict, steps: int) 
     out = {"batches": {}, "losses": {}}
     for name, fields in sources.items():
         data = DataConfig(num_train_samples=32, max_source_length=64, max_target_length=16, **fields)
-        loaders = build_loaders(tokenizer, data, train, EvalConfig(), info)
+        loaders = build_loaders(tokenizer, FORMAT, data, train, EvalConfig(), info)
         batches = [batch for _, batch in zip(range(steps), loaders.train, strict=False)]
         out["batches"][name] = batches
         for version in (1, 2):

@@ -65,7 +65,8 @@ def test_the_data_suites_full_size_file_has_the_real_files_format_and_is_reused(
     """scripts/benchmark.py --suite data's generator at 2,000 rows: the real header, CRLF line ends inside
     quoted fields, split lists of the published proportions that the reader accepts; a second call reuses
     the file."""
-    from summarization_dataset import clean_text, load_wikihow
+    from utils.data.cache import load_wikihow
+    from utils.data.wikihow import clean_text
 
     folder = benchmark.full_size_wikihow(tmp_path / "wikihow", rows=2000)
     content = (folder / "wikihowAll.csv").read_bytes()

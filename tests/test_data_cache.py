@@ -1,4 +1,4 @@
-"""The memory-mapped WikiHow cache (utils/data/shared_cache.py, summarization_dataset.py): what it is keyed
+"""The memory-mapped WikiHow cache (utils/data/shared_cache.py, utils/data/cache.py): what it is keyed
 by, what happens to a damaged or half-built cache, and several processes asking for it at once."""
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 from configs.data import DataConfig
 from configs.errors import DataError
 from configs.paths import REPO_ROOT
-from summarization_dataset import SummarizationDataset, load_wikihow
+from summarization_dataset import SummarizationDataset
 from tests.test_dataset import EXPECTED, FIXTURE_CSV, FIXTURE_LISTS, CountingTokenizer, write_data
 from utils.data import shared_cache
+from utils.data.cache import load_wikihow
 
 ADDED_ROW = "Sow it.,How to Sow,Put the seeds in the soil in spring.\n"
 
@@ -109,11 +110,11 @@ def test_the_token_cache_is_keyed_by_tokenizer_and_lengths_and_serves_fewer_rows
 
 
 def test_tokenising_in_worker_processes_gives_the_same_ids(tokenizer, tmp_path, monkeypatch):
-    import summarization_dataset
+    from utils.data import cache
 
     data = DataConfig(data_dir=str(write_data(tmp_path / "data")), pad_to_max_length=False)
     in_process = SummarizationDataset(tokenizer, "train", None, 16, 8, data)
-    monkeypatch.setattr(summarization_dataset, "_ROWS_PER_TOKENISING_PROCESS", 2)
+    monkeypatch.setattr(cache, "_ROWS_PER_TOKENISING_PROCESS", 2)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
     elsewhere = dataclasses.replace(data, cache_dir=str(tmp_path / "elsewhere"))
     workers = SummarizationDataset(
@@ -154,13 +155,13 @@ def test_a_damaged_cache_is_rebuilt_and_says_so(tmp_path, log_records, damage):
 # A build that sleeps in the middle of reading the CSV, so that the test can kill it there.
 SLOW_BUILD = """
 import sys, time
-import summarization_dataset
-clean = summarization_dataset.filter_and_clean
+from utils.data import cache, wikihow
+clean = wikihow.filter_and_clean
 def slow(headline, text):
     time.sleep(60)
     return clean(headline, text)
-summarization_dataset.filter_and_clean = slow
-summarization_dataset.load_wikihow(sys.argv[1], "train")
+wikihow.filter_and_clean = slow
+cache.load_wikihow(sys.argv[1], "train")
 """
 
 
@@ -203,7 +204,7 @@ def test_a_build_killed_half_way_is_never_used_and_the_next_run_rebuilds_and_say
 
 PRINT_TITLES = """
 import json, sys
-from summarization_dataset import load_wikihow
+from utils.data.cache import load_wikihow
 print("TITLES", json.dumps(list(load_wikihow(sys.argv[1], "train")["title"])))
 """
 

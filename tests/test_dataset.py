@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,15 +22,10 @@ import torch
 from configs.data import DataConfig
 from configs.errors import ConfigError, DataError, DataFileNotFoundError
 from configs.paths import REPO_ROOT
-from summarization_dataset import (
-    ITEM_KEYS,
-    SummarizationDataset,
-    build_dataset,
-    clean_text,
-    hash_split,
-    load_wikihow,
-    pad_collate,
-)
+from summarization_dataset import FORMAT, ITEM_KEYS, SummarizationDataset, pad_collate
+from utils.data.cache import load_wikihow, split_rows
+from utils.data.loaders import build_dataset
+from utils.data.wikihow import clean_text, hash_split
 from utils.task import labels_for_loss
 
 
@@ -189,7 +185,7 @@ def test_hash_split_independent_of_pythonhashseed(tmp_path):
     data_dir = write_data(tmp_path, _hash_fixture_csv(), lists={})
     code = (
         "import json, sys\n"
-        "from summarization_dataset import load_wikihow\n"
+        "from utils.data.cache import load_wikihow\n"
         "print(json.dumps({s: list(load_wikihow(sys.argv[1], s)['title'])\n"
         "                  for s in ('train', 'validation', 'test')}))\n"
     )
@@ -387,8 +383,9 @@ def test_num_samples_more_than_available_warns_once(tokenizer, data_dir, log_rec
     """The Dataset takes all the split has; a run's build_dataset says so, once however often it is built."""
     assert len(SummarizationDataset(tokenizer, "train", 100, 16, 8, data_options(data_dir=data_dir))) == 4
     assert _warnings(log_records) == []
+    options = data_options(data_dir=data_dir)
     for _ in range(2):
-        assert len(build_dataset(tokenizer, "train", 100, data_options(data_dir=data_dir), world_size=1)) == 4
+        assert len(build_dataset(tokenizer, FORMAT, "train", 100, options, world_size=1)) == 4
     warnings = [line for line in _warnings(log_records) if line.startswith("asked for")]
     assert len(warnings) == 1
     assert "asked for 100 train rows" in warnings[0] and "using all 4" in warnings[0]
@@ -540,6 +537,23 @@ def test_each_item_is_tokenized_once_per_machine(tokenizer, tmp_path):
     assert len(counting.texts) == 8
 
 
+def test_a_dataset_given_its_rows_reads_no_cache(tokenizer, tmp_path):
+    """The loaders hand each Dataset its rows (utils/data/cache.py: split_rows): its constructor then reads no
+    file and tokenises nothing, even with its data and caches gone, and gives the items of the tutorial's call."""
+    data_dir = write_data(tmp_path / "data")
+    options = data_options(data_dir=data_dir, cache_dir=str(tmp_path / "cache"))
+    rows = split_rows(tokenizer, "train", 3, 16, 8, options)
+    tutorial = SummarizationDataset(tokenizer, "train", 3, 16, 8, options)
+    shutil.rmtree(data_dir)
+    shutil.rmtree(tmp_path / "cache")
+    counting = CountingTokenizer(tokenizer)
+    handed = SummarizationDataset(counting, "train", 3, 16, 8, options, rows=rows)
+    assert counting.texts == [] and not (tmp_path / "cache").exists()
+    assert len(handed) == len(tutorial) == 3 and handed.split_rows == tutorial.split_rows == 4
+    for index in range(3):
+        assert all(torch.equal(handed[index][key], tutorial[index][key]) for key in ITEM_KEYS)
+
+
 @pytest.mark.parametrize("where", ["in the header's block", "half-way through"])
 def test_a_bad_byte_anywhere_in_the_real_sized_sample_is_one_data_error(tmp_path, where):
     """A 0xFF byte at offset 2000 (inside the first block the reader decodes, with the header) or half-way
@@ -564,7 +578,7 @@ def test_a_bad_byte_anywhere_in_the_real_sized_sample_is_one_data_error(tmp_path
 
 
 def test_the_download_scripts_header_check_reports_a_bad_byte_in_the_first_block(tmp_path):
-    from summarization_dataset import check_csv_header
+    from utils.data.wikihow import check_csv_header
 
     path = write_data(tmp_path / "data") / "wikihowAll.csv"
     content = bytearray(path.read_bytes())
@@ -580,11 +594,10 @@ def test_a_split_with_fewer_samples_than_ranks_is_refused():
     from transformers import T5Tokenizer
 
     from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR
-    from summarization_dataset import build_dataset
 
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     data = DataConfig(data_dir=str(EMBEDDED_DATA_DIR))
-    assert len(build_dataset(tokenizer, "validation", 2, data, world_size=2)) == 2
+    assert len(build_dataset(tokenizer, FORMAT, "validation", 2, data, world_size=2)) == 2
     with pytest.raises(DataError, match="has 1 usable sample, fewer than the 2 ranks") as refused:
-        build_dataset(tokenizer, "validation", 1, data, world_size=2)
+        build_dataset(tokenizer, FORMAT, "validation", 1, data, world_size=2)
     assert "validation" in str(refused.value) and "fewer processes" in str(refused.value)

@@ -21,11 +21,13 @@ from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
 from configs.training import TrainConfig
 from scripts.summarize import main as summarize_main
-from summarization_dataset import build_loaders, load_wikihow
+from summarization_dataset import FORMAT
 from tests.dist_harness import run_ranks
 from tests.dist_workers import generation_worker
 from tests.launch import pooled
 from utils.checkpoint.hf_export import run_generation_config, write_adapter_folder
+from utils.data.cache import load_wikihow
+from utils.data.loaders import build_loaders
 from utils.distributed.process_group import DistInfo
 from utils.eval.rouge import ROUGE_KEYS, rouge_scores
 from utils.eval.scores import mean_scores
@@ -108,7 +110,7 @@ def test_generation_scores_the_validation_loss_rows_unless_asked_otherwise():
 
     def loaders(evaluation: EvalConfig, num_val_samples: int):
         data = DataConfig(num_train_samples=8, num_val_samples=num_val_samples)
-        return build_loaders(tokenizer, data, TrainConfig(), evaluation, info)
+        return build_loaders(tokenizer, FORMAT, data, TrainConfig(), evaluation, info)
 
     small = loaders(EvalConfig(), 8)
     val_rows = row_ids(small.val.dataset)

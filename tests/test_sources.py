@@ -32,11 +32,14 @@ from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
 from configs.run import RunConfig
 from configs.training import TrainConfig
 from configs.validate import check_data_source, check_evaluation
-from summarization_dataset import SummarizationDataset, _cached_split, build_loaders, clean_text, load_wikihow
+from summarization_dataset import FORMAT, SummarizationDataset
 from tests.dist_harness import run_ranks
 from tests.dist_workers import source_parity_worker
 from tests.test_dataset import CountingTokenizer
 from utils.data import sources
+from utils.data.cache import cached_split, load_wikihow
+from utils.data.loaders import build_loaders
+from utils.data.wikihow import clean_text
 from utils.distributed.process_group import DistInfo
 from utils.eval.scores import accuracy_scores
 
@@ -128,7 +131,7 @@ ROWS = [
 @pytest.mark.parametrize("file_type", FORMATS)
 def test_each_file_type_gives_the_same_rows(tmp_path, file_type):
     path = write_rows(tmp_path / f"train.{file_type}", ROWS)
-    cached = _cached_split(DataConfig(train_file=str(path), validation_file=str(path)), "train")
+    cached = cached_split(DataConfig(train_file=str(path), validation_file=str(path)), "train")
     assert cached.rows.to_list() == [
         {"id": r["id"], "source": r["document"], "target": r["summary"]} for r in ROWS
     ]
@@ -139,7 +142,7 @@ def test_ids_are_the_file_and_line_without_an_id_column(tmp_path):
     rows = [{"text": r["document"], "summary": r["summary"]} for r in ROWS]
     path = write_rows(tmp_path / "train.csv", rows)
     data = DataConfig(train_file=str(path), validation_file=str(path))
-    ids = _cached_split(data, "train").rows["id"]
+    ids = cached_split(data, "train").rows["id"]
     assert ids == ["train.csv:2", "train.csv:3", "train.csv:5"]  # the second row spans lines 3 and 4
 
 
@@ -148,10 +151,10 @@ def test_the_issue_example_a_data_dir_of_jsonl_files(tmp_path):
     write_rows(tmp_path / "my_data" / "train.jsonl", ROWS)
     write_rows(tmp_path / "my_data" / "validation.jsonl", ROWS[:1])
     data = DataConfig(data_dir=str(tmp_path / "my_data"))
-    assert len(_cached_split(data, "train").rows) == 3
-    assert _cached_split(data, "validation").rows["id"] == ["a"]
+    assert len(cached_split(data, "train").rows) == 3
+    assert cached_split(data, "validation").rows["id"] == ["a"]
     with pytest.raises(DataError, match=r"no test split in the files .*validation.jsonl: add a test file \(.csv"):
-        _cached_split(data, "test")
+        cached_split(data, "test")
 
 
 def test_known_and_flagged_columns(tmp_path):
@@ -164,7 +167,7 @@ def test_known_and_flagged_columns(tmp_path):
         "highlights",
     )
     data = DataConfig(train_file=str(path), validation_file=str(path), text_column="other")
-    assert _cached_split(data, "train").rows.to_list() == [
+    assert cached_split(data, "train").rows.to_list() == [
         {"id": "train.jsonl:1", "source": "x", "target": "A highlight."}
     ]
 
@@ -175,7 +178,7 @@ def test_the_held_out_validation_share_is_fixed_by_seed(tmp_path):
 
     def split_ids(seed: int, cache: str) -> tuple[list, list]:
         data = DataConfig(train_file=str(path), validation_split_seed=seed, cache_dir=str(tmp_path / cache))
-        return _cached_split(data, "train").rows["id"], _cached_split(data, "validation").rows["id"]
+        return cached_split(data, "train").rows["id"], cached_split(data, "validation").rows["id"]
 
     train, validation = split_ids(0, "a")
     assert (train, validation) == split_ids(0, "b")  # another cache, another build: the same rows
@@ -198,12 +201,12 @@ def test_a_saved_dataset_dict_with_class_labels(tmp_path):
     )
     datasets.DatasetDict({"train": train, "test": unlabelled}).save_to_disk(str(tmp_path / "fpb"))
     data = DataConfig(data_dir=str(tmp_path / "fpb"), validation_split_percentage=50)
-    rows = _cached_split(data, "train").rows.to_list() + _cached_split(data, "validation").rows.to_list()
+    rows = cached_split(data, "train").rows.to_list() + cached_split(data, "validation").rows.to_list()
     assert sorted((row["source"], row["target"]) for row in rows) == [
         ("Profit rose .", "positive"),
         ("Sales fell .", "negative"),
     ]
-    assert _cached_split(data, "test").rows["target"] == ["positive"]  # label -1 (none): skipped
+    assert cached_split(data, "test").rows["target"] == ["positive"]  # label -1 (none): skipped
 
 
 def test_load_dataset_on_a_local_folder(tmp_path):
@@ -211,9 +214,9 @@ def test_load_dataset_on_a_local_folder(tmp_path):
     write_rows(tmp_path / "local" / "dev.csv", ROWS[1:])
     write_rows(tmp_path / "local" / "test.csv", ROWS[2:])
     data = DataConfig(dataset_name=str(tmp_path / "local"), cache_dir=str(tmp_path / "cache"))
-    assert _cached_split(data, "test").rows["source"] == ["Ünïcödé text."]
-    assert _cached_split(data, "validation").rows["id"] == ["b", "c"]  # datasets names dev.csv "validation"
-    assert _cached_split(data, "train").rows["target"] == ["One.", "Two.", "Three."]
+    assert cached_split(data, "test").rows["source"] == ["Ünïcödé text."]
+    assert cached_split(data, "validation").rows["id"] == ["b", "c"]  # datasets names dev.csv "validation"
+    assert cached_split(data, "train").rows["target"] == ["One.", "Two.", "Three."]
 
 
 def test_a_hub_name_offline_is_one_message(tmp_path, monkeypatch):
@@ -221,14 +224,14 @@ def test_a_hub_name_offline_is_one_message(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     data = DataConfig(dataset_name="no_such_user/no_such_dataset", cache_dir=str(tmp_path / "cache"))
     with pytest.raises(UserError, match=r"datasets.load_dataset\('no_such_user/no_such_dataset', None\) failed"):
-        _cached_split(data, "train")
+        cached_split(data, "train")
 
 
 def test_phrasebank_lines_in_latin_1_and_the_committed_sample(tmp_path):
     path = tmp_path / "Sentences_AllAgree.txt"
     path.write_bytes("Metsä Board 's sales rose .@positive\r\nOrion is in Vaasa .@neutral\r\n".encode("latin-1"))
     data = DataConfig(train_file=str(path), validation_file=str(path))
-    assert _cached_split(data, "train").rows.to_list() == [
+    assert cached_split(data, "train").rows.to_list() == [
         {"id": "Sentences_AllAgree.txt:1", "source": "Metsä Board 's sales rose .", "target": "positive"},
         {"id": "Sentences_AllAgree.txt:2", "source": "Orion is in Vaasa .", "target": "neutral"},
     ]
@@ -247,7 +250,7 @@ def test_evaluate_only_needs_only_the_split_it_scores(tmp_path, eval_split, log_
     evaluation = EvalConfig(evaluate_only=True, eval_split=eval_split, eval_metric="accuracy")
     info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
-    loaders = build_loaders(tokenizer, DataConfig(test_file=str(path)), TrainConfig(), evaluation, info)
+    loaders = build_loaders(tokenizer, FORMAT, DataConfig(test_file=str(path)), TrainConfig(), evaluation, info)
     assert loaders.train is None and loaders.evaluation.split == "test" and len(loaders.evaluation.dataset) == 3
     assert loaders.cleaning == "plain"
     said = [record.getMessage() for record in log_records]
@@ -264,11 +267,11 @@ def test_evaluate_only_auto_scores_the_validation_split_where_there_is_one(tmp_p
     evaluation = EvalConfig(evaluate_only=True, eval_metric="accuracy")
     info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
-    loaders = build_loaders(tokenizer, data, TrainConfig(), evaluation, info)
+    loaders = build_loaders(tokenizer, FORMAT, data, TrainConfig(), evaluation, info)
     assert loaders.evaluation.split == "validation" and len(loaders.evaluation.dataset) == 2
     # A validation split held out of train is no better than the data's own test split: auto takes the test.
     held_out = DataConfig(train_file=str(write_rows(tmp_path / "train.jsonl", ROWS * 4)), test_file=files["test"])
-    loaders = build_loaders(tokenizer, held_out, TrainConfig(), evaluation, info)
+    loaders = build_loaders(tokenizer, FORMAT, held_out, TrainConfig(), evaluation, info)
     assert loaders.evaluation.split == "test" and len(loaders.evaluation.dataset) == 3
 
 
@@ -290,26 +293,24 @@ def test_odd_but_valid_files(tmp_path):
     bom = tmp_path / "bom" / "train.jsonl"
     bom.parent.mkdir()
     bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "t", "summary": "s"}).encode() + b"\n")
-    assert _cached_split(DataConfig(train_file=str(bom), validation_file=str(bom)), "train").rows["source"] == [
-        "t"
-    ]
+    assert cached_split(DataConfig(train_file=str(bom), validation_file=str(bom)), "train").rows["source"] == ["t"]
     one = tmp_path / "one" / "train.json"
     one.parent.mkdir()
     one.write_text(json.dumps({"text": "only", "label": True}), encoding="utf-8")
-    rows = _cached_split(DataConfig(train_file=str(one), validation_file=str(one)), "train").rows.to_list()
+    rows = cached_split(DataConfig(train_file=str(one), validation_file=str(one)), "train").rows.to_list()
     assert rows == [{"id": "train.json:1", "source": "only", "target": "true"}]
     table = pa.table({"text": [b"bytes a", b"bytes b"], "summary": [1.5, 2]})
     pq.write_table(table, tmp_path / "one" / "numbers.parquet")
     data = DataConfig(train_file=str(tmp_path / "one" / "numbers.parquet"), validation_file=str(one))
-    assert _cached_split(data, "train").rows["target"] == ["1.5", "2.0"]
-    assert _cached_split(data, "train").rows["source"] == ["bytes a", "bytes b"]
+    assert cached_split(data, "train").rows["target"] == ["1.5", "2.0"]
+    assert cached_split(data, "train").rows["source"] == ["bytes a", "bytes b"]
     xsum = write_rows(tmp_path / "xsum" / "train.csv", [{"text": "t", "headline": "h"}])  # not xsum's columns
-    assert _cached_split(DataConfig(train_file=str(xsum), validation_file=str(xsum)), "train").rows["target"] == [
+    assert cached_split(DataConfig(train_file=str(xsum), validation_file=str(xsum)), "train").rows["target"] == [
         "h"
     ]
     fpb = tmp_path / "Sentences_50Agree.txt"
     fpb.write_bytes("Sales fell \x85 sharply .@negative\n".encode("latin-1"))
-    rows = _cached_split(DataConfig(train_file=str(fpb), validation_file=str(fpb)), "train").rows.to_list()
+    rows = cached_split(DataConfig(train_file=str(fpb), validation_file=str(fpb)), "train").rows.to_list()
     assert rows == [{"id": "Sentences_50Agree.txt:1", "source": "Sales fell \x85 sharply .", "target": "negative"}]
 
 
@@ -319,7 +320,7 @@ def test_a_held_out_share_needs_two_rows_and_holds_at_least_one(tmp_path):
     assert message.endswith("Give it rows, or train at least 2 rows to hold 1 out.")
     two = write_rows(tmp_path / "two" / "train.jsonl", ROWS[:2])
     data = DataConfig(train_file=str(two), validation_split_percentage=1)
-    assert len(_cached_split(data, "train").rows) == len(_cached_split(data, "validation").rows) == 1
+    assert len(cached_split(data, "train").rows) == len(cached_split(data, "validation").rows) == 1
 
 
 def test_values_that_are_not_texts(tmp_path):
@@ -339,10 +340,10 @@ def test_values_that_are_not_texts(tmp_path):
 def test_dataset_name_on_a_folder_with_a_cache_reads_the_files_not_the_cache(tmp_path):
     folder = tmp_path / "my_data"
     write_rows(folder / "train.jsonl", [{"text": f"t{i}", "summary": "s"} for i in range(20)])
-    assert len(_cached_split(DataConfig(data_dir=str(folder)), "train").rows) == 19  # writes my_data/cache/
+    assert len(cached_split(DataConfig(data_dir=str(folder)), "train").rows) == 19  # writes my_data/cache/
     write_rows(folder / "train.jsonl", [{"text": f"t{i}", "summary": "s"} for i in range(5)])
     data = DataConfig(dataset_name=str(folder))
-    assert len(_cached_split(data, "train").rows) + len(_cached_split(data, "validation").rows) == 5
+    assert len(cached_split(data, "train").rows) + len(cached_split(data, "validation").rows) == 5
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -358,15 +359,15 @@ def test_the_text_cache_is_keyed_by_the_files_the_columns_and_the_split(tmp_path
     rows = [{"text": f"text {i}", "summary": f"summary {i}", "other": "o"} for i in range(100)]
     path = write_rows(tmp_path / "train.jsonl", rows)
     base = DataConfig(train_file=str(path))
-    _cached_split(base, "train")
-    _cached_split(base, "validation")
+    cached_split(base, "train")
+    cached_split(base, "validation")
     assert len(_text_caches(tmp_path / "cache")) == 1  # both splits from one build, reused
-    _cached_split(DataConfig(train_file=str(path), text_column="other"), "train")
+    cached_split(DataConfig(train_file=str(path), text_column="other"), "train")
     assert len(_text_caches(tmp_path / "cache")) == 2
-    _cached_split(DataConfig(train_file=str(path), validation_split_percentage=10), "train")
+    cached_split(DataConfig(train_file=str(path), validation_split_percentage=10), "train")
     assert len(_text_caches(tmp_path / "cache")) == 3
     write_rows(path, rows[:50])  # the file changed
-    assert len(_cached_split(base, "train").rows) + len(_cached_split(base, "validation").rows) == 50
+    assert len(cached_split(base, "train").rows) + len(cached_split(base, "validation").rows) == 50
     assert len(_text_caches(tmp_path / "cache")) == 4
 
 
@@ -398,7 +399,7 @@ def test_the_token_cache_is_keyed_by_the_text_cache(tmp_path):
 
 def _error(data: DataConfig, split: str = "train") -> str:
     with pytest.raises((DataError, DataFileNotFoundError)) as info:
-        _cached_split(data, split)
+        cached_split(data, split)
     return str(info.value)
 
 
@@ -425,7 +426,7 @@ def test_an_empty_split_and_empty_rows(tmp_path, caplog):
     empty = write_rows(tmp_path / "validation.jsonl", rows[1:])
     data = DataConfig(train_file=str(path), validation_file=str(empty))
     with caplog.at_level(logging.WARNING):
-        assert len(_cached_split(data, "train").rows) == 1
+        assert len(cached_split(data, "train").rows) == 1
     assert "skipped 4 rows whose text or target is empty (train 2, validation 2)" in caplog.text
     message = _error(data, "validation")
     assert message.startswith(f"the validation split of the files {path}, {empty} is empty ({empty}; 2 rows")
@@ -475,7 +476,7 @@ def test_files_that_do_not_parse(tmp_path, name, content, expected):
 def test_a_failed_build_leaves_the_caches_as_they_were(tmp_path):
     path = write_rows(tmp_path / "train.jsonl", ROWS)
     data = DataConfig(train_file=str(path))
-    _cached_split(data, "train")
+    cached_split(data, "train")
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("*") if not p.name.endswith(".lock")}
     path.write_text('{"text": broken\n', encoding="utf-8")
     assert "not valid JSON" in _error(data)
@@ -537,10 +538,10 @@ def test_rows_by_source_wikihow_keeps_the_tutorials_subset_other_sources_use_eve
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     rows = [{"document": f"text number {i}", "summary": f"sum {i}"} for i in range(40)]
     data = DataConfig(train_file=str(write_rows(tmp_path / "train.csv", rows)))  # 5% held out: 38 and 2
-    mine = build_loaders(tokenizer, data, TrainConfig(), EvalConfig(), info)
-    wikihow = build_loaders(tokenizer, DataConfig(), TrainConfig(), EvalConfig(), info)
+    mine = build_loaders(tokenizer, FORMAT, data, TrainConfig(), EvalConfig(), info)
+    wikihow = build_loaders(tokenizer, FORMAT, DataConfig(), TrainConfig(), EvalConfig(), info)
     split_rows = len(load_wikihow(EMBEDDED_DATA_DIR, "train"))
-    build_loaders(tokenizer, DataConfig(train_file=data.train_file, num_train_samples=500), TrainConfig(),
+    build_loaders(tokenizer, FORMAT, DataConfig(train_file=data.train_file, num_train_samples=500), TrainConfig(),
                   EvalConfig(), info)  # fmt: skip
     assert (len(mine.train.dataset), len(mine.val.dataset)) == (38, 2)
     assert (len(wikihow.train.dataset), len(wikihow.val.dataset)) == (1500, 300) and split_rows > 1500
@@ -566,7 +567,7 @@ def test_text_the_tokenizer_cannot_read_is_reported_once_and_recorded(tmp_path, 
     english = [{"document": f"the plum grows in the garden {'so ' * i}", "summary": "a plum"} for i in range(20)]
     for name, rows in (("foreign", foreign), ("english", english)):
         data = DataConfig(train_file=str(write_rows(tmp_path / name / "train.csv", rows)))
-        loaders = build_loaders(tokenizer, data, TrainConfig(), EvalConfig(eval_rouge=False), info)
+        loaders = build_loaders(tokenizer, FORMAT, data, TrainConfig(), EvalConfig(eval_rouge=False), info)
         counts = loaders.unknown_tokens()
         assert set(counts) == {"train", "validation"}
         assert (counts["train"]["rows"] == counts["train"]["rows_total"] == 19) == (name == "foreign"), counts
@@ -580,7 +581,7 @@ def test_text_the_tokenizer_cannot_read_is_reported_once_and_recorded(tmp_path, 
     # the warning puts on the prefix, not on the data (before, it named the row's characters: none, "?").
     log_records.clear()
     data = DataConfig(train_file=str(tmp_path / "english" / "train.csv"), source_prefix="summarize: ")
-    build_loaders(tokenizer, data, TrainConfig(), EvalConfig(eval_rouge=False), info).unknown_tokens()
+    build_loaders(tokenizer, FORMAT, data, TrainConfig(), EvalConfig(eval_rouge=False), info).unknown_tokens()
     warned = [
         r.getMessage() for r in log_records if r.levelname == "WARNING" and "unknown token" in r.getMessage()
     ]
@@ -618,7 +619,7 @@ def test_a_data_folder_that_cannot_be_written_gets_its_cache_in_the_users_cache(
     with read_only_folder(tmp_path / "shared"):
         assert not os.access(tmp_path / "shared", os.W_OK)
         for _ in range(2):
-            split = _cached_split(DataConfig(train_file=str(data_file)), "train")
+            split = cached_split(DataConfig(train_file=str(data_file)), "train")
         assert split.cache.is_relative_to(tmp_path / "home" / "t5_fsdp_data") and len(split.rows) == 2
         assert not (tmp_path / "shared" / "cache").exists()
     said = [r.getMessage() for r in log_records if "cannot be written" in r.getMessage()]
@@ -640,7 +641,7 @@ def test_a_read_only_data_folder_with_its_cache_built_reads_that_cache(tmp_path,
 
 def test_the_lead_baseline_is_named_for_what_a_line_of_the_data_is(tmp_path):
     """WikiHow's lines are steps; a JSON-lines source's (a dialogue's turns) are lines."""
-    from summarization_dataset import text_source
+    from utils.data.cache import text_source
     from utils.eval.evaluator import lead_steps_label
 
     own = DataConfig(train_file=str(write_rows(tmp_path / "train.jsonl", ROWS)))

@@ -109,7 +109,7 @@ class Seq2SeqTask:
         }
 
     def saved_params(self, data: DataConfig, evaluation: EvalConfig, cleaning: str) -> dict:
-        """How this run prepares a source text (its cleaning, named as in summarization_dataset.CLEANINGS, the
+        """How this run prepares a source text (its cleaning, named as in utils/data/cache.py's CLEANINGS, the
         prefix, the length) and generates its output. Saved in the model config's
         `task_specific_params["summarization"]` (where T5's published checkpoints keep theirs), so checkpoints
         and hf_model/ carry it and scripts/summarize.py needs no flags."""

@@ -1,15 +1,48 @@
-"""What a rank's loaders are made of: the DataLoader settings every loader shares, the batches' move to the
-device, and the containers the trainer and the evaluator receive. The WikiHow datasets and samplers that fill
-them are built in summarization_dataset.py (build_loaders)."""
+"""Each rank's loaders: the training loader (shuffled, resumable), the validation loader (in order, padded) and
+generation's rows, built from a data format (a task's Dataset and collate: summarization_dataset.FORMAT) over
+the run's source, whose rows come from the data cache (utils/data/cache.py):
 
+    loaders = build_loaders(tokenizer, FORMAT, config.data, train, evaluation, info)
+
+Also the DataLoader settings every loader shares, the batches' move to the device, and the containers the
+trainer and the evaluator receive. Needs the process group: the samplers read rank and world size.
+"""
+
+import dataclasses
+import functools
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import datasets
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from utils.data.samplers import PaddedEvalSampler, ResumableDistributedSampler
+from configs.data import DataConfig, rows_to_read
+from configs.errors import DataError
+from configs.evaluation import EvalConfig, generation_rows
+from configs.training import TrainConfig
+from utils.data.cache import evaluation_split, split_rows, text_source, warn_once
+from utils.data.samplers import (
+    LengthGrouping,
+    PaddedEvalSampler,
+    ResumableDistributedSampler,
+    length_keys,
+    train_sampler_for,
+)
+from utils.distributed.process_group import DistInfo, is_rank0
+from utils.log import bars_shown, get_logger
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """How a split's rows become items and items a batch: a task's Dataset class, built as
+    ``dataset_type(tokenizer, split, num_samples, input_length, output_length, data, rows=split_rows(...))``,
+    and its collate, called as ``collate(items, pad_token_id=...)``."""
+
+    dataset_type: type[Dataset]
+    collate: Callable
 
 
 @dataclass
@@ -18,7 +51,7 @@ class EvalSet:
     so that every rank generates the same number of batches."""
 
     split: str
-    dataset: Dataset  # summarization_dataset.SummarizationDataset: .article(i), .reference(i), .row_id(i)
+    dataset: Dataset  # the format's Dataset (SummarizationDataset): .article(i), .reference(i), .row_id(i)
     loader: DataLoader
     sampler: PaddedEvalSampler  # says which of this rank's samples are real
 
@@ -30,7 +63,7 @@ class Loaders:
     val: DataLoader | None  # None with --run_validation false
     val_num_real_samples: int  # this rank's validation samples that are not padding repeats
     evaluation: EvalSet | None  # generation's rows (--eval_rouge; --evaluate_only's split)
-    cleaning: str  # how the source's texts are prepared (summarization_dataset.CLEANINGS)
+    cleaning: str  # how the source's texts are prepared (utils/data/cache.py: CLEANINGS)
 
     def unknown_tokens(self) -> dict:
         """{split: its unknown-token counts} of the splits this run reads (the run record's)."""
@@ -73,3 +106,149 @@ def build_loader(
         # run (which starts one iterator more or fewer) would see different dropout masks.
         generator=torch.Generator().manual_seed(0),
     )
+
+
+def build_dataset(
+    tokenizer, data_format: DataFormat, split: str, num_samples: int | None, data: DataConfig, world_size: int,
+    read_as: str = "",
+) -> Dataset:  # fmt: skip
+    """The format's Dataset of one split, the first `num_samples` rows (0: all; None: by source, rows_to_read,
+    as split `read_as` would be: generation reads any split as the validation split), with at least one sample
+    per rank. More rows asked for than the split has: all of them, said once, by rank 0."""
+    tutorial_data = text_source(data).cleaning == "wikihow"
+    limit = rows_to_read(num_samples, read_as or split, tutorial_data)
+    lengths = (data.max_source_length, data.max_target_length)
+    rows = split_rows(tokenizer, split, limit, *lengths, data)
+    dataset = data_format.dataset_type(tokenizer, split, limit, *lengths, data, rows=rows)
+    rank0 = is_rank0()
+    if num_samples and num_samples > dataset.split_rows and rank0:
+        warn_once(Path(dataset.source_description), f"{split} rows asked",
+                  "asked for %d %s rows but the split of %s has %d: using all %d", num_samples, split,
+                  dataset.source_description, dataset.split_rows, dataset.split_rows)  # fmt: skip
+    if rank0:
+        warn_unknown_tokens(dataset, tokenizer)
+    if len(dataset) < world_size:
+        raise DataError(
+            f"the {split} split of {dataset.source_description} has {len(dataset)} usable "
+            f"sample{'s' if len(dataset) != 1 else ''}, fewer than the "
+            f"{world_size} ranks: every rank needs at least one. Use more data or fewer processes."
+        )
+    return dataset
+
+
+# Above this share of tokens that are the unknown token, the data is mostly readable only in part.
+UNKNOWN_TOKEN_SHARE = 0.001
+
+
+def warn_unknown_tokens(dataset: Dataset, tokenizer) -> None:
+    """One warning when more than UNKNOWN_TOKEN_SHARE of a split's source or target tokens are the tokenizer's
+    unknown token, with the characters of the first such row it cannot read and the likely fix."""
+    counts = dataset.unknown_tokens
+    if counts["first_row"] is None:
+        return
+    shares = {side: counts[side] / max(counts[f"{side}_total"], 1) for side in ("source", "target")}
+    if max(shares.values()) <= UNKNOWN_TOKEN_SHARE:
+        return
+    row = counts["first_row"]
+
+    def unreadable(text: str) -> str:
+        unknown = tokenizer.unk_token_id
+        characters = [c for c in dict.fromkeys(text) if not c.isspace()
+                      and unknown in tokenizer(c, add_special_tokens=False)["input_ids"]]  # fmt: skip
+        return " ".join(characters[:12])
+
+    # The source prefix is in every source: what it cannot read there is the prefix's, not the data's.
+    in_row = unreadable(dataset.article(row) + " " + dataset.reference(row))
+    in_prefix = unreadable(dataset.source_prefix)
+    where = [f"row {dataset.row_id(row)}: {in_row or '?'}"] if in_row or not in_prefix else []
+    if in_prefix:
+        where.append(f"--source_prefix {dataset.source_prefix!r}: {in_prefix}")
+    warn_once(Path(dataset.source_description), f"{dataset.split} unknown tokens",
+              "%s, %s split: %.1f%% of source and %.1f%% of target tokens are the tokenizer's unknown token "
+              "(%d of %d rows hold one; the characters it cannot read in %s). The model will not see that "
+              "text: use a model whose tokenizer covers it (a multilingual one such as google/mt5-base or "
+              "google/umt5-base)",
+              dataset.source_description, dataset.split, 100 * shares["source"], 100 * shares["target"],
+              counts["rows"], counts["rows_total"], ", and in ".join(where))  # fmt: skip
+
+
+def rows_phrase(dataset: Dataset, asked: int | None, flag: str) -> str:
+    """How many rows of its split a dataset reads and why, for the start line (`asked`: the value of `flag`,
+    the setting that chose them)."""
+    split = dataset.split
+    if len(dataset) == dataset.split_rows:
+        return f"{split} {len(dataset)} (all)"
+    why = flag if asked is not None else f"the tutorial's subset of WikiHow; {flag} 0 for all"
+    return f"{split} {len(dataset)} of {dataset.split_rows} ({why})"
+
+
+def build_loaders(
+    tokenizer, data_format: DataFormat, data: DataConfig, train: TrainConfig, evaluation: EvalConfig,
+    info: DistInfo,
+) -> Loaders:  # fmt: skip
+    """This rank's training loader (shuffled, resumable), validation loader (in order, padded) and generation
+    set; --run_validation false builds neither of the last two. --evaluate_only: its split's set alone (a test
+    file alone will do)."""
+    if not bars_shown():  # datasets' own bars (loading, tokenising) follow the package's rule, in this process
+        datasets.disable_progress_bars()
+    if evaluation.evaluate_only:
+        split = evaluation_split(data, evaluation.eval_split)
+        if evaluation.eval_split == "auto":
+            why = " (the data has no validation split of its own)" if split == "test" else ""
+            get_logger().info("--eval_split auto: scoring the %s split%s", split, why)
+        eval_set = build_eval_set(tokenizer, data_format, data, train, evaluation, info, split)
+        get_logger().info(
+            "rows: %s",
+            rows_phrase(
+                eval_set.dataset, generation_rows(evaluation, data.num_val_samples), generation_flag(evaluation)
+            ),
+        )
+        return Loaders(None, None, None, 0, eval_set, eval_set.dataset.cleaning)
+    train_set = build_dataset(tokenizer, data_format, "train", data.num_train_samples, data, info.world_size)
+    grouping = None
+    if data.group_by_length:
+        targets = train_set.target_lengths() if data.length_key != "source" else None
+        keys = length_keys(train_set.source_lengths(), targets, data.length_key)
+        grouping = LengthGrouping(keys, train.batch_size_training)
+    train_sampler = train_sampler_for(train_set, info.rank, info.world_size, train.seed, grouping)
+    collate = functools.partial(data_format.collate, pad_token_id=tokenizer.pad_token_id)
+    loader_args = dict(collate_fn=collate, num_workers=train.num_workers_dataloader, device=info.device)
+    train_loader = build_loader(train_set, train_sampler, train.batch_size_training, **loader_args)
+    val, val_num_real, eval_set = None, 0, None
+    if train.run_validation:
+        val_set = build_dataset(tokenizer, data_format, "validation", data.num_val_samples, data, info.world_size)
+        val_sampler = PaddedEvalSampler(len(val_set), info.rank, info.world_size)
+        val = build_loader(val_set, val_sampler, train.val_batch_size, **loader_args)
+        val_num_real = val_sampler.num_real_samples
+        if evaluation.eval_rouge:
+            eval_set = build_eval_set(tokenizer, data_format, data, train, evaluation, info, "validation")
+    said = [
+        rows_phrase(train_set, data.num_train_samples, "--num_train_samples"),
+        rows_phrase(val.dataset, data.num_val_samples, "--num_val_samples")
+        if val
+        else "validation - (--run_validation false)",
+    ]
+    get_logger().info("rows: %s", ", ".join(said))
+    return Loaders(train_loader, train_sampler, val, val_num_real, eval_set, train_set.cleaning)
+
+
+def generation_flag(evaluation: EvalConfig) -> str:
+    """The setting that chose how many rows generation scores (generation_rows)."""
+    return "--num_val_samples" if evaluation.eval_num_samples is None else "--eval_num_samples"
+
+
+def build_eval_set(
+    tokenizer, data_format: DataFormat, data: DataConfig, train: TrainConfig, evaluation: EvalConfig,
+    info: DistInfo, split: str,
+) -> EvalSet:  # fmt: skip
+    """The first --eval_num_samples rows of `split` (by default as many as the validation loss reads), each
+    batch padded to its longest source only (generation needs no fixed shapes)."""
+    dynamic = dataclasses.replace(data, pad_to_max_length=False)
+    rows = generation_rows(evaluation, data.num_val_samples)
+    dataset = build_dataset(tokenizer, data_format, split, rows, dynamic, info.world_size, read_as="validation")
+    sampler = PaddedEvalSampler(len(dataset), info.rank, info.world_size)
+    collate = functools.partial(data_format.collate, pad_token_id=tokenizer.pad_token_id)
+    loader = build_loader(
+        dataset, sampler, train.val_batch_size, collate, train.num_workers_dataloader, info.device
+    )
+    return EvalSet(split, dataset, loader, sampler)

@@ -3,8 +3,8 @@
 Every source becomes the text cache: one memory-mapped Arrow file per split, `<split>.arrow`, with the columns
 `id`, `source` (the text the model reads) and `target` (the text it learns to write), built once per machine
 under --cache_dir (utils/data/shared_cache.py). From there on, token ids, sampling, resume and evaluation are
-one path for every source (summarization_dataset.py). This module holds the sources that are not WikiHow
-(whose builder-exact reader is in summarization_dataset.py):
+one path for every source (utils/data/cache.py). This module holds the sources that are not WikiHow
+(whose builder-exact reader is utils/data/wikihow.py):
 
 * **Local files** (--train_file/--validation_file/--test_file, or a --data_dir holding `train.*`,
   `validation.*` (or `val.*`, `valid.*`, `dev.*`) and `test.*`): CSV (with a header row), JSON lines, JSON (a
@@ -77,7 +77,7 @@ PHRASEBANK_COLUMNS = ("sentence", "label")
 ROWS_PER_BATCH = 2048
 # The file's identity without reading it all: its size, modification time and first and last MiB.
 _FINGERPRINT_BYTES = 1 << 20
-# WikiHow's data file in a --data_dir, and where it is published (its reader: summarization_dataset.py).
+# WikiHow's data file in a --data_dir, and where it is published (its reader: utils/data/wikihow.py).
 WIKIHOW_CSV = "wikihowAll.csv"
 WIKIHOW_CSV_URL = "https://ucsb.app.box.com/s/ap23l8gafpezf4tq3wapr6u8241zz358"
 
@@ -86,7 +86,7 @@ WIKIHOW_CSV_URL = "https://ucsb.app.box.com/s/ap23l8gafpezf4tq3wapr6u8241zz358"
 class TextSource:
     """A source of rows: what it is (for messages), what identifies its content (the text cache's key), how to
     write its splits into a folder (`write(folder) -> manifest fields`: rows, skipped and origin per split),
-    the name of the cleaning its texts get (summarization_dataset.CLEANINGS; models record it, so
+    the name of the cleaning its texts get (utils/data/cache.py: CLEANINGS; models record it, so
     scripts/summarize.py prepares texts the same way), where its cache goes without --cache_dir, and how to
     give it a split it lacks (a sentence with {split}, for messages)."""
 

@@ -54,7 +54,7 @@ from utils.model.source import (
     looks_like_local_path,
 )
 from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from utils.task import task_for
+from utils.task import Seq2SeqTask, task_for
 
 PROBE_TEXT = "hello world how are you"  # any vocabulary of a text model has these words (or their letters)
 MAX_KEYS_NAMED = 8  # a message names this many weights, then counts the rest
@@ -226,8 +226,8 @@ def load_tokenizer(model_name: str, evaluating: bool = False) -> PreTrainedToken
     model this package cannot train, or a tokenizer that does not fit it, stops the run before any data is
     read or cached. Collective for a hub name the first time (rank 0 looks it up: hub_source). `evaluating`:
     an adapter folder's own tokenizer, checked against its base's config (evaluated_model)."""
-    base, adapter = evaluated_model(model_name, evaluating)
-    config = base_config(adapter, base) if adapter else load_model_config(model_name)
+    config = run_model_config(model_name, evaluating)
+    _, adapter = evaluated_model(model_name, evaluating)
     model_name = os.path.expanduser(adapter) if adapter else resolved_name(model_name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name)
@@ -237,6 +237,19 @@ def load_tokenizer(model_name: str, evaluating: bool = False) -> PreTrainedToken
         ) from None
     check_tokenizer(model_name, tokenizer, config)
     return tokenizer
+
+
+def run_model_config(model_name: str, evaluating: bool = False) -> PretrainedConfig:
+    """The checked config (load_model_config) of the model a run trains, or with `evaluating` evaluates (an
+    adapter folder: its base's, evaluated_model)."""
+    base, adapter = evaluated_model(model_name, evaluating)
+    return base_config(adapter, base) if adapter else load_model_config(model_name)
+
+
+def run_task(model_name: str, evaluating: bool = False) -> Seq2SeqTask:
+    """The task (utils/task.py) of the model a run trains or evaluates, from its config alone: known before the
+    data is read, whose Dataset it chooses."""
+    return task_for(run_model_config(model_name, evaluating), model_name)
 
 
 def check_tokenizer(model_name: str, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:

@@ -27,7 +27,7 @@ def run_record(
     """The resolved configs (CLI spelling: feeding them back as flags reproduces the run), the fields taken
     from `accelerate launch`'s environment ({field: variables}; {} without it), and the setting, with the peak
     FLOP/s per device that MFU divides by (null: none known), and per split how many tokens of the data are
-    the tokenizer's unknown token (summarization_dataset.unknown_token_counts)."""
+    the tokenizer's unknown token (utils/data/cache.py: unknown_token_counts)."""
     return {
         **config_to_dict(config),  # one key per section: train_config, fsdp_config, data_config, ...
         "from_accelerate": from_accelerate,

@@ -1,0 +1,326 @@
+"""The data cache: every source reduced to memory-mapped Arrow files, read once per machine.
+
+Every source (WikiHow, utils/data/wikihow.py; files, a saved dataset or a named one, utils/data/sources.py) is
+written once into the text cache, one Arrow file per split with the columns id, source and target; the
+token ids of the rows a run uses are cached beside it, keyed by the text cache, the tokenizer, the lengths
+and the prefix. From there, sampling, resume and evaluation are one path for every source:
+
+    rows = split_rows(tokenizer, "train", num_samples, input_length, output_length, data)
+
+is what a Dataset (summarization_dataset.SummarizationDataset) reads its items from. The first run's
+LOCAL_RANK 0 writes the caches under --cache_dir (default beside the data) and every rank and later run
+reads them from there (utils/data/shared_cache.py says how the processes share the build, and what happens
+to a damaged or half-built cache).
+"""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+import numpy as np
+from datasets.fingerprint import Hasher
+
+from configs.data import DataConfig
+from configs.errors import ConfigError, DataError
+from utils.data import sources
+from utils.data.shared_cache import checked_manifest, complete_folders, folder_for, shared_folder
+from utils.data.sources import SPLITS, WIKIHOW_CSV, TextSource
+from utils.data.wikihow import clean_text, wikihow_source
+from utils.distributed.process_group import is_rank0, usable_cpus
+from utils.files import writable
+from utils.log import get_logger
+
+# Bump when clean_text or the encoding of a row changes: the token cache is rebuilt.
+ENCODING_VERSION = 2
+_TOKEN_FEATURES = datasets.Features(
+    {"source_ids": datasets.List(datasets.Value("int32")), "target_ids": datasets.List(datasets.Value("int32"))}
+)
+
+# Starting a tokenising process (a fork, the tokenizer pickled) pays off from about this many rows.
+_ROWS_PER_TOKENISING_PROCESS = 10_000
+# Each is a fork of a rank (after its process group is set up) holding a tokenizer: a few suffice.
+_MAX_TOKENISING_PROCESSES = 8
+
+# Warnings about a cache's content, once per process and folder (not once per split or dataset).
+_WARNED: set[tuple[Path, str]] = set()
+
+# How a source's texts are prepared for the tokenizer and for scoring, by the name a TextSource gives: WikiHow's
+# cleaning, or the text as it is (surrounding white space aside). Models record the name (scripts/summarize.py).
+CLEANINGS: dict[str, Callable[[str], str]] = {"wikihow": clean_text, "plain": str.strip}
+
+
+def text_source(data: DataConfig) -> TextSource:
+    """Where the run's rows come from: files or a dataset the flags name, else what --data_dir holds
+    (WikiHow, split files, a save_to_disk folder). Cheap: the files are found, not read."""
+    sources.check_data_found(data)  # each missing file or folder said with the way to get it
+    named = sources.named_source(data)
+    if named is not None:
+        return named
+    folder = Path(data.data_dir)
+    if (folder / WIKIHOW_CSV).is_file():
+        return wikihow_source(folder)
+    return sources.folder_source(folder, data)
+
+
+def cache_root(data: DataConfig, source: TextSource) -> Path:
+    """Where the text cache lives: --cache_dir, by default beside the data (TextSource.default_cache)."""
+    return Path(data.cache_dir) if data.cache_dir else source.default_cache
+
+
+def usable_cache_root(root: Path, ready: Callable[[Path], bool]) -> Path:
+    """`root`, where this process can write it or `ready(root)` says what is needed is built there already (a
+    shared, read-only dataset mount with its cache); else a folder of this user's cache, said once."""
+    if writable(root) or ready(root):
+        return root
+    fallback = user_cache_dir() / hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+    if is_rank0():
+        warn_once(root, "read-only",
+                  "%s cannot be written: the data's cache goes to %s instead (--cache_dir chooses another)",
+                  root, fallback)  # fmt: skip
+    return fallback
+
+
+def is_built(root: Path, name: str, key: dict) -> bool:
+    """Whether the cache folder of `key` under `root` is complete."""
+    return checked_manifest(folder_for(root, name, key), key)[0] is not None
+
+
+def user_cache_dir() -> Path:
+    """This user's cache folder for data caches that cannot go beside their data (XDG_CACHE_HOME's)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "t5_fsdp_data"
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedSplit:
+    rows: datasets.Dataset  # id, source, target; memory-mapped
+    cache: Path  # the text cache folder: its name identifies the content
+    cleaning: str  # how a text is prepared (CLEANINGS)
+    what: str  # the source, for messages
+
+
+def warn_once(folder: Path, topic: str, message: str, *args) -> None:
+    """Log a warning about the data in `folder` once per process (every split and Dataset would repeat it)."""
+    if (folder, topic) not in _WARNED:
+        _WARNED.add((folder, topic))
+        get_logger().warning(message, *args)
+
+
+def _text_cache(data: DataConfig) -> tuple[TextSource, Path, dict]:
+    """The run's source, its text cache folder and the cache's manifest (the cache built first if needed)."""
+    source = text_source(data)
+    root = cache_root(data, source)
+    if not data.cache_dir:  # a --cache_dir is where the user wants it, or a clear error
+        root = usable_cache_root(root, lambda root: is_built(root, "text", source.key))
+    folder, manifest = shared_folder(root, "text", source.key, source.write, f"the text cache of {source.what}")
+    return source, folder, manifest
+
+
+def evaluation_split(data: DataConfig, asked: str) -> str:
+    """The split --evaluate_only scores: --eval_split, or for auto the validation split where the data has
+    one of its own, else its test split (a test file alone will do)."""
+    if asked != "auto":
+        return asked
+    origin = _text_cache(data)[2]["origin"]
+    # A validation split held out of train is no better than a test split the data has.
+    held_out = "held out" in origin.get("validation", "held out")
+    return "test" if "test" in origin and held_out else "validation"
+
+
+def cached_split(data: DataConfig, split: str) -> CachedSplit:
+    """One split of the run's source, memory-mapped from the text cache (built first if needed)."""
+    if split not in SPLITS:
+        raise ConfigError(f"Unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")
+    source, folder, manifest = _text_cache(data)
+    if manifest.get("truncated"):
+        warn_once(folder, "truncated",
+                  "%s ends inside a quoted field: it looks truncated (an interrupted download?). Its last row is "
+                  "incomplete; download it again.", source.what)  # fmt: skip
+    skipped = sum(manifest["skipped"].values())
+    if skipped:
+        per_split = ", ".join(f"{name} {n}" for name, n in manifest["skipped"].items() if n)
+        warn_once(folder, "skipped", "%s: skipped %d rows whose text or target is empty (%s)", source.what,
+                  skipped, per_split)  # fmt: skip
+    if split not in manifest["origin"]:  # WikiHow has every split
+        raise DataError(f"no {split} split in {source.what}: {source.add_split.format(split=split)}.")
+    if manifest["rows"][split] == 0:
+        if "rows_read" in manifest:  # WikiHow
+            raise DataError(
+                f"{source.what} yields no usable rows for split {split!r}: {manifest['rows_read']} rows of 3 "
+                f"fields, {manifest['rows_clean']} passed the builder's filter, none of them in "
+                f"{manifest['origin'][split]}."
+            )
+        held_out = "held out" in manifest["origin"][split]
+        fix = "Give it rows, or train at least 2 rows to hold 1 out." if held_out else "Give it rows."
+        raise DataError(
+            f"the {split} split of {source.what} is empty ({manifest['origin'][split]}; "
+            f"{manifest['skipped'][split]} rows with an empty text or target skipped). {fix}"
+        )
+    rows = datasets.Dataset.from_file(str(folder / f"{split}.arrow"))
+    return CachedSplit(rows, folder, source.cleaning, source.what)
+
+
+def load_wikihow(data_dir: str | os.PathLike, split: str, cache_dir: str | os.PathLike = "") -> datasets.Dataset:
+    """One split of WikiHow 'all' as the original builder makes it: columns title, headline, text, in the
+    order of the CSV; memory-mapped from the cache under `cache_dir` (default <data_dir>/cache)."""
+    cached = cached_split(DataConfig(data_dir=str(data_dir), cache_dir=str(cache_dir)), split)
+    builder_names = cached.rows.rename_columns({"id": "title", "source": "text", "target": "headline"})
+    return builder_names.select_columns(["title", "headline", "text"])
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What makes two tokenizers give the same ids: a fast tokenizer's definition (vocabulary, normaliser,
+    special tokens; not the truncation and padding state that each call sets), else datasets' hash of it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return Hasher.hash(tokenizer)
+    definition = json.loads(backend.to_str())
+    for per_call_state in ("truncation", "padding"):
+        definition.pop(per_call_state, None)
+    text = json.dumps([type(tokenizer).__name__, definition], sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _encode_batch(
+    batch: dict, tokenizer, clean: Callable[[str], str], source_prefix: str, input_length: int, output_length: int
+) -> dict:
+    """Token ids of a batch of rows: the source is the prefix and the cleaned text, the target the cleaned
+    target. The tokenizer is called directly: transformers 5 removed batch_encode_plus (docs/pitfalls.md #9).
+    T5's tokenizer appends </s> itself, also after truncation."""
+    sources = [source_prefix + clean(text) for text in batch["source"]]
+    targets = [clean(target) for target in batch["target"]]
+    return {
+        "source_ids": tokenizer(sources, max_length=input_length, truncation=True)["input_ids"],
+        "target_ids": tokenizer(targets, max_length=output_length, truncation=True)["input_ids"],
+    }
+
+
+def _tokenising_processes(rows: int) -> int | None:
+    """Worker processes for tokenising `rows` articles: one per _ROWS_PER_TOKENISING_PROCESS, at most one per
+    CPU this process may use; None (in this process) below two. The fast tokenizer already encodes a batch
+    on several threads, but the cleaning and the Arrow conversion around it are Python, one core each: on
+    2 CPUs, two processes tokenise 152k articles in 95 s instead of 113 s."""
+    processes = min(usable_cpus(), rows // _ROWS_PER_TOKENISING_PROCESS, _MAX_TOKENISING_PROCESSES)
+    return processes if processes >= 2 else None
+
+
+def _write_token_cache(rows: datasets.Dataset, split: str, encode: functools.partial, folder: Path) -> dict:
+    rows.map(
+        encode,
+        batched=True,
+        batch_size=1000,
+        num_proc=_tokenising_processes(len(rows)),
+        remove_columns=rows.column_names,
+        features=_TOKEN_FEATURES,
+        cache_file_name=str(folder / "ids.arrow"),  # with worker processes: ids_0000i_of_0000n.arrow
+        load_from_cache_file=False,
+        new_fingerprint=folder.name.split(".partial")[0],  # the cache is this folder, not datasets' own
+        desc=f"Tokenising {len(rows)} {split} rows",
+    )
+    return {}
+
+
+def unknown_token_counts(ids: datasets.Dataset, unk_id: int | None) -> dict:
+    """How many source and target tokens of `ids` (a split's token ids, the rows a run reads) are the
+    tokenizer's unknown token, how many rows hold one, and the first such row (text the tokenizer cannot read:
+    the wrong model for the language, say). Chunk by chunk: a column's chunks stay as the cache holds them."""
+    counts = {"source": 0, "target": 0, "source_total": 0, "target_total": 0, "rows": 0, "first_row": None,
+              "rows_total": len(ids)}  # fmt: skip
+    holding = np.zeros(len(ids), dtype=bool)
+    for side in ("source", "target"):
+        start = 0
+        for chunk in ids.data.column(f"{side}_ids").chunks:
+            flat = chunk.flatten().to_numpy(zero_copy_only=False)
+            counts[f"{side}_total"] += len(flat)
+            if unk_id is not None and len(flat):
+                hits = np.flatnonzero(flat == unk_id)
+                counts[side] += len(hits)
+                offsets = chunk.offsets.to_numpy()  # a slice's start at offsets[0], not 0
+                rows_hit = np.searchsorted(offsets - offsets[0], hits, side="right") - 1
+                holding[start + rows_hit] = True
+            start += len(chunk)
+    counts["rows"] = int(holding.sum())
+    counts["first_row"] = int(holding.argmax()) if holding.any() else None
+    return counts
+
+
+def _cached_token_ids(
+    rows: datasets.Dataset, cached: CachedSplit, split: str, tokenizer, data: DataConfig, input_length: int,
+    output_length: int,
+) -> datasets.Dataset:  # fmt: skip
+    """Token ids (unpadded, int32) of `rows`, the first rows of a split, from the token cache: tokenised once
+    per machine, and reused by every epoch, every rank and every later run with the same text cache (the
+    source's files, columns and split), tokenizer, lengths and prefix. A cache of more rows (a run that used
+    more of them) serves too. Where the text cache's folder cannot be written and lacks these ids, they go to
+    this user's cache (usable_cache_root)."""
+    key = {
+        "text_cache": cached.cache.name,
+        "split": split,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "truncation_side": getattr(tokenizer, "truncation_side", "right"),
+        "source_prefix": data.source_prefix,
+        "input_length": input_length,
+        "output_length": output_length,
+        "encoding": ENCODING_VERSION,
+    }
+
+    def larger_cache(root: Path) -> tuple[Path, dict] | None:
+        for folder, manifest in complete_folders(root, "tokens"):
+            saved = dict(manifest["key"])
+            # A folder written by another version of this key (no row count) never matches.
+            if saved.pop("rows", -1) > len(rows) and saved == key:
+                return folder, manifest
+        return None
+
+    sized_key = {**key, "rows": len(rows)}
+    root = cached.cache.parent
+    if not data.cache_dir:  # beside the text cache, unless that cannot be written and lacks these ids
+        root = usable_cache_root(
+            root, lambda root: is_built(root, "tokens", sized_key) or larger_cache(root) is not None
+        )
+
+    encode = functools.partial(
+        _encode_batch, tokenizer=tokenizer, clean=CLEANINGS[cached.cleaning], source_prefix=data.source_prefix,
+        input_length=input_length, output_length=output_length,
+    )  # fmt: skip
+    build = functools.partial(_write_token_cache, rows, split, encode)
+    what = f"the token ids of {len(rows)} {split} rows"
+    reuse = functools.partial(larger_cache, root)
+    folder, manifest = shared_folder(root, "tokens", sized_key, build, what, reuse=reuse)
+    parts = [datasets.Dataset.from_file(str(folder / part)) for part in sorted(manifest["files"])]
+    return datasets.concatenate_datasets(parts).select(range(len(rows)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRows:
+    """The first rows of a split, as a Dataset reads its items: the texts and their token ids, both
+    memory-mapped from the caches."""
+
+    rows: datasets.Dataset  # id, source, target
+    token_ids: datasets.Dataset  # source_ids, target_ids: unpadded, int32, truncated to the lengths
+    split_rows: int  # the whole split's, before the selection
+    what: str  # the source, for messages
+    cleaning: str  # how a text is prepared (CLEANINGS)
+
+
+def split_rows(
+    tokenizer, split: str, num_samples: int | None, input_length: int, output_length: int, data: DataConfig
+) -> SplitRows:
+    """The first `num_samples` rows of `split` (None, or more than it has: all) of the run's source, with
+    their token ids: each cache built first where it is missing."""
+    if num_samples is not None and num_samples < 1:
+        raise ConfigError(f"num_samples must be None (all) or at least 1, got {num_samples}.")
+    for name, length in (("input_length", input_length), ("output_length", output_length)):
+        if length < 1:
+            raise ConfigError(f"{name} must be at least 1, got {length}.")
+    cached = cached_split(data, split)
+    rows = cached.rows
+    if num_samples is not None and num_samples < len(rows):
+        rows = rows.select(range(num_samples))  # a slice of the memory-mapped table, not a copy
+    token_ids = _cached_token_ids(rows, cached, split, tokenizer, data, input_length, output_length)
+    return SplitRows(rows, token_ids, len(cached.rows), cached.what, cached.cleaning)
