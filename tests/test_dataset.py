@@ -182,19 +182,21 @@ def test_hash_split_warns_once_per_load(tmp_path, log_records):
 
 
 def test_hash_split_independent_of_pythonhashseed(tmp_path):
+    """Every title's split is the same under two hash seeds (processes of their own, each importing the
+    reader alone), and the same as the split the cache built in this process holds."""
     data_dir = write_data(tmp_path, _hash_fixture_csv(), lists={})
+    titles = [f"Article number {i}" for i in range(N_HASH_ROWS)]
     code = (
         "import json, sys\n"
-        "from utils.data.cache import load_wikihow\n"
-        "print(json.dumps({s: list(load_wikihow(sys.argv[1], s)['title'])\n"
-        "                  for s in ('train', 'validation', 'test')}))\n"
+        "from utils.data.wikihow import hash_split\n"
+        "print(json.dumps([hash_split(title) for title in json.loads(sys.argv[1])]))\n"
     )
     procs = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO_ROOT)}
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", code, str(data_dir)],
+                [sys.executable, "-c", code, json.dumps(titles)],
                 cwd=REPO_ROOT,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -207,7 +209,9 @@ def test_hash_split_independent_of_pythonhashseed(tmp_path):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         results.append(json.loads(out.strip().splitlines()[-1]))
-    assert results[0] == results[1] == _titles_by_split(data_dir)
+    cached = {title: split for split, names in _titles_by_split(data_dir).items() for title in names}
+    assert results[0] == results[1] == [cached[title] for title in titles]
+    assert set(results[0]) == {"train", "validation", "test"}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ def test_sentencepiece_model_is_byte_identical(regenerated: Path) -> None:
     assert new == (COMMITTED / "tiny-t5" / "spiece.model").read_bytes()
 
 
+@pytest.mark.slow  # shares the 10 s regeneration with the sample files' checks
 def test_model_weights_and_config_are_identical(regenerated: Path) -> None:
     from safetensors.torch import load_file
     from transformers import T5Config
@@ -73,6 +74,7 @@ def test_model_weights_and_config_are_identical(regenerated: Path) -> None:
     assert config(regenerated / "tiny-t5") == config(COMMITTED / "tiny-t5")
 
 
+@pytest.mark.slow  # shares the 10 s regeneration with the sample files' checks
 def test_tokenizer_vocabulary_is_identical(regenerated: Path) -> None:
     from transformers import T5Tokenizer
 

@@ -222,6 +222,7 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused():
     )
 
 
+@pytest.mark.slow  # a whole `python T5_training.py` process: 12-13 s in the fast subset
 def test_a_broken_tokenizer_stops_the_run_before_the_data_cache_is_written(tmp_path):
     """One process (`python T5_training.py`): the run ends with the message, and --cache_dir never appears."""
     folder = model_folder(tmp_path / "no_tokenizer", with_tokenizer=False)
