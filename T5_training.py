@@ -129,7 +129,7 @@ from utils.fsdp.shard import forward_warnings_ignored, log_fsdp_layout, shard_mo
 from utils.log import quiet_helper_process
 from utils.model import loading, lora
 from utils.observe import flops, memory, metrics, run_record, tensorboard
-from utils.task import Seq2SeqTask
+from utils.task import Seq2SeqTask, task_for
 from utils.train import optim
 from utils.train.preemption import StopRequest
 from utils.train.trainer import Trainer
@@ -161,13 +161,16 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
         get_logger().info("%s", precision.fallback)
     precision.set_matmul_precision()
 
-    # Datasets and loaders: the data is read and checked before the model loads, so a data error costs
-    # seconds, not the minutes of loading a large model.
-    tokenizer = loading.load_tokenizer(train.model_name, evaluating=evaluation.evaluate_only)
-    # What this kind of model trains on and is scored by (utils/task.py), from its config: it chooses the
-    # Dataset here, and the step, the trainer, evaluation and the FLOP count ask it from here on.
-    task = loading.run_task(train.model_name, evaluating=evaluation.evaluate_only)
-    # The task's Dataset and collate (the tutorial's, summarization_dataset.py) over the run's rows.
+    # The model's config, checked (a model this package cannot train stops the run here), and its task
+    # (utils/task.py): what this kind of model trains on and is scored by. It chooses the Dataset here; the
+    # step, the trainer, evaluation and the FLOP count ask it from here on.
+    evaluating = evaluation.evaluate_only
+    checked_config = loading.run_model_config(train.model_name, evaluating=evaluating)
+    task = task_for(checked_config, train.model_name)
+    # Datasets and loaders (the task's Dataset and collate; the tutorial's, summarization_dataset.py): the data
+    # is read and checked before the model loads, so a data error costs seconds, not the minutes of loading a
+    # large model.
+    tokenizer = loading.load_tokenizer(train.model_name, evaluating=evaluating, config=checked_config)
     loaders = build_loaders(tokenizer, DATA_FORMATS[type(task)], config.data, train, evaluation, info)
     log_evaluation_plan(config, loaders)
 

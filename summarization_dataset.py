@@ -33,7 +33,8 @@ class SummarizationDataset(Dataset):
     and ``self.token_ids`` their token ids (unpadded, int32), both memory-mapped from the cache under
     --cache_dir (utils/data/cache.py: split_rows): the data is read and tokenised once per machine and kept
     once, in the OS page cache, for every rank, epoch and later run, not copied into each process. The first
-    five arguments are the tutorial's; its ``print_text`` moved into ``options``.
+    five arguments are the tutorial's; its ``print_text`` moved into ``options``. ``rows`` (split_rows of the
+    same split and lengths), where the caller has them: the package's loaders do.
     """
 
     def __init__(
@@ -52,6 +53,11 @@ class SummarizationDataset(Dataset):
         # The package's loaders hand the rows in (utils/data/loaders.py); the tutorial's call reads them here.
         if rows is None:
             rows = split_rows(tokenizer, type_path, num_samples, input_length, output_length, options)
+        elif (rows.split, rows.lengths) != (type_path, (input_length, output_length)):
+            raise ValueError(
+                f"rows of split {rows.split!r} tokenised to {rows.lengths} handed to a Dataset of split "
+                f"{type_path!r} and lengths {(input_length, output_length)}"
+            )
         self.split = type_path
         self.split_rows = rows.split_rows  # the whole split's, before num_samples
         self.dataset = rows.rows

@@ -32,10 +32,7 @@ from policies.private_api import fsdp1_unsharded_flat_parameter  # noqa: E402
 from scripts.make_random_t5 import make  # noqa: E402
 from summarization_dataset import FORMAT  # noqa: E402
 from tests.dist_harness import run_ranks  # noqa: E402
-from utils.data.loaders import (
-    build_eval_set,  # noqa: E402
-    move_batch,  # noqa: E402
-)
+from utils.data.loaders import build_eval_set, move_batch  # noqa: E402
 from utils.distributed.process_group import DistInfo  # noqa: E402
 from utils.eval.generation import generate  # noqa: E402
 from utils.fsdp.shard import shard_model  # noqa: E402

@@ -884,7 +884,7 @@ def lora_worker(rank: int, world_size: int, steps: int, export_dir: str) -> dict
 
 def source_parity_worker(rank: int, world_size: int, sources: dict, steps: int) -> dict:
     """For FSDP1 and FSDP2: the first `steps` training batches of each source (`name -> DataConfig fields`),
-    built by summarization_dataset.build_loaders, and the per-step reported losses of tiny_t5 trained on them.
+    built by utils/data/loaders.py: build_loaders, and the per-step reported losses of tiny_t5 trained on them.
     Every source builds its caches on this process group (LOCAL_RANK 0 builds, the other rank waits)."""
     from configs.data import DataConfig
     from configs.evaluation import EvalConfig

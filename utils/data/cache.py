@@ -301,8 +301,10 @@ class SplitRows:
     """The first rows of a split, as a Dataset reads its items: the texts and their token ids, both
     memory-mapped from the caches."""
 
+    split: str
+    lengths: tuple[int, int]  # the input and output lengths the ids are truncated to
     rows: datasets.Dataset  # id, source, target
-    token_ids: datasets.Dataset  # source_ids, target_ids: unpadded, int32, truncated to the lengths
+    token_ids: datasets.Dataset  # source_ids, target_ids: unpadded, int32
     split_rows: int  # the whole split's, before the selection
     what: str  # the source, for messages
     cleaning: str  # how a text is prepared (CLEANINGS)
@@ -323,4 +325,7 @@ def split_rows(
     if num_samples is not None and num_samples < len(rows):
         rows = rows.select(range(num_samples))  # a slice of the memory-mapped table, not a copy
     token_ids = _cached_token_ids(rows, cached, split, tokenizer, data, input_length, output_length)
-    return SplitRows(rows, token_ids, len(cached.rows), cached.what, cached.cleaning)
+    return SplitRows(
+        split=split, lengths=(input_length, output_length), rows=rows, token_ids=token_ids,
+        split_rows=len(cached.rows), what=cached.what, cleaning=cached.cleaning,
+    )  # fmt: skip

@@ -39,7 +39,10 @@ from utils.log import bars_shown, get_logger
 class DataFormat:
     """How a split's rows become items and items a batch: a task's Dataset class, built as
     ``dataset_type(tokenizer, split, num_samples, input_length, output_length, data, rows=split_rows(...))``,
-    and its collate, called as ``collate(items, pad_token_id=...)``."""
+    and its collate, called as ``collate(items, pad_token_id=...)``. What the loaders, the run record and
+    evaluation read of a Dataset (summarization_dataset.SummarizationDataset has it): ``split``,
+    ``split_rows``, ``source_description``, ``cleaning``, ``source_prefix``, ``unknown_tokens``,
+    ``row_id(i)``, ``article(i)``, ``reference(i)``, ``source_lengths()`` and ``target_lengths()``."""
 
     dataset_type: type[Dataset]
     collate: Callable

@@ -141,8 +141,7 @@ def _split_lists(data_dir: Path) -> dict[str, Path] | None:
 def require_csv(data_dir: str | os.PathLike) -> Path:
     """Path of data_dir/wikihowAll.csv, or DataFileNotFoundError with the way to get it.
 
-    Cheap: the training script calls it before loading a (possibly huge) model, so missing data is
-    reported in seconds.
+    Cheap: the file is found, not read.
     """
     csv_path = Path(data_dir) / WIKIHOW_CSV
     if not csv_path.is_file():

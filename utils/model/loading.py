@@ -54,7 +54,7 @@ from utils.model.source import (
     looks_like_local_path,
 )
 from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from utils.task import Seq2SeqTask, task_for
+from utils.task import task_for
 
 PROBE_TEXT = "hello world how are you"  # any vocabulary of a text model has these words (or their letters)
 MAX_KEYS_NAMED = 8  # a message names this many weights, then counts the rest
@@ -220,13 +220,16 @@ def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase,
     return model, tokenizer, base
 
 
-def load_tokenizer(model_name: str, evaluating: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    model_name: str, evaluating: bool = False, config: PretrainedConfig | None = None
+) -> PreTrainedTokenizerBase:
     """The model's tokenizer alone (seconds), so the data can be read and checked before the model loads. The
     model's config is checked first (load_model_config), and the tokenizer against it (check_tokenizer): a
     model this package cannot train, or a tokenizer that does not fit it, stops the run before any data is
     read or cached. Collective for a hub name the first time (rank 0 looks it up: hub_source). `evaluating`:
-    an adapter folder's own tokenizer, checked against its base's config (evaluated_model)."""
-    config = run_model_config(model_name, evaluating)
+    an adapter folder's own tokenizer, checked against its base's config (evaluated_model). `config`: that
+    checked config (run_model_config), where the caller has read it already."""
+    config = config or run_model_config(model_name, evaluating)
     _, adapter = evaluated_model(model_name, evaluating)
     model_name = os.path.expanduser(adapter) if adapter else resolved_name(model_name)
     try:
@@ -244,12 +247,6 @@ def run_model_config(model_name: str, evaluating: bool = False) -> PretrainedCon
     adapter folder: its base's, evaluated_model)."""
     base, adapter = evaluated_model(model_name, evaluating)
     return base_config(adapter, base) if adapter else load_model_config(model_name)
-
-
-def run_task(model_name: str, evaluating: bool = False) -> Seq2SeqTask:
-    """The task (utils/task.py) of the model a run trains or evaluates, from its config alone: known before the
-    data is read, whose Dataset it chooses."""
-    return task_for(run_model_config(model_name, evaluating), model_name)
 
 
 def check_tokenizer(model_name: str, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
