@@ -9,7 +9,8 @@ reads it, and its text column is the training default's (text, document, article
 Texts get the training run's cleaning (WikiHow's for a WikiHow run: newlines become spaces, its noise markers
 go), source prefix and truncation, and outputs its generation settings (beams, length, ...): the run saved
 both with the model (config.json `task_specific_params.summarization`, generation_config.json), so nothing is
-typed again.
+typed again. A model trained elsewhere (a hub checkpoint) writes up to its own summarization length (T5's
+published configs: 200 tokens), else training's default target length (150), not transformers' 20.
 """
 
 import argparse
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForSeq2SeqLM  # noqa: E402
 
+from configs.data import DataConfig  # noqa: E402
 from configs.errors import UserError  # noqa: E402
 from utils.checkpoint.hf_export import summarization_settings  # noqa: E402
 from utils.data import sources  # noqa: E402
@@ -62,12 +64,21 @@ def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[st
     clean = CLEANINGS[cleaning]
     prefix = params.get("prefix", "")
     max_length = params.get("max_source_length", DEFAULT_MAX_SOURCE_LENGTH)
+    generation = {}
+    if "max_new_tokens" not in params:
+        # A model this package did not train carries none of a run's settings, and generate would stop at
+        # transformers' 20-token default: its own summarization length (T5's published 200), else training's.
+        generation["max_new_tokens"] = params.get("max_length") or DataConfig().max_target_length
+        get_logger().warning(
+            "the model carries no training run's generation settings: summaries of up to %d new tokens",
+            generation["max_new_tokens"],
+        )
     summaries = []
     for start in range(0, len(articles), batch_size):
         texts = [prefix + clean(article) for article in articles[start : start + batch_size]]
         inputs = tokenizer(texts, max_length=max_length, truncation=True, padding=True, return_tensors="pt")
         with torch.no_grad():
-            ids = model.generate(**inputs.to(model.device))  # generation_config.json: the run's settings
+            ids = model.generate(**inputs.to(model.device), **generation)  # generation_config.json: the run's
         summaries += [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
     return summaries
 

@@ -198,9 +198,10 @@ def summarize_in_a_process(model: Path, args: list[str], stdin: str) -> list[str
     return done.stdout.splitlines()
 
 
-def summarize(model: Path, args: list[str], capsys) -> list[str]:
+def summarize(model: Path, args: list[str], capsys, stderr: list[str] | None = None) -> list[str]:
     """scripts/summarize.py's main in this process (the script's own process is run once, for stdin); the
-    package logger as it was before (main sets it up for the script)."""
+    package logger as it was before (main sets it up for the script). What it wrote to stderr is appended to
+    `stderr` where given."""
     logger = get_logger()
     handlers, level = list(logger.handlers), logger.level
     capsys.readouterr()
@@ -209,7 +210,10 @@ def summarize(model: Path, args: list[str], capsys) -> list[str]:
     finally:
         logger.handlers[:] = handlers
         logger.setLevel(level)
-    return capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    if stderr is not None:
+        stderr.append(captured.err)
+    return captured.out.splitlines()
 
 
 @pytest.mark.slow
@@ -319,6 +323,18 @@ def test_summarize_takes_a_lora_adapter_folder_as_its_merged_model(adapter_folde
     want = summarize(merged, ["--input", str(csv)], capsys)
     plain = summarize(EMBEDDED_MODEL_DIR, ["--input", str(csv)], capsys)
     assert got == want and got != plain, (got, want, plain)
+
+
+def test_summarize_writes_whole_summaries_with_a_model_trained_elsewhere(tmp_path, capsys):
+    """A model without a run's settings (the embedded base model; a hub checkpoint) summarises up to training's
+    default target length, not transformers' 20-token default, and says so."""
+    articles = tmp_path / "articles.txt"
+    articles.write_text("How to bake bread. Mix the flour and water, knead, let it rise and bake it.\n")
+    said = []
+    [summary] = summarize(EMBEDDED_MODEL_DIR, ["--input", str(articles)], capsys, stderr=said)
+    tokens = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)(summary, add_special_tokens=False).input_ids
+    assert len(tokens) > 20, (len(tokens), summary)  # the embedded model never ends: it writes to the limit
+    assert "no training run's generation settings: summaries of up to 150 new tokens" in said[0]
 
 
 @pytest.mark.slow
