@@ -8,7 +8,9 @@ class TrainProgress:
     """The next sample to train on is `samples_consumed` into epoch `epoch`."""
 
     epoch: int = 1
-    samples_consumed: int = 0  # of this epoch's (padded, shuffled) sample order, summed over ranks
+    # The items of this epoch's (padded, shuffled) order the sampler has handed out, summed over ranks: Dataset
+    # items, each a sample (or a packed block, where a Dataset packs), so the position is exact either way.
+    samples_consumed: int = 0
     global_step: int = 0
     best_metric: float | None = None  # the best value of --metric_for_best so far
     best_epoch: int | None = None  # the epoch that reached it (its model is hf_model/)
