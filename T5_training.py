@@ -231,7 +231,8 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
                 generate_kwargs = task.generation_kwargs(evaluation, config.data.max_target_length)
                 predictions_file = functools.partial(layout.predictions_file, train.output_dir)
                 evaluator = Evaluator(
-                    loaders.evaluation, generate_kwargs, evaluation.eval_metric, predictions_file, info,
+                    eval_set=loaders.evaluation, task=task, generation=generate_kwargs,
+                    metric=evaluation.eval_metric, predictions_file=predictions_file, info=info,
                     gather_for_generation=evaluation.gather_for_generation, compute_dtype=precision.compute_dtype,
                 )  # fmt: skip
             trainer = Trainer(
@@ -384,8 +385,9 @@ def evaluate_saved_model(
 
     with forward_warnings_ignored():
         evaluator = Evaluator(
-            eval_set, generate_kwargs, evaluation.eval_metric, predictions_file, info,
-            gather_for_generation=evaluation.gather_for_generation, compute_dtype=compute_dtype,
+            eval_set=eval_set, task=task, generation=generate_kwargs, metric=evaluation.eval_metric,
+            predictions_file=predictions_file, info=info, gather_for_generation=evaluation.gather_for_generation,
+            compute_dtype=compute_dtype,
         )  # fmt: skip
         scores = evaluator.evaluate(model, progress.epoch - 1, progress.global_step)
     path = os.path.join(train.output_dir, layout.EVALUATE_ONLY_DIR, layout.METRICS_FILE)

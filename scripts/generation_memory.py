@@ -65,7 +65,7 @@ def measure(rank: int, world_size: int, model_dir: str, articles: int) -> dict:
         block.register_forward_pre_hook(lambda *_: peak.__setitem__(0, max(peak[0], unsharded_bytes(model))))
     settings = SEQ2SEQ.generation_kwargs(evaluation, data.max_target_length)
     for batch in eval_set.loader:
-        generate(model, move_batch(batch, CPU), settings)
+        generate(model, SEQ2SEQ.prompts(move_batch(batch, CPU)), settings)
     return {"peak_unsharded_bytes": peak[0], "whole_model_bytes": whole}
 
 

@@ -289,7 +289,7 @@ def check_generation(model_name: str, device: torch.device) -> tuple[str, str]:
         model.eval()
         settings = {"num_beams": 1, "max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
         with AllGatherCount() as gathers, gathered_for_generation(model, keep):
-            ids = generate(model, random_batch(config, device), settings)
+            ids = generate(model, SEQ2SEQ.prompts(random_batch(config, device)), settings)
         found[keep] = (gathers.count, ids.tolist())
     same = found[False][1] == found[True][1]
     per_token, kept = found[False][0], found[True][0]

@@ -596,11 +596,12 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
             model = shard_model(tiny_t5(seed=7), _fsdp_config({"fsdp_version": version}), FP32, CPU)
             folder = f"{output_dir}/fsdp{version}-beams{beams}"
             where = functools.partial(layout.predictions_file, folder)
-            evaluator = Evaluator(eval_set, settings, "rouge", where, info)
+            evaluator = Evaluator(eval_set=eval_set, task=SEQ2SEQ, generation=settings, metric="rouge",
+                                  predictions_file=where, info=info)  # fmt: skip
             out["records"][(version, beams)] = evaluator.evaluate(model, 1, 5)
             # Lengths that differ by rank: rank r stops after 3 + 6 r new tokens, the others keep stepping.
             uneven = {**settings, "max_new_tokens": 3 + 6 * rank}
-            ids = generate(model, make_batch(rank, rows=2), uneven)
+            ids = generate(model, SEQ2SEQ.prompts(make_batch(rank, rows=2)), uneven)
             out["uneven"][(version, beams)] = ids.shape[1]
     if rank == 0:
         plain = tiny_t5(seed=7).eval()
@@ -814,7 +815,8 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
                         SEQ2SEQ.token_losses(model, make_batch(batch_seed(steps, rank)))
                 for label, new_tokens in (("generation", 6), ("generation, other lengths", 9)):
                     phase[0] = label
-                    generate(model, make_batch(batch_seed(steps, rank)), {"max_new_tokens": new_tokens})
+                    prompts = SEQ2SEQ.prompts(make_batch(batch_seed(steps, rank)))
+                    generate(model, prompts, {"max_new_tokens": new_tokens})
             out[version] = {"losses": losses, "state": state if rank == 0 else None, "compiled_at": compiled_at[:]}
     finally:
         shard_module.compile_layers = original
@@ -1250,7 +1252,7 @@ def generation_gathers_worker(rank: int, world_size: int) -> dict:
                 with counter, gathered_for_generation(model, keep):
                     ids[tokens] = generate(
                         model,
-                        make_batch(rank, rows=2),
+                        SEQ2SEQ.prompts(make_batch(rank, rows=2)),
                         {**settings, "max_new_tokens": tokens, "min_new_tokens": tokens},
                     ).tolist()
                 counts[tokens] = counter.count

@@ -4,8 +4,9 @@
 
 It names the model class loading builds, how a batch becomes per-token losses (the step and validation), the
 tokens a batch trains on and reads (the loss's mean, the rates), how its FLOPs are counted (MFU), which way
-each metric improves (the best model), the generation settings and the parameters saved with the model
-(evaluation, hf_model/), and the LoRA task type. Loading, the step, the trainer and the entry point ask it
+each metric improves (the best model), what generation reads of a batch, the generation settings and the
+parameters saved with the model (evaluation, hf_model/), and the LoRA task type; the entry point maps it to its
+Dataset (T5_training.DATA_FORMATS). Loading, the data, the step, the trainer and evaluation ask it
 instead of assuming an encoder-decoder, so a second kind of model (decoder-only) is a second class here, not
 branches through them.
 """
@@ -95,6 +96,11 @@ class Seq2SeqTask:
     def flop_counter(self, config: PretrainedConfig, frozen_weights: bool) -> Seq2SeqFlops | None:
         """How a batch's training FLOPs are counted (None where this family's are not)."""
         return Seq2SeqFlops.from_config(config, frozen_weights=frozen_weights)
+
+    def prompts(self, batch: dict) -> dict:
+        """What generation reads of a batch (already on the device): the sources, as `generate`'s input_ids and
+        attention_mask."""
+        return {"input_ids": batch["source_ids"], "attention_mask": batch["source_mask"]}
 
     def generation_kwargs(self, evaluation: EvalConfig, max_target_length: int) -> dict:
         """The keyword arguments of `generate` for these settings (GENERATION_KEYS; also saved as

@@ -29,6 +29,7 @@ from utils.eval.rouge import lead_sentences, lead_steps, rouge_scores
 from utils.eval.scores import SCORERS, mean_scores
 from utils.files import atomic_path
 from utils.log import get_logger, progress_bar
+from utils.task import Seq2SeqTask
 
 EXAMPLES_LOGGED = 3
 # ROUGE's extractive baselines, beside the model's: the first sentence of every line (WikiHow's steps, a
@@ -47,16 +48,18 @@ class Evaluator:
 
     def __init__(
         self,
+        *,
         eval_set: EvalSet,
+        task: Seq2SeqTask,
         generation: dict,
         metric: str,
         predictions_file: Callable[[str, int], str],
         info: DistInfo,
-        *,
         gather_for_generation: str = "false",
         compute_dtype: torch.dtype = torch.float32,
     ):
         self.eval_set = eval_set
+        self.task = task  # what generation reads of a batch (its prompts)
         self.generation = generation  # generate's settings (utils/task.py: generation_kwargs)
         self.metric = metric  # --eval_metric: a key of utils/eval/scores.py's SCORERS
         self.predictions_file = predictions_file  # (split, step) -> where its predictions go (utils/layout.py)
@@ -103,7 +106,8 @@ class Evaluator:
             check_stop = StopCheck(stop_requested, self.info.device)
             for batch in self.eval_set.loader:
                 check_stop()
-                ids = generate(model, move_batch(batch, self.info.device), self.generation).cpu()
+                prompts = self.task.prompts(move_batch(batch, self.info.device))
+                ids = generate(model, prompts, self.generation).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
                 for text, length in zip(texts, (ids != pad_id).sum(dim=1).tolist(), strict=True):
                     if position < sampler.num_real_samples:

@@ -29,13 +29,12 @@ from utils.distributed.process_group import any_rank
 from utils.observe.memory import available_memory
 
 
-def generate(model: nn.Module, batch: dict, generation: dict) -> torch.Tensor:
-    """Token ids of the summaries of one batch (on the model's device), with `generation` (the task's
-    generation_kwargs, utils/task.py) as generate's settings. Collective: every rank calls it the same number of
-    times."""
+def generate(model: nn.Module, prompts: dict, generation: dict) -> torch.Tensor:
+    """Token ids of the outputs for one batch's `prompts` (the task's prompts of a batch on the model's device,
+    utils/task.py), with `generation` (the task's generation_kwargs) as generate's settings. Collective: every
+    rank calls it the same number of times."""
     kwargs = {
-        "input_ids": batch["source_ids"],
-        "attention_mask": batch["source_mask"],
+        **prompts,
         "synced_gpus": dist.get_world_size() > 1,
         "use_cache": True,  # the model is loaded with use_cache=False for training; decoding wants the cache
         **generation,
