@@ -180,9 +180,10 @@ SUITES = {
 
 # Run on a GPU only: refused on a CPU group (fp16, offload), or minutes of C++ compilation there (compile).
 GPU_ONLY = {"--use_fp16", "--fsdp_cpu_offload", "--compile"}
+BARE_FSDP1 = "bare torch FSDP1 loop, same wrap"  # the peers suite's baseline, per model
 PEERS_OF_SUITE = {
     "peers": {
-        "bare torch FSDP1 loop, same wrap": ["--framework", "fsdp"],
+        BARE_FSDP1: ["--framework", "fsdp"],
         "bare DDP": ["--framework", "ddp"],
         "HF Seq2SeqTrainer (DDP)": ["--framework", "hf_trainer"],
     },
@@ -280,14 +281,14 @@ def markdown_table(header: str, rows: list[str]) -> str:
 
 
 def peers_markdown(results: list[dict]) -> str:
-    bare = next((r["step_seconds"] for r in results if r["case"] == "bare torch FSDP1 loop, same wrap"), None)
+    bare = {r["model"]: r["step_seconds"] for r in results if r["case"] == BARE_FSDP1}
     header = (
         "| model | framework | step time (s) | vs bare FSDP1 | tokens/s (all ranks) | MFU "
         "| peak memory per rank (MiB) |"
     )
     rows = []
     for r in results:
-        ratio = f"{r['step_seconds'] / bare:.3f}x" if bare else "-"
+        ratio = f"{r['step_seconds'] / bare[r['model']]:.3f}x" if r["model"] in bare else "-"
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
         rows.append(
             f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {ratio} | {r['tokens_per_s']:.0f} "

@@ -61,6 +61,25 @@ def test_cases_that_are_unknown_or_leave_the_peers_without_their_baseline_are_re
     assert stopped.value.code == 2 and phrase in capsys.readouterr().err
 
 
+def test_the_peers_table_rates_each_row_against_its_own_models_bare_loop():
+    def row(model, case, seconds):
+        return {"model": model, "case": case, "step_seconds": seconds, "tokens_per_s": 1.0, "mfu": None,
+                "peak_memory_bytes": [2**20]}  # fmt: skip
+
+    table = benchmark.peers_markdown([
+        row("t5-small", benchmark.BARE_FSDP1, 1.0), row("t5-small", "bf16, FSDP1", 2.0),
+        row("t5-base", benchmark.BARE_FSDP1, 4.0), row("t5-base", "bf16, FSDP1", 2.0),
+        row("t5-large", "bare DDP", 3.0),
+    ])  # fmt: skip
+    rows = ([cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:])
+    ratios = {(model, case): ratio for model, case, _, ratio, *_ in rows}
+    assert ratios == {
+        ("t5-small", benchmark.BARE_FSDP1): "1.000x", ("t5-small", "bf16, FSDP1"): "2.000x",
+        ("t5-base", benchmark.BARE_FSDP1): "1.000x", ("t5-base", "bf16, FSDP1"): "0.500x",
+        ("t5-large", "bare DDP"): "-",  # no bare loop measured for it
+    }, table  # fmt: skip
+
+
 def test_the_data_suites_full_size_file_has_the_real_files_format_and_is_reused(tmp_path):
     """scripts/benchmark.py --suite data's generator at 2,000 rows: the real header, CRLF line ends inside
     quoted fields, split lists of the published proportions that the reader accepts; a second call reuses
