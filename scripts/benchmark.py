@@ -255,13 +255,14 @@ def fixed_shape_rates(result: dict, model_dir: str, args, peak_tflops: float | N
     MFU without a peak."""
     from transformers import AutoConfig
 
-    from utils.observe.flops import Seq2SeqFlops
+    from utils.task import task_for
 
     batch = {
         "source_mask": torch.ones(args.batch_size, args.max_source_length),
         "target_mask": torch.ones(args.batch_size, args.max_target_length),
     }
-    counter = Seq2SeqFlops.from_config(AutoConfig.from_pretrained(model_dir))
+    config = AutoConfig.from_pretrained(model_dir)
+    counter = task_for(config).flop_counter(config, frozen_weights=False)
     flops = counter.training(batch, recompute=False)[0].item()
     seconds = result["step_seconds"]
     tokens = args.batch_size * (args.max_source_length + args.max_target_length)

@@ -33,12 +33,21 @@ padding; Megatron's, which has no decoder): they are 1.2-1.5x off for T5 at 512/
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import PretrainedConfig
 
 T5_STYLE_MODELS = ("t5", "mt5", "umt5")
 BART_STYLE_MODELS = ("bart", "mbart", "pegasus")
+
+
+class FlopCounter(Protocol):
+    """What the step and the rates ask of a task's FLOP count (utils/task.py: flop_counter)."""
+
+    def training(self, batch: dict, recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(model, hardware) FLOPs of one forward+backward of `batch`, on its device, without a host sync."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -163,7 +172,7 @@ class Throughput:
     `recompute`: activation checkpointing) and rated: per device over `world_size` ranks, and as MFU against
     `peak_flops` per device (None: no MFU), which comes from `peak_source`."""
 
-    flops: Seq2SeqFlops | None
+    flops: FlopCounter | None
     recompute: bool
     world_size: int
     peak_flops: float | None

@@ -24,7 +24,7 @@ from utils.data.loaders import move_batch
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import StopCheck
 from utils.log import ProgressLines
-from utils.observe.flops import Seq2SeqFlops
+from utils.observe.flops import FlopCounter
 from utils.observe.memory import SavedTensorCounter
 from utils.task import IGNORED, SEQ2SEQ, Seq2SeqTask
 
@@ -41,7 +41,7 @@ class StepSettings:
     max_grad_norm: float = 0.0  # 0: no clipping (the norm is still measured)
     sync_each_micro_batch: bool = True  # False: reduce gradients after the last micro-batch only
     skip_nonfinite: bool = False  # skip the update when the global gradient norm is NaN/Inf (fused AdamW)
-    flops: Seq2SeqFlops | None = None  # counts each batch's training FLOPs (None: zeros)
+    flops: FlopCounter | None = None  # counts each batch's training FLOPs (None: zeros)
     recompute: bool = False  # activation checkpointing: hardware FLOPs include the blocks' second forward
     saved_counter: SavedTensorCounter | None = None  # counts what the first micro-batch saves for backward
     task: Seq2SeqTask = SEQ2SEQ  # how a batch becomes token losses (utils/task.py; the one task there is)
