@@ -289,7 +289,7 @@ def peers_markdown(results: list[dict]) -> str:
     )
     rows = []
     for r in results:
-        ratio = f"{r['step_seconds'] / bare[r['model']]:.3f}x" if r["model"] in bare else "-"
+        ratio = f"{r['step_seconds'] / bare[r['model']]:.3f}x" if bare.get(r["model"]) else "-"
         peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
         rows.append(
             f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {ratio} | {r['tokens_per_s']:.0f} "

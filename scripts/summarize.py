@@ -9,8 +9,9 @@ reads it, and its text column is the training default's (text, document, article
 Texts get the training run's cleaning (WikiHow's for a WikiHow run: newlines become spaces, its noise markers
 go), source prefix and truncation, and outputs its generation settings (beams, length, ...): the run saved
 both with the model (config.json `task_specific_params.summarization`, generation_config.json), so nothing is
-typed again. A model trained elsewhere (a hub checkpoint) writes up to its own summarization length (T5's
-published configs: 200 tokens), else training's default target length (150), not transformers' 20.
+typed again. A model trained elsewhere (a hub checkpoint) with no generation length of its own takes its
+published summarization settings (T5's config.json: beams, up to 200 tokens), else training's default target
+length (150), not transformers' 20 tokens.
 """
 
 import argparse
@@ -55,6 +56,27 @@ def read_articles(source: str | None, text_column: str = "") -> list[str]:
         raise sources.not_utf8(path, "Save it as UTF-8.") from None
 
 
+# Published summarization settings (T5's config.json task_specific_params) that generate takes as they are.
+PUBLISHED_GENERATION_KEYS = ("num_beams", "min_length", "length_penalty", "no_repeat_ngram_size", "early_stopping")
+
+
+def untrained_generation(model, params: dict) -> dict:
+    """generate's settings beyond the model's generation config: none for a model a run saved (its
+    generation_config.json holds the run's), nor for one whose generation config sets a length. Otherwise
+    transformers would stop at its 20-token default: the model's published summarization settings (T5's:
+    beams, lengths up to 200), else training's default target length; said once."""
+    own = model.generation_config
+    if "max_new_tokens" in params or own.max_new_tokens is not None or own.max_length is not None:
+        return {}
+    generation = {key: params[key] for key in PUBLISHED_GENERATION_KEYS if key in params}
+    generation["max_new_tokens"] = params.get("max_length") or DataConfig().max_target_length
+    get_logger().warning(
+        "the model carries no generation length of its own or of a training run: summaries of up to %d new "
+        "tokens%s", generation["max_new_tokens"], " (its published summarization settings)" if params else "",
+    )  # fmt: skip
+    return generation
+
+
 def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[str]:
     """Summaries of `articles`, prepared and generated as the model's training run did."""
     params = summarization_settings(model.config)
@@ -64,21 +86,13 @@ def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[st
     clean = CLEANINGS[cleaning]
     prefix = params.get("prefix", "")
     max_length = params.get("max_source_length", DEFAULT_MAX_SOURCE_LENGTH)
-    generation = {}
-    if "max_new_tokens" not in params:
-        # A model this package did not train carries none of a run's settings, and generate would stop at
-        # transformers' 20-token default: its own summarization length (T5's published 200), else training's.
-        generation["max_new_tokens"] = params.get("max_length") or DataConfig().max_target_length
-        get_logger().warning(
-            "the model carries no training run's generation settings: summaries of up to %d new tokens",
-            generation["max_new_tokens"],
-        )
+    generation = untrained_generation(model, params)
     summaries = []
     for start in range(0, len(articles), batch_size):
         texts = [prefix + clean(article) for article in articles[start : start + batch_size]]
         inputs = tokenizer(texts, max_length=max_length, truncation=True, padding=True, return_tensors="pt")
         with torch.no_grad():
-            ids = model.generate(**inputs.to(model.device), **generation)  # generation_config.json: the run's
+            ids = model.generate(**inputs.to(model.device), **generation)
         summaries += [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
     return summaries
 

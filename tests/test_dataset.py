@@ -557,6 +557,8 @@ def test_a_dataset_given_its_rows_reads_no_cache(tokenizer, tmp_path):
         ValueError, match=r"tokenised to \(16, 8\) handed to a Dataset of split 'train' and lengths \(32, 8\)"
     ):
         SummarizationDataset(tokenizer, "train", 3, 32, 8, options, rows=rows)
+    with pytest.raises(ValueError, match="rows of split 'train' tokenised to"):
+        SummarizationDataset(tokenizer, "validation", 3, 16, 8, options, rows=rows)
     assert len(handed) == len(tutorial) == 3 and handed.split_rows == tutorial.split_rows == 4
     for index in range(3):
         assert all(torch.equal(handed[index][key], tutorial[index][key]) for key in ITEM_KEYS)

@@ -326,15 +326,33 @@ def test_summarize_takes_a_lora_adapter_folder_as_its_merged_model(adapter_folde
 
 
 def test_summarize_writes_whole_summaries_with_a_model_trained_elsewhere(tmp_path, capsys):
-    """A model without a run's settings (the embedded base model; a hub checkpoint) summarises up to training's
-    default target length, not transformers' 20-token default, and says so."""
+    """A model without a run's settings (the embedded base model; a hub checkpoint) summarises up to its
+    published summarization length (T5's config.json), else training's default target length, not
+    transformers' 20-token default, said once; a model whose generation config sets a length keeps it."""
     articles = tmp_path / "articles.txt"
-    articles.write_text("How to bake bread. Mix the flour and water, knead, let it rise and bake it.\n")
-    said = []
-    [summary] = summarize(EMBEDDED_MODEL_DIR, ["--input", str(articles)], capsys, stderr=said)
-    tokens = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)(summary, add_special_tokens=False).input_ids
-    assert len(tokens) > 20, (len(tokens), summary)  # the embedded model never ends: it writes to the limit
-    assert "no training run's generation settings: summaries of up to 150 new tokens" in said[0]
+    articles.write_text(
+        "How to bake bread. Mix the flour and water, knead and bake it.\nHow to sow. Sow in spring.\n"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    model = T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR)
+    published, own_length = tmp_path / "published", tmp_path / "own_length"
+    model.config.task_specific_params = {"summarization": {"max_length": 40, "num_beams": 2, "prefix": ""}}
+    model.save_pretrained(published)
+    model.config.task_specific_params = None
+    model.generation_config.max_length = 12
+    model.save_pretrained(own_length)
+    for folder in (published, own_length):
+        tokenizer.save_pretrained(folder)
+    lengths, said = {}, {}
+    for name, folder in (("default", EMBEDDED_MODEL_DIR), ("published", published), ("own", own_length)):
+        said[name] = []
+        summaries = summarize(folder, ["--input", str(articles), "--batch_size", "1"], capsys, stderr=said[name])
+        # The embedded model never ends a summary: it writes up to the limit.
+        lengths[name] = max(len(tokenizer(text, add_special_tokens=False).input_ids) for text in summaries)
+    assert lengths["own"] < 20 < lengths["published"] < lengths["default"], lengths
+    assert said["default"][0].count("summaries of up to 150 new tokens\n") == 1, said
+    assert said["published"][0].count("up to 40 new tokens (its published summarization settings)") == 1, said
+    assert "summaries of up to" not in said["own"][0], said
 
 
 @pytest.mark.slow

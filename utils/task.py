@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_L
 from configs.data import DataConfig
 from configs.errors import ConfigError
 from configs.evaluation import EvalConfig
-from utils.observe.flops import Seq2SeqFlops
+from utils.observe.flops import FlopCounter, Seq2SeqFlops
 
 GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
 IGNORED = -100  # the label of a token the loss leaves out (padding): cross_entropy's ignore_index
@@ -93,7 +93,7 @@ class Seq2SeqTask:
         """(rows, source length, target length) of a padded batch: the memory account's shape."""
         return (*batch["source_ids"].shape, batch["target_ids"].shape[1])
 
-    def flop_counter(self, config: PretrainedConfig, frozen_weights: bool) -> Seq2SeqFlops | None:
+    def flop_counter(self, config: PretrainedConfig, frozen_weights: bool) -> FlopCounter | None:
         """How a batch's training FLOPs are counted (None where this family's are not)."""
         return Seq2SeqFlops.from_config(config, frozen_weights=frozen_weights)
 

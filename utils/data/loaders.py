@@ -41,7 +41,7 @@ class DataFormat:
     ``dataset_type(tokenizer, split, num_samples, input_length, output_length, data, rows=split_rows(...))``,
     and its collate, called as ``collate(items, pad_token_id=...)``. What the loaders, the run record and
     evaluation read of a Dataset (summarization_dataset.SummarizationDataset has it): ``split``,
-    ``split_rows``, ``source_description``, ``cleaning``, ``source_prefix``, ``unknown_tokens``,
+    ``split_rows``, ``source_description``, ``cleaning``, ``source_prefix``, ``tokenizer``, ``unknown_tokens``,
     ``row_id(i)``, ``article(i)``, ``reference(i)``, ``source_lengths()`` and ``target_lengths()``."""
 
     dataset_type: type[Dataset]

@@ -2,7 +2,8 @@
 them with --eval_metric (ROUGE, or exact-match accuracy), and rank 0 gathers the scores in split order, writes
 the eval record and the predictions.
 
-    evaluator = Evaluator(eval_set, task.generation_kwargs(evaluation, max_target_length), metric, where, info)
+    evaluator = Evaluator(eval_set=eval_set, task=task, generation=task.generation_kwargs(evaluation, length),
+                          metric=metric, predictions_file=where, info=info)
     record = evaluator.evaluate(model, epoch, step)   # collective; the record on every rank
 
 `where(split, step)` names the predictions file (utils/layout.py: training's, or --evaluate_only's own).

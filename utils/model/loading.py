@@ -229,7 +229,7 @@ def load_tokenizer(
     read or cached. Collective for a hub name the first time (rank 0 looks it up: hub_source). `evaluating`:
     an adapter folder's own tokenizer, checked against its base's config (evaluated_model). `config`: that
     checked config (run_model_config), where the caller has read it already."""
-    config = config or run_model_config(model_name, evaluating)
+    config = config if config is not None else run_model_config(model_name, evaluating)
     _, adapter = evaluated_model(model_name, evaluating)
     model_name = os.path.expanduser(adapter) if adapter else resolved_name(model_name)
     try:
