@@ -31,7 +31,8 @@ from utils.data.cache import CLEANINGS  # noqa: E402
 from utils.log import get_logger, setup_logging  # noqa: E402
 from utils.model import loading  # noqa: E402
 
-DEFAULT_MAX_SOURCE_LENGTH = 512
+# What a model saved without a run's settings is read and generated with: training's defaults.
+TRAINING_DEFAULTS = DataConfig()
 
 
 # Data files, read as training reads them; anything else is text, one article per line.
@@ -69,7 +70,7 @@ def untrained_generation(model, params: dict) -> dict:
     if "max_new_tokens" in params or own.max_new_tokens is not None or own.max_length is not None:
         return {}
     generation = {key: params[key] for key in PUBLISHED_GENERATION_KEYS if key in params}
-    generation["max_new_tokens"] = params.get("max_length") or DataConfig().max_target_length
+    generation["max_new_tokens"] = params.get("max_length") or TRAINING_DEFAULTS.max_target_length
     get_logger().warning(
         "the model carries no generation length of its own or of a training run: summaries of up to %d new "
         "tokens%s", generation["max_new_tokens"], " (its published summarization settings)" if params else "",
@@ -85,7 +86,7 @@ def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[st
         raise UserError(f"the model's cleaning {cleaning!r} is unknown to this version: update the package")
     clean = CLEANINGS[cleaning]
     prefix = params.get("prefix", "")
-    max_length = params.get("max_source_length", DEFAULT_MAX_SOURCE_LENGTH)
+    max_length = params.get("max_source_length", TRAINING_DEFAULTS.max_source_length)
     generation = untrained_generation(model, params)
     summaries = []
     for start in range(0, len(articles), batch_size):
