@@ -110,6 +110,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+import causal_lm_dataset
 import summarization_dataset
 from configs import accelerate_env
 from configs.errors import FAILURES, error_summary
@@ -129,13 +130,14 @@ from utils.fsdp.shard import forward_warnings_ignored, log_fsdp_layout, shard_mo
 from utils.log import quiet_helper_process
 from utils.model import loading, lora
 from utils.observe import flops, memory, metrics, run_record, tensorboard
-from utils.task import Seq2SeqTask, task_for
+from utils.task import CausalTask, Seq2SeqTask, Task, task_for
 from utils.train import optim
 from utils.train.preemption import StopRequest
 from utils.train.trainer import Trainer
 
-# Each task's Dataset and collate: sequence-to-sequence reads the tutorial's (summarization_dataset.py).
-DATA_FORMATS = {Seq2SeqTask: summarization_dataset.FORMAT}
+# Each task's Dataset and collate: sequence-to-sequence reads the tutorial's (summarization_dataset.py), a
+# decoder-only model prompt and completion as one sequence (causal_lm_dataset.py).
+DATA_FORMATS = {Seq2SeqTask: summarization_dataset.FORMAT, CausalTask: causal_lm_dataset.FORMAT}
 
 if __name__ == "__mp_main__":  # imported by a process torch starts from this one: the background checkpoint
     quiet_helper_process()  # writer of --async_checkpoint (utils/checkpoint/manager.py)
@@ -167,6 +169,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     evaluating = evaluation.evaluate_only
     checked_config = loading.run_model_config(train.model_name, evaluating=evaluating)
     task = task_for(checked_config, train.model_name)
+    task.check_data(config.data)  # what only one kind of model reads (--packing: a decoder-only model)
     # Datasets and loaders (the task's Dataset and collate; the tutorial's, summarization_dataset.py): the data
     # is read and checked before the model loads, so a data error costs seconds, not the minutes of loading a
     # large model.
@@ -269,6 +272,8 @@ def log_evaluation_plan(config: RunConfig, loaders: Loaders) -> None:
         return
     metric = METRIC_NAMES[evaluation.eval_metric]
     scores = f"no {metric} (--eval_rouge false)"
+    if config.data.dataset_text_field:
+        scores = f"perplexity, no {metric} (--dataset_text_field: whole texts have no reference to score)"
     if loaders.evaluation is not None:
         rows = len(loaders.evaluation.dataset)
         scores = f"{metric} of {rows} generated outputs (--eval_rouge false switches it off)"
@@ -343,7 +348,7 @@ def build_model(
 
 
 def build_throughput(
-    task: Seq2SeqTask, model_config, config: RunConfig, info: process_group.DistInfo, precision: Precision
+    task: Task, model_config, config: RunConfig, info: process_group.DistInfo, precision: Precision
 ) -> flops.Throughput:
     """How steps are counted in FLOPs and rated against the device's peak in the compute dtype. Collective."""
     peak, source = flops.device_peak_flops(
@@ -364,7 +369,7 @@ def build_throughput(
 def evaluate_saved_model(
     model,
     eval_set,
-    task: Seq2SeqTask,
+    task: Task,
     config: RunConfig,
     info: process_group.DistInfo,
     progress,

@@ -37,6 +37,13 @@ class SummarizationDataset(Dataset):
     same split and lengths), where the caller has them: the package's loaders do.
     """
 
+    encoding = "seq2seq"  # how the cache tokenises its rows (utils/data/cache.py: ENCODINGS)
+
+    @staticmethod
+    def lengths(data: DataConfig) -> tuple[int, int]:
+        """The (source, target) token lengths the settings `data` give a split's rows."""
+        return data.max_source_length, data.max_target_length
+
     def __init__(
         self,
         tokenizer,
@@ -51,12 +58,15 @@ class SummarizationDataset(Dataset):
         # Without options: the embedded sample, padded to the max lengths as the tutorial's Dataset did.
         options = options or DataConfig(pad_to_max_length=True)
         # The package's loaders hand the rows in (utils/data/loaders.py); the tutorial's call reads them here.
+        lengths = (input_length, output_length)
         if rows is None:
-            rows = split_rows(tokenizer, type_path, num_samples, input_length, output_length, options)
-        elif (rows.split, rows.lengths) != (type_path, (input_length, output_length)):
+            rows = split_rows(
+                tokenizer, type_path, num_samples, input_length, output_length, options, encoding=self.encoding
+            )
+        elif (rows.split, rows.lengths, rows.encoding) != (type_path, lengths, self.encoding):
             raise ValueError(
-                f"rows of split {rows.split!r} tokenised to {rows.lengths} handed to a Dataset of split "
-                f"{type_path!r} and lengths {(input_length, output_length)}"
+                f"rows of split {rows.split!r} tokenised to {rows.lengths} ({rows.encoding}) handed to a Dataset "
+                f"of split {type_path!r}, lengths {lengths} ({self.encoding})"
             )
         self.split = type_path
         self.split_rows = rows.split_rows  # the whole split's, before num_samples
@@ -68,6 +78,7 @@ class SummarizationDataset(Dataset):
         self.tokenizer = tokenizer
         self.input_length = input_length
         self.output_length = output_length
+        self.options = options  # the data settings (a subclass's Dataset reads its own of them)
         self.print_text = options.print_text
         self.source_prefix = options.source_prefix
         self.pad_to_max_length = options.pad_to_max_length
@@ -76,7 +87,13 @@ class SummarizationDataset(Dataset):
     def unknown_tokens(self) -> dict:
         """unknown_token_counts of the rows this dataset reads, counted when first asked: by rank 0 alone, for
         its warning and the run record."""
-        return unknown_token_counts(self.token_ids, self.tokenizer.unk_token_id)
+        tokenizer = self.tokenizer
+        unknown = tokenizer.unk_token_id
+        # GPT-2's one special token is its start, end and unknown token: the EOS every completion ends with is
+        # no text it could not read.
+        if unknown in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id):
+            unknown = None
+        return unknown_token_counts(self.token_ids, unknown)
 
     def __len__(self) -> int:
         return len(self.dataset)

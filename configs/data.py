@@ -112,16 +112,70 @@ class DataConfig:
         on_resume="fixed",
     )
     max_source_length: int = option(
-        default=512, help="Source (article) tokens kept (truncation).", minimum=2, on_resume="fixed"
+        default=512,
+        help="Source (article; a decoder-only model's prompt) tokens kept (truncation).",
+        minimum=2,
+        on_resume="fixed",
     )
     max_target_length: int = option(
-        default=150, help="Target (summary) tokens kept (truncation).", minimum=2, on_resume="fixed"
+        default=150,
+        help="Target (summary; a decoder-only model's completion, its EOS included) tokens kept (truncation).",
+        minimum=2,
+        on_resume="fixed",
     )
     source_prefix: str = option(
         default="",
         help=(
             "Text put before every source text. The tutorial uses none; pretrained T5 checkpoints were "
             "trained with 'summarize: '."
+        ),
+        on_resume="fixed",
+    )
+    dataset_text_field: str = option(
+        default="",
+        help=(
+            "Decoder-only models: the column of whole texts to train on, every token (TRL's name; the Llama 2 "
+            "guide's content), instead of prompt/completion columns (--text_column, --summary_column). Each "
+            "text is cut to --max_seq_len tokens. Generation has no references to score then: validation is "
+            "the loss and perplexity."
+        ),
+        on_resume="fixed",
+    )
+    max_seq_len: int = option(
+        default=1024,
+        help=(
+            "Decoder-only models: the tokens of a --packing block, and those kept of a --dataset_text_field "
+            "text (its start and EOS tokens included)."
+        ),
+        minimum=8,
+        on_resume="fixed",
+    )
+    packing: bool = option(
+        default=False,
+        help=(
+            "Decoder-only models: train and validate on blocks of --max_seq_len tokens made of several rows "
+            "instead of one padded row per sample (--packing_strategy says how). Generation reads the rows "
+            "unpacked."
+        ),
+        on_resume="fixed",
+    )
+    packing_strategy: Literal["documents", "wrapped"] = option(
+        default="documents",
+        help=(
+            "How --packing fills a block. documents: whole rows in their order (one longer than a block cut to "
+            "it), each attending to itself alone (position ids restart per row; the loss of a row as if it were "
+            "alone), the rest of the block padding. wrapped: every row's tokens concatenated and cut into full "
+            "blocks, the last part dropped, rows attending across their boundaries (the Llama 2 guide's "
+            "packing, TRL's 'wrapped')."
+        ),
+        on_resume="fixed",
+    )
+    completion_only_loss: bool = option(
+        default=True,
+        help=(
+            "Decoder-only models (Llama, GPT-2, ...): the loss on the completion's tokens (the target column) "
+            "alone, as TRL's SFTTrainer takes it; false: on the prompt's too. An encoder-decoder trains on its "
+            "target alone either way."
         ),
         on_resume="fixed",
     )

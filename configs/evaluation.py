@@ -52,6 +52,14 @@ class EvalConfig:
         ),
         minimum=0,
     )
+    eval_on_start: bool = option(
+        default=False,
+        help=(
+            "Also evaluate before the first step of a new run (HF's name): the validation loss (perplexity for "
+            "a decoder-only model) and ROUGE of the model as it starts, as step 0's records: what training "
+            "should beat. Needs --run_validation true."
+        ),
+    )
     num_beams: int = option(
         default=1,
         help="Beams of the summaries' beam search; 1 = greedy decoding (fastest, deterministic).",

@@ -20,7 +20,7 @@ HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 # is what accelerate's fsdp_transformer_layer_cls_to_wrap may name.
 TESTED_LAYER_CLASSES = (
     "T5Block", "MT5Block", "UMT5Block", "BartEncoderLayer", "BartDecoderLayer", "PegasusEncoderLayer",
-    "PegasusDecoderLayer",
+    "PegasusDecoderLayer", "LlamaDecoderLayer", "GPT2Block",
 )  # fmt: skip
 
 

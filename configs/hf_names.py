@@ -86,6 +86,12 @@ def whole_number_limit(value: str) -> list[tuple[str, str]]:
     return [("keep_last_n", value)]
 
 
+def flash_attention(value: str) -> list[tuple[str, str]]:
+    """The guide's --use_flash_attn patched Llama's attention with flash-attention 2; torch's SDPA holds the same
+    kernel (and runs on a CPU too)."""
+    return [("attn_implementation", "sdpa" if value == "true" else "eager")]
+
+
 def strategy(name: str, field: str, off: str) -> Callable[[str], list[tuple[str, str]]]:
     """HF's --*_strategy: `no` switches the package's own off (`field` `off`); epoch and steps are its ways
     already (every epoch; --eval_steps/--save_steps add step-wise ones)."""
@@ -161,8 +167,16 @@ HF_NAMES = {
     "overwrite_cache": left_out(
         "none needed: the token cache is rebuilt when the data, tokenizer or lengths change", "boolean"
     ),  # fmt: skip
-    # The Llama 2 guide's training script
+    # The Llama 2 guide's training script (its --max_seq_len, --packing and --dataset_text_field are this
+    # package's own flags)
     "use_gradient_checkpointing": boolean("fsdp_activation_checkpointing"),
+    "use_flash_attn": HFName(
+        flash_attention,
+        "boolean",
+        "true: `--attn_implementation sdpa` (torch's fused attention, its flash kernel on a GPU where no mask is "
+        "needed; `--attn_implementation flex_attention` keeps packed rows apart on a GPU without a dense mask); "
+        "false: `--attn_implementation eager`",
+    ),
 }
 
 

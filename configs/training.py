@@ -19,9 +19,10 @@ class TrainConfig:
     model_name: str = option(
         default=str(EMBEDDED_MODEL_DIR),
         help=(
-            "Hub name (t5-small ... t5-11b, google/flan-t5-base, google/mt5-base, facebook/bart-large-cnn) or "
-            "local folder of an encoder-decoder, for AutoModelForSeq2SeqLM/AutoTokenizer.from_pretrained. "
-            "Default: the embedded tiny T5."
+            "Hub name (t5-small ... t5-11b, google/flan-t5-base, google/mt5-base, facebook/bart-large-cnn, "
+            "meta-llama/Llama-2-7b-hf) or local folder of an encoder-decoder (AutoModelForSeq2SeqLM) or a "
+            "decoder-only model (AutoModelForCausalLM; docs/causal.md), with its AutoTokenizer. Default: the "
+            "embedded tiny T5."
         ),
         on_resume="fixed",
     )

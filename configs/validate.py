@@ -38,7 +38,7 @@ def check_settings(config: RunConfig, world_size: int, device_type: str | None =
         check_fsdp2_settings(fsdp)
     check_hybrid_sharding(fsdp, world_size)
     check_checkpointing(config.checkpointing, config.fsdp)
-    check_data_source(config.data)
+    check_data_source(config.data, config.evaluation)
     check_evaluation(config.evaluation, config.train)
     check_schedule(config.recipe)
     check_optional_packages(config.observe, config.lora)
@@ -164,7 +164,7 @@ def check_checkpointing(checkpointing: CheckpointConfig, fsdp_config: FSDPConfig
         )
 
 
-def check_data_source(data: DataConfig) -> None:
+def check_data_source(data: DataConfig, evaluation: EvalConfig | None = None) -> None:
     """One source of rows: files, a named dataset, or a --data_dir (the embedded sample by default)."""
     files = [f"--{name}" for name in ("train_file", "validation_file", "test_file") if getattr(data, name)]
     given = [*files[:1], *(["--dataset_name"] if data.dataset_name else [])]
@@ -176,6 +176,24 @@ def check_data_source(data: DataConfig) -> None:
         )
     if data.dataset_config_name and not data.dataset_name:
         raise ConfigError("--dataset_config_name is the config of --dataset_name: give the dataset's name too")
+    if data.packing and data.group_by_length:
+        raise ConfigError(
+            "--packing true and --group_by_length true: packed blocks hold rows of every length; drop one"
+        )
+    if data.packing_strategy != "documents" and not data.packing:
+        raise ConfigError(f"--packing_strategy {data.packing_strategy} says how to pack: add --packing true")
+    evaluation = evaluation or EvalConfig()
+    if data.dataset_text_field and (evaluation.evaluate_only or evaluation.metric_for_best != "val_loss"):
+        what = "--evaluate_only" if evaluation.evaluate_only else f"--metric_for_best {evaluation.metric_for_best}"
+        raise ConfigError(
+            f"--dataset_text_field: whole texts have no reference for generation to be scored against, so {what} "
+            "has no score to give; their measure is the validation loss (--metric_for_best val_loss)"
+        )
+    if data.dataset_text_field and (data.text_column or data.summary_column):
+        raise ConfigError(
+            "--dataset_text_field names the one column of whole texts; --text_column and --summary_column name a "
+            "prompt's and its completion's: give one or the other"
+        )
     if data.length_key != "source" and not data.group_by_length:
         raise ConfigError(
             f"--length_key {data.length_key} is what --group_by_length sorts by: add --group_by_length true"
@@ -209,6 +227,15 @@ def check_evaluation(evaluation: EvalConfig, train_config: TrainConfig) -> None:
             "--eval_every_n_steps evaluates the validation loss and generation inside epochs, but "
             "--run_validation false turns all evaluation off: drop --eval_every_n_steps, or use "
             "--run_validation true"
+        )
+    if evaluation.eval_on_start and evaluation.evaluate_only:
+        raise ConfigError(
+            "--eval_on_start true evaluates before training; --evaluate_only trains nothing: drop one"
+        )
+    if evaluation.eval_on_start and not train_config.run_validation:
+        raise ConfigError(
+            "--eval_on_start true evaluates before training, but --run_validation false turns all evaluation "
+            "off: drop --eval_on_start, or use --run_validation true"
         )
 
 

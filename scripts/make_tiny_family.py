@@ -1,5 +1,5 @@
-"""A tiny randomly initialised encoder-decoder of one family, with a tokenizer made from the embedded sample,
-offline: what the tests train to show that every supported family works (docs/models.md).
+"""A tiny randomly initialised model of one family, with a tokenizer made from the embedded sample, offline:
+what the tests train to show that every supported family works (docs/models.md).
 
     python scripts/make_tiny_family.py --family bart --out /tmp/tiny-bart
 
@@ -8,6 +8,12 @@ T5's sentencepiece tokenizer, PEGASUS the same sentencepiece model through its o
 puts its special tokens first), BART a byte-level BPE trained here by `tokenizers` on the embedded sample's
 texts. T5 v1.0 itself is the embedded data/tiny-t5. Each model has two encoder and two decoder layers of
 width 64, and is saved by its own class, as a hub checkpoint is.
+
+The decoder-only families (CAUSAL_FAMILIES): Llama (grouped-query attention, RoPE, RMSNorm; an lm_head of its
+own, or tied to the embedding in `llama-tied`) with a BPE tokenizer that starts every text with <s> and has no
+padding token, as Llama 2's; GPT-2 (Conv1D layers, learned positions, a tied head) with GPT-2's tokenizer
+class over the same BPE, whose one special token <|endoftext|> is its start, end and unknown token. Each has
+two layers of width 64.
 """
 
 import argparse
@@ -30,6 +36,12 @@ BART_SHAPE = {
     "attention_dropout": 0.1, "activation_dropout": 0.1,  # as the published PEGASUS configs
 }  # fmt: skip
 FAMILIES = ("t5-v1_1", "mt5", "umt5", "bart", "pegasus")  # T5 v1.0 itself: the embedded data/tiny-t5
+CAUSAL_FAMILIES = ("llama", "llama-tied", "gpt2")
+LLAMA_SHAPE = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 512,
+}  # fmt: skip
+GPT2_SHAPE = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512}
 BPE_VOCAB = 1000
 
 
@@ -48,19 +60,39 @@ def sentencepiece_tokenizer(tokenizer_class, out: Path):
     return tokenizer
 
 
-def bpe_tokenizer(out: Path):
-    """A byte-level BPE of BPE_VOCAB tokens trained on the sample's texts, as BART's tokenizer."""
+def trained_bpe(special_tokens: list[str]):
+    """A byte-level BPE of BPE_VOCAB tokens trained on the sample's texts, `special_tokens` first."""
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import BartTokenizer
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(
-        sample_texts(), vocab_size=BPE_VOCAB, min_frequency=2, show_progress=False,
-        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
-    )  # fmt: skip
+        sample_texts(), vocab_size=BPE_VOCAB, min_frequency=2, show_progress=False, special_tokens=special_tokens
+    )
+    return bpe
+
+
+def bpe_tokenizer(out: Path, tokenizer_class=None, special_tokens=("<s>", "<pad>", "</s>", "<unk>", "<mask>")):
+    """`tokenizer_class` (BART's by default, GPT-2's) over a BPE trained here."""
+    from transformers import BartTokenizer
+
+    bpe = trained_bpe(list(special_tokens))
     with tempfile.TemporaryDirectory() as scratch:
         bpe.save_model(scratch)
-        tokenizer = BartTokenizer(f"{scratch}/vocab.json", f"{scratch}/merges.txt")
+        tokenizer = (tokenizer_class or BartTokenizer)(f"{scratch}/vocab.json", f"{scratch}/merges.txt")
+    tokenizer.save_pretrained(str(out))
+    return tokenizer
+
+
+def llama_tokenizer(out: Path):
+    """A BPE trained here as Llama 2's tokenizer presents itself: <s> before every text, </s> its end, no
+    padding token."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = trained_bpe(["<unk>", "<s>", "</s>"])
+    bos = bpe.token_to_id("<s>")
+    bpe.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     tokenizer.save_pretrained(str(out))
     return tokenizer
 
@@ -96,10 +128,24 @@ def make(family: str, out: str) -> int:
             eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.eos_token_id,
             forced_bos_token_id=None, forced_eos_token_id=tokenizer.eos_token_id, **BART_SHAPE,
         )  # fmt: skip
+    elif family in ("llama", "llama-tied"):
+        tokenizer = llama_tokenizer(folder)
+        config = transformers.LlamaConfig(
+            vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            tie_word_embeddings=family == "llama-tied", **LLAMA_SHAPE,
+        )  # fmt: skip
+    elif family == "gpt2":
+        tokenizer = bpe_tokenizer(folder, transformers.GPT2TokenizerFast, special_tokens=("<|endoftext|>",))
+        config = transformers.GPT2Config(
+            vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            **GPT2_SHAPE,
+        )  # fmt: skip
     else:
-        raise SystemExit(f"--family must be one of {', '.join(FAMILIES)}, not {family!r}")
+        raise SystemExit(f"--family must be one of {', '.join(FAMILIES + CAUSAL_FAMILIES)}, not {family!r}")
     torch.manual_seed(SEED)
-    model = transformers.AutoModelForSeq2SeqLM.from_config(config)
+    causal = family in CAUSAL_FAMILIES
+    auto_class = transformers.AutoModelForCausalLM if causal else transformers.AutoModelForSeq2SeqLM
+    model = auto_class.from_config(config)
     if family in ("t5-v1_1", "mt5", "umt5"):
         untie_head(model)  # the published T5 v1.1, flan-t5, mT5 and UMT5 checkpoints have an lm_head of their own
     if family == "bart":  # a trained BART's final_logits_bias is not zero: show that the export keeps it
@@ -110,7 +156,7 @@ def make(family: str, out: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", required=True, choices=FAMILIES)
+    parser.add_argument("--family", required=True, choices=FAMILIES + CAUSAL_FAMILIES)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     parameters = make(args.family, args.out)

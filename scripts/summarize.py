@@ -121,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
             "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
         )
         if loading.adapter_base_of(args.model) is None:
+            if not loading.run_model_config(args.model).is_encoder_decoder:
+                raise UserError(
+                    f"{args.model} is a decoder-only model: this script summarises with encoder-decoders. "
+                    "Generate with transformers' pipeline('text-generation', model=...) (docs/causal.md)"
+                )
             tokenizer = loading.load_tokenizer(args.model)
             articles = read_articles(args.input, args.text_column)
             model = AutoModelForSeq2SeqLM.from_pretrained(loading.resolved_name(args.model))

@@ -55,11 +55,11 @@ from utils.fsdp.shard import shard_model
 from utils.log import ProgressLines
 from utils.model import t5_attention
 from utils.model.loading import load_full_model_state, load_model, load_tokenizer
-from utils.model.lora import apply_lora
+from utils.model.lora import apply_lora, transposed_layers
 from utils.model.rank0_loading import UnitMaterializer
 from utils.observe.flops import Seq2SeqFlops
 from utils.observe.memory import optim_state_numel_local
-from utils.task import SEQ2SEQ
+from utils.task import CAUSAL, IGNORED, SEQ2SEQ, Task, task_for
 from utils.train import step as step_module
 from utils.train.step import train_step, validate
 from utils.train.step_log import StepLog
@@ -100,26 +100,64 @@ def make_batch(seed: int, rows: int = 3, src_len: int = 12, tgt_len: int = 7, vo
     }
 
 
+def causal_batch(seed: int, rows: int = 3, length: int = 14, vocab: int = VOCAB) -> dict:
+    """A decoder-only model's batch (causal_lm_dataset.py's keys): random ids, right padding of random length,
+    and no loss on a prompt of 1-3 tokens or on the padding, so that ranks train on different token counts."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, length), generator=gen)
+    positions = torch.arange(length)
+    mask = (positions < torch.randint(4, length + 1, (rows, 1), generator=gen)).long()
+    prompt = positions < torch.randint(1, 4, (rows, 1), generator=gen)
+    return {
+        "input_ids": ids.masked_fill(mask == 0, 0),
+        "attention_mask": mask,
+        "labels": ids.masked_fill(prompt | (mask == 0), IGNORED),
+    }
+
+
+def packed_causal_batch(seed: int, rows: int = 3, length: int = 14, vocab: int = VOCAB) -> dict:
+    """causal_batch packed as --packing documents makes blocks: each row two documents (position ids restarting
+    at the second, whose first token is no target), then padding."""
+    batch = causal_batch(seed, rows, length, vocab)
+    gen = torch.Generator().manual_seed(seed + 1)
+    positions = torch.arange(length).expand(rows, length).clone()
+    mask = batch.pop("attention_mask")
+    real = mask.sum(dim=1)
+    for row in range(rows):
+        second = int(torch.randint(2, max(3, int(real[row]) - 1), (1,), generator=gen))
+        positions[row, second:] -= second
+        positions[row, int(real[row]) :] = 0
+        batch["labels"][row, second] = IGNORED
+    return {**batch, "position_ids": positions, "attention_mask": mask}
+
+
+BATCHES = {SEQ2SEQ: make_batch, CAUSAL: causal_batch}  # a task's random batches
+
+
 def batch_seed(step: int, rank: int) -> int:
     return 1000 * step + rank
 
 
-def global_batch(step: int, world_size: int, vocab: int = VOCAB) -> dict:
+def global_batch(
+    step: int, world_size: int, vocab: int = VOCAB, task: Task = SEQ2SEQ, packed: bool = False
+) -> dict:
     """What all ranks see at `step`, as one batch (the unsharded reference's input)."""
-    parts = [make_batch(batch_seed(step, rank), vocab=vocab) for rank in range(world_size)]
+    batches = packed_causal_batch if packed else BATCHES[task]
+    parts = [batches(batch_seed(step, rank), vocab=vocab) for rank in range(world_size)]
     return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
 
 def reference_run(
-    steps: int, world_size: int, model: nn.Module | None = None, vocab: int = VOCAB
-) -> tuple[list[float], dict]:
+    steps: int, world_size: int, model: nn.Module | None = None, vocab: int = VOCAB, task: Task = SEQ2SEQ,
+    packed: bool = False,
+) -> tuple[list[float], dict]:  # fmt: skip
     """Unsharded model (tiny_t5 unless given), no process group: token-mean loss over the global batch,
     AdamW over the parameters that train (all of them, or a PEFT model's adapters)."""
     model = tiny_t5() if model is None else model
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(steps):
-        token_losses, labels = SEQ2SEQ.token_losses(model, global_batch(step, world_size, vocab))
+        token_losses, labels = task.token_losses(model, global_batch(step, world_size, vocab, task, packed))
         loss = token_losses.sum() / (labels != -100).sum()
         loss.backward()
         optimizer.step()
@@ -158,14 +196,18 @@ def fsdp_run(
 
 
 def train_wrapped(
-    model: nn.Module, optimizer, rank: int, world_size: int, steps: int, vocab: int = VOCAB, first: int = 0
-) -> list[float]:
-    """Steps `first` to `steps` - 1 of train_step on this rank's batches; the reported (global token-mean)
-    loss of each."""
+    model: nn.Module, optimizer, rank: int, world_size: int, steps: int, vocab: int = VOCAB, first: int = 0,
+    task: Task = SEQ2SEQ, packed: bool = False,
+) -> list[float]:  # fmt: skip
+    """Steps `first` to `steps` - 1 of train_step on this rank's batches (`packed`: a decoder-only model's
+    packed blocks); the reported (global token-mean) loss of each."""
     records: list[dict] = []
     step_log = StepLog(every=steps, on_flush=records.extend)
+    settings = step_module.StepSettings(task=task)
+    batches = packed_causal_batch if packed else BATCHES[task]
     for step in range(first, steps):
-        stats = train_step(model, make_batch(batch_seed(step, rank), vocab=vocab), optimizer, None, world_size)
+        batch = batches(batch_seed(step, rank), vocab=vocab)
+        stats = train_step(model, batch, optimizer, None, world_size, settings)
         step_log.add(step + 1, LR, stats)
     step_log.flush()
     return [r["loss"] for r in records]
@@ -919,14 +961,21 @@ FAMILY_CHECKPOINT_TYPES = {1: layout.FULL, 2: layout.SHARDED}  # a resume throug
 
 
 def family_worker(rank: int, world_size: int, folder: str, steps: int, output_root: str) -> dict:
-    """Another encoder-decoder family (a scripts/make_tiny_family.py folder), loaded as a run loads it, per
-    backend: the losses of `steps` fp32 steps, saved by the checkpoint manager halfway; the final full state
-    (rank 0); the model exported from the shards to output_root/fsdp<version>/hf_model; and the second half
-    again, resumed from the checkpoint into an empty skeleton (load_model(on_meta=True), as a resumed run
-    builds it). The unsharded model's losses and state on rank 0."""
+    """Another family (a scripts/make_tiny_family.py folder: an encoder-decoder or a decoder-only model), loaded
+    as a run loads it, per backend: the losses of `steps` fp32 steps, saved by the checkpoint manager halfway;
+    the final full state (rank 0); the model exported from the shards to output_root/fsdp<version>/hf_model;
+    the second half again, resumed from the checkpoint into an empty skeleton (load_model(on_meta=True), as a
+    resumed run builds it), with its computed buffers (RoPE's inv_freq); and the losses of a run loaded by
+    rank 0 alone (--cpu_ram_efficient_loading) with activation checkpointing. The unsharded model's losses and
+    state on rank 0."""
     reference = load_model(folder, dropout_rate=0.0)
     vocab = reference.config.vocab_size
-    out = {"reference": reference_run(steps, world_size, reference, vocab) if rank == 0 else None}
+    task = task_for(reference.config)
+    fresh_buffers = {name: buffer.clone() for name, buffer in reference.named_buffers()}
+    packed_reference = copy.deepcopy(reference) if task is CAUSAL else None
+    out = {"reference": reference_run(steps, world_size, reference, vocab, task) if rank == 0 else None}
+    if packed_reference is not None and rank == 0:  # packed blocks, documents kept apart by position ids
+        out["packed_reference"] = reference_run(steps, world_size, packed_reference, vocab, task, packed=True)
     tokenizer = load_tokenizer(folder)
     info = DistInfo(rank, rank, world_size, CPU, "gloo")
 
@@ -952,22 +1001,45 @@ def family_worker(rank: int, world_size: int, folder: str, steps: int, output_ro
             base_model=folder,
         )
 
+    def buffers_as_fresh(model: nn.Module) -> bool:
+        return all(torch.equal(buffer.cpu(), fresh_buffers[name.replace("_fsdp_wrapped_module.", "")])
+                   for name, buffer in model.named_buffers())  # fmt: skip
+
     half = steps // 2
     for version in (1, 2):
         run = checkpointer(version, on_meta=False)
-        losses = train_wrapped(run.model, run.optimizer, rank, world_size, half, vocab)
+        losses = train_wrapped(run.model, run.optimizer, rank, world_size, half, vocab, task=task)
         checkpoint = run.save(TrainProgress(epoch=1, samples_consumed=half, global_step=half))
-        losses += train_wrapped(run.model, run.optimizer, rank, world_size, steps, vocab, first=half)
+        losses += train_wrapped(run.model, run.optimizer, rank, world_size, steps, vocab, first=half, task=task)
         run.export_hf()
         resumed = checkpointer(version, on_meta=True)
         resumed.load(resolve_start(checkpoint, f"{output_root}/fsdp{version}"))
+        resumed_buffers = buffers_as_fresh(resumed.model)
         resumed_losses = train_wrapped(
-            resumed.model, resumed.optimizer, rank, world_size, steps, vocab, first=half
+            resumed.model, resumed.optimizer, rank, world_size, steps, vocab, first=half, task=task
         )
+        fsdp = _fsdp_config({"fsdp_version": version, "cpu_ram_efficient_loading": True,
+                             "fsdp_activation_checkpointing": True})  # fmt: skip
+        skeleton = version == 1 or rank != 0
+        rank0_loaded = shard_model(load_model(folder, on_meta=skeleton, dropout_rate=0.0), fsdp, FP32, CPU,
+                                   weights_source=folder)  # fmt: skip
+        rank0_buffers = buffers_as_fresh(rank0_loaded)
+        optimizer = torch.optim.AdamW(rank0_loaded.parameters(), lr=LR)
+        rank0_loaded_losses = train_wrapped(rank0_loaded, optimizer, rank, world_size, steps, vocab, task=task)
+        packed_losses = None
+        if task is CAUSAL:
+            packed = checkpointer(version, on_meta=False)
+            packed_losses = train_wrapped(
+                packed.model, packed.optimizer, rank, world_size, steps, vocab, task=task, packed=True
+            )
         out[version] = {
             "losses": losses,
             "checkpoint": checkpoint,
             "resumed_losses": resumed_losses,
+            "resumed_buffers_as_fresh": resumed_buffers,
+            "rank0_loaded_losses": rank0_loaded_losses,
+            "packed_losses": packed_losses,
+            "rank0_loaded_buffers_as_fresh": rank0_buffers,
             "state": gather_full_state_dict(run.model, CPU),  # rank 0's, {} elsewhere
             "resumed_state": gather_full_state_dict(resumed.model, CPU),
         }
@@ -1286,3 +1358,18 @@ def stop_check_worker(rank: int, world_size: int, request_at: int, batches: int)
         except StopAgreed:
             return batch
     return None
+
+
+def causal_lora_worker(rank: int, world_size: int, folder: str, targets: str, export_dir: str) -> dict:
+    """LoRA on a decoder-only model under FSDP2: 3 steps, then the merged model written from the shards to
+    export_dir/hf_model; rank 0 returns the gathered trained PEFT model's state dict (PEFT's names)."""
+    torch.manual_seed(0)
+    lora = LoraConfig(peft="lora", lora_r=4, lora_alpha=8, lora_target_modules=targets, merge_lora=True)
+    model = apply_lora(load_model(folder, dropout_rate=0.0), lora, folder)
+    model_config = model.config
+    model = shard_model(model, _fsdp_config({"fsdp_version": 2}), FP32, CPU)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    train_wrapped(model, optimizer, rank, world_size, 3, model_config.vocab_size, task=CAUSAL)
+    _, merged = lora_exports(sharded_model_state(model), lora, CPU, transposed_layers(model))
+    write_model_folder(merged, model_config, load_tokenizer(folder), f"{export_dir}/hf_model", 10**9, rank == 0)
+    return {"state": gather_full_state_dict(model, CPU)}

@@ -45,3 +45,11 @@ def assert_folder_is_save_pretrained_of(folder: Path, state: dict, scratch: Path
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     for name, tensor in state.items():  # the tied names too, tied again by from_pretrained
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def parameter_ties(model) -> list[list[str]]:
+    """The model's parameter names grouped by the tensor they name: a tie is a group of two or more."""
+    ids: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        ids.setdefault(id(parameter), []).append(name)
+    return sorted(sorted(names) for names in ids.values())

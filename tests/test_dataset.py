@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from causal_lm_dataset import CausalLMDataset
 from configs.data import DataConfig
 from configs.errors import ConfigError, DataError, DataFileNotFoundError
 from configs.paths import REPO_ROOT
@@ -554,9 +555,14 @@ def test_a_dataset_given_its_rows_reads_no_cache(tokenizer, tmp_path):
     handed = SummarizationDataset(counting, "train", 3, 16, 8, options, rows=rows)
     assert counting.texts == [] and not (tmp_path / "cache").exists()
     with pytest.raises(
-        ValueError, match=r"tokenised to \(16, 8\) handed to a Dataset of split 'train' and lengths \(32, 8\)"
+        ValueError,
+        match=r"tokenised to \(16, 8\) \(seq2seq\) handed to a Dataset of split 'train', lengths \(32, 8\)",
     ):
         SummarizationDataset(tokenizer, "train", 3, 32, 8, options, rows=rows)
+    with pytest.raises(
+        ValueError, match=r"\(seq2seq\) handed to a Dataset of split 'train', lengths \(16, 8\) \(causal\)"
+    ):
+        CausalLMDataset(tokenizer, "train", 3, 16, 8, options, rows=rows)  # tokenised for an encoder-decoder
     with pytest.raises(ValueError, match="rows of split 'train' tokenised to"):
         SummarizationDataset(tokenizer, "validation", 3, 16, 8, options, rows=rows)
     assert len(handed) == len(tutorial) == 3 and handed.split_rows == tutorial.split_rows == 4

@@ -17,6 +17,7 @@ from policies.wrapping import layer_classes
 from scripts.make_tiny_family import FAMILIES, make
 from tests.dist_harness import run_ranks
 from tests.dist_workers import family_worker
+from tests.hf_folders import parameter_ties
 from utils.checkpoint.hf_export import convert_checkpoint
 from utils.checkpoint.state_dicts import set_optimizer_state
 from utils.model.loading import load_model, load_tokenizer
@@ -68,13 +69,7 @@ def test_a_skeleton_has_the_loaded_models_parameters_and_ties(family_dirs, famil
     loaded = load_model(family_dirs[family])
     skeleton = load_model(family_dirs[family], on_meta=True)
 
-    def ties(model):
-        ids = {}
-        for name, parameter in model.named_parameters(remove_duplicate=False):
-            ids.setdefault(id(parameter), []).append(name)
-        return sorted(sorted(names) for names in ids.values())
-
-    assert ties(skeleton) == ties(loaded)
+    assert parameter_ties(skeleton) == parameter_ties(loaded)
     assert {n: p.shape for n, p in skeleton.state_dict().items()} == {
         n: p.shape for n, p in loaded.state_dict().items()
     }
@@ -83,14 +78,6 @@ def test_a_skeleton_has_the_loaded_models_parameters_and_ties(family_dirs, famil
     # else FSDP1 would wrap the skeleton in other units than the run it restores.
     trains = {name: p.requires_grad for name, p in loaded.named_parameters()}
     assert {name: p.requires_grad for name, p in skeleton.named_parameters()} == trains
-
-
-def test_a_decoder_only_model_is_refused_at_start(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="is a gpt2 model, not an encoder-decoder: .*AutoModelForSeq2SeqLM"):
-        load_model(str(tmp_path))
 
 
 def test_a_folder_whose_architecture_is_another_familys_is_refused(family_dirs, tmp_path):

@@ -216,3 +216,35 @@ def test_a_signal_to_the_batch_script_reaches_the_tasks_without_killing_srun(fak
     srun_args = (log / "srun.args").read_text().splitlines()
     assert "torchrun" in srun_args
     assert srun_args[-len(USER_ARGS) - 3 :] == [str(REPO_ROOT / "T5_training.py"), "--resume", "true", *USER_ARGS]
+
+
+# Seed 004's command at its scale (2 nodes; the guide's flags; its accelerate config's settings as flags, since
+# the batch script starts torchrun itself).
+SEED_004_ARGS = [
+    "--model_name", "meta-llama/Llama-2-70b-chat-hf", "--dataset_name", "smangrul/code-chat-assistant-v1",
+    "--max_seq_len", "2048", "--max_steps", "500", "--logging_steps", "25", "--eval_steps", "100",
+    "--save_steps", "250", "--bf16", "True", "--packing", "True", "--output_dir", "/shared/llama-chat",
+    "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1", "--dataset_text_field", "content",
+    "--use_gradient_checkpointing", "True", "--learning_rate", "5e-5", "--lr_scheduler_type", "cosine",
+    "--weight_decay", "0.01", "--warmup_ratio", "0.03", "--use_flash_attn", "True",
+    "--checkpoint_type", "SHARDED_STATE_DICT", "--cpu_ram_efficient_loading", "true", "--use_orig_params", "true",
+]  # fmt: skip
+
+
+def test_dry_run_of_seed_004s_command_passes_its_flags_to_every_node(fake_slurm):
+    """The Llama 2 guide's run through this batch script: one torchrun per node with every flag, which the
+    package reads as the guide's settings (HF's names mapped)."""
+    from configs.cli import parse_args
+
+    env, _ = fake_slurm
+    commands = dry_run_commands(env, *SEED_004_ARGS)
+    assert list(commands) == [f"node {host}" for host in HOSTS]
+    for command in commands.values():
+        assert command[command.index("--nnodes") + 1] == "2"
+        assert command[-len(SEED_004_ARGS) :] == SEED_004_ARGS
+    config = parse_args(SEED_004_ARGS, {})
+    data = config.data
+    assert (data.packing, data.max_seq_len, data.dataset_text_field) == (True, 2048, "content")
+    assert (config.fsdp.checkpoint_type, config.fsdp.fsdp_activation_checkpointing) == ("SHARDED_STATE_DICT", True)
+    assert (config.recipe.max_steps, config.recipe.lr_scheduler, config.train.lr) == (500, "cosine", 5e-5)
+    assert config.recipe.attn_implementation == "sdpa" and config.fsdp.cpu_ram_efficient_loading

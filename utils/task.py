@@ -1,13 +1,13 @@
 """The task: what a kind of model trains on and is scored by, chosen once from the model's config.
 
-    task = task_for(config, model_name)   # Seq2SeqTask: the one kind this package trains today
+    task = task_for(config, model_name)   # SEQ2SEQ for an encoder-decoder, CAUSAL for a decoder-only model
 
 It names the model class loading builds, how a batch becomes per-token losses (the step and validation), the
 tokens a batch trains on and reads (the loss's mean, the rates), how its FLOPs are counted (MFU), which way
 each metric improves (the best model), what generation reads of a batch, the generation settings and the
 parameters saved with the model (evaluation, hf_model/), and the LoRA task type; the entry point maps it to its
 Dataset (T5_training.DATA_FORMATS). Loading, the data, the step, the trainer and evaluation ask it
-instead of assuming an encoder-decoder, so a second kind of model (decoder-only) is a second class here, not
+instead of assuming an encoder-decoder: a decoder-only model is the second class here (CausalTask), not
 branches through them.
 """
 
@@ -17,20 +17,67 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from transformers import AutoModelForSeq2SeqLM, PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_MASKED_LM_MAPPING,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+)
 
 from configs.data import DataConfig
 from configs.errors import ConfigError
 from configs.evaluation import EvalConfig
-from utils.observe.flops import FlopCounter, Seq2SeqFlops
+from utils.observe.flops import CausalFlops, FlopCounter, Seq2SeqFlops
 
 GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
 IGNORED = -100  # the label of a token the loss leaves out (padding): cross_entropy's ignore_index
 LOWER_IS_BETTER = frozenset({"val_loss"})  # every other metric (the ROUGE scores, accuracy) is higher-better
 
 
-class Seq2SeqTask:
+class Task:
+    """What every task shares: the generation settings, the parameters saved with the model, and which way each
+    metric improves. A task class names the rest (Seq2SeqTask, CausalTask)."""
+
+    model_class: type  # the transformers auto class loading builds
+    lora_task_type: str  # peft's TaskType
+    params_key: str  # the model config's task_specific_params entry the run's settings go in
+
+    def generation_kwargs(self, evaluation: EvalConfig, max_target_length: int) -> dict:
+        """The keyword arguments of `generate` for these settings (GENERATION_KEYS; also saved as
+        hf_model/generation_config.json). Summaries are as long as the model was trained to write unless
+        --max_new_tokens says otherwise."""
+        return {
+            "num_beams": evaluation.num_beams,
+            "max_new_tokens": evaluation.max_new_tokens or max_target_length,
+            "length_penalty": evaluation.length_penalty,
+            "no_repeat_ngram_size": evaluation.no_repeat_ngram_size,
+            "do_sample": False,
+        }
+
+    def saved_params(self, data: DataConfig, evaluation: EvalConfig, cleaning: str) -> dict:
+        """How this run prepares a source text (its cleaning, named as in utils/data/cache.py's CLEANINGS, the
+        prefix, the length) and generates its output. Saved in the model config's
+        `task_specific_params[params_key]` (summarization's where T5's published checkpoints keep theirs), so
+        checkpoints and hf_model/ carry it and scripts/summarize.py needs no flags."""
+        return {
+            "cleaning": cleaning,
+            "prefix": data.source_prefix,
+            "max_source_length": data.max_source_length,
+            **self.generation_kwargs(evaluation, data.max_target_length),
+        }
+
+    @staticmethod
+    def is_better(metric_name: str, value: float, best: float | None) -> bool:
+        """Lower is better for val_loss, higher for the scores. A NaN or infinite value is never better (a
+        diverged epoch must not become the exported model), and replaces a best that is not finite."""
+        if not math.isfinite(value):
+            return False
+        if best is None or not math.isfinite(best):
+            return True
+        return value < best if metric_name in LOWER_IS_BETTER else value > best
+
+
+class Seq2SeqTask(Task):
     """An encoder-decoder (T5, flan-t5, mT5, UMT5, BART, PEGASUS, ...) writing a target from a source: the
     tutorial's summarization. Its batches hold source_ids / source_mask and target_ids / target_mask
     (summarization_dataset.py); the decoder reads the targets shifted right, and every real target token is
@@ -50,20 +97,28 @@ class Seq2SeqTask:
                 "fine-tunes sequence-to-sequence models (AutoModelForSeq2SeqLM: T5, flan-t5, mT5, UMT5, BART, "
                 "PEGASUS, ...). Pick one of those for --model_name."
             )
-        for architecture in getattr(config, "architectures", None) or []:
-            named = getattr(transformers, architecture, None)
-            family = getattr(named, "config_class", None)
-            if family is not None and family is not type(config):
-                raise ConfigError(
-                    f"model {model_name!r}: its config.json names the architecture {architecture} (a "
-                    f"{family.model_type} model) but its model_type is {config.model_type}: the weights would "
-                    "not fit the class. Fix model_type or architectures in config.json to the family that "
-                    "saved it."
-                )
+        check_architecture(model_name, config)
 
     def architecture(self, config: PretrainedConfig) -> str:
         """The class name an export's config.json gives as its architecture."""
         return MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING[type(config)].__name__
+
+    def check_data(self, data: DataConfig) -> None:
+        """ConfigError for the data settings only a decoder-only model reads."""
+        for given, flag in ((data.packing, "--packing true"), (data.dataset_text_field, "--dataset_text_field")):
+            if given:
+                raise ConfigError(
+                    f"{flag} is for decoder-only models (whole texts, packed blocks); an encoder-decoder reads a "
+                    "source and writes its target: drop it, or train a decoder-only model (docs/causal.md)"
+                )
+
+    def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:  # noqa: ARG002 - CausalTask's
+        """What `generate` wrote for `prompts`: an encoder-decoder's outputs are the new tokens alone."""
+        return outputs
+
+    def loss_metrics(self, val_loss: float | None) -> dict:  # noqa: ARG002 - CausalTask's reads it
+        """What the records add to a validation loss: nothing here (a summary's loss is read as it is)."""
+        return {}
 
     def token_losses(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token cross-entropy (float32, 0 at padding) and the labels, for a batch already on the device."""
@@ -102,49 +157,120 @@ class Seq2SeqTask:
         attention_mask."""
         return {"input_ids": batch["source_ids"], "attention_mask": batch["source_mask"]}
 
-    def generation_kwargs(self, evaluation: EvalConfig, max_target_length: int) -> dict:
-        """The keyword arguments of `generate` for these settings (GENERATION_KEYS; also saved as
-        hf_model/generation_config.json). Summaries are as long as the model was trained to write unless
-        --max_new_tokens says otherwise."""
-        return {
-            "num_beams": evaluation.num_beams,
-            "max_new_tokens": evaluation.max_new_tokens or max_target_length,
-            "length_penalty": evaluation.length_penalty,
-            "no_repeat_ngram_size": evaluation.no_repeat_ngram_size,
-            "do_sample": False,
-        }
 
-    def saved_params(self, data: DataConfig, evaluation: EvalConfig, cleaning: str) -> dict:
-        """How this run prepares a source text (its cleaning, named as in utils/data/cache.py's CLEANINGS, the
-        prefix, the length) and generates its output. Saved in the model config's
-        `task_specific_params["summarization"]` (where T5's published checkpoints keep theirs), so checkpoints
-        and hf_model/ carry it and scripts/summarize.py needs no flags."""
-        return {
-            "cleaning": cleaning,
-            "prefix": data.source_prefix,
-            "max_source_length": data.max_source_length,
-            **self.generation_kwargs(evaluation, data.max_target_length),
-        }
+class CausalTask(Task):
+    """A decoder-only model (Llama, Mistral, Qwen, GPT-2, ...) continuing a prompt: the source is the prompt and
+    the target its completion, read as one sequence. Its batches hold input_ids / attention_mask (prompt then
+    completion, right-padded), labels (IGNORED where no loss is taken: padding, and the prompt unless
+    --completion_only_loss false) and prompt_ids / prompt_mask (the prompts alone, left-padded, for
+    generation): causal_lm_dataset.py. The model predicts each token from the ones before it."""
 
-    @staticmethod
-    def is_better(metric_name: str, value: float, best: float | None) -> bool:
-        """Lower is better for val_loss, higher for the scores. A NaN or infinite value is never better (a
-        diverged epoch must not become the exported model), and replaces a best that is not finite."""
-        if not math.isfinite(value):
-            return False
-        if best is None or not math.isfinite(best):
-            return True
-        return value < best if metric_name in LOWER_IS_BETTER else value > best
+    model_class = AutoModelForCausalLM
+    lora_task_type = "CAUSAL_LM"
+    params_key = "fsdp_fine_tune"  # the run's settings, beside the model's own task_specific_params entries
+
+    def check_model(self, model_name: str, config: PretrainedConfig) -> None:
+        """ConfigError unless AutoModelForCausalLM has a class for this config, and config.json's architecture
+        (if any) belongs to its model_type."""
+        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ConfigError(
+                f"model {model_name!r} is a {config.model_type} model, which neither AutoModelForSeq2SeqLM nor "
+                "AutoModelForCausalLM loads: this package fine-tunes encoder-decoders (T5, BART, ...) and "
+                "decoder-only models (Llama, Mistral, Qwen, GPT-2, ...). Pick one of those for --model_name."
+            )
+        check_architecture(model_name, config)
+
+    def architecture(self, config: PretrainedConfig) -> str:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
+
+    def token_losses(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cross-entropy of each next token (float32, 0 where no loss is taken) and its labels: the
+        logits at position t score the token at t + 1. `labels` are not passed to the model, for the reason
+        Seq2SeqTask.token_losses gives."""
+        if "position_ids" in batch:
+            # Packed blocks: given position ids and neither a padding mask nor a KV cache (with one, transformers
+            # takes them for a continuation), attention keeps each row to itself.
+            inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+            logits = model(**inputs, use_cache=False).logits
+        else:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        token_losses = F.cross_entropy(
+            logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=IGNORED, reduction="none"
+        ).view_as(labels)
+        return token_losses, labels
+
+    def trained_tokens(self, batch: dict) -> torch.Tensor:
+        """The tokens the loss is a mean over: every labelled token but the first of a row (nothing before it
+        predicts it)."""
+        return (batch["labels"][:, 1:] != IGNORED).sum()
+
+    def read_tokens(self, batch: dict) -> torch.Tensor:
+        """The real tokens of the sequences (prompt and completion)."""
+        return batch["attention_mask"].sum()
+
+    def batch_shape(self, batch: dict) -> tuple[int, int, int]:
+        """(rows, sequence length, sequence length): the model reads and writes the one sequence."""
+        rows, length = batch["input_ids"].shape
+        return rows, length, length
+
+    def flop_counter(self, config: PretrainedConfig, frozen_weights: bool) -> FlopCounter | None:
+        return CausalFlops.from_config(config, frozen_weights=frozen_weights)
+
+    def prompts(self, batch: dict) -> dict:
+        """The prompts alone, left-padded, so that every row's completion starts at the same position."""
+        return {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
+
+    def check_data(self, data: DataConfig) -> None:
+        """A decoder-only model reads every data setting."""
+
+    def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:
+        """A decoder-only model's outputs begin with the prompt: the tokens after it."""
+        return outputs[:, prompts["input_ids"].shape[1] :]
+
+    def loss_metrics(self, val_loss: float | None) -> dict:
+        """The validation perplexity, exp(val_loss): how a language model's loss is usually read."""
+        if val_loss is None:
+            return {}
+        return {"val_perplexity": math.inf if val_loss > 700 else math.exp(val_loss)}  # exp overflows past 709
 
 
 SEQ2SEQ = Seq2SeqTask()
+CAUSAL = CausalTask()
 
 
-def task_for(config: PretrainedConfig, model_name: str = "") -> Seq2SeqTask:
+def task_for(config: PretrainedConfig, model_name: str = "") -> Task:
     """The task of the model `config` describes (`model_name` names it in a refusal), checked to fit it: an
-    encoder-decoder is SEQ2SEQ; any other model is refused (Seq2SeqTask.check_model)."""
-    SEQ2SEQ.check_model(model_name or config.model_type, config)
-    return SEQ2SEQ
+    encoder-decoder (config.is_encoder_decoder; BART and PEGASUS also register causal-LM classes) is SEQ2SEQ, a
+    decoder-only model CAUSAL; an encoder-only model (BERT, RoBERTa: a masked-LM family that is no decoder) is
+    refused."""
+    name = model_name or config.model_type
+    if config.is_encoder_decoder:
+        SEQ2SEQ.check_model(name, config)
+        return SEQ2SEQ
+    if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not config.is_decoder:
+        raise ConfigError(
+            f"model {name!r} is a {config.model_type} model, an encoder only: it writes no text. This package "
+            "fine-tunes encoder-decoders (T5, BART, ...) and decoder-only models (Llama, Mistral, Qwen, GPT-2, "
+            "...). Pick one of those for --model_name."
+        )
+    CAUSAL.check_model(name, config)
+    return CAUSAL
+
+
+def check_architecture(model_name: str, config: PretrainedConfig) -> None:
+    """ConfigError where config.json names an architecture of another family than its model_type: a folder of
+    one family is never loaded into another's class."""
+    for architecture in getattr(config, "architectures", None) or []:
+        named = getattr(transformers, architecture, None)
+        family = getattr(named, "config_class", None)
+        if family is not None and family is not type(config):
+            raise ConfigError(
+                f"model {model_name!r}: its config.json names the architecture {architecture} (a "
+                f"{family.model_type} model) but its model_type is {config.model_type}: the weights would "
+                "not fit the class. Fix model_type or architectures in config.json to the family that "
+                "saved it."
+            )
 
 
 def labels_for_loss(target_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The model as a Hugging Face folder, written from the shards: no rank ever holds the whole model.
 
-`AutoModelForSeq2SeqLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)` load it;
+`AutoModelForSeq2SeqLM.from_pretrained(folder)` (a decoder-only model's: `AutoModelForCausalLM`) and
+`AutoTokenizer.from_pretrained(folder)` load it;
 no pickles, no remote code. The folder holds what save_pretrained writes: config.json,
 generation_config.json, the tokenizer, and the weights in safetensors files of at most
 --export_max_file_gb (`model.safetensors`, or `model-00001-of-0000N.safetensors`... with
@@ -97,13 +98,16 @@ def tied_names(model_config) -> set[str]:
 
 
 @fsdp1_state_dict_warnings_ignored()
-def lora_exports(state: dict, lora: LoraConfig, device: torch.device) -> tuple[dict, dict | None]:
+def lora_exports(
+    state: dict, lora: LoraConfig, device: torch.device, transposed: frozenset[str] = frozenset()
+) -> tuple[dict, dict | None]:
     """From a PEFT model's sharded state dict: the adapters whole, on every rank (on the CPU), and, with
     --merge_lora, the merged model's state dict (plain transformers names) as this rank's rows. Collective.
 
     The merge is PEFT's `merge_and_unload` arithmetic, W + (B @ A) * scaling, done by each rank on its own
     rows of W: B @ A is computed whole (one layer's weight size at a time) and its rows are sliced, so the
-    result is bit for bit PEFT's."""
+    result is bit for bit PEFT's. The `transposed` layers (lora.transposed_layers: GPT-2's Conv1D, stored (in,
+    out), PEFT's fan_in_fan_out) take (B @ A) transposed."""
     adapters = {name: full_tensor_everywhere(tensor, device) for name, tensor in state.items() if ".lora_" in name}
     if not lora.merge_lora:
         return {name: tensor.cpu() for name, tensor in adapters.items()}, None
@@ -119,6 +123,8 @@ def lora_exports(state: dict, lora: LoraConfig, device: torch.device) -> tuple[d
             local, first_row = local_rows(tensor)
             if local is not None:
                 delta = (b @ a) * scaling
+                if layer in transposed:
+                    delta = delta.T
                 rows = delta[first_row : first_row + local.shape[0]]
                 tensor = with_local_rows(tensor, local + rows.to(local.device))  # FSDP2's CPU offload
         merged[name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")] = tensor

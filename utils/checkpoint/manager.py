@@ -75,7 +75,7 @@ from utils.distributed.process_group import DistInfo
 from utils.distributed.progress_bounded import progress_bounded
 from utils.files import disk_bytes, free_bytes, is_disk_full, write_json
 from utils.log import get_logger, size_text
-from utils.model.lora import trainable_share
+from utils.model.lora import trainable_share, transposed_layers
 from utils.observe.memory import param_numel_local, trim_host_heap
 
 
@@ -501,7 +501,7 @@ class CheckpointManager:
         folder = os.path.join(self.output_dir, layout.HF_LAST_DIR if last else layout.HF_DIR)
         state = sharded_model_state(self.model)
         if self.lora is not None:  # the adapter beside where the model goes, and the merged model if asked for
-            adapters, state = lora_exports(state, self.lora, self.info.device)
+            adapters, state = lora_exports(state, self.lora, self.info.device, transposed_layers(self.model))
             adapter_folder = os.path.join(self.output_dir, layout.HF_ADAPTER_DIR + ("_last" if last else ""))
             if is_main:
                 lora, config = self.lora, self.model_config

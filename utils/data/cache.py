@@ -51,7 +51,7 @@ _WARNED: set[tuple[Path, str]] = set()
 
 # How a source's texts are prepared for the tokenizer and for scoring, by the name a TextSource gives: WikiHow's
 # cleaning, or the text as it is (surrounding white space aside). Models record the name (scripts/summarize.py).
-CLEANINGS: dict[str, Callable[[str], str]] = {"wikihow": clean_text, "plain": str.strip}
+CLEANINGS: dict[str, Callable[[str], str]] = {"wikihow": clean_text, "plain": str.strip, "chat": str.strip}
 
 
 def text_source(data: DataConfig) -> TextSource:
@@ -63,6 +63,11 @@ def text_source(data: DataConfig) -> TextSource:
         return named
     folder = Path(data.data_dir)
     if (folder / WIKIHOW_CSV).is_file():
+        if data.dataset_text_field:
+            raise ConfigError(
+                f"--dataset_text_field {data.dataset_text_field}: {folder} holds WikiHow, whose rows are an "
+                "article and its summary (a prompt and a completion); give your files or dataset of whole texts"
+            )
         return wikihow_source(folder)
     return sources.folder_source(folder, data)
 
@@ -162,7 +167,8 @@ def cached_split(data: DataConfig, split: str) -> CachedSplit:
             f"{manifest['skipped'][split]} rows with an empty text or target skipped). {fix}"
         )
     rows = datasets.Dataset.from_file(str(folder / f"{split}.arrow"))
-    return CachedSplit(rows, folder, source.cleaning, source.what)
+    # Conversations (sources.ChatPrompt) are rendered by the tokenizer's chat template, not cleaned.
+    return CachedSplit(rows, folder, "chat" if manifest.get("chat") else source.cleaning, source.what)
 
 
 def load_wikihow(data_dir: str | os.PathLike, split: str, cache_dir: str | os.PathLike = "") -> datasets.Dataset:
@@ -198,6 +204,80 @@ def _encode_batch(
         "source_ids": tokenizer(sources, max_length=input_length, truncation=True)["input_ids"],
         "target_ids": tokenizer(targets, max_length=output_length, truncation=True)["input_ids"],
     }
+
+
+def _encode_causal_batch(
+    batch: dict, tokenizer, clean: Callable[[str], str], source_prefix: str, input_length: int, output_length: int,
+    chat: bool = False,
+) -> dict:  # fmt: skip
+    """Token ids of a batch of rows for a decoder-only model, which reads the two as one sequence: the prompt
+    (the prefix and the cleaned text) as the tokenizer starts a text (Llama: <s> first; GPT-2: nothing), cut
+    on the left, the completion (the cleaned target, cut on the right) with no start token and the
+    end-of-sequence token after it, also after
+    truncation: the model learns where a completion ends. A tokenizer that ends every text with its EOS has
+    it taken off the prompt. Conversations (`chat`): _encode_chat_batch."""
+    if chat:
+        return _encode_chat_batch(batch, tokenizer, input_length, output_length)
+    eos = tokenizer.eos_token_id
+    # A long prompt loses its start, not its end, where its cue to the completion is (the start token stays).
+    side, tokenizer.truncation_side = tokenizer.truncation_side, "left"
+    try:
+        prompts = tokenizer([source_prefix + clean(text) for text in batch["source"]], max_length=input_length,
+                            truncation=True)["input_ids"]  # fmt: skip
+    finally:
+        tokenizer.truncation_side = side
+    prompts = [ids[:-1] if len(ids) > 1 and ids[-1] == eos else ids for ids in prompts]
+    completions = tokenizer([clean(target) for target in batch["target"]], add_special_tokens=False,
+                            max_length=output_length - 1, truncation=True)["input_ids"]  # fmt: skip
+    return {"source_ids": prompts, "target_ids": [ids + [eos] for ids in completions]}
+
+
+def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length: int) -> dict:
+    """Token ids of a batch of conversations (sources.ChatPrompt: the messages before the reply, as JSON; the
+    reply): the prompt is the conversation rendered by the tokenizer's chat template up to the assistant's turn
+    (add_generation_prompt), the completion what the template adds for the reply (its end-of-turn marker
+    included, also when --max_target_length cuts the reply): the tokens of the whole conversation after the
+    prompt's own tokens, which they must start with (generation continues those). Tokenised without added
+    special tokens (the template writes them); the prompt cut on the left. A template that renders nothing of
+    the reply, or renders the conversation's start differently with it, is refused: the loss would be on no
+    token, or on the wrong ones."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "the data's rows are conversations (a messages column), and the model's tokenizer has no chat "
+            "template to render them: use a chat model's tokenizer (-chat, -Instruct) or set its chat_template"
+        )
+    prompts, completions = [], []
+    for history, reply in zip(batch["source"], batch["target"], strict=True):
+        messages = json.loads(history)
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": reply}], tokenize=False)
+        completion = whole[len(prompt) :]
+        if not whole.startswith(prompt) or reply.strip() not in completion:
+            raise ConfigError(
+                "the tokenizer's chat template renders a conversation's start differently with its reply than "
+                f"without, or leaves the reply out ({prompt[-60:]!r}, then {whole[len(prompt) - 60 :][:120]!r}): "
+                "the reply's tokens, which the loss is on, cannot be told apart. Use a template that renders each "
+                "turn the same whatever follows it."
+            )
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        whole_ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+        if whole_ids[: len(prompt_ids)] != prompt_ids:
+            raise ConfigError(
+                f"the tokenizer reads a conversation's prompt ({prompt[-60:]!r}) into other tokens when its reply "
+                "follows: generation, which continues the prompt's own tokens, would not continue what training "
+                "saw. Use a chat template that ends the assistant's turn marker with a separator."
+            )
+        reply_ids = whole_ids[len(prompt_ids) :]
+        if len(reply_ids) > output_length:  # cut, keeping the template's last token (its end of turn)
+            reply_ids = reply_ids[: output_length - 1] + reply_ids[-1:]
+        prompts.append(prompt_ids[-input_length:])
+        completions.append(reply_ids)
+    return {"source_ids": prompts, "target_ids": completions}
+
+
+# How a row becomes token ids, by the name a Dataset class gives (its `encoding`): an encoder-decoder's source
+# and target apart, or a decoder-only model's prompt and completion.
+ENCODINGS: dict[str, Callable] = {"seq2seq": _encode_batch, "causal": _encode_causal_batch}
 
 
 def _tokenising_processes(rows: int) -> int | None:
@@ -251,7 +331,7 @@ def unknown_token_counts(ids: datasets.Dataset, unk_id: int | None) -> dict:
 
 def _cached_token_ids(
     rows: datasets.Dataset, cached: CachedSplit, split: str, tokenizer, data: DataConfig, input_length: int,
-    output_length: int,
+    output_length: int, encoding: str,
 ) -> datasets.Dataset:  # fmt: skip
     """Token ids (unpadded, int32) of `rows`, the first rows of a split, from the token cache: tokenised once
     per machine, and reused by every epoch, every rank and every later run with the same text cache (the
@@ -266,8 +346,13 @@ def _cached_token_ids(
         "source_prefix": data.source_prefix,
         "input_length": input_length,
         "output_length": output_length,
-        "encoding": ENCODING_VERSION,
+        # The encoder-decoders' caches keep the key they had before a second encoding existed.
+        "encoding": ENCODING_VERSION if encoding == "seq2seq" else f"{ENCODING_VERSION}-{encoding}",
     }
+    if encoding == "causal":  # the ids the encoding adds itself, which the tokenizer's definition may not name
+        key["special_ids"] = [tokenizer.bos_token_id, tokenizer.eos_token_id]
+    if cached.cleaning == "chat":  # conversations are rendered by it (_encode_chat_batch)
+        key["chat_template"] = getattr(tokenizer, "chat_template", None)
 
     def larger_cache(root: Path) -> tuple[Path, dict] | None:
         for folder, manifest in complete_folders(root, "tokens"):
@@ -285,8 +370,9 @@ def _cached_token_ids(
         )
 
     encode = functools.partial(
-        _encode_batch, tokenizer=tokenizer, clean=CLEANINGS[cached.cleaning], source_prefix=data.source_prefix,
-        input_length=input_length, output_length=output_length,
+        ENCODINGS[encoding], tokenizer=tokenizer, clean=CLEANINGS[cached.cleaning],
+        source_prefix=data.source_prefix, input_length=input_length, output_length=output_length,
+        **({"chat": True} if cached.cleaning == "chat" else {}),
     )  # fmt: skip
     build = functools.partial(_write_token_cache, rows, split, encode)
     what = f"the token ids of {len(rows)} {split} rows"
@@ -303,6 +389,7 @@ class SplitRows:
 
     split: str
     lengths: tuple[int, int]  # the input and output lengths the ids are truncated to
+    encoding: str  # how they were tokenised (ENCODINGS)
     rows: datasets.Dataset  # id, source, target
     token_ids: datasets.Dataset  # source_ids, target_ids: unpadded, int32
     split_rows: int  # the whole split's, before the selection
@@ -311,21 +398,32 @@ class SplitRows:
 
 
 def split_rows(
-    tokenizer, split: str, num_samples: int | None, input_length: int, output_length: int, data: DataConfig
-) -> SplitRows:
+    tokenizer, split: str, num_samples: int | None, input_length: int, output_length: int, data: DataConfig,
+    encoding: str = "seq2seq",
+) -> SplitRows:  # fmt: skip
     """The first `num_samples` rows of `split` (None, or more than it has: all) of the run's source, with
-    their token ids: each cache built first where it is missing."""
+    their token ids tokenised as `encoding` says (ENCODINGS): each cache built first where it is missing."""
     if num_samples is not None and num_samples < 1:
         raise ConfigError(f"num_samples must be None (all) or at least 1, got {num_samples}.")
     for name, length in (("input_length", input_length), ("output_length", output_length)):
         if length < 1:
             raise ConfigError(f"{name} must be at least 1, got {length}.")
     cached = cached_split(data, split)
+    if cached.cleaning == "chat" and data.source_prefix:
+        raise ConfigError(
+            f"--source_prefix {data.source_prefix!r}: {cached.what} holds conversations, which the tokenizer's "
+            "chat template renders whole; put what the prefix says in a system message, or drop it"
+        )
+    if cached.cleaning == "chat" and encoding != "causal":
+        raise ConfigError(
+            f"{cached.what} holds conversations (a messages column), which a decoder-only model's chat template "
+            "renders; an encoder-decoder reads a source and a target: give --text_column and --summary_column"
+        )
     rows = cached.rows
     if num_samples is not None and num_samples < len(rows):
         rows = rows.select(range(num_samples))  # a slice of the memory-mapped table, not a copy
-    token_ids = _cached_token_ids(rows, cached, split, tokenizer, data, input_length, output_length)
+    token_ids = _cached_token_ids(rows, cached, split, tokenizer, data, input_length, output_length, encoding)
     return SplitRows(
-        split=split, lengths=(input_length, output_length), rows=rows, token_ids=token_ids,
+        split=split, lengths=(input_length, output_length), encoding=encoding, rows=rows, token_ids=token_ids,
         split_rows=len(cached.rows), what=cached.what, cleaning=cached.cleaning,
     )  # fmt: skip

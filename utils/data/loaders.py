@@ -40,12 +40,16 @@ class DataFormat:
     """How a split's rows become items and items a batch: a task's Dataset class, built as
     ``dataset_type(tokenizer, split, num_samples, input_length, output_length, data, rows=split_rows(...))``,
     and its collate, called as ``collate(items, pad_token_id=...)``. What the loaders, the run record and
-    evaluation read of a Dataset (summarization_dataset.SummarizationDataset has it): ``split``,
+    evaluation read of a Dataset (summarization_dataset.SummarizationDataset has it): ``encoding`` (how its rows
+    are tokenised: utils/data/cache.py's ENCODINGS), ``split``,
     ``split_rows``, ``source_description``, ``cleaning``, ``source_prefix``, ``tokenizer``, ``unknown_tokens``,
-    ``row_id(i)``, ``article(i)``, ``reference(i)``, ``source_lengths()`` and ``target_lengths()``."""
+    ``row_id(i)``, ``article(i)``, ``reference(i)``, ``source_lengths()`` and ``target_lengths()``; and of its
+    class, ``lengths(data)``, the input and output lengths the settings give. ``packed_type``: the Dataset of
+    --packing's blocks, built alike (and with ``packing_note()``), where the task packs."""
 
     dataset_type: type[Dataset]
     collate: Callable
+    packed_type: type[Dataset] | None = None  # the Dataset of --packing's blocks, where the task packs
 
 
 @dataclass
@@ -117,12 +121,16 @@ def build_dataset(
 ) -> Dataset:  # fmt: skip
     """The format's Dataset of one split, the first `num_samples` rows (0: all; None: by source, rows_to_read,
     as split `read_as` would be: generation reads any split as the validation split), with at least one sample
-    per rank. More rows asked for than the split has: all of them, said once, by rank 0."""
+    per rank; packed into blocks with --packing, but for generation (`read_as`). More rows asked for than the
+    split has: all of them, said once, by rank 0."""
     tutorial_data = text_source(data).cleaning == "wikihow"
     limit = rows_to_read(num_samples, read_as or split, tutorial_data)
-    lengths = (data.max_source_length, data.max_target_length)
-    rows = split_rows(tokenizer, split, limit, *lengths, data)
-    dataset = data_format.dataset_type(tokenizer, split, limit, *lengths, data, rows=rows)
+    dataset_type = data_format.dataset_type
+    lengths = dataset_type.lengths(data)
+    rows = split_rows(tokenizer, split, limit, *lengths, data, encoding=dataset_type.encoding)
+    if data.packing and not read_as:
+        dataset_type = data_format.packed_type
+    dataset = dataset_type(tokenizer, split, limit, *lengths, data, rows=rows)
     rank0 = is_rank0()
     if num_samples and num_samples > dataset.split_rows and rank0:
         warn_once(Path(dataset.source_description), f"{split} rows asked",
@@ -131,10 +139,13 @@ def build_dataset(
     if rank0:
         warn_unknown_tokens(dataset, tokenizer)
     if len(dataset) < world_size:
+        packed = hasattr(dataset, "packing_note")
+        what = "packed block" if packed else "usable sample"
+        fix = "more data, a shorter --max_seq_len," if packed else "more data"
         raise DataError(
-            f"the {split} split of {dataset.source_description} has {len(dataset)} usable "
-            f"sample{'s' if len(dataset) != 1 else ''}, fewer than the "
-            f"{world_size} ranks: every rank needs at least one. Use more data or fewer processes."
+            f"the {split} split of {dataset.source_description} has {len(dataset)} {what}"
+            f"{'s' if len(dataset) != 1 else ''}, fewer than the {world_size} ranks: every rank needs at least "
+            f"one. Use {fix} or fewer processes."
         )
     return dataset
 
@@ -178,11 +189,12 @@ def warn_unknown_tokens(dataset: Dataset, tokenizer) -> None:
 def rows_phrase(dataset: Dataset, asked: int | None, flag: str) -> str:
     """How many rows of its split a dataset reads and why, for the start line (`asked`: the value of `flag`,
     the setting that chose them)."""
-    split = dataset.split
-    if len(dataset) == dataset.split_rows:
-        return f"{split} {len(dataset)} (all)"
+    split, rows = dataset.split, len(dataset.dataset)
+    packed = f", {dataset.packing_note()}" if hasattr(dataset, "packing_note") else ""
+    if rows == dataset.split_rows:
+        return f"{split} {rows} (all{packed})"
     why = flag if asked is not None else f"the tutorial's subset of WikiHow; {flag} 0 for all"
-    return f"{split} {len(dataset)} of {dataset.split_rows} ({why})"
+    return f"{split} {rows} of {dataset.split_rows} ({why}{packed})"
 
 
 def build_loaders(
@@ -223,7 +235,7 @@ def build_loaders(
         val_sampler = PaddedEvalSampler(len(val_set), info.rank, info.world_size)
         val = build_loader(val_set, val_sampler, train.val_batch_size, **loader_args)
         val_num_real = val_sampler.num_real_samples
-        if evaluation.eval_rouge:
+        if evaluation.eval_rouge and not data.dataset_text_field:  # whole texts: no reference to score against
             eval_set = build_eval_set(tokenizer, data_format, data, train, evaluation, info, "validation")
     said = [
         rows_phrase(train_set, data.num_train_samples, "--num_train_samples"),

@@ -16,9 +16,11 @@ one path for every source (utils/data/cache.py). This module holds the sources t
 
 The columns are --text_column and --summary_column; left empty, a known dataset's (KNOWN_COLUMNS), else the
 first of the common names present. A class-label column (FinancialPhraseBank's label) becomes its names.
-Rows whose text or target is empty are skipped and counted (the manifest keeps the count, one warning says
-it). Without a validation split, a share of train (--validation_split_percentage, at least one row) becomes
-validation, drawn by --validation_split_seed: the same on every rank, every run and machine.
+--dataset_text_field names one column of whole texts instead (a decoder-only model's): each row's text goes in
+the target column, its source left empty. Rows whose text or target is empty are skipped and counted (the
+manifest keeps the count, one warning says it). Without a validation split, a share of train
+(--validation_split_percentage, at least one row) becomes validation, drawn by --validation_split_seed: the
+same on every rank, every run and machine.
 Bad input is a DataError that names the file, the line or row, and the fix.
 """
 
@@ -45,7 +47,7 @@ from utils.files import closest_folder
 SPLITS = ("train", "validation", "test")
 TEXT_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("target", pa.string())])
 # Bump when the reading below changes: every source's text cache is rebuilt.
-READING_VERSION = 1
+READING_VERSION = 2
 
 # File types by suffix, with the name messages use.
 FILE_TYPES = {
@@ -165,7 +167,7 @@ def resolve_column(found: list[str], flag: str, given: str, known: str | None, c
     """The column for `flag`: the one given, else the known dataset's, else the first common name present (other
     than `taken`). A missing one is a DataError listing the columns and the closest."""
     name = given or known or next((name for name in common if name in found and name != taken), None)
-    role = "the text" if flag == "--text_column" else "the target"
+    role = {"--text_column": "the text", "--summary_column": "the target"}.get(flag, "the texts")
     if name is None:
         raise DataError(
             f"{where} has the columns {', '.join(found) or '(none)'}: none is a usual name for {role}. Name it "
@@ -178,9 +180,16 @@ def resolve_column(found: list[str], flag: str, given: str, known: str | None, c
     return name
 
 
-def resolve_columns(found: list[str], data: DataConfig, where: str, dataset_name: str = "") -> tuple[str, str]:
+def resolve_columns(
+    found: list[str], data: DataConfig, where: str, dataset_name: str = ""
+) -> tuple[str | None, str]:
     """(text column, target column) of a source whose columns are `found`: the flags, else a known dataset's
-    (by the last part of `dataset_name`), else the first common names present."""
+    (by the last part of `dataset_name`), else the first common names present. With --dataset_text_field:
+    (None, that column): every row is a whole text, trained on as a completion of nothing."""
+    if data.dataset_text_field:
+        return None, resolve_column(found, "--dataset_text_field", data.dataset_text_field, None, (), where)
+    if MESSAGES_COLUMN in found and not (data.text_column or data.summary_column):
+        return None, MESSAGES_COLUMN  # conversations: each row's prompt and reply come from its messages
     known = KNOWN_COLUMNS.get(dataset_name.rstrip("/").rsplit("/", 1)[-1].lower(), (None, None))
     known = tuple(name if name in found else None for name in known)  # a folder's name may only look known
     text = resolve_column(found, "--text_column", data.text_column, known[0], TEXT_COLUMN_NAMES, where)
@@ -210,6 +219,44 @@ def as_text(value, column: str, where: str) -> str:
         f"{where}: column {column!r} holds a {type(value).__name__}, not a text. Choose a column of texts with "
         "--text_column/--summary_column, or flatten it into one."
     )
+
+
+MESSAGES_COLUMN = "messages"  # a column of conversations (TRL's conversational format), found by its name
+
+
+class ChatPrompt(str):
+    """A row's prompt that is a conversation: the JSON of its messages before the last ({"role", "content"}
+    each), which the tokenizer's chat template renders (utils/data/cache.py). The row's target is the last
+    message's content, an assistant's reply: what the model learns to write."""
+
+
+def whole_text_row(value, column: str, at: str, data: DataConfig) -> tuple[str, str]:
+    """(source, target) of a row read by one column (resolve_columns: (None, column)): a conversation's
+    (chat_row) or a whole text's (no source: the text is all target)."""
+    if isinstance(value, list):
+        return chat_row(value, column, at)
+    if not data.dataset_text_field:  # a `messages` column found by its name (resolve_columns), no conversation
+        raise DataError(
+            f"{at}: column {column!r} holds a {type(value).__name__}, not a conversation (a list of role/content "
+            "messages; a CSV cell cannot hold one). Name the columns to read: --text_column and --summary_column, "
+            "or --dataset_text_field."
+        )
+    return "", as_text(value, column, at)
+
+
+def chat_row(messages: list, column: str, at: str) -> tuple[ChatPrompt, str]:
+    """(the conversation before its last message, that message's content) of one row's `messages`."""
+    if not messages or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages):
+        raise DataError(
+            f"{at}: column {column!r} holds a list that is no conversation: each element must be a "
+            '{"role": ..., "content": ...} message.'
+        )
+    if messages[-1]["role"] != "assistant":
+        raise DataError(
+            f"{at}: the conversation ends with a {messages[-1]['role']!r} message; its last message is what the "
+            "model learns to write, an assistant's reply. End each conversation with one."
+        )
+    return ChatPrompt(json.dumps(messages[:-1], ensure_ascii=False)), as_text(messages[-1]["content"], column, at)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -381,6 +428,7 @@ def write_splits(
     `<split>.arrow`; rows with an empty text or target are skipped and counted. Without a validation split, a
     share of train becomes validation (_hold_out). The manifest fields: rows, skipped and origin per split."""
     holdout = "validation" not in splits and "train" in splits
+    kinds = set()  # conversations (ChatPrompt), or texts
     rows = dict.fromkeys(SPLITS, 0)
     skipped = dict.fromkeys(SPLITS, 0)
     origin = {}
@@ -390,7 +438,9 @@ def write_splits(
         writer = SplitWriter(folder / name)
         try:
             for row_id, source, target in split_rows:
-                if source.strip() and target.strip():
+                kinds.add(isinstance(source, ChatPrompt))
+                # A --dataset_text_field row is its text alone, in the target column (resolve_columns).
+                if target.strip() and (source.strip() or data.dataset_text_field):
                     writer.add(row_id, source, target)
                 else:
                     skipped[split] += 1
@@ -404,7 +454,11 @@ def write_splits(
             f"{data.validation_split_percentage}% of {origin['train']} held out "
             f"(--validation_split_seed {data.validation_split_seed})"
         )
-    return {"rows": rows, "skipped": skipped, "origin": origin}
+    if len(kinds) > 1:
+        where = ", ".join(origin.values())
+        raise DataError(f"{where}: some rows are conversations and some are texts: give one kind.")
+    # Conversations are rendered by the tokenizer's chat template (utils/data/cache.py: the "chat" cleaning).
+    return {"rows": rows, "skipped": skipped, "origin": origin, **({"chat": True} if True in kinds else {})}
 
 
 _BEFORE_HOLDOUT = "train_before_holdout.arrow"
@@ -445,11 +499,14 @@ def _file_rows(path: Path, data: DataConfig) -> Iterator[tuple[str, str, str]]:
     for where, record in records:
         at = f"{path}, {where}"
         row_id = as_text(record.get("id"), "id", at) or f"{path.name}:{where.split(' ')[-1]}"
-        yield (
-            row_id,
-            as_text(record.get(text_column), text_column, at),
-            as_text(record.get(target_column), target_column, at),
-        )
+        if text_column is None:
+            yield row_id, *whole_text_row(record.get(target_column), target_column, at, data)
+        else:
+            yield (
+                row_id,
+                as_text(record.get(text_column), text_column, at),
+                as_text(record.get(target_column), target_column, at),
+            )
 
 
 def _dataset_rows(dataset, data: DataConfig, where: str, name: str) -> Iterator[tuple[str, str, str]]:
@@ -472,11 +529,16 @@ def _dataset_rows(dataset, data: DataConfig, where: str, name: str) -> Iterator[
     position = 0
     for batch in dataset.select_columns(wanted).iter(batch_size=ROWS_PER_BATCH):
         ids = batch.get("id")
-        for index, (text, target) in enumerate(zip(batch[text_column], batch[target_column], strict=True)):
+        targets = batch[target_column]
+        texts = batch[text_column] if text_column else [None] * len(targets)
+        for index, (text, target) in enumerate(zip(texts, targets, strict=True)):
             position += 1
             at = f"{where}, row {position}"
             row_id = as_text(ids[index], "id", at) if ids is not None else f"{where}:row {position}"
-            yield row_id, field(text_column, text, at), field(target_column, target, at)
+            if text_column is None:
+                yield row_id, *whole_text_row(target, target_column, at, data)
+            else:
+                yield row_id, field(text_column, text, at), field(target_column, target, at)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -518,7 +580,8 @@ def _folder_fingerprint(folder: Path) -> list:
 def _key(data: DataConfig, inputs: dict) -> dict:
     return {
         **inputs,
-        "columns": [data.text_column, data.summary_column],
+        "columns": [data.text_column, data.summary_column]
+        + ([data.dataset_text_field] if data.dataset_text_field else []),
         "holdout": [data.validation_split_percentage, data.validation_split_seed],
         "reading": READING_VERSION,
     }

@@ -30,7 +30,7 @@ from utils.eval.rouge import lead_sentences, lead_steps, rouge_scores
 from utils.eval.scores import SCORERS, mean_scores
 from utils.files import atomic_path
 from utils.log import get_logger, progress_bar
-from utils.task import Seq2SeqTask
+from utils.task import Task
 
 EXAMPLES_LOGGED = 3
 # ROUGE's extractive baselines, beside the model's: the first sentence of every line (WikiHow's steps, a
@@ -51,7 +51,7 @@ class Evaluator:
         self,
         *,
         eval_set: EvalSet,
-        task: Seq2SeqTask,
+        task: Task,
         generation: dict,
         metric: str,
         predictions_file: Callable[[str, int], str],
@@ -60,7 +60,7 @@ class Evaluator:
         compute_dtype: torch.dtype = torch.float32,
     ):
         self.eval_set = eval_set
-        self.task = task  # what generation reads of a batch (its prompts)
+        self.task = task  # what generation reads of a batch (its prompts), and which of its outputs are new
         self.generation = generation  # generate's settings (utils/task.py: generation_kwargs)
         self.metric = metric  # --eval_metric: a key of utils/eval/scores.py's SCORERS
         self.predictions_file = predictions_file  # (split, step) -> where its predictions go (utils/layout.py)
@@ -97,7 +97,9 @@ class Evaluator:
         pad_id = dataset.tokenizer.pad_token_id
         rows, position = [], 0
         score = SCORERS[self.metric]
-        with_baselines = self.metric == "rouge" and self.baselines is None
+        # No extractive baseline of a conversation (its article is the messages' JSON).
+        chat = dataset.cleaning == "chat"
+        with_baselines = self.metric == "rouge" and self.baselines is None and not chat
         desc = f"{METRIC_NAMES[self.metric]} evaluation"
         keep = keep_gathered(model, self.gather_for_generation, self.compute_dtype, self.info.device)
         with (
@@ -108,7 +110,9 @@ class Evaluator:
             for batch in self.eval_set.loader:
                 check_stop()
                 prompts = self.task.prompts(move_batch(batch, self.info.device))
-                ids = generate(model, prompts, self.generation).cpu()
+                # The tokenizer's padding token: a decoder-only model's config may name none (Llama's).
+                outputs = generate(model, prompts, {**self.generation, "pad_token_id": pad_id})
+                ids = self.task.completions(outputs, prompts).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
                 for text, length in zip(texts, (ids != pad_id).sum(dim=1).tolist(), strict=True):
                     if position < sampler.num_real_samples:
@@ -134,7 +138,8 @@ class Evaluator:
             "num_samples": len(ordered),
             "seconds": seconds,
         }
-        if self.metric == "rouge":  # extractive baselines are summaries; a label has none
+        # Extractive baselines are summaries: a label has none, nor a conversation's reply.
+        if self.metric == "rouge" and self.eval_set.dataset.cleaning != "chat":
             record["baselines"] = self.baselines or {
                 name: mean_scores([row["baselines"][name] for row in ordered], "rouge") for name in BASELINES
             }
@@ -163,13 +168,15 @@ class Evaluator:
     def _log(self, record: dict, ordered: list[dict]) -> None:
         what = f"{record['split']}, {record['num_samples']} rows, step {record['step']}"
         if self.metric == "rouge":
-            baselines = record["baselines"]
+            baselines = record.get("baselines")
+            compared = "" if baselines is None else (
+                f" (baselines RL: lead-3 {baselines['lead3']['rougeL']:.2f}, "
+                f"{lead_steps_label(self.eval_set.dataset.cleaning)} {baselines['lead_steps']['rougeL']:.2f})"
+            )  # fmt: skip
             get_logger().info(
-                "ROUGE (%s): R1 %.2f | R2 %.2f | RL %.2f | RLsum %.2f | gen_len %.1f | %.1f s (baselines RL: "
-                "lead-3 %.2f, %s %.2f)",
+                "ROUGE (%s): R1 %.2f | R2 %.2f | RL %.2f | RLsum %.2f | gen_len %.1f | %.1f s%s",
                 what, record["rouge1"], record["rouge2"], record["rougeL"], record["rougeLsum"], record["gen_len"],
-                record["seconds"], baselines["lead3"]["rougeL"], lead_steps_label(self.eval_set.dataset.cleaning),
-                baselines["lead_steps"]["rougeL"],
+                record["seconds"], compared,
             )  # fmt: skip
         else:
             get_logger().info("accuracy (%s): %.2f%% | gen_len %.1f | %.1f s", what, record["accuracy"],

@@ -28,6 +28,7 @@ by configs/validate.py before anything loads):
 | sync_module_states            | set_model_state_dict(..., broadcast_from_rank0=True) (rank-0-only loading)   |
 """
 
+import dataclasses
 from collections import Counter
 
 import torch
@@ -38,6 +39,7 @@ from torch.distributed.fsdp import (
     CPUOffload,
     CPUOffloadPolicy,
     FSDPModule,
+    MixedPrecision,
     ShardingStrategy,
     fully_shard,
     register_fsdp_forward_method,
@@ -51,7 +53,8 @@ from policies.private_api import wrapped_module
 from policies.wrapping import get_wrap_policy, layer_classes
 from utils.distributed.mesh import fsdp1_mesh, fsdp2_mesh
 from utils.log import get_logger, warnings_ignored
-from utils.model.rank0_loading import UnitMaterializer, broadcast_rank0_weights, weight_reader
+from utils.model.loading import computed_buffers
+from utils.model.rank0_loading import UnitMaterializer, broadcast_rank0_weights, to_empty, weight_reader
 
 # FSDP2 warns, on every forward of every layer unit (checkpointed or not), that the unit returned a view
 # whose in-place modification would skip its pre-backward hook. No family loses a gradient that way: the
@@ -128,7 +131,7 @@ def shard_model(
             model = FSDP(
                 model,
                 auto_wrap_policy=get_wrap_policy(fsdp.wrap_policy, model, fsdp.min_num_params),
-                mixed_precision=precision.policy,
+                mixed_precision=computed_buffers_kept(precision.policy, model),
                 sharding_strategy=ShardingStrategy[fsdp.sharding_strategy],
                 backward_prefetch=prefetch,
                 limit_all_gathers=fsdp.limit_all_gathers,
@@ -177,8 +180,17 @@ def shard_model(
     elif restores:
         # Each rank's shards, uninitialised: the checkpoint fills them. With CPU offload they live in host
         # memory (FSDP2 copies each unit to the GPU as it runs), as torchtitan places them.
-        model.to_empty(device=torch.device("cpu") if fsdp.fsdp_cpu_offload else device)
+        to_empty(model, torch.device("cpu") if fsdp.fsdp_cpu_offload else device)
     return model
+
+
+def computed_buffers_kept(policy: MixedPrecision | None, model: nn.Module) -> MixedPrecision | None:
+    """FSDP1's policy, but leaving the buffers alone where the model computes some (RoPE's inv_freq): cast to
+    bf16 by buffer_dtype, its rotary angles would come from rounded frequencies, off by radians at long
+    positions. FSDP2 leaves every buffer alone."""
+    if policy is None or policy.buffer_dtype is None or not computed_buffers(model):
+        return policy
+    return dataclasses.replace(policy, buffer_dtype=None)
 
 
 def layer_units(model: nn.Module, layers: frozenset[type]) -> list[nn.Module]:

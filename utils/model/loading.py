@@ -1,6 +1,7 @@
 """The model and tokenizer of a run, from a hub name (t5-small ... t5-11b, google/mt5-base,
-facebook/bart-large-cnn) or a local folder: any encoder-decoder that AutoModelForSeq2SeqLM and AutoTokenizer
-load (docs/models.md).
+facebook/bart-large-cnn, meta-llama/Llama-2-7b-hf) or a local folder: any encoder-decoder that
+AutoModelForSeq2SeqLM, or decoder-only model that AutoModelForCausalLM, loads with AutoTokenizer (the task,
+utils/task.py, says which; docs/models.md).
 
 Where the model comes from is decided before anything is read (resolved_name): a folder that exists; a path
 that cannot be a hub id (absolute, ./, ../, ~, two or more '/', a trailing '/'), which must exist; else a
@@ -9,7 +10,7 @@ cache's copy is read as HF_HUB_OFFLINE=1 would, and without one the run stops in
 fixes, instead of huggingface_hub's minutes of retries. A name that is neither a folder nor on the hub, but
 close to a model folder that exists ('output/hf_model' for 'outputs/hf_model'), says "no such folder".
 
-A checkpoint is taken only whole: a model that is not an encoder-decoder, a config.json whose architecture is
+A checkpoint is taken only whole: a model of neither kind (an encoder only), a config.json whose architecture is
 another family's than its model_type, a tokenizer that does not fit the model (check_tokenizer: more tokens
 than embeddings, other special tokens, or no vocabulary at all), and weights missing from the checkpoint (the
 model would train partly from a random initialisation) each stop the run with one message before anything
@@ -22,6 +23,7 @@ the shards (utils/checkpoint/manager.py), so the pretrained weights are never re
 full-model .pt (--resume file.pt) takes its weights from that file instead of the pretrained ones.
 """
 
+import contextlib
 import copy
 import functools
 import json
@@ -93,17 +95,19 @@ def model_config_overrides(recipe: RecipeConfig) -> dict:
     return overrides if recipe.dropout_rate is None else {**overrides, "dropout_rate": recipe.dropout_rate}
 
 
-BART_DROPOUTS = ("dropout", "attention_dropout", "activation_dropout")  # BART's family: one per place
+# The dropouts of the families whose config has no `dropout_rate`, one per place: BART's three, Llama's one
+# (attention_dropout), GPT-2's three.
+DROPOUTS = ("dropout", "attention_dropout", "activation_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 
 def family_overrides(config: PretrainedConfig, overrides: dict) -> dict:
     """`overrides` with the dropout under this family's field names: T5's family has one, `dropout_rate`;
-    BART's has three, each set to it."""
+    BART's, Llama's and GPT-2's their own (DROPOUTS), each set to it."""
     if "dropout_rate" not in overrides or hasattr(config, "dropout_rate"):
         return overrides
     overrides = dict(overrides)
     rate = overrides.pop("dropout_rate")
-    return {**overrides, **{name: rate for name in BART_DROPOUTS if hasattr(config, name)}}
+    return {**overrides, **{name: rate for name in DROPOUTS if hasattr(config, name)}}
 
 
 def load_model_for_run(
@@ -204,7 +208,7 @@ def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase,
     tokenizer = AutoTokenizer.from_pretrained(local)
     check_tokenizer(folder, tokenizer, config)
     task = task_for(config, base)
-    model = task.model_class.from_pretrained(resolved_name(base))
+    model = task.model_class.from_pretrained(resolved_name(base), dtype=torch.float32)
     model = PeftModel.from_pretrained(model, local).merge_and_unload()
     settings = os.path.join(local, layout.ADAPTER_SUMMARIZATION_FILE)
     if os.path.isfile(settings):
@@ -238,6 +242,11 @@ def load_tokenizer(
         raise ConfigError(
             f"could not load the tokenizer of {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}"
         ) from None
+    if not config.is_encoder_decoder and tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # Llama's and GPT-2's tokenizers have no padding token. Padding is masked by length everywhere
+        # (causal_lm_dataset.py), so the EOS token serves, and a completion's own EOS stays in its labels.
+        tokenizer.pad_token = tokenizer.eos_token
+        get_logger().info("the tokenizer has no padding token: padding with its EOS token %r", tokenizer.eos_token)
     check_tokenizer(model_name, tokenizer, config)
     return tokenizer
 
@@ -260,16 +269,19 @@ def check_tokenizer(model_name: str, tokenizer: PreTrainedTokenizerBase, config:
     if size > config.vocab_size:
         problems.append(
             f"it has more tokens than the model has embeddings: ids {config.vocab_size} to {size - 1} would "
-            "index past the embedding"
+            "index past the embedding (tokens added to it, chat markers say, need the embedding resized: "
+            "model.resize_token_embeddings(len(tokenizer)), then save both)"
         )
     for role, what in (("pad", "padding"), ("eos", "end-of-sequence")):
         own, models = getattr(tokenizer, f"{role}_token_id"), getattr(config, f"{role}_token_id", None)
+        if role == "pad" and not config.is_encoder_decoder:
+            models = None  # a decoder-only model never reads padding: it is masked by length (EOS may pad)
         if own is None:
             problems.append(f"it has no {what} token")
         elif isinstance(models, int) and own != models:
             problems.append(f"its {what} token is id {own}, the model's {role}_token_id is {models}")
-    start = config.decoder_start_token_id
-    if start >= size:
+    start = config.decoder_start_token_id if config.is_encoder_decoder else None
+    if start is not None and start >= size:
         problems.append(f"the model's decoder_start_token_id {start} is not one of its ids")
     ids = tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
     if not set(tokenizer.decode(ids, skip_special_tokens=True).split()) & set(PROBE_TEXT.split()):
@@ -286,7 +298,8 @@ def check_tokenizer(model_name: str, tokenizer: PreTrainedTokenizerBase, config:
 
 
 def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
-    """The model's config, checked to be an encoder-decoder whose architecture is its model_type's, with
+    """The model's config, checked to be of a kind this package trains (utils/task.py: task_for) and of an
+    architecture that is its model_type's, with
     `config_overrides` (model_config_overrides) set. The KV cache is off: it only serves generation, and with
     activation checkpointing it breaks recomputation ("a different number of tensors was saved",
     docs/pitfalls.md #4). It must be off at load time: the encoder and decoder stacks keep their own copies of
@@ -298,7 +311,7 @@ def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
         raise ConfigError(f"could not load model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
     task_for(config, model_name)  # a model of another kind is refused here
     check_attention_fits(config, config_overrides.get("attn_implementation"))
-    if config.decoder_start_token_id is None:
+    if config.is_encoder_decoder and config.decoder_start_token_id is None:
         raise ConfigError(
             f"model {model_name!r} ({config.model_type}) has no decoder_start_token_id in its config.json: "
             "training needs the token its decoder starts from (mBART: the target language's id). Set it there."
@@ -323,7 +336,8 @@ def check_attention_fits(config: PretrainedConfig, attn_implementation: str | No
 
 
 def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn.Module:
-    """The pretrained encoder-decoder (AutoModelForSeq2SeqLM) in host memory, or (on_meta) only its skeleton
+    """The pretrained model (its task's class: AutoModelForSeq2SeqLM, AutoModelForCausalLM) in host memory, or
+    (on_meta) only its skeleton
     on the meta device; `config_overrides` replace fields of its config (dropout, attn_implementation).
     ConfigError when the checkpoint lacks weights of the model: it would train partly from random ones."""
     config = load_model_config(model_name, **config_overrides)
@@ -340,7 +354,11 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
         return model
     try:
         model_class = task_for(config, model_name).model_class
-        model, info = model_class.from_pretrained(model_name, config=config, output_loading_info=True)
+        # In fp32 whatever the config's dtype says (Llama's bf16, Llama 2's fp16: transformers 5 loads in it):
+        # FSDP shards and AdamW updates fp32 master weights; --mixed_precision computes in bf16.
+        model, info = model_class.from_pretrained(
+            model_name, config=config, output_loading_info=True, dtype=torch.float32
+        )
     except OSError as err:
         raise ConfigError(f"could not load model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
     if info["missing_keys"] or info["mismatched_keys"]:
@@ -365,17 +383,68 @@ def skeleton(config: PretrainedConfig) -> nn.Module:
     """The model of `config` on the meta device: its parameters' names, shapes and ties, no memory, as
     from_pretrained would build it. For the T5 family (whose config class forces the tie, docs/pitfalls.md
     #32) tie_word_embeddings False unties the lm_head only: built so, T5 would also untie its embed_tokens
-    from `shared`, which no T5 checkpoint does."""
+    from `shared`, which no T5 checkpoint does. Its non-persistent buffers (RoPE's inv_freq) are computed, in
+    host memory: no checkpoint or weights file holds them, so nothing would fill them (computed_buffers)."""
     model_class = task_for(config).model_class
-    if forces_tie(config) and not config.tie_word_embeddings:
+    untie = forces_tie(config) and not config.tie_word_embeddings
+    if untie:
         config = copy.deepcopy(config)
         config.tie_word_embeddings = True
-        with torch.device("meta"):
-            model = model_class.from_config(config)
+    with weights_on_meta():
+        model = model_class.from_config(config, dtype=torch.float32)  # as load_model's
+    if untie:
         untie_head(model)
-        return model
-    with torch.device("meta"):
-        return model_class.from_config(config)
+    return model
+
+
+@contextlib.contextmanager
+def weights_on_meta():
+    """Inside, the models built have their parameters and persistent buffers on the meta device (what a weights
+    file or a checkpoint fills) and their non-persistent buffers computed in host memory. Each parameter is
+    moved to meta as its module registers it, before the module initialises it: building costs an allocation
+    per parameter (untouched pages), not its initialisation."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        with _persistent_buffers_on_meta():
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+@contextlib.contextmanager
+def _persistent_buffers_on_meta():
+    """Inside, a persistent buffer a module registers goes to the meta device (BART's final_logits_bias: a
+    weights file holds it); a non-persistent one stays where it was computed."""
+    register = nn.Module.register_buffer
+
+    def register_on_meta(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True):
+        on_meta = tensor is not None and persistent and not tensor.is_meta
+        register(module, name, tensor.to("meta") if on_meta else tensor, persistent)
+
+    nn.Module.register_buffer = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_buffer = register
+
+
+def computed_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's non-persistent buffers that are not on the meta device (RoPE's inv_freq), by name: to put
+    back after `to_empty`, which leaves every tensor uninitialised (utils/model/rank0_loading.py)."""
+    kept = {}
+    for prefix, module in model.named_modules():
+        for name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(name)
+            if buffer is not None and not buffer.is_meta:
+                kept[f"{prefix}.{name}" if prefix else name] = buffer.clone()
+    return kept
 
 
 def forces_tie(config: PretrainedConfig) -> bool:

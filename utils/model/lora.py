@@ -53,6 +53,19 @@ def target_modules(lora: LoraConfig, model: nn.Module) -> list[str]:
     )
 
 
+def transposed_layers(model: nn.Module) -> frozenset[str]:
+    """The adapted layers whose weight is stored (in, out), as state dicts name them: GPT-2's Conv1D, which
+    PEFT adapts with fan_in_fan_out (hf_export.lora_exports merges them transposed). FSDP's and activation
+    checkpointing's wrappers are left out of the names."""
+    from peft.tuners.lora import LoraLayer
+
+    return frozenset(
+        ".".join(part for part in name.split(".") if not part.endswith("wrapped_module"))
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and getattr(module, "fan_in_fan_out", False)
+    )
+
+
 def adapter_base(model_name: str) -> str:
     """What PeftModel.from_pretrained loads the adapter onto (adapter_config.json names it): a local folder as
     an absolute path, so that it is found from any working directory; a hub name as it is."""

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from configs.errors import ConfigError
-from utils.model.loading import INDEX_FILE, SINGLE_FILE, cached_file_or_none
+from utils.model.loading import INDEX_FILE, SINGLE_FILE, cached_file_or_none, computed_buffers
 from utils.observe.memory import trim_host_heap
 
 
@@ -103,13 +103,23 @@ class UnitMaterializer:
         # and sharded them: the whole model resident on every rank for the whole run.
         self.materialized: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
         self.is_rank0 = dist.get_rank() == 0
+        self.base_prefix = f"{getattr(model, 'base_model_prefix', '')}."
+
+    def _spellings(self, names: list[str]) -> list[str]:
+        """`names`, then each without the model's base prefix."""
+        return [
+            *names,
+            *(name.removeprefix(self.base_prefix) for name in names if name.startswith(self.base_prefix)),
+        ]
 
     def _allocated(self, meta: torch.Tensor, names: list[str]) -> torch.Tensor:
         tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         if not self.fill:
             return tensor
         if self.is_rank0:
-            stored = next((name for name in names if name in self.available), None)
+            # A checkpoint may store names without the model's base prefix (GPT-2's: wte.weight, not
+            # transformer.wte.weight), which from_pretrained accepts too.
+            stored = next((name for name in self._spellings(names) if name in self.available), None)
             if stored is None:
                 raise ConfigError(f"the pretrained weights have none of {names}: another model?")
             tensor.copy_(self.read(stored))
@@ -132,13 +142,23 @@ class UnitMaterializer:
                 setattr(module, name, self._allocated(buffer, [self.buffer_names.get(id(buffer), name)]))
 
 
+def to_empty(model: nn.Module, device: torch.device) -> None:
+    """model.to_empty(device), keeping the values of its computed non-persistent buffers (RoPE's inv_freq,
+    loading.computed_buffers): no state dict holds them, so nothing would fill them again."""
+    computed = computed_buffers(model)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in computed.items():
+            model.get_buffer(name).copy_(value)
+
+
 def broadcast_rank0_weights(model: nn.Module, rank0_state: dict, device: torch.device) -> None:
     """Fill an FSDP2 model whose non-zero ranks were built on the meta device with rank 0's weights.
 
     Collective. to_empty allocates each rank's shards (uninitialised), then rank 0's full state dict is
     broadcast shard by shard. The tied embedding stays one parameter: to_empty keeps parameter identity.
     """
-    model.to_empty(device=device)
+    to_empty(model, device)
     set_model_state_dict(
         model, rank0_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )

@@ -1,4 +1,5 @@
-"""Training FLOPs of an encoder-decoder from real token counts, and the peak FLOP/s that MFU divides by.
+"""Training FLOPs of an encoder-decoder or a decoder-only model from real token counts, and the peak FLOP/s
+that MFU divides by.
 
 Model FLOPs of one forward pass of one sequence with S_enc source and S_dec target tokens (matmuls only;
 norms, softmax, biases and the loss are a rounding error):
@@ -27,6 +28,12 @@ Families are recognised by model_type, not by their config's field names: LongT5
 BigBird-PEGASUS and PEGASUS-X share BART's, but they attend locally or sparsely, and NLLB-MoE routes tokens
 to experts, so the formula would be wrong for them. Any other model has no count (no FLOP rates, no MFU).
 
+A decoder-only model (CausalFlops) is the decoder alone, with no cross-attention: for S tokens of a sequence,
+2 * (N + V * d_model) * S + 4 * d_attn * L * S^2, where N are the Linear (GPT-2: Conv1D) weights of its blocks.
+The attention is counted whole (S^2, not S^2 / 2) as the kernels compute it. Llama style (Llama, Mistral,
+Qwen2, Qwen3): q and o of num_heads * head_dim, k and v of num_key_value_heads * head_dim (grouped-query
+attention), a gated feed-forward of three matrices; GPT-2: q, k, v and o of d_model, a feed-forward of two.
+
 This differs from the formulas found in the wild (HF Trainer's 6 * all parameters * encoder tokens, with
 padding; Megatron's, which has no decoder): they are 1.2-1.5x off for T5 at 512/150.
 """
@@ -40,6 +47,8 @@ from transformers import PretrainedConfig
 
 T5_STYLE_MODELS = ("t5", "mt5", "umt5")
 BART_STYLE_MODELS = ("bart", "mbart", "pegasus")
+LLAMA_STYLE_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+GPT2_STYLE_MODELS = ("gpt2",)
 
 
 class FlopCounter(Protocol):
@@ -111,6 +120,52 @@ class Seq2SeqFlops:
         linear, attention = self.forward_parts(src, tgt)
         model = (2 if self.frozen_weights else 3) * linear + 3 * attention
         hardware = model + self.forward(src, tgt, head=False) if recompute else model
+        return model, hardware
+
+
+@dataclass(frozen=True)
+class CausalFlops:
+    block_weights: int  # N: Linear (Conv1D) weights of the blocks
+    head_weights: int  # V * d_model
+    attention_width: int  # d_attn: num_heads * head_dim
+    layers: int
+    frozen_weights: bool = False  # --peft lora: backward computes no gradient for the (frozen) weights
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, frozen_weights: bool = False) -> "CausalFlops | None":
+        """The count of a Llama-style or GPT-2 model (see the module's docstring); None for any other."""
+        if config.model_type in LLAMA_STYLE_MODELS:
+            d_model, heads = config.hidden_size, config.num_attention_heads
+            head_dim = getattr(config, "head_dim", None) or d_model // heads
+            width, kv_width = heads * head_dim, config.num_key_value_heads * head_dim
+            per_layer = 2 * d_model * width + 2 * d_model * kv_width + 3 * d_model * config.intermediate_size
+            layers = config.num_hidden_layers
+        elif config.model_type in GPT2_STYLE_MODELS:
+            d_model = width = config.n_embd
+            per_layer = 4 * d_model * d_model + 2 * d_model * (config.n_inner or 4 * d_model)
+            layers = config.n_layer
+        else:
+            return None
+        return cls(
+            block_weights=layers * per_layer,
+            head_weights=config.vocab_size * d_model,
+            attention_width=width,
+            layers=layers,
+            frozen_weights=frozen_weights,
+        )
+
+    def forward_parts(self, lengths: torch.Tensor, head: bool = True):
+        """(linear layers, attention scores and mixing) forward FLOPs of a batch, summed over its sequences
+        (lengths: real tokens per row, float64)."""
+        linear = 2 * (self.block_weights + (self.head_weights if head else 0)) * lengths
+        return linear.sum(), (4 * self.attention_width * self.layers * lengths * lengths).sum()
+
+    def training(self, batch: dict, recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(model, hardware) FLOPs of one forward+backward of `batch`, as Seq2SeqFlops.training counts them."""
+        lengths = batch["attention_mask"].sum(dim=1).to(torch.float64)
+        linear, attention = self.forward_parts(lengths)
+        model = (2 if self.frozen_weights else 3) * linear + 3 * attention
+        hardware = model + sum(self.forward_parts(lengths, head=False)) if recompute else model
         return model, hardware
 
 

@@ -26,7 +26,7 @@ from utils.distributed.process_group import StopCheck
 from utils.log import ProgressLines
 from utils.observe.flops import FlopCounter
 from utils.observe.memory import SavedTensorCounter
-from utils.task import IGNORED, SEQ2SEQ, Seq2SeqTask
+from utils.task import IGNORED, SEQ2SEQ, Task
 
 # Columns of the per-step statistics kept on the device until the next flush. GRAD_NORM holds the global
 # norm divided by the world size: the flush sums over ranks, and every rank has the same global norm.
@@ -44,7 +44,7 @@ class StepSettings:
     flops: FlopCounter | None = None  # counts each batch's training FLOPs (None: zeros)
     recompute: bool = False  # activation checkpointing: hardware FLOPs include the blocks' second forward
     saved_counter: SavedTensorCounter | None = None  # counts what the first micro-batch saves for backward
-    task: Seq2SeqTask = SEQ2SEQ  # how a batch becomes token losses (utils/task.py; the one task there is)
+    task: Task = SEQ2SEQ  # how a batch becomes token losses (utils/task.py)
 
 
 def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict, settings: StepSettings):
@@ -159,7 +159,7 @@ def validate(
     num_real_samples: int,
     progress: "tqdm | ProgressLines",
     stop_requested: Callable[[], bool] | None = None,
-    task: Seq2SeqTask = SEQ2SEQ,
+    task: Task = SEQ2SEQ,
 ):
     """Token-mean validation loss over the real samples of every rank.
 

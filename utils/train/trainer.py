@@ -45,7 +45,7 @@ from utils.observe.memory import (
 )
 from utils.observe.metrics import MetricsWriter, open_metrics
 from utils.observe.profiler import StepProfiler
-from utils.task import Seq2SeqTask
+from utils.task import Task
 from utils.train import optim
 from utils.train.preemption import StopRequest
 from utils.train.step import (
@@ -83,7 +83,7 @@ class Trainer:
         observe: ObserveConfig,
         throughput: Throughput,
         memory_baseline: MemoryBaseline,
-        task: Seq2SeqTask,
+        task: Task,
     ):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.loaders = loaders
@@ -144,6 +144,12 @@ class Trainer:
                     progress.global_step + 1, self.total_steps, progress.epoch, self.train_config.epochs,
                 )  # fmt: skip
             with forward_warnings_ignored(), profiler, stop.watching():
+                if self.evaluation.eval_on_start and progress.global_step == 0 and not resumed:
+                    try:
+                        self._evaluate_midway(progress.epoch, 0, None, stop)  # the model as it starts: step 0
+                    except StopAgreed:
+                        get_logger().info("stopped during the evaluation before training on %s", stop.name)
+                        return False
                 while not self.done(progress):
                     epoch = last_epoch = progress.epoch
                     epoch_start = time.perf_counter()
@@ -424,17 +430,21 @@ class Trainer:
         self.metrics.write(record)
         return record
 
-    def _evaluate_midway(self, epoch: int, step: int, step_log: StepLog, stop: StopRequest) -> None:
-        """--eval_every_n_steps: the validation loss (a validation record) and ROUGE (an eval record) inside
-        an epoch. Collective; flushes the step log first, so a NaN step stops the run before it is evaluated.
-        The validation record is written after ROUGE: a stop during either leaves neither in metrics.jsonl,
-        and the resumed run writes both (TrainProgress.evaluation_due)."""
-        step_log.flush()
+    def _evaluate_midway(self, epoch: int, step: int, step_log: StepLog | None, stop: StopRequest) -> None:
+        """--eval_every_n_steps (and --eval_on_start, before any step: no `step_log`): the validation loss (a
+        validation record) and ROUGE (an eval record) inside an epoch. Collective; flushes the step log first,
+        so a NaN step stops the run before it is evaluated. The validation record is written after ROUGE: a
+        stop during either leaves neither in metrics.jsonl, and the resumed run writes both
+        (TrainProgress.evaluation_due)."""
+        if step_log is not None:
+            step_log.flush()
         val_loss = self._validation(epoch, stop)
         self._evaluate(epoch, step, stop)
         if val_loss is not None:
-            get_logger().info("step %d: val_loss %.4f", step, val_loss)
-            self.metrics.write({"type": "validation", "epoch": epoch, "step": step, "val_loss": val_loss})
+            extra = self.task.loss_metrics(val_loss)
+            perplexity = f" (perplexity {extra['val_perplexity']:.2f})" if "val_perplexity" in extra else ""
+            get_logger().info("step %d: val_loss %.4f%s", step, val_loss, perplexity)
+            self.metrics.write({"type": "validation", "epoch": epoch, "step": step, "val_loss": val_loss, **extra})
         self.model.train()
 
     def _write_memory_account(self, first_batch: dict, saved_activation_bytes: int) -> None:
@@ -463,6 +473,7 @@ class Trainer:
             "epoch": epoch,
             "train_loss": float(totals[LOSS_SUM]) / trained_tokens if trained_tokens else None,
             "val_loss": val_loss,
+            **self.task.loss_metrics(val_loss),
             "epoch_seconds": epoch_seconds,
             "samples_per_s": int(totals[SAMPLES]) / train_seconds,
             "tokens_per_s": int(totals[INPUT_TOKENS]) / train_seconds,
@@ -532,7 +543,10 @@ def _log_epoch(record: dict, peaks: list[int] | None) -> None:
         "epoch %d: train_loss %s | val_loss %s | %.1f s | %.1f samples/s | peak memory per rank %s",
         record["epoch"],
         "- (every step skipped)" if train_loss is None else f"{train_loss:.4f}",
-        "-" if val_loss is None else f"{val_loss:.4f}",
+        "-"
+        if val_loss is None
+        else f"{val_loss:.4f}"
+        + (f" (perplexity {record['val_perplexity']:.2f})" if "val_perplexity" in record else ""),
         record["epoch_seconds"],
         record["samples_per_s"],
         "-" if peaks is None else ", ".join(f"{p / 2**20:.0f} MiB" for p in peaks),

@@ -1,0 +1,202 @@
+"""The Dataset and collate of a decoder-only model (Llama, GPT-2, ...): each row's prompt and completion read as
+one sequence, the model predicting every next token.
+
+    dataset = CausalLMDataset(tokenizer, "train", num_samples, prompt_length, completion_length, data)
+
+reads the same rows as the tutorial's Dataset (summarization_dataset.py: every source, from the data cache),
+tokenised for a decoder-only model (utils/data/cache.py: the prompt as the tokenizer starts a text, the
+completion ended by the EOS token). The source column is the prompt and the target column its completion
+(TRL's prompt/completion format): end a prompt with its cue (`--source_prefix` goes before it) where the data
+has none. The loss is on the completion's tokens alone, as TRL's SFTTrainer takes it, or on every token with
+--completion_only_loss false. Labels come from the lengths, never from comparing ids with the padding token:
+a tokenizer without one pads with its EOS token (utils/model/loading.py), and a completion's own EOS stays
+trained on.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from configs.data import DataConfig
+from summarization_dataset import SummarizationDataset
+from utils.data.cache import SplitRows
+from utils.data.loaders import DataFormat
+from utils.log import get_logger
+from utils.task import IGNORED
+
+
+class CausalLMDataset(SummarizationDataset):
+    """One split as a decoder-only model trains on it: 1-D int64 input_ids (prompt then completion),
+    attention_mask, labels (IGNORED on the prompt unless --completion_only_loss false, and on padding), and
+    prompt_ids (the prompt alone: generation's input). With --pad_to_max_length each sequence is padded to
+    input_length + output_length. The rows, the texts and the lengths read as SummarizationDataset's."""
+
+    encoding = "causal"  # prompt and completion tokenised as one sequence (utils/data/cache.py: ENCODINGS)
+
+    @property
+    def completion_only_loss(self) -> bool:
+        return self.options.completion_only_loss
+
+    @property
+    def max_length(self) -> int:
+        """--pad_to_max_length's width: a whole text's (--max_seq_len), or a prompt's and a completion's."""
+        return (
+            self.options.max_seq_len if self.options.dataset_text_field else self.input_length + self.output_length
+        )
+
+    @staticmethod
+    def lengths(data: DataConfig) -> tuple[int, int]:
+        """The (prompt, completion) token lengths of `data`: a --dataset_text_field text is all completion, cut
+        so that with a start token (its prompt) it is at most --max_seq_len."""
+        completion = data.max_seq_len - 1 if data.dataset_text_field else data.max_target_length
+        return data.max_source_length, completion
+
+    def sequence(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(input_ids, labels, prompt length) of one row, unpadded."""
+        if self.print_text:
+            get_logger().info("Prompt: %s", self.source_prefix + self.clean_text(self.article(index)))
+        prompt, completion = self._ids("source_ids", index), self._ids("target_ids", index)
+        input_ids = torch.cat([prompt, completion])
+        labels = input_ids.clone()
+        if self.completion_only_loss:
+            labels[: len(prompt)] = IGNORED
+        return input_ids, labels, len(prompt)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        input_ids, labels, prompt_length = self.sequence(index)
+        width = self.max_length if self.pad_to_max_length else len(input_ids)
+        padding = width - len(input_ids)
+        return {
+            "input_ids": torch.cat([input_ids, input_ids.new_full((padding,), self.tokenizer.pad_token_id)]),
+            "attention_mask": (torch.arange(width) < len(input_ids)).long(),
+            "labels": torch.cat([labels, labels.new_full((padding,), IGNORED)]),
+            "prompt_ids": input_ids[:prompt_length],
+        }
+
+
+class PackedCausalDataset(CausalLMDataset):
+    """The rows of a split packed into blocks of --max_seq_len tokens (--packing), its items: input_ids,
+    labels, position_ids and attention_mask (1 on real tokens). The blocks are a function of the cached token
+    ids and the settings alone, so every rank and a resumed run see the same ones.
+
+    documents: whole rows in their order, a block closed when the next row does not fit (a row longer than a
+    block is cut to it). Position ids restart at every row; given them without an attention mask,
+    transformers' attention keeps each row to itself (a block-causal mask; flash-attention and FlexAttention
+    take the boundaries from the position ids), and a row's first token is not trained on as the previous
+    row's continuation: each row's losses are those it has alone. The rest of a block is padding (collate).
+    wrapped: every row's tokens one after the other, cut into full blocks, the last part dropped, attention
+    and prediction across rows (the Llama 2 guide's packing: its ConstantLengthDataset)."""
+
+    def __init__(
+        self,
+        tokenizer,
+        type_path: str,
+        num_samples: int | None,
+        input_length: int,
+        output_length: int,
+        options: DataConfig | None = None,
+        *,
+        rows: SplitRows | None = None,
+    ) -> None:
+        options = options or DataConfig(packing=True)
+        super().__init__(tokenizer, type_path, num_samples, input_length, output_length, options, rows=rows)
+        self.block_length, self.strategy = options.max_seq_len, options.packing_strategy
+        lengths = np.add(self.source_lengths(), self.target_lengths(), dtype=np.int64)
+        self.row_tokens = int(lengths.sum())
+        if self.strategy == "wrapped":
+            self.row_starts = np.concatenate([[0], np.cumsum(lengths)])
+            self.num_blocks = self.row_tokens // self.block_length
+            self.packed_tokens = self.num_blocks * self.block_length
+        else:
+            firsts, used = [], self.block_length
+            for row, length in enumerate(np.minimum(lengths, self.block_length).tolist()):
+                if used + length > self.block_length:
+                    firsts.append(row)
+                    used = 0
+                used += length
+            self.block_firsts = np.array([*firsts, len(lengths)])
+            self.num_blocks = len(firsts)
+            self.packed_tokens = int(np.minimum(lengths, self.block_length).sum())
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def packing_note(self) -> str:
+        """What packing made of the rows: the blocks, and the share of the rows' tokens it dropped (wrapped:
+        the last part; documents: what rows longer than a block lost) and of the blocks' that is padding."""
+        dropped = 1 - self.packed_tokens / max(self.row_tokens, 1)
+        padding = 1 - self.packed_tokens / max(self.num_blocks * self.block_length, 1)
+        return (
+            f"{len(self.dataset)} rows packed ({self.strategy}) into {self.num_blocks} blocks of "
+            f"{self.block_length} tokens: {100 * dropped:.1f}% of their tokens dropped, {100 * padding:.1f}% of "
+            "the blocks padding"
+        )
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if self.strategy == "wrapped":
+            return self._wrapped_block(index)
+        parts = []
+        for row in range(self.block_firsts[index], self.block_firsts[index + 1]):
+            input_ids, labels, _ = self.sequence(row)
+            input_ids, labels = input_ids[: self.block_length], labels[: self.block_length].clone()
+            labels[0] = IGNORED  # predicted from the row before it: no row is trained on as another's sequel
+            parts.append((input_ids, labels, torch.arange(len(input_ids))))
+        ids, labels, positions = (torch.cat(column) for column in zip(*parts, strict=True))
+        padding = self.block_length - len(ids) if self.pad_to_max_length else 0  # fixed shapes, if asked for
+        return {
+            "input_ids": torch.cat([ids, ids.new_full((padding,), self.tokenizer.pad_token_id)]),
+            "labels": torch.cat([labels, labels.new_full((padding,), IGNORED)]),
+            "position_ids": torch.cat([positions, positions.new_zeros(padding)]),  # each its own sequence
+            "attention_mask": (torch.arange(len(ids) + padding) < len(ids)).long(),
+        }
+
+    def _wrapped_block(self, index: int) -> dict[str, torch.Tensor]:
+        start, end = index * self.block_length, (index + 1) * self.block_length
+        row = int(np.searchsorted(self.row_starts, start, side="right")) - 1
+        ids, labels = [], []
+        while self.row_starts[row] < end:
+            input_ids, row_labels, _ = self.sequence(row)
+            first = max(start - int(self.row_starts[row]), 0)
+            last = min(end - int(self.row_starts[row]), len(input_ids))
+            ids.append(input_ids[first:last])
+            labels.append(row_labels[first:last])
+            row += 1
+        ids = torch.cat(ids)
+        return {
+            "input_ids": ids,
+            "labels": torch.cat(labels),
+            "position_ids": torch.arange(len(ids)),
+            "attention_mask": torch.ones_like(ids),
+        }
+
+
+# Each key's padding value; the prompts are padded on the left (generation continues them all from one position).
+PADDING = {"attention_mask": 0, "labels": IGNORED, "position_ids": 0}
+
+
+def causal_collate(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad the sequences to the longest in the batch (ids with pad_token_id, the mask and position ids
+    with 0, labels with IGNORED); left-pad the prompts (prompt_ids, and prompt_mask made here), so that
+    generation continues every row from the same position. A padded position id of 0 starts a sequence of its
+    own: a packed block's padding attends to nothing before it. A module-level function, so that its partial
+    pickles into DataLoader workers."""
+    if not items:
+        raise ValueError("causal_collate got an empty batch.")
+    batch = {}
+    for key in items[0]:
+        side = "left" if key == "prompt_ids" else "right"
+        values = [item[key] for item in items]
+        batch[key] = pad_sequence(
+            values, batch_first=True, padding_value=PADDING.get(key, pad_token_id), padding_side=side
+        )
+    if "prompt_ids" in batch:
+        masks = [torch.ones_like(item["prompt_ids"]) for item in items]
+        batch["prompt_mask"] = pad_sequence(masks, batch_first=True, padding_value=0, padding_side="left")
+    return batch
+
+
+# What utils/data/loaders.py builds a decoder-only run's loaders with (T5_training.py hands it in): the rows
+# one by one, and packed (--packing) for the training and validation losses.
+FORMAT = DataFormat(dataset_type=CausalLMDataset, collate=causal_collate, packed_type=PackedCausalDataset)

@@ -1,0 +1,494 @@
+"""Decoder-only models (utils/task.py: CausalTask; causal_lm_dataset.py): what the loader takes and refuses,
+the units, LoRA's targets and the weight decay of each family, the loss against the model's own, the FLOP count
+against torch's counter, the data's tokens and labels, and FSDP1/FSDP2 against the unsharded model with a
+resume and rank-0-only loading. Tiny random Llama (untied and tied) and GPT-2 models built offline by
+scripts/make_tiny_family.py, once per session."""
+
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM, BertConfig, BertForMaskedLM
+
+from causal_lm_dataset import CausalLMDataset, PackedCausalDataset, causal_collate
+from configs.data import DataConfig
+from configs.errors import ConfigError
+from configs.lora import LoraConfig
+from configs.paths import REPO_ROOT
+from policies.wrapping import layer_classes
+from scripts.make_tiny_family import CAUSAL_FAMILIES, make
+from tests.dist_harness import run_ranks
+from tests.dist_workers import causal_batch, family_worker
+from tests.hf_folders import parameter_ties
+from utils.model.loading import load_model, load_tokenizer
+from utils.model.lora import target_modules
+from utils.observe.flops import CausalFlops
+from utils.task import CAUSAL, IGNORED, task_for
+from utils.train.optim import parameter_groups
+
+LAYERS = {"llama": "LlamaDecoderLayer", "llama-tied": "LlamaDecoderLayer", "gpt2": "GPT2Block"}
+LORA_DEFAULTS = {"llama": ["q_proj", "v_proj"], "llama-tied": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
+
+
+@pytest.fixture(scope="session")
+def causal_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("causal")
+    for family in CAUSAL_FAMILIES:
+        make(family, str(root / family))
+    return {family: str(root / family) for family in CAUSAL_FAMILIES}
+
+
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_each_decoder_only_family_loads_as_a_causal_model_with_its_units_tokenizer_and_lora_targets(
+    causal_dirs, family, caplog
+):
+    folder = causal_dirs[family]
+    model = load_model(folder, dropout_rate=0.0)
+    assert task_for(model.config) is CAUSAL and type(model).__name__ in ("LlamaForCausalLM", "GPT2LMHeadModel")
+    assert {cls.__name__ for cls in layer_classes(model)} == {LAYERS[family]}
+    assert len([m for m in model.modules() if type(m) in layer_classes(model)]) == 2
+    assert model.config.use_cache is False
+    dropouts = ["attention_dropout"] if family != "gpt2" else ["resid_pdrop", "embd_pdrop", "attn_pdrop"]
+    assert {getattr(model.config, name) for name in dropouts} == {0.0}  # --dropout_rate reaches each
+    with caplog.at_level("INFO"):
+        tokenizer = load_tokenizer(folder)
+    # Neither tokenizer has a padding token: the EOS token pads, said once.
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None
+    assert "no padding token: padding with its EOS token" in caplog.text
+    assert target_modules(LoraConfig(peft="lora"), model) == LORA_DEFAULTS[family]
+    head_tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert head_tied == (family != "llama")
+
+
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_a_skeleton_has_the_models_parameters_and_ties_and_computes_its_rope_buffers(causal_dirs, family):
+    """The skeleton a resume or rank-0-only loading fills: no file holds RoPE's inv_freq (a non-persistent
+    buffer), so the skeleton computes it, equal to the loaded model's; the weights stay on meta."""
+    loaded = load_model(causal_dirs[family])
+    skeleton = load_model(causal_dirs[family], on_meta=True)
+
+    assert parameter_ties(skeleton) == parameter_ties(loaded)
+    assert all(p.is_meta for p in skeleton.parameters())
+    buffers = dict(loaded.named_buffers())
+    assert sorted(name for name, _ in skeleton.named_buffers()) == sorted(buffers)
+    if family != "gpt2":
+        assert "model.rotary_emb.inv_freq" in buffers
+    for name, buffer in skeleton.named_buffers():
+        assert not buffer.is_meta and torch.equal(buffer, buffers[name]), name
+
+
+def test_an_encoder_only_model_is_refused_at_start(tmp_path):
+    BertForMaskedLM(BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                               vocab_size=100)).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.raises(ConfigError, match="is a bert model, an encoder only: it writes no text"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_weight_decay_spares_every_norm_and_bias_of_each_decoder_only_family(causal_dirs, family):
+    """Llama's input_layernorm, post_attention_layernorm and model.norm (RMSNorm), GPT-2's ln_1, ln_2 and ln_f
+    and its Conv1D biases: every 1-D parameter, an independent description of the same split."""
+    model = load_model(causal_dirs[family], dropout_rate=0.0)
+    decay, spared = parameter_groups(model, 0.01)
+    names = {id(param): name for name, param in model.named_parameters()}
+    assert sorted(names[id(p)] for p in spared["params"]) == sorted(
+        n for n, p in model.named_parameters() if p.dim() == 1
+    )
+    assert all(p.dim() >= 2 for p in decay["params"])
+    if family == "llama":
+        spared_names = {names[id(p)] for p in spared["params"]}
+        assert {"model.norm.weight", "model.layers.0.input_layernorm.weight"} <= spared_names
+
+
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_the_loss_is_the_models_own_next_token_loss(causal_dirs, family):
+    """CausalTask's per-token losses, summed over their count, equal transformers' own loss of the same labels
+    (it shifts them itself), with a prompt and padding left out."""
+    model = AutoModelForCausalLM.from_pretrained(causal_dirs[family])
+    batch = causal_batch(seed=1, rows=4, length=16, vocab=model.config.vocab_size)
+    token_losses, labels = CAUSAL.token_losses(model, batch)
+    ours = token_losses.sum() / (labels != IGNORED).sum()
+    assert (labels != IGNORED).sum() == CAUSAL.trained_tokens(batch)
+    theirs = model(**batch).loss  # input_ids, attention_mask, labels
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_training_flops_of_a_decoder_only_model_equal_torchs_flop_counter(causal_dirs, family):
+    """Every matmul of a forward and backward of the real model (eager attention), on a batch without padding."""
+    model = AutoModelForCausalLM.from_pretrained(causal_dirs[family], attn_implementation="eager")
+    batch = causal_batch(seed=2, rows=3, length=16, vocab=model.config.vocab_size)
+    batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    counter = FlopCounterMode(display=False)
+    with counter:
+        CAUSAL.token_losses(model, batch)[0].sum().backward()
+    model_flops, _ = CausalFlops.from_config(model.config).training(batch, recompute=False)
+    assert counter.get_total_flops() == model_flops.item()
+
+
+def test_a_completion_is_trained_on_to_its_eos_and_generation_reads_left_padded_prompts(causal_dirs):
+    """Llama's tokenizer starts the prompt with <s>; the completion has no <s> and ends with </s>, which is
+    also the padding token and stays in the labels; the prompt is not trained on (unless
+    --completion_only_loss false); batches right-pad the sequences and left-pad the prompts."""
+    tokenizer = load_tokenizer(causal_dirs["llama"])
+    data = DataConfig(max_source_length=48, max_target_length=12)
+    dataset = CausalLMDataset(tokenizer, "train", 4, 48, 12, data)
+    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
+    items = [dataset[i] for i in range(4)]
+    for index, item in enumerate(items):
+        prompt = item["prompt_ids"]
+        assert prompt[0] == bos and eos not in prompt.tolist() and len(prompt) <= 48
+        completion = item["input_ids"][len(prompt) :]
+        assert completion[-1] == eos and bos not in completion.tolist() and len(completion) <= 12
+        assert (item["labels"][: len(prompt)] == IGNORED).all()
+        assert torch.equal(item["labels"][len(prompt) :], completion)
+        expected = tokenizer(dataset.reference(index), add_special_tokens=False).input_ids[:11]
+        assert completion[:-1].tolist() == expected
+    batch = causal_collate(items, pad_token_id=tokenizer.pad_token_id)
+    lengths = [len(item["input_ids"]) for item in items]
+    width = max(lengths)
+    assert batch["input_ids"].shape == batch["labels"].shape == (4, width)
+    assert batch["attention_mask"].sum(dim=1).tolist() == lengths
+    short = lengths.index(min(lengths))
+    if min(lengths) < width:
+        assert (batch["labels"][short, min(lengths) :] == IGNORED).all()
+    prompt_lengths = [len(item["prompt_ids"]) for item in items]
+    assert batch["prompt_mask"].sum(dim=1).tolist() == prompt_lengths
+    for row, length in enumerate(prompt_lengths):
+        assert torch.equal(batch["prompt_ids"][row, -length:], items[row]["prompt_ids"])  # at the right end
+    everything = CausalLMDataset(tokenizer, "train", 4, 48, 12, DataConfig(completion_only_loss=False))
+    assert torch.equal(everything[0]["labels"], everything[0]["input_ids"])
+
+
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_each_decoder_only_family_trains_as_unsharded_resumes_exactly_and_exports_what_it_trained(
+    causal_dirs, family, tmp_path
+):
+    """FSDP1 and FSDP2 (2 gloo ranks, fp32) against the unsharded model, 4 AdamW steps, losses within 1e-5
+    relative; a checkpoint after step 2 (FULL under FSDP1, SHARDED under FSDP2) restored into an empty skeleton
+    continues with the same losses and weights, its RoPE buffers those of a fresh model; rank-0-only loading
+    with activation checkpointing trains as the reference; packed blocks (two documents a row, position ids
+    restarting) train as the unsharded model on the same blocks; the folder written from the shards loads with
+    AutoModelForCausalLM, every weight the trained one."""
+    rank0, rank1 = run_ranks(family_worker, causal_dirs[family], 4, str(tmp_path), timeout_s=300)
+    reference_losses, reference_state = rank0["reference"]
+    packed_reference = rank0["packed_reference"][0]
+    assert all(abs(a - b) > 1e-3 for a, b in zip(packed_reference, reference_losses, strict=True))
+    for version in (1, 2):
+        result = rank0[version]
+        assert result["losses"] == rank1[version]["losses"]
+        for name, want_losses in (("losses", reference_losses), ("rank0_loaded_losses", reference_losses),
+                                  ("packed_losses", packed_reference)):  # fmt: skip
+            for step, (got, want) in enumerate(zip(result[name], want_losses, strict=True)):
+                assert abs(got - want) <= 1e-5 * abs(want), f"FSDP{version} {name} {step + 1}: {got} vs {want}"
+        assert result["resumed_losses"] == result["losses"][2:], f"FSDP{version} resumed"
+        assert result["resumed_buffers_as_fresh"] and rank1[version]["resumed_buffers_as_fresh"]
+        assert result["rank0_loaded_buffers_as_fresh"] and rank1[version]["rank0_loaded_buffers_as_fresh"]
+        state = result["state"]
+        assert state.keys() == reference_state.keys() == result["resumed_state"].keys()
+        for name, tensor in reference_state.items():
+            assert (state[name] - tensor).abs().max().item() < 1e-4, f"FSDP{version} {name}"
+            assert torch.equal(result["resumed_state"][name], state[name]), f"FSDP{version} resumed {name}"
+        folder = tmp_path / f"fsdp{version}" / "hf_model"
+        exported, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+        assert json.loads((folder / "config.json").read_text())["architectures"] == [type(exported).__name__]
+        loaded = exported.state_dict()
+        for name, tensor in state.items():
+            assert torch.equal(loaded[name], tensor), f"FSDP{version} export {name}"
+
+
+def whole_texts(folder, rows: int = 24) -> str:
+    """A train file of whole texts of 6 to 40 words (a --dataset_text_field column, `content`)."""
+    words = "rinse the rice boil water add salt stir gently cover and wait until it is soft".split()
+    path = folder / "train.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for row in range(rows):
+            text = " ".join(words[(row + i) % len(words)] for i in range(6 + (row * 7) % 35))
+            f.write(json.dumps({"content": f"{text}.", "id": f"text-{row}"}) + "\n")
+    return str(path)
+
+
+def text_data(tmp_path, **settings) -> DataConfig:
+    return DataConfig(train_file=whole_texts(tmp_path), dataset_text_field="content", max_seq_len=96,
+                      cache_dir=str(tmp_path / "cache"), **settings)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_packed_block_keeps_its_documents_apart_each_with_the_losses_it_has_alone(
+    causal_dirs, family, attention, tmp_path
+):
+    """--packing documents: a block of several rows, read with position ids restarting per row and no
+    attention mask, gives each row's per-token losses as the row alone does (within 1e-6 relative), every
+    row's tokens in some block exactly once, and the padding of a batch trains nothing."""
+    tokenizer = load_tokenizer(causal_dirs[family])
+    data = text_data(tmp_path, packing=True)
+    lengths = CausalLMDataset.lengths(data)
+    plain = CausalLMDataset(tokenizer, "train", None, *lengths, data)
+    packed = PackedCausalDataset(tokenizer, "train", None, *lengths, data)
+    assert len(packed) < len(plain)  # several rows per block
+    model = AutoModelForCausalLM.from_pretrained(causal_dirs[family], attn_implementation=attention)
+    batch = causal_collate([packed[0], packed[1]], pad_token_id=tokenizer.pad_token_id)
+    packed_losses, labels = CAUSAL.token_losses(model, batch)
+    for block in (0, 1):
+        rows = range(packed.block_firsts[block], packed.block_firsts[block + 1])
+        assert len(rows) >= 2 or block == 1
+        alone = []
+        for row in rows:
+            losses, _ = CAUSAL.token_losses(model, causal_collate([plain[row]], tokenizer.pad_token_id))
+            alone += [torch.zeros(1), losses[0]]  # the row's first token is no target, alone or packed
+        expected = torch.cat(alone)[1:]
+        got = packed_losses[block, : len(expected)]
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6), (got - expected).abs().max()
+        assert (labels[block, len(expected) :] == IGNORED).all()  # the batch's padding
+    seen = torch.cat([packed[b]["input_ids"] for b in range(len(packed))])
+    every_row = torch.cat([plain[row]["input_ids"] for row in range(len(plain))])
+    assert torch.equal(seen, every_row)  # every token once, in order (no row is longer than a block here)
+
+
+def test_wrapped_packing_is_the_rows_tokens_concatenated_and_cut(causal_dirs, tmp_path):
+    """--packing_strategy wrapped (the Llama 2 guide's): the blocks are every row's tokens one after the other,
+    cut into full blocks of --max_seq_len, token for token, the last part dropped; labels the same tokens."""
+    tokenizer = load_tokenizer(causal_dirs["llama"])
+    data = text_data(tmp_path, packing=True, packing_strategy="wrapped")
+    lengths = CausalLMDataset.lengths(data)
+    plain = CausalLMDataset(tokenizer, "train", None, *lengths, data)
+    packed = PackedCausalDataset(tokenizer, "train", None, *lengths, data)
+    every_row = torch.cat([plain[row]["input_ids"] for row in range(len(plain))])
+    assert len(packed) == len(every_row) // 96 >= 2
+    blocks = torch.stack([packed[b]["input_ids"] for b in range(len(packed))])
+    assert torch.equal(blocks.flatten(), every_row[: len(packed) * 96])
+    row_labels = torch.cat([plain[row]["labels"] for row in range(len(plain))])
+    assert torch.equal(torch.stack([packed[b]["labels"] for b in range(len(packed))]).flatten(),
+                       row_labels[: len(packed) * 96])  # fmt: skip
+    assert "dropped" in packed.packing_note()
+
+
+def test_a_text_field_row_is_trained_on_whole_and_a_seq2seq_model_refuses_it(causal_dirs, tmp_path):
+    """--dataset_text_field: each text is the completion of nothing (Llama: its <s> alone before it), every
+    token of it trained on, its EOS last, cut to --max_seq_len; an encoder-decoder refuses the setting."""
+    tokenizer = load_tokenizer(causal_dirs["llama"])
+    data = text_data(tmp_path)
+    item = CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(data), data)[0]
+    assert item["prompt_ids"].tolist() == [tokenizer.bos_token_id]
+    assert item["input_ids"][-1] == tokenizer.eos_token_id and len(item["input_ids"]) <= 96 + 1
+    assert torch.equal(item["labels"][1:], item["input_ids"][1:])
+    from utils.task import SEQ2SEQ
+
+    with pytest.raises(ConfigError, match="--dataset_text_field is for decoder-only models"):
+        SEQ2SEQ.check_data(data)
+    with pytest.raises(ConfigError, match="--packing true is for decoder-only models"):
+        SEQ2SEQ.check_data(DataConfig(packing=True))
+
+
+@pytest.mark.parametrize(("family", "targets"), [("gpt2", "c_attn,c_proj"), ("llama", "auto")])
+def test_a_decoder_only_lora_run_exports_the_model_peft_merges(causal_dirs, family, targets, tmp_path):
+    """LoRA (CAUSAL_LM) under FSDP2 on 2 ranks, merged into hf_model/ from the shards: every weight is PEFT's
+    merge_and_unload of the gathered trained model. GPT-2's Conv1D layers store their weight (in, out), PEFT's
+    fan_in_fan_out: c_attn (64 x 192) and c_proj (64 x 64, square, where a missing transpose goes unseen by
+    the shapes) included."""
+    from peft import PeftModel  # noqa: F401 - PEFT present, as apply_lora needs
+
+    from configs.lora import LoraConfig as Settings
+    from tests.dist_workers import causal_lora_worker
+    from utils.model.lora import apply_lora
+
+    rank0, _ = run_ranks(causal_lora_worker, causal_dirs[family], targets, str(tmp_path), timeout_s=300)
+    torch.manual_seed(0)
+    settings = Settings(peft="lora", lora_r=4, lora_alpha=8, lora_target_modules=targets, merge_lora=True)
+    reference = apply_lora(load_model(causal_dirs[family], dropout_rate=0.0), settings, causal_dirs[family])
+    reference.load_state_dict(rank0["state"], strict=True)
+    expected = reference.merge_and_unload().state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model").state_dict()
+    assert exported.keys() == expected.keys()
+    trained = [name for name in expected if "c_proj" in name or "q_proj" in name]
+    assert trained and any(not torch.equal(expected[n], load_model(causal_dirs[family]).state_dict()[n])
+                           for n in trained)  # fmt: skip
+    for name, tensor in expected.items():
+        assert torch.allclose(exported[name], tensor, rtol=0, atol=1e-6), name
+
+
+# Seed 004's system (the FSDP guide's Llama 2 fine-tune): its command, HF's names and the guide's own flags as
+# the package maps them, on the tiny Llama and the embedded chat-format sample (data/code_chat), with its
+# accelerate config (configs/accelerate_llama2_fsdp.yaml). Scaled down: --max_steps 12, shorter blocks, a
+# larger learning rate, --eval_on_start for the perplexity before training.
+CODE_CHAT = REPO_ROOT / "data" / "code_chat"
+LLAMA2_CONFIG = REPO_ROOT / "configs" / "accelerate_llama2_fsdp.yaml"
+
+
+def seed_004_flags(model: str, output_dir: str) -> list[str]:
+    return ["--model_name", model, "--dataset_name", str(CODE_CHAT), "--max_seq_len", "512", "--max_steps", "12",
+            "--logging_steps", "4", "--eval_steps", "6", "--save_steps", "6", "--bf16", "True",
+            "--packing", "True",
+            "--output_dir", output_dir, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+            "--dataset_text_field", "content", "--use_gradient_checkpointing", "True", "--learning_rate", "5e-3",
+            "--lr_scheduler_type", "cosine", "--weight_decay", "0.01", "--warmup_ratio", "0.03",
+            "--use_flash_attn", "True", "--eval_on_start", "true"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_seed_004_with_its_config_and_flags_and_lowers_the_perplexity(
+    causal_dirs, tmp_path
+):
+    """The guide's FSDP settings reach the run (FULL_SHARD over LlamaDecoderLayer, SHARDED_STATE_DICT,
+    rank-0-only loading, activation checkpointing, bf16 asked), the chat texts are packed, the perplexity on
+    the validation texts falls from the model as it starts (step 0) to the end, and the final model loads with
+    AutoModelForCausalLM."""
+    from tests.test_accelerate_env import accelerate_launch_run
+
+    output_dir = tmp_path / "run"
+    run = accelerate_launch_run(seed_004_flags(causal_dirs["llama"], str(output_dir)), config=LLAMA2_CONFIG)
+    assert run.returncode == 0, run.describe()
+    for note in ("--use_flash_attn True -> --attn_implementation sdpa", "--bf16 True -> --mixed_precision true",
+                 "--use_gradient_checkpointing True -> --fsdp_activation_checkpointing true"):  # fmt: skip
+        assert note in run.output, note
+    assert "rows packed (documents) into" in run.output
+    record = json.loads((output_dir / "config.json").read_text(encoding="utf-8"))
+    fsdp = record["fsdp_config"]
+    assert (fsdp["fsdp_version"], fsdp["sharding_strategy"], fsdp["checkpoint_type"]) == (
+        1, "FULL_SHARD", "SHARDED_STATE_DICT")  # fmt: skip
+    assert fsdp["cpu_ram_efficient_loading"] and fsdp["fsdp_activation_checkpointing"] and fsdp["mixed_precision"]
+    assert record["from_accelerate"]["checkpoint_type"] == "FSDP_STATE_DICT_TYPE"
+    assert record["data_config"]["packing"] and record["data_config"]["dataset_text_field"] == "content"
+    validations = [json.loads(line) for line in (output_dir / "metrics.jsonl").open() if '"validation"' in line]
+    epochs = [json.loads(line) for line in (output_dir / "metrics.jsonl").open() if '"type": "epoch"' in line]
+    first, last = validations[0], epochs[-1]
+    assert first["step"] == 0 and first["val_perplexity"] == pytest.approx(math.exp(first["val_loss"]))
+    assert last["val_perplexity"] < 0.5 * first["val_perplexity"], (first, last)
+    assert (output_dir / "checkpoints" / "step_00000012" / ".metadata").is_file()  # sharded (DCP's)
+    model = AutoModelForCausalLM.from_pretrained(output_dir / "hf_model")
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_the_embedded_chat_sample_is_what_its_script_writes(tmp_path):
+    """data/code_chat is scripts/make_chat_sample.py's output, byte for byte (seeded)."""
+    from scripts.make_chat_sample import ROWS, write
+
+    write(tmp_path)
+    for split, rows in ROWS.items():
+        made = (tmp_path / f"{split}.jsonl").read_bytes()
+        assert made == (CODE_CHAT / f"{split}.jsonl").read_bytes() and made.count(b"\n") == rows
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def chat_folder(causal_dirs, tmp_path, template: str | None = CHAT_TEMPLATE) -> str:
+    """The tiny Llama with a chat template in its tokenizer (or none)."""
+    import shutil
+
+    folder = tmp_path / "chat-llama"
+    shutil.copytree(causal_dirs["llama"], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def conversations(tmp_path, last_role: str = "assistant") -> DataConfig:
+    """A train file of conversations in TRL's conversational format (a messages column)."""
+    path = tmp_path / f"chats-{last_role}.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for row in range(8):
+            reply = f"Rinse it, then boil it for {row + 10} minutes."
+            messages = [{"role": "system", "content": "Answer briefly."},
+                        {"role": "user", "content": f"How do I cook rice number {row}?"},
+                        {"role": last_role, "content": reply}]  # fmt: skip
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return DataConfig(train_file=str(path), cache_dir=str(tmp_path / f"cache-{last_role}"), max_source_length=96)
+
+
+def test_a_conversation_is_rendered_by_the_chat_template_and_trained_on_its_reply_alone(causal_dirs, tmp_path):
+    """A messages column: the prompt is the conversation rendered up to the assistant's turn, the completion
+    the reply as the template closes it; the loss is on the reply's tokens alone; generation's reference is the
+    reply. Refused with one message each: a tokenizer with no chat template, a template that leaves the reply
+    out, a conversation that does not end with the assistant, an encoder-decoder."""
+    from summarization_dataset import SummarizationDataset
+
+    tokenizer = load_tokenizer(chat_folder(causal_dirs, tmp_path))
+    data = conversations(tmp_path)
+    dataset = CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(data), data)
+    assert dataset.cleaning == "chat"
+    item = dataset[0]
+    messages = json.loads(dataset.article(0))
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|assistant|>") and "Answer briefly." in prompt
+    assert item["prompt_ids"].tolist() == tokenizer(prompt, add_special_tokens=False).input_ids
+    reply = dataset.reference(0)
+    assert reply.startswith("Rinse it, then boil it for")
+    completion = item["input_ids"][len(item["prompt_ids"]) :]
+    assert completion.tolist() == tokenizer(f" {reply}</s>", add_special_tokens=False).input_ids
+    assert completion[-1] == tokenizer.eos_token_id
+    assert (item["labels"][: len(item["prompt_ids"])] == IGNORED).all()
+    assert torch.equal(item["labels"][len(item["prompt_ids"]) :], completion)
+
+    bare = load_tokenizer(chat_folder(causal_dirs, tmp_path / "bare", template=None))
+    with pytest.raises(ConfigError, match="has no chat template to render them"):
+        CausalLMDataset(bare, "train", None, *CausalLMDataset.lengths(data), data)
+    dropping = load_tokenizer(
+        chat_folder(causal_dirs, tmp_path / "dropping", "{% for m in messages %}{{ m['role'] }}{% endfor %}")
+    )
+    with pytest.raises(ConfigError, match="leaves the reply out"):
+        CausalLMDataset(dropping, "train", None, *CausalLMDataset.lengths(data), data)
+    from configs.errors import DataError
+
+    ending_with_user = conversations(tmp_path, last_role="user")
+    with pytest.raises(DataError, match="ends with a 'user' message"):
+        CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(ending_with_user), ending_with_user)
+    with pytest.raises(ConfigError, match="holds conversations .* an encoder-decoder"):
+        SummarizationDataset(tokenizer, "train", None, 96, 32, data)
+
+
+def test_summarize_refuses_a_decoder_only_model_with_one_message(causal_dirs, capsys):
+    from scripts import summarize
+
+    assert summarize.main(["--model", causal_dirs["gpt2"], "--input", "/dev/null"]) == 1
+    assert "is a decoder-only model: this script summarises with encoder-decoders" in capsys.readouterr().err
+
+
+def test_a_tokenizer_with_tokens_added_past_the_embedding_is_refused_with_the_resize(causal_dirs, tmp_path):
+    """Chat markers added to the tokenizer without resizing the model's embedding: refused at start, naming
+    the fix, before any data is read (their ids would index past the embedding)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "grown"
+    shutil.copytree(causal_dirs["llama"], folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(ConfigError, match=r"ids 1000 to 1001 would index past .*resize_token_embeddings"):
+        load_tokenizer(str(folder))
+
+
+def test_the_edges_of_decoder_only_data_each_said_once(causal_dirs, tmp_path):
+    """GPT-2's EOS (also its unknown token) is not counted as text it cannot read; --pad_to_max_length pads a
+    documents block to --max_seq_len; whole texts refuse a score they cannot have; a CSV `messages` column
+    (texts, no conversations) is refused naming the flags to use."""
+    from configs.errors import DataError
+    from configs.evaluation import EvalConfig
+    from configs.validate import check_data_source
+
+    gpt2 = load_tokenizer(causal_dirs["gpt2"])
+    assert gpt2.unk_token_id == gpt2.eos_token_id
+    data = text_data(tmp_path, packing=True, pad_to_max_length=True)
+    lengths = CausalLMDataset.lengths(data)
+    assert CausalLMDataset(gpt2, "train", None, *lengths, data).unknown_tokens["target"] == 0
+    block = PackedCausalDataset(gpt2, "train", None, *lengths, data)[0]
+    assert {len(tensor) for tensor in block.values()} == {96} and block["attention_mask"].sum() < 96
+    for evaluation in (EvalConfig(evaluate_only=True), EvalConfig(metric_for_best="rougeL")):
+        with pytest.raises(ConfigError, match="whole texts have no reference"):
+            check_data_source(DataConfig(dataset_text_field="content"), evaluation)
+    csv = tmp_path / "chats.csv"
+    csv.write_text("messages\nhello there\n")
+    with pytest.raises(DataError, match="column 'messages' holds a str, not a conversation"):
+        CausalLMDataset(gpt2, "train", None, 32, 32, DataConfig(train_file=str(csv)))
