@@ -162,6 +162,7 @@ def test_a_completion_is_trained_on_to_its_eos_and_generation_reads_left_padded_
     assert torch.equal(everything[0]["labels"], everything[0]["input_ids"])
 
 
+@pytest.mark.slow  # 5-14 s each: the fast subset keeps the single-process checks of the same code
 @pytest.mark.parametrize("family", CAUSAL_FAMILIES)
 def test_each_decoder_only_family_trains_as_unsharded_resumes_exactly_and_exports_what_it_trained(
     causal_dirs, family, tmp_path
@@ -284,6 +285,7 @@ def test_a_text_field_row_is_trained_on_whole_and_a_seq2seq_model_refuses_it(cau
         SEQ2SEQ.check_data(DataConfig(packing=True))
 
 
+@pytest.mark.slow  # two ranks and an export each
 @pytest.mark.parametrize(("family", "targets"), [("gpt2", "c_attn,c_proj"), ("llama", "auto")])
 def test_a_decoder_only_lora_run_exports_the_model_peft_merges(causal_dirs, family, targets, tmp_path):
     """LoRA (CAUSAL_LM) under FSDP2 on 2 ranks, merged into hf_model/ from the shards: every weight is PEFT's

@@ -14,6 +14,7 @@ import os
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from configs.errors import ConfigError
 from configs.lora import LoraConfig
@@ -82,12 +83,15 @@ def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str) -> nn.Module
 
     layers = linear_layer_names(model)
     targets = target_modules(lora, model)
+    targeted = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in targets]
     peft_config = PeftLoraConfig(
         task_type=TaskType(task_for(model.config).lora_task_type),
         r=lora.lora_r,
         lora_alpha=lora.lora_alpha,
         lora_dropout=lora.lora_dropout,
         target_modules=targets,
+        # GPT-2's Conv1D stores its weight (in, out): said here, PEFT does not warn once per layer.
+        fan_in_fan_out=bool(targeted) and all(isinstance(module, Conv1D) for module in targeted),
     )
     try:
         with warnings_ignored(PEFT_ASKS_A_DEPRECATED_PROPERTY):
@@ -125,12 +129,12 @@ def _missing_targets(missing: list[str], layers: list[str]) -> str:
 
 
 def linear_layer_names(model: nn.Module) -> list[str]:
-    """The short names of a model's linear layers (of a PEFT model's: an adapted layer's base_layer by its
-    own name, the adapters' inner layers left out)."""
+    """The short names of a model's linear layers, GPT-2's Conv1D included (of a PEFT model's: an adapted
+    layer's base_layer by its own name, the adapters' inner layers left out)."""
     names = set()
     for path, module in model.named_modules():
         parts = path.split(".")
-        if not isinstance(module, nn.Linear) or any(part.startswith("lora_") for part in parts):
+        if not isinstance(module, nn.Linear | Conv1D) or any(part.startswith("lora_") for part in parts):
             continue
         names.add(parts[-2] if parts[-1] == "base_layer" else parts[-1])
     return sorted(names)
