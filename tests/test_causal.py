@@ -494,3 +494,18 @@ def test_the_edges_of_decoder_only_data_each_said_once(causal_dirs, tmp_path):
     csv.write_text("messages\nhello there\n")
     with pytest.raises(DataError, match="column 'messages' holds a str, not a conversation"):
         CausalLMDataset(gpt2, "train", None, 32, 32, DataConfig(train_file=str(csv)))
+
+
+def test_a_model_saved_in_bf16_loads_in_fp32_and_so_does_its_skeleton(causal_dirs, tmp_path):
+    """Llama's published configs say bf16 (Llama 2's fp16), which transformers 5 loads in: the package loads
+    fp32 master weights (and builds the skeleton a resume fills in fp32), --mixed_precision computing in bf16."""
+    import shutil
+
+    folder = tmp_path / "bf16"
+    shutil.copytree(causal_dirs["llama"], folder)
+    AutoModelForCausalLM.from_pretrained(folder).to(torch.bfloat16).save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(folder).dtype == torch.bfloat16  # what transformers 5 does
+    for on_meta in (False, True):
+        model = load_model(str(folder), on_meta=on_meta)
+        assert {p.dtype for p in model.parameters()} == {torch.float32}, on_meta
