@@ -110,15 +110,16 @@ class PackedCausalDataset(CausalLMDataset):
             self.num_blocks = self.row_tokens // self.block_length
             self.packed_tokens = self.num_blocks * self.block_length
         else:
+            kept = np.minimum(lengths, self.block_length)  # a row longer than a block is cut to it
             firsts, used = [], self.block_length
-            for row, length in enumerate(np.minimum(lengths, self.block_length).tolist()):
+            for row, length in enumerate(kept.tolist()):
                 if used + length > self.block_length:
                     firsts.append(row)
                     used = 0
                 used += length
             self.block_firsts = np.array([*firsts, len(lengths)])
             self.num_blocks = len(firsts)
-            self.packed_tokens = int(np.minimum(lengths, self.block_length).sum())
+            self.packed_tokens = int(kept.sum())
 
     def __len__(self) -> int:
         return self.num_blocks

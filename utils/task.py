@@ -39,8 +39,34 @@ class Task:
     metric improves. A task class names the rest (Seq2SeqTask, CausalTask)."""
 
     model_class: type  # the transformers auto class loading builds
+    model_mapping: dict  # that auto class's mapping: config class -> model class
     lora_task_type: str  # peft's TaskType
     params_key: str  # the model config's task_specific_params entry the run's settings go in
+
+    def check_model(self, model_name: str, config: PretrainedConfig) -> None:
+        """ConfigError unless the task's auto class has a class for this config, and the architecture
+        config.json names (if any) belongs to its model_type: a folder of one family is never loaded into
+        another's class."""
+        if type(config) not in self.model_mapping:
+            raise ConfigError(
+                f"model {model_name!r} is a {config.model_type} model, which neither AutoModelForSeq2SeqLM nor "
+                "AutoModelForCausalLM loads: this package fine-tunes encoder-decoders (T5, BART, ...) and "
+                "decoder-only models (Llama, Mistral, Qwen, GPT-2, ...). Pick one of those for --model_name."
+            )
+        for architecture in getattr(config, "architectures", None) or []:
+            named = getattr(transformers, architecture, None)
+            family = getattr(named, "config_class", None)
+            if family is not None and family is not type(config):
+                raise ConfigError(
+                    f"model {model_name!r}: its config.json names the architecture {architecture} (a "
+                    f"{family.model_type} model) but its model_type is {config.model_type}: the weights would "
+                    "not fit the class. Fix model_type or architectures in config.json to the family that "
+                    "saved it."
+                )
+
+    def architecture(self, config: PretrainedConfig) -> str:
+        """The class name an export's config.json gives as its architecture."""
+        return self.model_mapping[type(config)].__name__
 
     def generation_kwargs(self, evaluation: EvalConfig, max_target_length: int) -> dict:
         """The keyword arguments of `generate` for these settings (GENERATION_KEYS; also saved as
@@ -84,24 +110,9 @@ class Seq2SeqTask(Task):
     trained on."""
 
     model_class = AutoModelForSeq2SeqLM
+    model_mapping = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
     lora_task_type = "SEQ_2_SEQ_LM"  # peft's TaskType
     params_key = "summarization"  # the model config's task_specific_params entry the run's settings go in
-
-    def check_model(self, model_name: str, config: PretrainedConfig) -> None:
-        """ConfigError unless AutoModelForSeq2SeqLM has a class for this config, and the architecture
-        config.json names (if any) belongs to its model_type: a folder of one family is never loaded into
-        another's class."""
-        if type(config) not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
-            raise ConfigError(
-                f"model {model_name!r} is a {config.model_type} model, not an encoder-decoder: this package "
-                "fine-tunes sequence-to-sequence models (AutoModelForSeq2SeqLM: T5, flan-t5, mT5, UMT5, BART, "
-                "PEGASUS, ...). Pick one of those for --model_name."
-            )
-        check_architecture(model_name, config)
-
-    def architecture(self, config: PretrainedConfig) -> str:
-        """The class name an export's config.json gives as its architecture."""
-        return MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING[type(config)].__name__
 
     def check_data(self, data: DataConfig) -> None:
         """ConfigError for the data settings only a decoder-only model reads."""
@@ -166,22 +177,9 @@ class CausalTask(Task):
     generation): causal_lm_dataset.py. The model predicts each token from the ones before it."""
 
     model_class = AutoModelForCausalLM
+    model_mapping = MODEL_FOR_CAUSAL_LM_MAPPING
     lora_task_type = "CAUSAL_LM"
     params_key = "fsdp_fine_tune"  # the run's settings, beside the model's own task_specific_params entries
-
-    def check_model(self, model_name: str, config: PretrainedConfig) -> None:
-        """ConfigError unless AutoModelForCausalLM has a class for this config, and config.json's architecture
-        (if any) belongs to its model_type."""
-        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-            raise ConfigError(
-                f"model {model_name!r} is a {config.model_type} model, which neither AutoModelForSeq2SeqLM nor "
-                "AutoModelForCausalLM loads: this package fine-tunes encoder-decoders (T5, BART, ...) and "
-                "decoder-only models (Llama, Mistral, Qwen, GPT-2, ...). Pick one of those for --model_name."
-            )
-        check_architecture(model_name, config)
-
-    def architecture(self, config: PretrainedConfig) -> str:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
 
     def token_losses(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token cross-entropy of each next token (float32, 0 where no loss is taken) and its labels: the
@@ -256,21 +254,6 @@ def task_for(config: PretrainedConfig, model_name: str = "") -> Task:
         )
     CAUSAL.check_model(name, config)
     return CAUSAL
-
-
-def check_architecture(model_name: str, config: PretrainedConfig) -> None:
-    """ConfigError where config.json names an architecture of another family than its model_type: a folder of
-    one family is never loaded into another's class."""
-    for architecture in getattr(config, "architectures", None) or []:
-        named = getattr(transformers, architecture, None)
-        family = getattr(named, "config_class", None)
-        if family is not None and family is not type(config):
-            raise ConfigError(
-                f"model {model_name!r}: its config.json names the architecture {architecture} (a "
-                f"{family.model_type} model) but its model_type is {config.model_type}: the weights would "
-                "not fit the class. Fix model_type or architectures in config.json to the family that "
-                "saved it."
-            )
 
 
 def labels_for_loss(target_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,9 @@ class Evaluator:
         self.info = info
         # --gather_for_generation, and the dtype the gathered parameters take (generation.keep_gathered)
         self.gather_for_generation, self.compute_dtype = gather_for_generation, compute_dtype
-        # ROUGE of the extractive baselines: scored once, each rank its rows, in the first evaluation.
+        # ROUGE of the extractive baselines: scored once, each rank its rows, in the first evaluation. They are
+        # summaries: a label has none, nor a conversation's reply (its article is the messages' JSON).
+        self.scores_baselines = metric == "rouge" and eval_set.dataset.cleaning != "chat"
         self.baselines: dict | None = None
 
     def evaluate(self, model: nn.Module, epoch: int, step: int, stop_requested=None) -> dict:
@@ -97,9 +99,7 @@ class Evaluator:
         pad_id = dataset.tokenizer.pad_token_id
         rows, position = [], 0
         score = SCORERS[self.metric]
-        # No extractive baseline of a conversation (its article is the messages' JSON).
-        chat = dataset.cleaning == "chat"
-        with_baselines = self.metric == "rouge" and self.baselines is None and not chat
+        with_baselines = self.scores_baselines and self.baselines is None
         desc = f"{METRIC_NAMES[self.metric]} evaluation"
         keep = keep_gathered(model, self.gather_for_generation, self.compute_dtype, self.info.device)
         with (
@@ -138,8 +138,7 @@ class Evaluator:
             "num_samples": len(ordered),
             "seconds": seconds,
         }
-        # Extractive baselines are summaries: a label has none, nor a conversation's reply.
-        if self.metric == "rouge" and self.eval_set.dataset.cleaning != "chat":
+        if self.scores_baselines:
             record["baselines"] = self.baselines or {
                 name: mean_scores([row["baselines"][name] for row in ordered], "rouge") for name in BASELINES
             }

@@ -441,10 +441,10 @@ class Trainer:
         val_loss = self._validation(epoch, stop)
         self._evaluate(epoch, step, stop)
         if val_loss is not None:
-            extra = self.task.loss_metrics(val_loss)
-            perplexity = f" (perplexity {extra['val_perplexity']:.2f})" if "val_perplexity" in extra else ""
-            get_logger().info("step %d: val_loss %.4f%s", step, val_loss, perplexity)
-            self.metrics.write({"type": "validation", "epoch": epoch, "step": step, "val_loss": val_loss, **extra})
+            record = {"type": "validation", "epoch": epoch, "step": step, "val_loss": val_loss,
+                      **self.task.loss_metrics(val_loss)}  # fmt: skip
+            get_logger().info("step %d: val_loss %s", step, _val_loss_text(record))
+            self.metrics.write(record)
         self.model.train()
 
     def _write_memory_account(self, first_batch: dict, saved_activation_bytes: int) -> None:
@@ -543,14 +543,17 @@ def _log_epoch(record: dict, peaks: list[int] | None) -> None:
         "epoch %d: train_loss %s | val_loss %s | %.1f s | %.1f samples/s | peak memory per rank %s",
         record["epoch"],
         "- (every step skipped)" if train_loss is None else f"{train_loss:.4f}",
-        "-"
-        if val_loss is None
-        else f"{val_loss:.4f}"
-        + (f" (perplexity {record['val_perplexity']:.2f})" if "val_perplexity" in record else ""),
+        "-" if val_loss is None else _val_loss_text(record),
         record["epoch_seconds"],
         record["samples_per_s"],
         "-" if peaks is None else ", ".join(f"{p / 2**20:.0f} MiB" for p in peaks),
     )
+
+
+def _val_loss_text(record: dict) -> str:
+    """A record's validation loss as the log says it, with the perplexity where the task gives one."""
+    perplexity = f" (perplexity {record['val_perplexity']:.2f})" if "val_perplexity" in record else ""
+    return f"{record['val_loss']:.4f}{perplexity}"
 
 
 def _groups(loader, size: int):
