@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
-from transformers import BartConfig, T5Config, UMT5Config
+from transformers import BartConfig, GPT2Config, LlamaConfig, T5Config, UMT5Config
 
 from configs.errors import ConfigError
 from tests.dist_harness import run_ranks
@@ -125,6 +125,7 @@ def test_fsdp_backends_train_alike_with_t5_flex():
         (T5Config(), "flex_attention", "wrong scores at batch > 1.*t5_flex"),
         (BartConfig(), "t5_flex", "not for a bart model"),
         (UMT5Config(), "flex_attention", "umt5 model wrong scores at batch > 1"),
+        (GPT2Config(), "flex_attention", "no flex_attention kernel for GPT2LMHeadModel. Use sdpa"),
     ],
 )
 def test_kernels_that_do_not_fit_the_family_are_refused(config, kernel, message):
@@ -133,7 +134,9 @@ def test_kernels_that_do_not_fit_the_family_are_refused(config, kernel, message)
 
 
 def test_kernels_that_fit_are_accepted():
-    for config, kernel in [(T5Config(), "t5_flex"), (BartConfig(), "flex_attention"), (T5Config(), "sdpa")]:
+    accepted = [(T5Config(), "t5_flex"), (BartConfig(), "flex_attention"), (T5Config(), "sdpa"),
+                (LlamaConfig(), "flex_attention"), (GPT2Config(), "sdpa")]  # fmt: skip
+    for config, kernel in accepted:
         check_attention_fits(config, kernel)
 
 

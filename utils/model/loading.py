@@ -31,6 +31,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import transformers
 from safetensors import safe_open
 from torch import nn
 from transformers import (
@@ -326,11 +327,23 @@ def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
     return config
 
 
+# The class attribute by which transformers says a model class has the kernel (it raises at load otherwise)
+KERNEL_SUPPORT = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
+
+
 def check_attention_fits(config: PretrainedConfig, attn_implementation: str | None) -> None:
     """ConfigError where the kernel does not fit the family; `t5_flex` made a name transformers knows."""
     if attn_implementation is None:
         return
     t5_attention.validate_family(config.model_type, attn_implementation)
+    model_class = task_for(config).model_mapping[type(config)]
+    flag = KERNEL_SUPPORT.get(attn_implementation)
+    if flag is not None and not getattr(model_class, flag, False):
+        raise ConfigError(
+            f"--attn_implementation {attn_implementation}: transformers {transformers.__version__} has no "
+            f"{attn_implementation} kernel for {model_class.__name__}. Use "
+            + ("eager." if attn_implementation == "sdpa" else "sdpa (the default).")
+        )
     if attn_implementation == t5_attention.NAME:
         t5_attention.register()
 
