@@ -7,10 +7,10 @@ reads the same rows as the tutorial's Dataset (summarization_dataset.py: every s
 tokenised for a decoder-only model (utils/data/cache.py: the prompt as the tokenizer starts a text, the
 completion ended by the EOS token). The source column is the prompt and the target column its completion
 (TRL's prompt/completion format): end a prompt with its cue (`--source_prefix` goes before it) where the data
-has none. The loss is on the completion's tokens alone, as TRL's SFTTrainer takes it, or on every token with
---completion_only_loss false. Labels come from the lengths, never from comparing ids with the padding token:
-a tokenizer without one pads with its EOS token (utils/model/loading.py), and a completion's own EOS stays
-trained on.
+has none. The loss is on the completion's tokens alone (a conversation's: every assistant reply), as TRL's
+SFTTrainer takes it, or on every token with --completion_only_loss false. Labels come from the lengths, never
+from comparing ids with the padding token: a tokenizer without one pads with its EOS token
+(utils/model/loading.py), and a completion's own EOS stays trained on.
 """
 
 from collections.abc import Sequence
@@ -29,7 +29,8 @@ from utils.task import IGNORED
 
 class CausalLMDataset(SummarizationDataset):
     """One split as a decoder-only model trains on it: 1-D int64 input_ids (prompt then completion),
-    attention_mask, labels (IGNORED on the prompt unless --completion_only_loss false, and on padding), and
+    attention_mask, labels (IGNORED on the prompt but a conversation's earlier replies unless
+    --completion_only_loss false, and on padding), and
     prompt_ids (the prompt alone: generation's input). With --pad_to_max_length each sequence is padded to
     input_length + output_length. The rows, the texts and the lengths read as SummarizationDataset's."""
 
@@ -61,8 +62,15 @@ class CausalLMDataset(SummarizationDataset):
         input_ids = torch.cat([prompt, completion])
         labels = input_ids.clone()
         if self.completion_only_loss:
-            labels[: len(prompt)] = IGNORED
+            labels[: len(prompt)] = torch.where(self._earlier_replies(index), prompt, IGNORED)
         return input_ids, labels, len(prompt)
+
+    def _earlier_replies(self, index: int) -> torch.Tensor:
+        """True on the prompt's tokens that are an earlier assistant reply of a conversation (trained on as the
+        last reply is), False elsewhere and for rows that are no conversation."""
+        if "source_replies" not in self.token_ids.column_names:
+            return torch.zeros(len(self._ids("source_ids", index)), dtype=torch.bool)
+        return self._ids("source_replies", index).bool()
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         input_ids, labels, prompt_length = self.sequence(index)

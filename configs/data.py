@@ -173,9 +173,9 @@ class DataConfig:
     completion_only_loss: bool = option(
         default=True,
         help=(
-            "Decoder-only models (Llama, GPT-2, ...): the loss on the completion's tokens (the target column) "
-            "alone, as TRL's SFTTrainer takes it; false: on the prompt's too. An encoder-decoder trains on its "
-            "target alone either way."
+            "Decoder-only models (Llama, GPT-2, ...): the loss on the completion's tokens (the target column; "
+            "a conversation's: every assistant reply) alone, as TRL's SFTTrainer takes it; false: on the "
+            "prompt's too. An encoder-decoder trains on its target alone either way."
         ),
         on_resume="fixed",
     )

@@ -1373,3 +1373,42 @@ def causal_lora_worker(rank: int, world_size: int, folder: str, targets: str, ex
     _, merged = lora_exports(sharded_model_state(model), lora, CPU, transposed_layers(model))
     write_model_folder(merged, model_config, load_tokenizer(folder), f"{export_dir}/hf_model", 10**9, rank == 0)
     return {"state": gather_full_state_dict(model, CPU)}
+
+
+def rope_precision_worker(rank: int, world_size: int, folder: str) -> dict:
+    """A decoder-only model's RoPE frequencies (inv_freq, a computed buffer) after a bf16 forward under each
+    backend: their dtype, and whether they equal a fresh model's. The weights compute in bf16 either way."""
+    fresh = load_model(folder, dropout_rate=0.0)
+    expected = {name: buffer.clone() for name, buffer in fresh.named_buffers() if name.endswith("inv_freq")}
+    out = {}
+    for version in (1, 2):
+        model = shard_model(load_model(folder, dropout_rate=0.0), _fsdp_config({"fsdp_version": version}),
+                            Precision("bfSixteen"), CPU)  # fmt: skip
+        batch = causal_batch(seed=rank, vocab=fresh.config.vocab_size)
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        buffers = {name.replace("_fsdp_wrapped_module.", ""): buffer for name, buffer in model.named_buffers()}
+        out[version] = {
+            "compute": str(logits.dtype),
+            "dtypes": sorted({str(buffers[name].dtype) for name in expected}),
+            "as_fresh": all(torch.equal(buffers[name].cpu(), value) for name, value in expected.items()),
+        }
+    return out
+
+
+def unprefixed_rank0_loading_worker(rank: int, world_size: int, folder: str) -> dict:
+    """FSDP1's rank-0-only loading (every rank on meta, each unit read by name from the safetensors file) of a
+    folder whose file stores names without the model's base prefix, as GPT-2's hub files do (wte.weight, not
+    transformer.wte.weight): every rank's full state dict against the model transformers loads from it."""
+    config = _fsdp_config({"fsdp_version": 1, "cpu_ram_efficient_loading": True})
+    model = shard_model(
+        load_model(folder, on_meta=True, dropout_rate=0.0), config, FP32, CPU, weights_source=folder
+    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    reference = load_model(folder, dropout_rate=0.0).state_dict()
+    return {
+        "keys_equal": sorted(full) == sorted(reference),
+        "max_diff": max((full[name] - value).abs().max().item() for name, value in reference.items()),
+    }

@@ -4,6 +4,7 @@ against torch's counter, the data's tokens and labels, and FSDP1/FSDP2 against t
 resume and rank-0-only loading. Tiny random Llama (untied and tied) and GPT-2 models built offline by
 scripts/make_tiny_family.py, once per session."""
 
+import dataclasses
 import json
 import math
 
@@ -20,7 +21,12 @@ from configs.paths import REPO_ROOT
 from policies.wrapping import layer_classes
 from scripts.make_tiny_family import CAUSAL_FAMILIES, make
 from tests.dist_harness import run_ranks
-from tests.dist_workers import causal_batch, family_worker
+from tests.dist_workers import (
+    causal_batch,
+    family_worker,
+    rope_precision_worker,
+    unprefixed_rank0_loading_worker,
+)
 from tests.hf_folders import parameter_ties
 from utils.model.loading import load_model, load_tokenizer
 from utils.model.lora import target_modules
@@ -419,7 +425,8 @@ def test_a_conversation_is_rendered_by_the_chat_template_and_trained_on_its_repl
     """A messages column: the prompt is the conversation rendered up to the assistant's turn, the completion
     the reply as the template closes it; the loss is on the reply's tokens alone; generation's reference is the
     reply. Refused with one message each: a tokenizer with no chat template, a template that leaves the reply
-    out, a conversation that does not end with the assistant, an encoder-decoder."""
+    out, a prompt whose last token changes when the reply follows, a conversation that does not end with the
+    assistant, an encoder-decoder."""
     from summarization_dataset import SummarizationDataset
 
     tokenizer = load_tokenizer(chat_folder(causal_dirs, tmp_path))
@@ -447,6 +454,14 @@ def test_a_conversation_is_rendered_by_the_chat_template_and_trained_on_its_repl
     )
     with pytest.raises(ConfigError, match="leaves the reply out"):
         CausalLMDataset(dropping, "train", None, *CausalLMDataset.lengths(data), data)
+    # A turn marker ending with a space: alone it is a token of its own; before the reply, part of the reply's
+    # first token. Training would see other tokens than those generation continues.
+    spaced = load_tokenizer(chat_folder(causal_dirs, tmp_path / "spaced", CHAT_TEMPLATE.replace(
+        "<|assistant|>{% endif %}", "<|assistant|> {% endif %}")))  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"reads a conversation's prompt \('.*\|assistant\|> '\) into other tokens"
+    ):
+        CausalLMDataset(spaced, "train", None, *CausalLMDataset.lengths(data), data)
     from configs.errors import DataError
 
     ending_with_user = conversations(tmp_path, last_role="user")
@@ -454,6 +469,72 @@ def test_a_conversation_is_rendered_by_the_chat_template_and_trained_on_its_repl
         CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(ending_with_user), ending_with_user)
     with pytest.raises(ConfigError, match="holds conversations .* an encoder-decoder"):
         SummarizationDataset(tokenizer, "train", None, 96, 32, data)
+
+
+def test_every_assistant_reply_of_a_conversation_is_trained_on_and_nothing_else(causal_dirs, tmp_path):
+    """A conversation of several turns: with --completion_only_loss the loss is on each assistant reply as the
+    template renders it (end-of-turn marker included), the earlier ones in the prompt too, and on no system or
+    user token nor turn marker (TRL's assistant_only_loss); with false on every token but the first. A
+    template that renders an earlier reply differently once the conversation goes on is refused."""
+    path = tmp_path / "turns.jsonl"
+    replies = ["Rinse it first.", "Then boil it for 12 minutes.", "Salt it at the end."]
+    messages = [{"role": "system", "content": "Answer briefly."}]
+    for turn, reply in enumerate(replies):
+        messages += [{"role": "user", "content": f"And step {turn + 1}?"}, {"role": "assistant", "content": reply}]
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    data = DataConfig(train_file=str(path), cache_dir=str(tmp_path / "cache"), max_source_length=256)
+    tokenizer = load_tokenizer(chat_folder(causal_dirs, tmp_path))
+    item = CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(data), data)[0]
+    assert item["input_ids"].tolist() == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+    trained = item["input_ids"][item["labels"] != IGNORED]
+    assert trained.tolist() == tokenizer("".join(f" {r}</s>" for r in replies), add_special_tokens=False).input_ids
+    assert tokenizer.decode(trained).count("</s>") == 3  # each reply's end of turn
+
+    everything = dataclasses.replace(data, completion_only_loss=False, cache_dir=str(tmp_path / "cache-all"))
+    item = CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(everything), everything)[0]
+    assert torch.equal(item["labels"], item["input_ids"])
+
+    # Earlier replies rendered without their content (as some templates shorten the history): nothing to find
+    shortened = "{{ m['content'] if loop.last or m['role'] != 'assistant' else '...' }}"
+    shortening = load_tokenizer(
+        chat_folder(causal_dirs, tmp_path / "shortening", CHAT_TEMPLATE.replace("{{ m['content'] }}", shortened))
+    )
+    with pytest.raises(ConfigError, match="reply in message 3 differently once the conversation goes on"):
+        CausalLMDataset(shortening, "train", None, *CausalLMDataset.lengths(data), data)
+
+
+def test_rope_frequencies_stay_fp32_and_exact_under_bf16_mixed_precision(causal_dirs):
+    """FSDP1 casts a unit's buffers to the policy's buffer dtype: for a model that computes some (RoPE's
+    inv_freq) the policy leaves buffers alone, so the rotary angles come from the fp32 frequencies a fresh model
+    has (in bf16 they are off by radians at long positions), while the weights compute in bf16. FSDP2 leaves
+    buffers alone by itself."""
+    got = run_ranks(rope_precision_worker, causal_dirs["llama"])
+    for rank in got:
+        for version in (1, 2):
+            assert rank[version] == {"compute": "torch.bfloat16", "dtypes": ["torch.float32"], "as_fresh": True}
+
+
+def test_rank0_loading_reads_weights_stored_without_the_base_prefix(causal_dirs, tmp_path):
+    """GPT-2's hub files name its weights without the base model's prefix (h.0.attn.c_attn.weight, and no
+    lm_head: it is tied): FSDP1's rank-0-only loading, reading each unit's tensors by name, finds them there
+    and gives every rank the weights transformers loads."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "gpt2-hub-names"
+    shutil.copytree(causal_dirs["gpt2"], folder)
+    weights = load_file(folder / "model.safetensors")
+    assert "transformer.wte.weight" in weights
+    renamed = {
+        name.removeprefix("transformer."): value for name, value in weights.items() if name != "lm_head.weight"
+    }
+    save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_model(str(folder), dropout_rate=0.0).state_dict()
+    original = load_model(causal_dirs["gpt2"], dropout_rate=0.0).state_dict()
+    assert all(torch.equal(loaded[name], original[name]) for name in original)  # the same model, other names
+    for rank in run_ranks(unprefixed_rank0_loading_worker, str(folder)):
+        assert rank == {"keys_equal": True, "max_diff": 0.0}
 
 
 def test_summarize_refuses_a_decoder_only_model_with_one_message(causal_dirs, capsys):

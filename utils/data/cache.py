@@ -40,6 +40,12 @@ ENCODING_VERSION = 2
 _TOKEN_FEATURES = datasets.Features(
     {"source_ids": datasets.List(datasets.Value("int32")), "target_ids": datasets.List(datasets.Value("int32"))}
 )
+# Conversations also mark their prompt's earlier assistant replies (1), which the loss is on as on the last.
+_CHAT_TOKEN_FEATURES = datasets.Features(
+    {**_TOKEN_FEATURES, "source_replies": datasets.List(datasets.Value("int8"))}
+)
+# Bump when _encode_chat_batch changes (2: earlier replies marked): the conversations' token caches are rebuilt.
+CHAT_ENCODING_VERSION = 2
 
 # Starting a tokenising process (a fork, the tokenizer pickled) pays off from about this many rows.
 _ROWS_PER_TOKENISING_PROCESS = 10_000
@@ -237,42 +243,70 @@ def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length:
     reply): the prompt is the conversation rendered by the tokenizer's chat template up to the assistant's turn
     (add_generation_prompt), the completion what the template adds for the reply (its end-of-turn marker
     included, also when --max_target_length cuts the reply): the tokens of the whole conversation after the
-    prompt's own tokens, which they must start with (generation continues those). Tokenised without added
-    special tokens (the template writes them); the prompt cut on the left. A template that renders nothing of
-    the reply, or renders the conversation's start differently with it, is refused: the loss would be on no
-    token, or on the wrong ones."""
+    prompt's own tokens, which they must start with (generation continues those). The prompt's earlier
+    assistant replies are marked (_earlier_replies). Tokenised without added special tokens (the template
+    writes them); the prompt cut on the left. A template that renders nothing of the reply, or renders the
+    conversation's start differently with it, is refused: the loss would be on no token, or on the wrong ones."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
             "the data's rows are conversations (a messages column), and the model's tokenizer has no chat "
             "template to render them: use a chat model's tokenizer (-chat, -Instruct) or set its chat_template"
         )
-    prompts, completions = [], []
+    prompts, completions, replies = [], [], []
     for history, reply in zip(batch["source"], batch["target"], strict=True):
         messages = json.loads(history)
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": reply}], tokenize=False)
-        completion = whole[len(prompt) :]
-        if not whole.startswith(prompt) or reply.strip() not in completion:
-            raise ConfigError(
-                "the tokenizer's chat template renders a conversation's start differently with its reply than "
-                f"without, or leaves the reply out ({prompt[-60:]!r}, then {whole[len(prompt) - 60 :][:120]!r}): "
-                "the reply's tokens, which the loss is on, cannot be told apart. Use a template that renders each "
-                "turn the same whatever follows it."
-            )
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        whole_ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
-        if whole_ids[: len(prompt_ids)] != prompt_ids:
-            raise ConfigError(
-                f"the tokenizer reads a conversation's prompt ({prompt[-60:]!r}) into other tokens when its reply "
-                "follows: generation, which continues the prompt's own tokens, would not continue what training "
-                "saw. Use a chat template that ends the assistant's turn marker with a separator."
-            )
-        reply_ids = whole_ids[len(prompt_ids) :]
+        prompt_ids, reply_ids = _reply_span(tokenizer, messages, reply)
         if len(reply_ids) > output_length:  # cut, keeping the template's last token (its end of turn)
             reply_ids = reply_ids[: output_length - 1] + reply_ids[-1:]
         prompts.append(prompt_ids[-input_length:])
         completions.append(reply_ids)
-    return {"source_ids": prompts, "target_ids": completions}
+        replies.append(_earlier_replies(tokenizer, messages, prompt_ids)[-input_length:])
+    return {"source_ids": prompts, "target_ids": completions, "source_replies": replies}
+
+
+def _reply_span(tokenizer, messages: list[dict], reply: str) -> tuple[list[int], list[int]]:
+    """(the token ids of `messages` rendered up to the assistant's turn, those the template adds for `reply`
+    after them), each checked to be what the whole conversation's tokens hold there."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": reply}], tokenize=False)
+    if not whole.startswith(prompt) or reply.strip() not in whole[len(prompt) :]:
+        raise ConfigError(
+            "the tokenizer's chat template renders a conversation's start differently with its reply than "
+            f"without, or leaves the reply out ({prompt[-60:]!r}, then {whole[len(prompt) - 60 :][:120]!r}): "
+            "the reply's tokens, which the loss is on, cannot be told apart. Use a template that renders each "
+            "turn the same whatever follows it, or train on every token: --completion_only_loss false."
+        )
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    whole_ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+    if whole_ids[: len(prompt_ids)] != prompt_ids:
+        raise ConfigError(
+            f"the tokenizer reads a conversation's prompt ({prompt[-60:]!r}) into other tokens when its reply "
+            "follows: generation, which continues the prompt's own tokens, would not continue what training "
+            "saw. Use a chat template that ends the assistant's turn marker with a separator."
+        )
+    return prompt_ids, whole_ids[len(prompt_ids) :]
+
+
+def _earlier_replies(tokenizer, messages: list[dict], prompt_ids: list[int]) -> list[int]:
+    """1 on each prompt token of an assistant reply before the last (as _reply_span finds the last: what the
+    template adds for it, end-of-turn marker included), else 0: with --completion_only_loss every reply of a
+    conversation is trained on, as TRL's assistant_only_loss does. Each must be where the conversation's tokens
+    hold it; a reply opening the conversation answers nothing and is not marked."""
+    marked = [0] * len(prompt_ids)
+    for turn in range(1, len(messages)):
+        if messages[turn]["role"] != "assistant":
+            continue
+        before_ids, reply_ids = _reply_span(tokenizer, messages[:turn], messages[turn]["content"])
+        end = len(before_ids) + len(reply_ids)
+        if prompt_ids[:end] != before_ids + reply_ids:
+            raise ConfigError(
+                f"the tokenizer's chat template renders the assistant's reply in message {turn + 1} differently "
+                "once the conversation goes on: its tokens, which the loss is on, cannot be told apart. Use a "
+                "template that renders each turn the same whatever follows it, or train on every token: "
+                "--completion_only_loss false."
+            )
+        marked[len(before_ids) : end] = [1] * len(reply_ids)
+    return marked
 
 
 # How a row becomes token ids, by the name a Dataset class gives (its `encoding`): an encoder-decoder's source
@@ -289,14 +323,16 @@ def _tokenising_processes(rows: int) -> int | None:
     return processes if processes >= 2 else None
 
 
-def _write_token_cache(rows: datasets.Dataset, split: str, encode: functools.partial, folder: Path) -> dict:
+def _write_token_cache(
+    rows: datasets.Dataset, split: str, encode: functools.partial, features: datasets.Features, folder: Path
+) -> dict:
     rows.map(
         encode,
         batched=True,
         batch_size=1000,
         num_proc=_tokenising_processes(len(rows)),
         remove_columns=rows.column_names,
-        features=_TOKEN_FEATURES,
+        features=features,
         cache_file_name=str(folder / "ids.arrow"),  # with worker processes: ids_0000i_of_0000n.arrow
         load_from_cache_file=False,
         new_fingerprint=folder.name.split(".partial")[0],  # the cache is this folder, not datasets' own
@@ -353,6 +389,7 @@ def _cached_token_ids(
         key["special_ids"] = [tokenizer.bos_token_id, tokenizer.eos_token_id]
     if cached.cleaning == "chat":  # conversations are rendered by it (_encode_chat_batch)
         key["chat_template"] = getattr(tokenizer, "chat_template", None)
+        key["chat_encoding"] = CHAT_ENCODING_VERSION
 
     def larger_cache(root: Path) -> tuple[Path, dict] | None:
         for folder, manifest in complete_folders(root, "tokens"):
@@ -374,7 +411,8 @@ def _cached_token_ids(
         source_prefix=data.source_prefix, input_length=input_length, output_length=output_length,
         **({"chat": True} if cached.cleaning == "chat" else {}),
     )  # fmt: skip
-    build = functools.partial(_write_token_cache, rows, split, encode)
+    features = _CHAT_TOKEN_FEATURES if cached.cleaning == "chat" else _TOKEN_FEATURES
+    build = functools.partial(_write_token_cache, rows, split, encode, features)
     what = f"the token ids of {len(rows)} {split} rows"
     reuse = functools.partial(larger_cache, root)
     folder, manifest = shared_folder(root, "tokens", sized_key, build, what, reuse=reuse)
@@ -391,7 +429,7 @@ class SplitRows:
     lengths: tuple[int, int]  # the input and output lengths the ids are truncated to
     encoding: str  # how they were tokenised (ENCODINGS)
     rows: datasets.Dataset  # id, source, target
-    token_ids: datasets.Dataset  # source_ids, target_ids: unpadded, int32
+    token_ids: datasets.Dataset  # source_ids, target_ids: unpadded, int32 (conversations: source_replies)
     split_rows: int  # the whole split's, before the selection
     what: str  # the source, for messages
     cleaning: str  # how a text is prepared (CLEANINGS)
