@@ -14,6 +14,11 @@ import json
 import torch
 from torch import nn
 
+# Tensors with a shape, a dtype and a device but no memory, on which a model's real forward runs
+# (scripts/estimate_memory.py counts what autograd keeps at any size). Public replacement: none; the meta
+# device runs the same ops but cannot answer the data-dependent checks transformers' forwards make.
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401 - re-exported
+
 # FSDP1's sharded state dicts are made of ShardedTensors (torch.distributed._shard). Public replacement:
 # FSDP2's DTensor (torch.distributed.tensor), which --fsdp_version 2 uses; FSDP1 itself is deprecated.
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor  # noqa: F401 - re-exported
@@ -53,6 +58,13 @@ def state_dict_name(name: str) -> str:
     FSDP1's and the checkpoint wrapper's attributes. Public replacement: none (get_optimizer_state_dict
     computes it inside)."""
     return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
+
+
+def storage_identity(tensor: torch.Tensor) -> int:
+    """The identity of the storage under `tensor`: the same for every view of it, distinct among live
+    storages, also for fake tensors (whose data_ptr is 0). Public replacement: none (`data_ptr`, for tensors
+    with memory, where an empty one's is 0 too)."""
+    return tensor.untyped_storage()._cdata
 
 
 def wrapped_module(module: nn.Module) -> nn.Module:

@@ -1,11 +1,13 @@
-"""Per-rank memory of an FSDP T5 fine-tune, predicted from the model config alone (no weights needed).
+"""Per-rank memory of an FSDP fine-tune, predicted from the model config alone (no weights needed).
 
     python scripts/estimate_memory.py --model t5-3b --nproc 8 --sharding_strategy FULL_SHARD \\
         --mixed_precision bf16 --activation_checkpointing true --batch_size 4 \\
         --max_source_length 512 --max_target_length 150
+    python scripts/estimate_memory.py --model llama-2-70b --nproc 16 --batch_size 1 --max_seq_len 2048
 
 --model is a published shape (t5-small, t5-base, t5-large, t5-3b, t5-11b; t5-v1_1-* and flan-t5-* small to
-xxl, gated GELU with an untied head) or a local folder with a config.json.
+xxl, gated GELU with an untied head; llama-2-7b, llama-2-13b, llama-2-70b) or a local folder with a
+config.json: of the T5 family, or of a decoder-only model (Llama, Mistral, Qwen, GPT-2, ...).
 
 What is predicted, per rank:
 - parameters: the fp32 shard FSDP keeps at rest: 4 bytes x P / S (S = ranks a parameter is sharded over;
@@ -23,6 +25,11 @@ What is predicted, per rank:
   so for them the figure is an upper bound;
 - recompute: with activation checkpointing, the activations of the one block backward recomputes at a
   time, held on top of the kept ones while it runs.
+A decoder-only model's units and activations are not counted by hand: its forward runs on fake tensors
+(shapes and dtypes, no memory), rows of --max_seq_len tokens with no padding, and what autograd keeps is
+counted as the memory account counts it, at any size in a second. That is exact for a CPU run; a GPU keeps
+dropout masks as bools where a CPU keeps them in the compute dtype (the decoder-only families train without
+dropout by default). A packed batch adds its block mask (batch x sequence^2 bools).
 It plans full fine-tuning: with --peft lora the gradients and AdamW state are the adapters' alone (about 2%
 of these figures at r 8 on q,v) and the adapters' own activations are not counted.
 The state figures (parameters, gradients, optimizer) are exact up to padding; they are checked against the
@@ -35,6 +42,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -88,26 +96,131 @@ class T5Shape:
         decoder = [self.block_params(True, i == 0) for i in range(self.num_decoder_layers)]
         return [self.root_params(), *encoder, *decoder]
 
+    def activation_bytes(self, w: "Workload") -> int:
+        return activation_bytes(self, w)
+
+    def recompute_bytes(self, w: "Workload") -> int:
+        return recompute_bytes(self, w)
+
+
+# Published decoder-only shapes (their config.json fields), for planning without the folder.
+CAUSAL_SHAPES = {
+    "llama-2-7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 32},
+    "llama-2-13b": {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                    "num_attention_heads": 40, "num_key_value_heads": 40},
+    "llama-2-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                    "num_attention_heads": 64, "num_key_value_heads": 8},
+}  # fmt: skip
+
+
+class CausalShape:
+    """A decoder-only model's FSDP units and what its forward keeps, from its config: the model is built and
+    run on fake tensors, so the figures are the model's own, whatever its family."""
+
+    def __init__(self, config, dropout_rate: float | None = None) -> None:
+        self.config, self.dropout_rate = config, dropout_rate
+
+    def _model(self, dtype, layers: int | None = None):
+        from transformers import AutoModelForCausalLM
+
+        from utils.model.loading import family_overrides
+
+        config = self.config.__class__.from_dict(self.config.to_dict())
+        config.use_cache = False
+        overrides = {} if self.dropout_rate is None else {"dropout_rate": self.dropout_rate}
+        for name, value in family_overrides(config, overrides).items():  # --dropout_rate, as a run sets it
+            setattr(config, name, value)
+        if layers is not None:
+            config.num_hidden_layers = layers
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    def unit_params(self) -> list[int]:
+        """The root's parameters (embeddings, final norm, an untied head), then each decoder layer's."""
+        import torch
+
+        from policies.private_api import FakeTensorMode
+        from policies.wrapping import layer_classes
+
+        with FakeTensorMode():
+            model = self._model(torch.float32)
+            layer_types = tuple(layer_classes(model))
+            layers = [
+                sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, layer_types)
+            ]
+            return [sum(p.numel() for p in model.parameters()) - sum(layers), *layers]
+
+    def saved_bytes(self, w: "Workload", layers: int | None = None, checkpointing: bool | None = None) -> int:
+        """What autograd keeps after one training forward of `w` (the model's layers, or `layers` of them)."""
+        import torch
+        from transformers import masking_utils
+
+        from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
+        from policies.private_api import FakeTensorMode
+        from policies.wrapping import layer_classes
+        from utils.observe.memory import SavedTensorCounter
+        from utils.task import CAUSAL
+
+        dtype = {4: torch.float32, 2: torch.bfloat16}[w.compute_bytes]  # fp16 keeps what bf16 does
+        # transformers reads position ids to find packed rows; fake ones cannot be read, and these rows are whole
+        whole_rows = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+        with FakeTensorMode(), whole_rows:
+            model = self._model(dtype, layers).train()
+            model.config._attn_implementation = "sdpa" if w.sdpa else "eager"
+            if w.checkpointing if checkpointing is None else checkpointing:
+                apply_fsdp_checkpointing(model, layer_classes(model))
+            ids = torch.zeros(w.batch, w.src, dtype=torch.long)
+            with SavedTensorCounter() as counter:
+                CAUSAL.token_losses(model, {"input_ids": ids, "attention_mask": None, "labels": ids})
+        return counter.bytes
+
+    def activation_bytes(self, w: "Workload") -> int:
+        return self.saved_bytes(w)
+
+    def recompute_bytes(self, w: "Workload") -> int:
+        """One layer's activations (what backward recomputes at a time under checkpointing): what a second
+        layer adds to a one-layer model's."""
+        if not w.checkpointing:
+            return 0
+        return self.saved_bytes(w, layers=2, checkpointing=False) - self.saved_bytes(
+            w, layers=1, checkpointing=False
+        )
+
 
 PLANNED_FAMILIES = ("t5", "mt5", "umt5")  # one block structure (UMT5 adds a small bias table per layer)
 
 
-def load_shape(model: str) -> T5Shape:
+def load_shape(model: str) -> "T5Shape | CausalShape":
     if model in SHAPES:
         return T5Shape.from_config({"vocab_size": 32128, **SHAPES[model]})
+    if model in CAUSAL_SHAPES:
+        from transformers import LlamaConfig
+
+        return CausalShape(LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **CAUSAL_SHAPES[model]))
     config_file = Path(model) / "config.json"
     if not config_file.is_file():
-        raise SystemExit(
-            f"error: {model!r} is neither a known shape ({', '.join(SHAPES)}) nor a folder with config.json"
-        )
+        known = ", ".join([*SHAPES, *CAUSAL_SHAPES])
+        raise SystemExit(f"error: {model!r} is neither a known shape ({known}) nor a folder with config.json")
     config = json.loads(config_file.read_text())
-    if config.get("model_type", "t5") not in PLANNED_FAMILIES:
+    if config.get("model_type", "t5") in PLANNED_FAMILIES:
+        return T5Shape.from_config(config)
+    from transformers import AutoConfig
+
+    from configs.errors import ConfigError
+    from utils.task import CAUSAL, task_for
+
+    loaded = AutoConfig.from_pretrained(model)
+    try:
+        task = task_for(loaded, model)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
+    if task is not CAUSAL:
         raise SystemExit(
             f"error: {model!r} is a {config['model_type']} model; this planner knows the T5 family's layers "
-            f"({', '.join(PLANNED_FAMILIES)}) only. Measure it instead: a short run (--epochs 1 "
-            "--num_train_samples 64) records each rank's peak memory in the epoch record of its metrics.jsonl."
+            f"({', '.join(PLANNED_FAMILIES)}) and decoder-only models. Measure it instead: a short run (--epochs "
+            "1 --num_train_samples 64) records each rank's peak memory in the epoch record of its metrics.jsonl."
         )
-    return T5Shape.from_config(config)
+    return CausalShape(loaded)
 
 
 def shard_degree(strategy: str, nproc: int, shard_group_size: int) -> int:
@@ -123,8 +236,8 @@ class Workload:
     """What one micro-batch of training puts through the model, and the bytes of what it keeps."""
 
     batch: int
-    src: int
-    tgt: int
+    src: int  # T5's source tokens; a decoder-only model's tokens per row
+    tgt: int  # T5's target tokens; 0 for a decoder-only model
     compute_bytes: int  # the activations' dtype: 4 for fp32, 2 for bf16/fp16
     mask_bytes: int  # one dropout-mask element: the compute dtype on CPU, a bool on CUDA; 0 without dropout
     checkpointing: bool
@@ -234,25 +347,33 @@ class Estimate:
 
 
 def estimate(
-    shape: T5Shape,
+    shape: "T5Shape | CausalShape",
     *,
     nproc: int,
     sharding_strategy: str,
     mixed_precision: str,
     activation_checkpointing: bool,
     batch_size: int,
-    max_source_length: int,
-    max_target_length: int,
+    max_source_length: int = 512,
+    max_target_length: int = 150,
+    max_seq_len: int = 1024,
     shard_group_size: int = 0,
     device: str = "cuda",
     attn_implementation: str = "sdpa",
-    dropout_rate: float = 0.1,
+    dropout_rate: float | None = None,
 ) -> Estimate:
+    """The per-rank figures of `shape` (load_shape). A T5 model reads --max_source_length and writes
+    --max_target_length tokens, with dropout_rate (None: T5's 0.1); a decoder-only model reads rows of
+    max_seq_len tokens, with its config's dropout unless dropout_rate is given."""
     compute = COMPUTE_BYTES[mixed_precision]
+    causal = isinstance(shape, CausalShape)
+    if causal:
+        shape = CausalShape(shape.config, dropout_rate)
+    dropout_rate = 0.1 if dropout_rate is None else dropout_rate
     work = Workload(
         batch=batch_size,
-        src=max_source_length,
-        tgt=max_target_length,
+        src=max_seq_len if causal else max_source_length,
+        tgt=0 if causal else max_target_length,
         compute_bytes=compute,
         mask_bytes=(compute if device == "cpu" else 1) if dropout_rate > 0 else 0,
         checkpointing=activation_checkpointing,
@@ -270,8 +391,8 @@ def estimate(
         "gradients_bytes": 4 * local,
         "optimizer_bytes": 8 * local,
         "largest_unsharded_unit_bytes": unsharded,
-        "activations_bytes": activation_bytes(shape, work),
-        "recompute_bytes": recompute_bytes(shape, work),
+        "activations_bytes": shape.activation_bytes(work),
+        "recompute_bytes": shape.recompute_bytes(work),
     }
     return Estimate(
         param_numel_total=sum(units), param_numel_local=local, total_bytes=sum(parts.values()), **parts
@@ -291,11 +412,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed_precision", choices=sorted(COMPUTE_BYTES), default="bf16")
     parser.add_argument("--activation_checkpointing", choices=["true", "false"], default="true")
     parser.add_argument("--batch_size", type=int, default=4)
-    parser.add_argument("--max_source_length", type=int, default=512)
-    parser.add_argument("--max_target_length", type=int, default=150)
+    parser.add_argument("--max_source_length", type=int, default=512, help="T5: the source's tokens")
+    parser.add_argument("--max_target_length", type=int, default=150, help="T5: the target's tokens")
+    parser.add_argument("--max_seq_len", type=int, default=1024, help="a decoder-only model: a row's tokens")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="CUDA keeps bool dropout masks")
     parser.add_argument("--attn_implementation", choices=["sdpa", "eager"], default="sdpa")
-    parser.add_argument("--dropout_rate", type=float, default=0.1, help="the model's (0: no dropout masks kept)")
+    parser.add_argument(
+        "--dropout_rate",
+        type=float,
+        default=None,
+        help="the run's (0: no dropout masks kept); default: T5's 0.1, a decoder-only model's own",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     result = estimate(
@@ -307,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         max_source_length=args.max_source_length,
         max_target_length=args.max_target_length,
+        max_seq_len=args.max_seq_len,
         shard_group_size=args.hybrid_shard_group_size,
         device=args.device,
         attn_implementation=args.attn_implementation,

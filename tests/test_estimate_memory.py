@@ -12,7 +12,7 @@ from scripts.estimate_memory import T5Shape, estimate, load_shape, main
 from scripts.make_random_t5 import SHAPES
 from tests.dist_workers import make_batch
 from utils.observe.memory import SavedTensorCounter
-from utils.task import SEQ2SEQ
+from utils.task import CAUSAL, SEQ2SEQ
 
 SETTINGS = dict(
     mixed_precision="bf16", activation_checkpointing=True, batch_size=4, max_source_length=64, max_target_length=16
@@ -155,3 +155,96 @@ def test_activation_figure_in_bf16_with_the_gated_feed_forward(gated, checkpoint
         config = shape_config("embedded", attn, **overrides)
         saved, planned = saved_and_planned(config, (64, 16), checkpointing, torch.bfloat16)
         assert planned == pytest.approx(saved, rel=2e-3, abs=64), (attn, saved, planned)
+
+
+@pytest.fixture(scope="module")
+def causal_folders(tmp_path_factory):
+    from scripts.make_tiny_family import make
+
+    root = tmp_path_factory.mktemp("planned")
+    for family in ("llama", "gpt2"):
+        make(family, str(root / family))
+    return {family: str(root / family) for family in ("llama", "gpt2")}
+
+
+def causal_saved(folder: str, attn: str, dtype: torch.dtype, checkpointing: bool, tokens: int, **fields) -> int:
+    """Bytes a CPU training forward of the real model keeps for backward: 3 full rows of `tokens`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, use_cache=False, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).train()
+    if checkpointing:
+        apply_fsdp_checkpointing(model, layer_classes(model))
+    ids = torch.randint(3, config.vocab_size, (3, tokens))
+    with SavedTensorCounter() as counter:
+        CAUSAL.token_losses(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return counter.bytes
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_decoder_only_figures_are_the_models_own(causal_folders, family):
+    """A decoder-only model's forward run on fake tensors keeps what the real one keeps, byte for byte: Llama
+    (RMS norms, RoPE, grouped-query attention, gated MLP) and GPT-2 (Conv1D layers, learned positions, dropout
+    masks), fp32 and bf16, sdpa and eager, with and without activation checkpointing, at two lengths; the
+    recompute figure is one layer's; the units' parameters are the model's FSDP units'."""
+    from transformers import AutoModelForCausalLM
+
+    folder = causal_folders[family]
+    shape = load_shape(folder)
+    for dtype, precision in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for attn in ("sdpa", "eager"):
+            for checkpointing in (False, True):
+                for tokens in (32, 96):
+                    planned = estimate(shape, nproc=1, sharding_strategy="NO_SHARD", mixed_precision=precision,
+                                       activation_checkpointing=checkpointing, batch_size=3, max_seq_len=tokens,
+                                       attn_implementation=attn, device="cpu")  # fmt: skip
+                    saved = causal_saved(folder, attn, dtype, checkpointing, tokens)
+                    assert planned.activations_bytes == saved, (dtype, attn, checkpointing, tokens)
+    planned = estimate(shape, nproc=1, sharding_strategy="NO_SHARD", mixed_precision="fp32", batch_size=3,
+                       activation_checkpointing=True, max_seq_len=32, device="cpu")  # fmt: skip
+    one_layer = causal_saved(folder, "sdpa", torch.float32, False, 32, **{"num_hidden_layers": 1, "n_layer": 1})
+    assert planned.recompute_bytes == causal_saved(folder, "sdpa", torch.float32, False, 32) - one_layer > 0
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    layers = [m for m in model.modules() if type(m) in layer_classes(model)]
+    units = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    assert shape.unit_params() == [sum(p.numel() for p in model.parameters()) - sum(units), *units]
+
+
+def test_the_dropout_flag_reaches_a_decoder_only_models_fields(causal_folders):
+    """--dropout_rate sets GPT-2's dropouts as a run does (no masks kept at 0); by default its own (0.1)."""
+    folder = causal_folders["gpt2"]
+    settings = dict(nproc=1, sharding_strategy="NO_SHARD", mixed_precision="fp32", activation_checkpointing=False,
+                    batch_size=3, max_seq_len=32, device="cpu")  # fmt: skip
+    own = estimate(load_shape(folder), **settings).activations_bytes
+    none = estimate(load_shape(folder), **settings, dropout_rate=0.0).activations_bytes
+    assert own == causal_saved(folder, "sdpa", torch.float32, False, 32)
+    fields = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    assert none == causal_saved(folder, "sdpa", torch.float32, False, 32, **fields) < own
+
+
+def test_published_llama_shapes_have_their_parameter_counts_and_seed_004s_plan_prints(capsys):
+    """Llama 2's published parameter counts (7B: 6,738,415,616; 70B: 68,976,648,192), and seed 004's 70B on
+    16 ranks, bf16, checkpointing, 2048 tokens: every component printed."""
+    assert sum(load_shape("llama-2-7b").unit_params()) == 6_738_415_616
+    assert sum(load_shape("llama-2-70b").unit_params()) == 68_976_648_192
+    argv = ["--model", "llama-2-70b", "--nproc", "16", "--batch_size", "1", "--max_seq_len", "2048"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "68976.6M parameters, 16 ranks, FULL_SHARD, bf16, checkpointing true" in out
+    for part in ("parameters", "gradients", "optimizer", "largest unsharded unit", "activations", "recompute"):
+        assert part in out
+
+
+def test_other_kinds_of_model_are_refused_with_one_line_each(tmp_path):
+    """An encoder-only model (it writes no text), and an encoder-decoder of another family than T5's (its
+    layers are not counted here): each one `error:` line, the second naming the run that measures it."""
+    from transformers import BartConfig, BertConfig
+
+    bert = BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    bert.save_pretrained(tmp_path / "bert")
+    with pytest.raises(SystemExit, match="^error: model .* is a bert model, an encoder only"):
+        load_shape(str(tmp_path / "bert"))
+    BartConfig(vocab_size=100, d_model=16).save_pretrained(tmp_path / "bart")
+    with pytest.raises(SystemExit, match="^error: .* is a bart model; .* records each rank's peak memory"):
+        load_shape(str(tmp_path / "bart"))

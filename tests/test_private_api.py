@@ -63,6 +63,17 @@ def test_a_views_base_is_the_tensor_it_was_made_from():
     assert private_api.view_base(tensor) is tensor
 
 
+def test_a_storages_identity_is_shared_by_its_views_and_fake_tensors_have_one():
+    tensor, other = torch.zeros(4, 4), torch.zeros(4, 4)
+    assert private_api.storage_identity(tensor[1:]) == private_api.storage_identity(tensor)
+    assert private_api.storage_identity(other) != private_api.storage_identity(tensor)
+    with private_api.FakeTensorMode():
+        huge = torch.empty(2**40, dtype=torch.uint8)  # a terabyte, with no memory behind it
+        fake = [huge, huge[1:], torch.empty(3)]
+        assert huge.untyped_storage().nbytes() == 2**40 and huge.untyped_storage().data_ptr() == 0
+    assert len({private_api.storage_identity(t) for t in fake}) == 2
+
+
 def test_fsdp1_units_have_the_unsharded_flat_parameter_the_memory_script_reads():
     from torch.distributed.fsdp._flat_param import FlatParameter
 

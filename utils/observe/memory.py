@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from policies.private_api import view_base
+from policies.private_api import storage_identity, view_base
 from utils.distributed.process_group import gather_ints
 
 PROC_STATUS = "/proc/self/status"
@@ -145,16 +145,15 @@ class SavedTensorCounter:
 
     def __init__(self):
         self.bytes = 0
-        self._seen: set[tuple[int, str]] = set()
+        self._seen: set[int] = set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(view_base(tensor), nn.Parameter):
-            storage = tensor.untyped_storage()
-            key = (storage.data_ptr(), str(tensor.device))
+            key = storage_identity(tensor)  # fake tensors too (scripts/estimate_memory.py), whose data_ptr is 0
             if key not in self._seen:
                 self._seen.add(key)
-                self.bytes += storage.nbytes()
+                self.bytes += tensor.untyped_storage().nbytes()
         return tensor
 
     def __enter__(self) -> "SavedTensorCounter":
