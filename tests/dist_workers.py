@@ -1412,3 +1412,41 @@ def unprefixed_rank0_loading_worker(rank: int, world_size: int, folder: str) -> 
         "keys_equal": sorted(full) == sorted(reference),
         "max_diff": max((full[name] - value).abs().max().item() for name, value in reference.items()),
     }
+
+
+def causal_compile_worker(rank: int, world_size: int, folder: str, steps: int) -> dict:
+    """fp32 per-step losses of a decoder-only model with every decoder layer compiled (aot_eager, through
+    utils/fsdp/shard.py's compile_layers), for FSDP1 (original parameters) and FSDP2, on plain rows and on
+    packed blocks, and the graphs compiled for each; the unsharded, uncompiled reference's on rank 0."""
+    import torch._dynamo
+
+    from utils.fsdp import shard as shard_module
+
+    fresh = load_model(folder, dropout_rate=0.0)
+    vocab = fresh.config.vocab_size
+    out: dict = {}
+    graphs: list = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(1)
+        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+    original = shard_module.compile_layers
+    shard_module.compile_layers = functools.partial(original, backend=counting_backend)
+    try:
+        for packed in (False, True):
+            if rank == 0:
+                out[("reference", packed)] = reference_run(steps, world_size, copy.deepcopy(fresh), vocab, CAUSAL,
+                                                           packed=packed)[0]  # fmt: skip
+            for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
+                torch._dynamo.reset()
+                graphs.clear()
+                model = shard_model(copy.deepcopy(fresh), _fsdp_config({**overrides, "compile": True}), FP32, CPU)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+                losses = train_wrapped(
+                    model, optimizer, rank, world_size, steps, vocab, task=CAUSAL, packed=packed
+                )
+                out[(version, packed)] = {"losses": losses, "graphs": len(graphs)}
+    finally:
+        shard_module.compile_layers = original
+    return out

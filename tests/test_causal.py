@@ -23,6 +23,7 @@ from scripts.make_tiny_family import CAUSAL_FAMILIES, make
 from tests.dist_harness import run_ranks
 from tests.dist_workers import (
     causal_batch,
+    causal_compile_worker,
     family_worker,
     rope_precision_worker,
     unprefixed_rank0_loading_worker,
@@ -535,6 +536,22 @@ def test_rank0_loading_reads_weights_stored_without_the_base_prefix(causal_dirs,
     assert all(torch.equal(loaded[name], original[name]) for name in original)  # the same model, other names
     for rank in run_ranks(unprefixed_rank0_loading_worker, str(folder)):
         assert rank == {"keys_equal": True, "max_diff": 0.0}
+
+
+@pytest.mark.slow
+def test_compiled_decoder_layers_train_like_the_unsharded_model_plain_and_packed(causal_dirs):
+    """--compile on a decoder-only model: every LlamaDecoderLayer compiled before sharding (aot_eager: the
+    tracing, FSDP's hooks and the backward graph inductor would see) trains as the unsharded, uncompiled model,
+    FSDP1 and FSDP2, on plain rows and on packed blocks (position ids restarting per document)."""
+    got = run_ranks(causal_compile_worker, causal_dirs["llama"], 4, timeout_s=600)[0]
+    for packed in (False, True):
+        reference = got[("reference", packed)]
+        for version in (1, 2):
+            losses = got[(version, packed)]["losses"]
+            assert got[(version, packed)]["graphs"] > 0, (version, packed)  # the layers ran compiled
+            assert len(losses) == len(reference) == 4
+            for step, (loss, want) in enumerate(zip(losses, reference, strict=True)):
+                assert loss == pytest.approx(want, rel=1e-5), (version, packed, step, loss, want)
 
 
 def test_summarize_refuses_a_decoder_only_model_with_one_message(causal_dirs, capsys):
