@@ -44,6 +44,17 @@ def lead_steps_label(cleaning: str) -> str:
     return "first sentence of each step" if cleaning == "wikihow" else "first sentence of each line"
 
 
+def generated_lengths(ids: torch.Tensor, pad_id: int, eos_id: int | None) -> list[int]:
+    """The tokens each row of `ids` wrote, its end-of-sequence token included: the non-padding ones before its
+    first EOS, and the EOS. Apart from padding, which a decoder-only model's tokenizer may share with the EOS
+    (Llama's, GPT-2's): counting non-padding tokens alone would leave their EOS out, and count T5's."""
+    if eos_id is None:
+        return (ids != pad_id).sum(dim=1).tolist()
+    ended = ids == eos_id
+    before_end = ended.int().cumsum(dim=1) == 0
+    return (((ids != pad_id) & before_end).sum(dim=1) + ended.any(dim=1)).tolist()
+
+
 class Evaluator:
     """Generates, scores and records one evaluation set (the first N rows of a split)."""
 
@@ -114,7 +125,8 @@ class Evaluator:
                 outputs = generate(model, prompts, {**self.generation, "pad_token_id": pad_id})
                 ids = self.task.completions(outputs, prompts).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
-                for text, length in zip(texts, (ids != pad_id).sum(dim=1).tolist(), strict=True):
+                lengths = generated_lengths(ids, pad_id, dataset.tokenizer.eos_token_id)
+                for text, length in zip(texts, lengths, strict=True):
                     if position < sampler.num_real_samples:
                         index = sampler.indices[position]
                         prediction = text.strip()
