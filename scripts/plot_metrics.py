@@ -9,7 +9,7 @@ committed picture does not show where it was made.
 
 1. Loss against the global step: the train loss of every step (a step whose loss is null, non-finite or
    skipped, leaves a gap and a red vertical line), each epoch's mean train loss and validation loss at the
-   epoch's last step, and the mid-epoch validation losses of --eval_every_n_steps.
+   epoch's last step, the mid-epoch validation losses of --eval_every_n_steps, and --eval_on_start's.
 2. ROUGE-1/2/L/Lsum of every eval record against the step (one line style per split), with the lead-3
    baseline's ROUGE-L of the same articles as a dashed line.
 3. Throughput per epoch: tokens/s (left axis) and MFU in percent (right axis) where the epoch records have it.
@@ -119,7 +119,8 @@ def plot_some(ax, points: tuple[list, list], fmt: str, **style) -> None:
 
 
 def draw_losses(ax, records: list[dict]) -> None:
-    """Panel 1: per-step train loss, per-epoch train and validation loss, mid-epoch validation loss."""
+    """Panel 1: per-step train loss, per-epoch train and validation loss, mid-epoch validation loss, and the
+    validation loss before training (--eval_on_start)."""
     ax.set_title("loss")
     steps, losses = step_losses(records)
     validation = of_type(records, "validation", "step", "val_loss")
@@ -132,8 +133,11 @@ def draw_losses(ax, records: list[dict]) -> None:
     train, val = epoch_points(records, "train_loss"), epoch_points(records, "val_loss")
     plot_some(ax, train, "o-", color="tab:blue", label="train loss (epoch mean)")
     plot_some(ax, val, "s-", color="tab:orange", label="val loss (epoch end)")
-    mid = [r["step"] for r in validation], [number(r["val_loss"]) for r in validation]
-    plot_some(ax, mid, "^", color="tab:orange", label="val loss (mid-epoch)")
+    before = [r for r in validation if r["step"] == 0]  # --eval_on_start
+    inside = [r for r in validation if r["step"] > 0]
+    for chosen, fmt, label in ((inside, "^", "val loss (mid-epoch)"), (before, "D", "val loss (before training)")):
+        points = [r["step"] for r in chosen], [number(r["val_loss"]) for r in chosen]
+        plot_some(ax, points, fmt, color="tab:orange", label=label)
     ax.set_xlabel("global step")
     ax.xaxis.set_major_locator(whole_steps())
     ax.set_ylabel("cross-entropy per target token")

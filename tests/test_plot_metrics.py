@@ -112,6 +112,10 @@ def test_the_panels_draw_the_records_values(tmp_path):
         assert list(line(loss_ax, label).get_ydata()) == [epoch[column] for epoch in EPOCHS]
     mid = line(loss_ax, "val loss (mid-epoch)")
     assert list(zip(mid.get_xdata(), mid.get_ydata(), strict=True)) == [(s, v) for _, s, v in VALIDATION]
+    assert "val loss (before training)" not in [artist.get_label() for artist in loss_ax.get_lines()]
+    started = draw(load_records(Path(write_run(tmp_path / "started", [validation(1, 0, 7.5), *records()]))))
+    assert list(line(started.axes[0], "val loss (before training)").get_xdata()) == [0]  # --eval_on_start
+    assert list(line(started.axes[0], "val loss (mid-epoch)").get_xdata()) == [s for _, s, _ in VALIDATION]
     for key, column in (("rouge1", 2), ("rouge2", 3), ("rougeL", 4), ("rougeLsum", 5)):
         assert list(line(rouge_ax, key).get_xdata()) == [3, 6]
         assert list(line(rouge_ax, key).get_ydata()) == [e[column] for e in EVALS]
