@@ -16,6 +16,7 @@ from comparing ids with the padding token: a tokenizer without one pads with its
 from collections.abc import Sequence
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -62,15 +63,30 @@ class CausalLMDataset(SummarizationDataset):
         input_ids = torch.cat([prompt, completion])
         labels = input_ids.clone()
         if self.completion_only_loss:
-            labels[: len(prompt)] = torch.where(self._earlier_replies(index), prompt, IGNORED)
+            labels[: len(prompt)] = torch.where(self._trained_in_prompt(index), prompt, IGNORED)
         return input_ids, labels, len(prompt)
 
-    def _earlier_replies(self, index: int) -> torch.Tensor:
+    def _trained_in_prompt(self, index: int) -> torch.Tensor:
         """True on the prompt's tokens that are an earlier assistant reply of a conversation (trained on as the
         last reply is), False elsewhere and for rows that are no conversation."""
         if "source_replies" not in self.token_ids.column_names:
             return torch.zeros(len(self._ids("source_ids", index)), dtype=torch.bool)
         return self._ids("source_replies", index).bool()
+
+    def notes(self) -> list[str]:
+        """The earlier assistant replies --completion_only_loss leaves untrained, if any (utils/data/cache.py:
+        _earlier_replies says when)."""
+        if not self.completion_only_loss or "replies_unmarked" not in self.token_ids.column_names:
+            return []
+        unmarked = pc.sum(self.token_ids.data.column("replies_unmarked")).as_py() or 0
+        if not unmarked:
+            return []
+        return [
+            f"earlier assistant replies not trained on: {unmarked} in the {self.split} conversations of "
+            f"{self.source_description} (their conversations' last replies are). The chat template renders them "
+            "differently once the conversation goes on, their content is no text, or a token straddles their "
+            "edges. --completion_only_loss false trains on every token."
+        ]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         input_ids, labels, prompt_length = self.sequence(index)

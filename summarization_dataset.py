@@ -95,6 +95,11 @@ class SummarizationDataset(Dataset):
             unknown = None
         return unknown_token_counts(self.token_ids, unknown)
 
+    def notes(self) -> list[str]:
+        """What rank 0 says once about these rows before training: nothing for an encoder-decoder's (a
+        decoder-only model's conversations may have some: causal_lm_dataset.py)."""
+        return []
+
     def __len__(self) -> int:
         return len(self.dataset)
 

@@ -27,9 +27,10 @@ What is predicted, per rank:
   time, held on top of the kept ones while it runs.
 A decoder-only model's units and activations are not counted by hand: its forward runs on fake tensors
 (shapes and dtypes, no memory), rows of --max_seq_len tokens with no padding, and what autograd keeps is
-counted as the memory account counts it, at any size in a second. That is exact for a CPU run; a GPU keeps
-dropout masks as bools where a CPU keeps them in the compute dtype (the decoder-only families train without
-dropout by default). A packed batch adds its block mask (batch x sequence^2 bools).
+counted as the memory account counts it, at any size in a second. That is exact for a CPU run, whatever
+--device says; with dropout (GPT-2's default 0.1; Llama-style models have none) a GPU keeps its masks as bools
+where a CPU keeps them in the compute dtype, so there the figure is an upper bound. A packed batch adds its
+block mask (batch x sequence^2 bools).
 It plans full fine-tuning: with --peft lora the gradients and AdamW state are the adapters' alone (about 2%
 of these figures at r 8 on q,v) and the adapters' own activations are not counted.
 The state figures (parameters, gradients, optimizer) are exact up to padding; they are checked against the
@@ -162,7 +163,8 @@ class CausalShape:
         from utils.task import CAUSAL
 
         dtype = {4: torch.float32, 2: torch.bfloat16}[w.compute_bytes]  # fp16 keeps what bf16 does
-        # transformers reads position ids to find packed rows; fake ones cannot be read, and these rows are whole
+        # transformers takes fake position ids for packed rows (it cannot read them) and builds a block mask:
+        # these rows are whole, so there is none
         whole_rows = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
         with FakeTensorMode(), whole_rows:
             model = self._model(dtype, layers).train()
@@ -354,9 +356,9 @@ def estimate(
     mixed_precision: str,
     activation_checkpointing: bool,
     batch_size: int,
-    max_source_length: int = 512,
-    max_target_length: int = 150,
-    max_seq_len: int = 1024,
+    max_source_length: int | None = None,
+    max_target_length: int | None = None,
+    max_seq_len: int | None = None,
     shard_group_size: int = 0,
     device: str = "cuda",
     attn_implementation: str = "sdpa",
@@ -367,6 +369,11 @@ def estimate(
     max_seq_len tokens, with its config's dropout unless dropout_rate is given."""
     compute = COMPUTE_BYTES[mixed_precision]
     causal = isinstance(shape, CausalShape)
+    lengths = {"max_seq_len": max_seq_len} if causal else {"max_source_length": max_source_length,
+                                                           "max_target_length": max_target_length}  # fmt: skip
+    missing = [name for name, value in lengths.items() if value is None]
+    if missing:
+        raise ValueError(f"{'a decoder-only' if causal else 'a T5'} model's plan needs {', '.join(missing)}")
     if causal:
         shape = CausalShape(shape.config, dropout_rate)
     dropout_rate = 0.1 if dropout_rate is None else dropout_rate
@@ -415,7 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_source_length", type=int, default=512, help="T5: the source's tokens")
     parser.add_argument("--max_target_length", type=int, default=150, help="T5: the target's tokens")
     parser.add_argument("--max_seq_len", type=int, default=1024, help="a decoder-only model: a row's tokens")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="CUDA keeps bool dropout masks")
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="T5: CUDA keeps bool dropout masks (a decoder-only "
+        "model's figure is a CPU's, an upper bound on CUDA)",
+    )
     parser.add_argument("--attn_implementation", choices=["sdpa", "eager"], default="sdpa")
     parser.add_argument(
         "--dropout_rate",

@@ -6,6 +6,7 @@ scripts/make_tiny_family.py, once per session."""
 
 import dataclasses
 import json
+import logging
 import math
 
 import pytest
@@ -472,36 +473,59 @@ def test_a_conversation_is_rendered_by_the_chat_template_and_trained_on_its_repl
         SummarizationDataset(tokenizer, "train", None, 96, 32, data)
 
 
-def test_every_assistant_reply_of_a_conversation_is_trained_on_and_nothing_else(causal_dirs, tmp_path):
+def test_every_assistant_reply_of_a_conversation_is_trained_on_and_nothing_else(causal_dirs, tmp_path, caplog):
     """A conversation of several turns: with --completion_only_loss the loss is on each assistant reply as the
     template renders it (end-of-turn marker included), the earlier ones in the prompt too, and on no system or
-    user token nor turn marker (TRL's assistant_only_loss); with false on every token but the first. A
-    template that renders an earlier reply differently once the conversation goes on is refused."""
-    path = tmp_path / "turns.jsonl"
+    user token nor turn marker (TRL's assistant_only_loss); with false on every token. An earlier reply that
+    cannot be told apart (a template that shortens the history; a tool call's content, no text) is left out of
+    the loss, and rank 0 says how many; the last reply is trained on either way."""
     replies = ["Rinse it first.", "Then boil it for 12 minutes.", "Salt it at the end."]
     messages = [{"role": "system", "content": "Answer briefly."}]
     for turn, reply in enumerate(replies):
         messages += [{"role": "user", "content": f"And step {turn + 1}?"}, {"role": "assistant", "content": reply}]
-    path.write_text(json.dumps({"messages": messages}) + "\n")
-    data = DataConfig(train_file=str(path), cache_dir=str(tmp_path / "cache"), max_source_length=256)
+    tool_call = [*messages[:3], {"role": "assistant", "content": None}, *messages[3:]]
+    path = tmp_path / "turns.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": tool_call}) + "\n")
+    data = DataConfig(train_file=str(path), validation_file=str(path), cache_dir=str(tmp_path / "cache"),
+                      max_source_length=256)  # fmt: skip
     tokenizer = load_tokenizer(chat_folder(causal_dirs, tmp_path))
-    item = CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(data), data)[0]
+    dataset = CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(data), data)
+
+    def trained(item) -> list[int]:
+        return item["input_ids"][item["labels"] != IGNORED].tolist()
+
+    def rendered(texts) -> list[int]:
+        return tokenizer("".join(f" {text}</s>" for text in texts), add_special_tokens=False).input_ids
+
+    item = dataset[0]
     assert item["input_ids"].tolist() == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
-    trained = item["input_ids"][item["labels"] != IGNORED]
-    assert trained.tolist() == tokenizer("".join(f" {r}</s>" for r in replies), add_special_tokens=False).input_ids
-    assert tokenizer.decode(trained).count("</s>") == 3  # each reply's end of turn
+    assert trained(item) == rendered(replies)  # each reply and its end of turn, nothing else
+    assert trained(dataset[1]) == rendered(replies)  # the tool call (no text) left out
+    assert dataset.notes() == [
+        f"earlier assistant replies not trained on: 1 in the train conversations of {dataset.source_description} "
+        "(their conversations' last replies are). The chat template renders them differently once the "
+        "conversation goes on, their content is no text, or a token straddles their edges. "
+        "--completion_only_loss false trains on every token."
+    ]
 
     everything = dataclasses.replace(data, completion_only_loss=False, cache_dir=str(tmp_path / "cache-all"))
-    item = CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(everything), everything)[0]
-    assert torch.equal(item["labels"], item["input_ids"])
+    dataset = CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(everything), everything)
+    assert torch.equal(dataset[0]["labels"], dataset[0]["input_ids"]) and dataset.notes() == []
 
     # Earlier replies rendered without their content (as some templates shorten the history): nothing to find
     shortened = "{{ m['content'] if loop.last or m['role'] != 'assistant' else '...' }}"
     shortening = load_tokenizer(
         chat_folder(causal_dirs, tmp_path / "shortening", CHAT_TEMPLATE.replace("{{ m['content'] }}", shortened))
     )
-    with pytest.raises(ConfigError, match="reply in message 3 differently once the conversation goes on"):
-        CausalLMDataset(shortening, "train", None, *CausalLMDataset.lengths(data), data)
+    dataset = CausalLMDataset(shortening, "train", None, *CausalLMDataset.lengths(data), data)
+    assert trained(dataset[0]) == rendered(replies[-1:])
+    assert dataset.notes()[0].startswith("earlier assistant replies not trained on: 5 in")  # 2 + 3
+    from causal_lm_dataset import FORMAT
+    from utils.data.loaders import build_dataset
+
+    with caplog.at_level(logging.WARNING):  # rank 0's loaders say it, once
+        build_dataset(shortening, FORMAT, "train", 0, data, world_size=1)
+    assert caplog.text.count("earlier assistant replies not trained on: 5 in") == 1
 
 
 def test_rope_frequencies_stay_fp32_and_exact_under_bf16_mixed_precision(causal_dirs):

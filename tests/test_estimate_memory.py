@@ -228,6 +228,8 @@ def test_published_llama_shapes_have_their_parameter_counts_and_seed_004s_plan_p
     16 ranks, bf16, checkpointing, 2048 tokens: every component printed."""
     assert sum(load_shape("llama-2-7b").unit_params()) == 6_738_415_616
     assert sum(load_shape("llama-2-70b").unit_params()) == 68_976_648_192
+    with pytest.raises(ValueError, match="a decoder-only model's plan needs max_seq_len"):  # not T5's lengths
+        estimate(load_shape("llama-2-7b"), nproc=1, sharding_strategy="NO_SHARD", **SETTINGS)
     argv = ["--model", "llama-2-70b", "--nproc", "16", "--batch_size", "1", "--max_seq_len", "2048"]
     assert main(argv) == 0
     out = capsys.readouterr().out

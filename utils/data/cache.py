@@ -42,9 +42,11 @@ _TOKEN_FEATURES = datasets.Features(
 )
 # Conversations also mark their prompt's earlier assistant replies (1), which the loss is on as on the last.
 _CHAT_TOKEN_FEATURES = datasets.Features(
-    {**_TOKEN_FEATURES, "source_replies": datasets.List(datasets.Value("int8"))}
-)
-# Bump when _encode_chat_batch changes (2: earlier replies marked): the conversations' token caches are rebuilt.
+    {**_TOKEN_FEATURES, "source_replies": datasets.List(datasets.Value("int8")),
+     "replies_unmarked": datasets.Value("int16")}  # the earlier replies that could not be told apart
+)  # fmt: skip
+# Bump when _encode_chat_batch changes (2: earlier replies marked, and counted where not): the conversations' token
+# caches are rebuilt.
 CHAT_ENCODING_VERSION = 2
 
 # Starting a tokenising process (a fork, the tokenizer pickled) pays off from about this many rows.
@@ -252,61 +254,88 @@ def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length:
             "the data's rows are conversations (a messages column), and the model's tokenizer has no chat "
             "template to render them: use a chat model's tokenizer (-chat, -Instruct) or set its chat_template"
         )
-    prompts, completions, replies = [], [], []
+    prompts, completions, replies, unmarked = [], [], [], []
     for history, reply in zip(batch["source"], batch["target"], strict=True):
         messages = json.loads(history)
-        prompt_ids, reply_ids = _reply_span(tokenizer, messages, reply)
+        rendered = _rendered_reply(tokenizer, messages, reply)
+        if rendered is None:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            raise ConfigError(
+                "the tokenizer's chat template renders a conversation's start differently with its reply than "
+                f"without, or leaves the reply out (the prompt ends {prompt[-60:]!r}): the reply's tokens, which "
+                "the loss is on and generation writes, cannot be told apart. Use a template that renders each "
+                "turn the same whatever follows it."
+            )
+        prompt, added = rendered
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        whole_ids = tokenizer(prompt + added, add_special_tokens=False)["input_ids"]
+        if whole_ids[: len(prompt_ids)] != prompt_ids:
+            raise ConfigError(
+                f"the tokenizer reads a conversation's prompt ({prompt[-60:]!r}) into other tokens when its reply "
+                "follows: generation, which continues the prompt's own tokens, would not continue what training "
+                "saw. Use a chat template that ends the assistant's turn marker with a separator."
+            )
+        reply_ids = whole_ids[len(prompt_ids) :]
         if len(reply_ids) > output_length:  # cut, keeping the template's last token (its end of turn)
             reply_ids = reply_ids[: output_length - 1] + reply_ids[-1:]
+        marks, missed = _earlier_replies(tokenizer, messages, prompt, len(prompt_ids))
         prompts.append(prompt_ids[-input_length:])
         completions.append(reply_ids)
-        replies.append(_earlier_replies(tokenizer, messages, prompt_ids)[-input_length:])
-    return {"source_ids": prompts, "target_ids": completions, "source_replies": replies}
+        replies.append(marks[-input_length:])
+        unmarked.append(missed)
+    return {
+        "source_ids": prompts,
+        "target_ids": completions,
+        "source_replies": replies,
+        "replies_unmarked": unmarked,
+    }
 
 
-def _reply_span(tokenizer, messages: list[dict], reply: str) -> tuple[list[int], list[int]]:
-    """(the token ids of `messages` rendered up to the assistant's turn, those the template adds for `reply`
-    after them), each checked to be what the whole conversation's tokens hold there."""
+def _rendered_reply(tokenizer, messages: list[dict], reply: str) -> tuple[str, str] | None:
+    """(`messages` rendered up to the assistant's turn, the text the template adds for `reply` after them: its
+    end-of-turn marker included), or None where the template renders the start differently with the reply
+    than without, or leaves the reply out."""
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": reply}], tokenize=False)
     if not whole.startswith(prompt) or reply.strip() not in whole[len(prompt) :]:
-        raise ConfigError(
-            "the tokenizer's chat template renders a conversation's start differently with its reply than "
-            f"without, or leaves the reply out ({prompt[-60:]!r}, then {whole[len(prompt) - 60 :][:120]!r}): "
-            "the reply's tokens, which the loss is on, cannot be told apart. Use a template that renders each "
-            "turn the same whatever follows it, or train on every token: --completion_only_loss false."
-        )
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    whole_ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
-    if whole_ids[: len(prompt_ids)] != prompt_ids:
-        raise ConfigError(
-            f"the tokenizer reads a conversation's prompt ({prompt[-60:]!r}) into other tokens when its reply "
-            "follows: generation, which continues the prompt's own tokens, would not continue what training "
-            "saw. Use a chat template that ends the assistant's turn marker with a separator."
-        )
-    return prompt_ids, whole_ids[len(prompt_ids) :]
+        return None
+    return prompt, whole[len(prompt) :]
 
 
-def _earlier_replies(tokenizer, messages: list[dict], prompt_ids: list[int]) -> list[int]:
-    """1 on each prompt token of an assistant reply before the last (as _reply_span finds the last: what the
-    template adds for it, end-of-turn marker included), else 0: with --completion_only_loss every reply of a
-    conversation is trained on, as TRL's assistant_only_loss does. Each must be where the conversation's tokens
-    hold it; a reply opening the conversation answers nothing and is not marked."""
-    marked = [0] * len(prompt_ids)
-    for turn in range(1, len(messages)):
-        if messages[turn]["role"] != "assistant":
+def _earlier_replies(tokenizer, messages: list[dict], prompt: str, length: int) -> tuple[list[int], int]:
+    """(1 on each of the prompt's `length` tokens that belong to an assistant reply before the last, else 0;
+    the number of such replies left unmarked). With --completion_only_loss every reply is trained on, as TRL's
+    assistant_only_loss does: each found as the last one is (_rendered_reply), its tokens read from the
+    prompt's character offsets, tokenised once. A reply is left unmarked (part of the prompt, not trained on)
+    where the template renders it differently once the conversation goes on, a token straddles its edges, its
+    content is no text (a tool call), or the tokenizer gives no offsets; a reply opening the conversation
+    answers nothing and is not marked."""
+    spans, missed = [], 0
+    for turn, message in enumerate(messages):
+        if turn == 0 or message["role"] != "assistant":
             continue
-        before_ids, reply_ids = _reply_span(tokenizer, messages[:turn], messages[turn]["content"])
-        end = len(before_ids) + len(reply_ids)
-        if prompt_ids[:end] != before_ids + reply_ids:
-            raise ConfigError(
-                f"the tokenizer's chat template renders the assistant's reply in message {turn + 1} differently "
-                "once the conversation goes on: its tokens, which the loss is on, cannot be told apart. Use a "
-                "template that renders each turn the same whatever follows it, or train on every token: "
-                "--completion_only_loss false."
-            )
-        marked[len(before_ids) : end] = [1] * len(reply_ids)
-    return marked
+        content = message["content"]
+        rendered = _rendered_reply(tokenizer, messages[:turn], content) if isinstance(content, str) else None
+        if rendered is None or not prompt.startswith(rendered[0] + rendered[1]):
+            missed += 1
+            continue
+        spans.append((len(rendered[0]), len(rendered[0]) + len(rendered[1])))
+    marked = [0] * length
+    if not spans:
+        return marked, missed
+    try:
+        offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except NotImplementedError:  # a slow (Python) tokenizer has no offsets
+        return marked, missed + len(spans)
+    for start, end in spans:
+        straddles = any(a < edge < b for a, b in offsets for edge in (start, end))
+        inside = [i for i, (a, b) in enumerate(offsets) if start <= a and b <= end and a < b]
+        if straddles or not inside:
+            missed += 1
+            continue
+        for i in inside:
+            marked[i] = 1
+    return marked, missed
 
 
 # How a row becomes token ids, by the name a Dataset class gives (its `encoding`): an encoder-decoder's source

@@ -138,6 +138,8 @@ def build_dataset(
                   dataset.source_description, dataset.split_rows, dataset.split_rows)  # fmt: skip
     if rank0:
         warn_unknown_tokens(dataset, tokenizer)
+        for note in dataset.notes():
+            warn_once(Path(dataset.source_description), note, "%s", note)
     if len(dataset) < world_size:
         packed = hasattr(dataset, "packing_note")
         what = "packed block" if packed else "usable sample"

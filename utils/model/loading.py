@@ -339,10 +339,10 @@ def check_attention_fits(config: PretrainedConfig, attn_implementation: str | No
     model_class = task_for(config).model_mapping[type(config)]
     flag = KERNEL_SUPPORT.get(attn_implementation)
     if flag is not None and not getattr(model_class, flag, False):
+        instead = "sdpa (the default)" if getattr(model_class, KERNEL_SUPPORT["sdpa"], False) else "eager"
         raise ConfigError(
             f"--attn_implementation {attn_implementation}: transformers {transformers.__version__} has no "
-            f"{attn_implementation} kernel for {model_class.__name__}. Use "
-            + ("eager." if attn_implementation == "sdpa" else "sdpa (the default).")
+            f"{attn_implementation} kernel for {model_class.__name__}. Use {instead}."
         )
     if attn_implementation == t5_attention.NAME:
         t5_attention.register()
