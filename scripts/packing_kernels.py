@@ -1,0 +1,200 @@
+"""Packed blocks through each attention kernel: are the documents kept apart, and how fast.
+
+    python scripts/packing_kernels.py --shape tinyllama-1.1b --max_seq_len 2048 --batch_size 4 --steps 10
+
+A randomly initialised Llama of --shape (no weights needed) reads the embedded chat sample (data/code_chat,
+the Llama 2 guide's format) packed as `--packing true` packs it: whole documents into blocks of --max_seq_len
+tokens, position ids restarting at each (causal_lm_dataset.py), with the tiny Llama tokenizer of
+scripts/make_tiny_family.py. For each kernel of --kernels:
+- exactness (fp32): the per-token losses of the batch of packed blocks against each document read alone by
+  eager attention, as the maximum relative difference (a kernel that lets documents see each other is off by
+  whole units);
+- speed (--steps > 0): training steps (forward, backward, AdamW) on the same blocks, bf16 autocast on a GPU,
+  as tokens per second (real tokens, not padding) and the peak memory. The control, `sdpa unpacked`: the
+  documents one per row, padded to the longest of the batch, as a run without --packing reads them.
+On a GPU, SDPA cannot use its flash kernel with the block mask packing needs; FlexAttention takes the
+documents' boundaries from the position ids (docs/causal.md). On a CPU FlexAttention has no backward: its
+exactness is measured with no gradients, its speed not at all. Prints a table; --out writes the JSON.
+"""
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.make_tiny_family import LLAMA_SHAPE  # noqa: E402
+
+# Published Llama shapes (their config.json fields) to time at a realistic width.
+SHAPES = {
+    "tiny": LLAMA_SHAPE,
+    "tinyllama-1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                       "num_attention_heads": 32, "num_key_value_heads": 4},
+}  # fmt: skip
+KERNELS = ("sdpa", "eager", "flex_attention")
+LOOSE = 1e-4  # fp32 kernels agree to about 1e-6; a document seeing another is off by far more
+
+
+def packed_data(tokenizer, max_seq_len: int, cache_dir: str):
+    """(the sample's documents packed into blocks, the same documents one per row) of the train split."""
+    from causal_lm_dataset import CausalLMDataset, PackedCausalDataset
+    from configs.data import DataConfig
+    from configs.paths import REPO_ROOT
+
+    data = DataConfig(dataset_name=str(REPO_ROOT / "data" / "code_chat"), dataset_text_field="content",
+                      max_seq_len=max_seq_len, packing=True, cache_dir=cache_dir)  # fmt: skip
+    lengths = CausalLMDataset.lengths(data)
+    return (PackedCausalDataset(tokenizer, "train", None, *lengths, data),
+            CausalLMDataset(tokenizer, "train", None, *lengths, data))  # fmt: skip
+
+
+def exactness(model, packed, plain, blocks: list[int], pad_id: int, device) -> float:
+    """The largest relative difference between the packed batch's per-token losses and each document's alone
+    (read by `model`'s twin under eager attention)."""
+    import torch
+
+    from causal_lm_dataset import causal_collate
+    from utils.data.loaders import move_batch
+    from utils.task import CAUSAL
+
+    reference = copy.deepcopy(model)
+    reference.config._attn_implementation = "eager"
+    batch = move_batch(causal_collate([packed[b] for b in blocks], pad_id), device)
+    packed_losses, _ = CAUSAL.token_losses(model, batch)
+    worst = 0.0
+    for row, block in enumerate(blocks):
+        alone = []
+        for document in range(packed.block_firsts[block], packed.block_firsts[block + 1]):
+            single = move_batch(causal_collate([plain[document]], pad_id), device)
+            losses, _ = CAUSAL.token_losses(reference, single)
+            alone += [torch.zeros(1, device=device), losses[0]]  # a document's first token is no target
+        expected = torch.cat(alone)[1:]
+        got = packed_losses[row, : len(expected)]
+        worst = max(worst, ((got - expected).abs() / expected.abs().clamp_min(1e-6)).max().item())
+    return worst
+
+
+def speed(model, items: list[dict], pad_id: int, steps: int, device) -> dict:
+    """Tokens per second of `steps` training steps on the batch of `items` (after one warm-up step), and the
+    peak memory on a GPU."""
+    import torch
+
+    from causal_lm_dataset import causal_collate
+    from utils.data.loaders import move_batch
+    from utils.task import CAUSAL
+
+    batch = move_batch(causal_collate(items, pad_id), device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step() -> None:
+        with autocast:
+            losses, labels = CAUSAL.token_losses(model, batch)
+        (losses.sum() / (labels != -100).sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = int(batch["attention_mask"].sum()) * steps
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    return {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens, "peak_memory_bytes": peak,
+            "batch_shape": list(batch["input_ids"].shape)}  # fmt: skip
+
+
+def measure(shape: str, kernels: list[str], max_seq_len: int, batch_size: int, steps: int) -> dict:
+    import torch
+
+    with tempfile.TemporaryDirectory() as scratch:  # the tokenizer and the sample's token cache
+        from scripts.make_tiny_family import make
+        from utils.model.loading import load_tokenizer
+
+        make("llama", f"{scratch}/tokenizer")
+        tokenizer = load_tokenizer(f"{scratch}/tokenizer")
+        packed, plain = packed_data(tokenizer, max_seq_len, f"{scratch}/cache")
+        return measure_kernels(tokenizer, packed, plain, shape, kernels, batch_size, steps, torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu"))  # fmt: skip
+
+
+def measure_kernels(tokenizer, packed, plain, shape, kernels, batch_size, steps, device) -> dict:
+    """Each kernel's exactness and speed on the first `batch_size` packed blocks, and the unpacked control."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    pad_id = tokenizer.pad_token_id
+    fields = {**SHAPES[shape], "max_position_embeddings": max(packed.block_length, 512)}
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, use_cache=False,
+                         eos_token_id=tokenizer.eos_token_id, **fields)  # fmt: skip
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
+    blocks = list(range(min(batch_size, len(packed))))
+    documents = range(packed.block_firsts[0], packed.block_firsts[len(blocks)])
+    result = {"shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "max_seq_len": packed.block_length, "blocks": len(blocks), "documents": len(documents),
+              "packing": packed.packing_note(), "kernels": {}}  # fmt: skip
+    for kernel in kernels:
+        model = copy.deepcopy(base)
+        model.config._attn_implementation = kernel
+        trains = not (kernel == "flex_attention" and device.type == "cpu")  # FlexAttention: no CPU backward
+        model.requires_grad_(trains)
+        entry = {"max_relative_difference": exactness(model, packed, plain, blocks, pad_id, device)}
+        if steps and trains:
+            entry.update(speed(model.train(), [packed[b] for b in blocks], pad_id, steps, device))
+        result["kernels"][kernel] = entry
+    if steps:  # the control: no packing, the same documents one per row
+        result["kernels"]["sdpa unpacked"] = speed(copy.deepcopy(base).train(), [plain[d] for d in documents],
+                                                   pad_id, steps, device)  # fmt: skip
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['shape']} on {result['device']}: {result['blocks']} blocks of {result['max_seq_len']} "
+             f"tokens holding {result['documents']} documents ({result['packing']})",
+             "| kernel | max rel. diff vs alone | tokens/s | peak memory (GiB) |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    for kernel, entry in result["kernels"].items():
+        difference, peak = entry.get("max_relative_difference"), entry.get("peak_memory_bytes")
+        cells = [kernel, "" if difference is None else f"{difference:.2e}",
+                 f"{entry['tokens_per_s']:,.0f}" if "tokens_per_s" in entry else "(not timed)",
+                 "" if peak is None else f"{peak / 2**30:.2f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=["sdpa", "flex_attention"])
+    parser.add_argument("--max_seq_len", type=int, default=512, help="a packed block's tokens")
+    parser.add_argument("--batch_size", type=int, default=4, help="packed blocks per step")
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps per kernel (0: exactness only)")
+    parser.add_argument("--out", help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    if args.max_seq_len < 2 or args.batch_size < 1 or args.steps < 0:
+        parser.error("--max_seq_len needs at least 2 tokens, --batch_size a block, --steps 0 or more")
+    result = measure(args.shape, args.kernels, args.max_seq_len, args.batch_size, args.steps)
+    print(table(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    crossing = [
+        k for k, entry in result["kernels"].items() if not entry.get("max_relative_difference", 0) <= LOOSE
+    ]
+    if crossing:
+        print(f"error: {', '.join(crossing)} do not keep the documents apart (over {LOOSE:g} relative)")
+    return 1 if crossing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
