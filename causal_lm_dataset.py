@@ -83,9 +83,10 @@ class CausalLMDataset(SummarizationDataset):
             return []
         return [
             f"earlier assistant replies not trained on: {unmarked} in the {self.split} conversations of "
-            f"{self.source_description} (their conversations' last replies are). The chat template renders them "
-            "differently once the conversation goes on, their content is no text, or a token straddles their "
-            "edges. --completion_only_loss false trains on every token."
+            f"{self.source_description} (their conversations' last replies are). For each, one of: the chat "
+            "template renders it differently once the conversation goes on, its content is not a text (a tool "
+            "call), a token straddles its edges, or the tokenizer gives no character offsets (a slow one). "
+            "--completion_only_loss false trains on every token."
         ]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:

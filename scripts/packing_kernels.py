@@ -33,7 +33,7 @@ from scripts.make_tiny_family import LLAMA_SHAPE  # noqa: E402
 SHAPES = {
     "tiny": LLAMA_SHAPE,
     "tinyllama-1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-                       "num_attention_heads": 32, "num_key_value_heads": 4},
+                       "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000},
 }  # fmt: skip
 KERNELS = ("sdpa", "eager", "flex_attention")
 LOOSE = 1e-4  # fp32 kernels agree to about 1e-6; a document seeing another is off by far more
@@ -52,29 +52,45 @@ def packed_data(tokenizer, max_seq_len: int, cache_dir: str):
             CausalLMDataset(tokenizer, "train", None, *lengths, data))  # fmt: skip
 
 
-def exactness(model, packed, plain, blocks: list[int], pad_id: int, device) -> float:
-    """The largest relative difference between the packed batch's per-token losses and each document's alone
-    (read by `model`'s twin under eager attention)."""
+def documents_alone(model, packed, plain, blocks: list[int], pad_id: int, device) -> list:
+    """Per block, the per-token losses of its documents each read alone by `model` under eager attention, in
+    the block's order (a document's first token is no target: 0 there)."""
     import torch
 
     from causal_lm_dataset import causal_collate
     from utils.data.loaders import move_batch
     from utils.task import CAUSAL
 
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model).to(device)
     reference.config._attn_implementation = "eager"
+    expected = []
+    with torch.no_grad():
+        for block in blocks:
+            alone = []
+            for document in range(packed.block_firsts[block], packed.block_firsts[block + 1]):
+                single = move_batch(causal_collate([plain[document]], pad_id), device)
+                losses, _ = CAUSAL.token_losses(reference, single)
+                alone += [torch.zeros(1, device=device), losses[0]]
+            expected.append(torch.cat(alone)[1:])
+    return expected
+
+
+def exactness(model, packed, blocks: list[int], expected: list, pad_id: int, device) -> float:
+    """The largest relative difference between the packed batch's per-token losses under `model` and each
+    document's alone (documents_alone)."""
+    import torch
+
+    from causal_lm_dataset import causal_collate
+    from utils.data.loaders import move_batch
+    from utils.task import CAUSAL
+
     batch = move_batch(causal_collate([packed[b] for b in blocks], pad_id), device)
-    packed_losses, _ = CAUSAL.token_losses(model, batch)
+    with torch.no_grad():
+        packed_losses, _ = CAUSAL.token_losses(model, batch)
     worst = 0.0
-    for row, block in enumerate(blocks):
-        alone = []
-        for document in range(packed.block_firsts[block], packed.block_firsts[block + 1]):
-            single = move_batch(causal_collate([plain[document]], pad_id), device)
-            losses, _ = CAUSAL.token_losses(reference, single)
-            alone += [torch.zeros(1, device=device), losses[0]]  # a document's first token is no target
-        expected = torch.cat(alone)[1:]
-        got = packed_losses[row, : len(expected)]
-        worst = max(worst, ((got - expected).abs() / expected.abs().clamp_min(1e-6)).max().item())
+    for row, alone in enumerate(expected):
+        got = packed_losses[row, : len(alone)]
+        worst = max(worst, ((got - alone).abs() / alone.abs().clamp_min(1e-6)).max().item())
     return worst
 
 
@@ -134,28 +150,33 @@ def measure_kernels(tokenizer, packed, plain, shape, kernels, batch_size, steps,
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     pad_id = tokenizer.pad_token_id
-    fields = {**SHAPES[shape], "max_position_embeddings": max(packed.block_length, 512)}
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, use_cache=False,
-                         eos_token_id=tokenizer.eos_token_id, **fields)  # fmt: skip
+    # The shape's own vocabulary (the sample's ids, from the tiny tokenizer, are all below it)
+    fields = {
+        "vocab_size": len(tokenizer),
+        **SHAPES[shape],
+        "max_position_embeddings": max(packed.block_length, 512),
+    }
+    config = LlamaConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=False,
+                         **fields)  # fmt: skip
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # kept in host memory: a copy per kernel
     blocks = list(range(min(batch_size, len(packed))))
+    expected = documents_alone(base, packed, plain, blocks, pad_id, device)
     documents = range(packed.block_firsts[0], packed.block_firsts[len(blocks)])
     result = {"shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "max_seq_len": packed.block_length, "blocks": len(blocks), "documents": len(documents),
               "packing": packed.packing_note(), "kernels": {}}  # fmt: skip
     for kernel in kernels:
-        model = copy.deepcopy(base)
+        model = copy.deepcopy(base).to(device)
         model.config._attn_implementation = kernel
-        trains = not (kernel == "flex_attention" and device.type == "cpu")  # FlexAttention: no CPU backward
-        model.requires_grad_(trains)
-        entry = {"max_relative_difference": exactness(model, packed, plain, blocks, pad_id, device)}
-        if steps and trains:
+        entry = {"max_relative_difference": exactness(model, packed, blocks, expected, pad_id, device)}
+        if steps and not (kernel == "flex_attention" and device.type == "cpu"):  # FlexAttention: no CPU backward
             entry.update(speed(model.train(), [packed[b] for b in blocks], pad_id, steps, device))
         result["kernels"][kernel] = entry
+        del model  # one model on the device at a time: the peak memory is the kernel's own
     if steps:  # the control: no packing, the same documents one per row
-        result["kernels"]["sdpa unpacked"] = speed(copy.deepcopy(base).train(), [plain[d] for d in documents],
-                                                   pad_id, steps, device)  # fmt: skip
+        model = copy.deepcopy(base).to(device).train()
+        result["kernels"]["sdpa unpacked"] = speed(model, [plain[d] for d in documents], pad_id, steps, device)
     return result
 
 

@@ -134,8 +134,11 @@ def draw_losses(ax, records: list[dict]) -> None:
     plot_some(ax, train, "o-", color="tab:blue", label="train loss (epoch mean)")
     plot_some(ax, val, "s-", color="tab:orange", label="val loss (epoch end)")
     before = [r for r in validation if r["step"] == 0]  # --eval_on_start
-    inside = [r for r in validation if r["step"] > 0]
-    for chosen, fmt, label in ((inside, "^", "val loss (mid-epoch)"), (before, "D", "val loss (before training)")):
+    mid_epoch = [r for r in validation if r["step"] > 0]
+    for chosen, fmt, label in (
+        (mid_epoch, "^", "val loss (mid-epoch)"),
+        (before, "D", "val loss (before training)"),
+    ):
         points = [r["step"] for r in chosen], [number(r["val_loss"]) for r in chosen]
         plot_some(ax, points, fmt, color="tab:orange", label=label)
     ax.set_xlabel("global step")

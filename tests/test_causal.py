@@ -503,9 +503,10 @@ def test_every_assistant_reply_of_a_conversation_is_trained_on_and_nothing_else(
     assert trained(dataset[1]) == rendered(replies)  # the tool call (no text) left out
     assert dataset.notes() == [
         f"earlier assistant replies not trained on: 1 in the train conversations of {dataset.source_description} "
-        "(their conversations' last replies are). The chat template renders them differently once the "
-        "conversation goes on, their content is no text, or a token straddles their edges. "
-        "--completion_only_loss false trains on every token."
+        "(their conversations' last replies are). For each, one of: the chat template renders it differently "
+        "once the conversation goes on, its content is not a text (a tool call), a token straddles its edges, or "
+        "the tokenizer gives no character offsets (a slow one). --completion_only_loss false trains on every "
+        "token."
     ]
 
     everything = dataclasses.replace(data, completion_only_loss=False, cache_dir=str(tmp_path / "cache-all"))
@@ -526,6 +527,29 @@ def test_every_assistant_reply_of_a_conversation_is_trained_on_and_nothing_else(
     with caplog.at_level(logging.WARNING):  # rank 0's loaders say it, once
         build_dataset(shortening, FORMAT, "train", 0, data, world_size=1)
     assert caplog.text.count("earlier assistant replies not trained on: 5 in") == 1
+
+
+@pytest.mark.parametrize("trim_offsets", [False, True])
+def test_an_earlier_replys_marks_cover_its_whitespace_whatever_the_tokenizers_offsets(causal_dirs, trim_offsets):
+    """A code reply's indentation is trained on as its text is: byte-level tokenizers that trim their offsets
+    give a whitespace token no characters, and it is still inside the reply."""
+    from tokenizers import processors
+
+    from utils.data.cache import _encode_chat_batch
+
+    tokenizer = load_tokenizer(causal_dirs["gpt2"])
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    tokenizer.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
+    code = "def f():\n    return  1"
+    messages = [{"role": "user", "content": "Code?"}, {"role": "assistant", "content": code},
+                {"role": "user", "content": "More."}]  # fmt: skip
+    encoded = _encode_chat_batch({"source": [json.dumps(messages)], "target": ["Done."]}, tokenizer, 512, 64)
+    ids, marks = encoded["source_ids"][0], encoded["source_replies"][0]
+    assert encoded["replies_unmarked"] == [0]
+    assert tokenizer.decode([i for i, mark in zip(ids, marks, strict=True) if mark]) == code + "<|endoftext|>"
 
 
 def test_rope_frequencies_stay_fp32_and_exact_under_bf16_mixed_precision(causal_dirs):

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -30,6 +31,7 @@ from utils.data.cache import load_wikihow
 from utils.data.loaders import build_loaders
 from utils.distributed.process_group import DistInfo
 from utils.eval.evaluator import generated_lengths
+from utils.eval.generation import stop_token_ids
 from utils.eval.rouge import ROUGE_KEYS, rouge_scores
 from utils.eval.scores import mean_scores
 from utils.log import get_logger
@@ -91,13 +93,18 @@ def test_rouge_is_rouge_scores_with_its_stemmer_and_rougelsum_by_sentence():
 
 def test_gen_len_counts_the_written_tokens_and_the_eos_also_when_it_pads():
     """T5's outputs (decoder start 0 = pad, then tokens, EOS 1, padding) and a decoder-only model's
-    completions padded with its EOS (2): each row's tokens and its EOS, as T5's always were; a row cut by
-    max_new_tokens has no EOS to count."""
+    completions padded with its EOS (2): each row's tokens and its stop token, as T5's always were; a row cut
+    by max_new_tokens has none to count; a chat model that stops at its end of turn (7) before the EOS."""
     t5 = torch.tensor([[0, 5, 6, 1, 0, 0], [0, 5, 6, 7, 8, 1]])
-    assert generated_lengths(t5, pad_id=0, eos_id=1) == [3, 5] == (t5 != 0).sum(dim=1).tolist()
+    assert generated_lengths(t5, pad_id=0, stop_ids=[1]) == [3, 5] == (t5 != 0).sum(dim=1).tolist()
     causal = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
-    assert generated_lengths(causal, pad_id=2, eos_id=2) == [3, 5, 1]
+    assert generated_lengths(causal, pad_id=2, stop_ids=[2]) == [3, 5, 1]
     assert (causal != 2).sum(dim=1).tolist() == [2, 5, 0]  # what counting non-padding tokens gave
+    chat = torch.tensor([[5, 6, 7, 2, 2]])
+    assert generated_lengths(chat, pad_id=2, stop_ids=[2, 7]) == [3]
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 2]))
+    assert stop_token_ids(model, SimpleNamespace(eos_token_id=2)) == [2, 7]
+    assert stop_token_ids(SimpleNamespace(), SimpleNamespace(eos_token_id=1)) == [1]
 
 
 def test_ranks_with_different_generated_lengths_finish(generated):

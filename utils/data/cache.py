@@ -13,6 +13,7 @@ reads them from there (utils/data/shared_cache.py says how the processes share t
 to a damaged or half-built cache).
 """
 
+import bisect
 import dataclasses
 import functools
 import hashlib
@@ -45,9 +46,9 @@ _CHAT_TOKEN_FEATURES = datasets.Features(
     {**_TOKEN_FEATURES, "source_replies": datasets.List(datasets.Value("int8")),
      "replies_unmarked": datasets.Value("int16")}  # the earlier replies that could not be told apart
 )  # fmt: skip
-# Bump when _encode_chat_batch changes (2: earlier replies marked, and counted where not): the conversations' token
-# caches are rebuilt.
-CHAT_ENCODING_VERSION = 2
+# Bump when _encode_chat_batch changes (3: earlier replies marked by their characters, and counted where not): the
+# conversations' token caches are rebuilt.
+CHAT_ENCODING_VERSION = 3
 
 # Starting a tokenising process (a fork, the tokenizer pickled) pays off from about this many rows.
 _ROWS_PER_TOKENISING_PROCESS = 10_000
@@ -267,7 +268,11 @@ def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length:
                 "turn the same whatever follows it."
             )
         prompt, added = rendered
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        # A slow (Python) tokenizer has no character offsets: its earlier replies stay unmarked (_earlier_replies)
+        encoded = tokenizer(
+            prompt, add_special_tokens=False, return_offsets_mapping=getattr(tokenizer, "is_fast", False)
+        )
+        prompt_ids = encoded["input_ids"]
         whole_ids = tokenizer(prompt + added, add_special_tokens=False)["input_ids"]
         if whole_ids[: len(prompt_ids)] != prompt_ids:
             raise ConfigError(
@@ -278,7 +283,9 @@ def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length:
         reply_ids = whole_ids[len(prompt_ids) :]
         if len(reply_ids) > output_length:  # cut, keeping the template's last token (its end of turn)
             reply_ids = reply_ids[: output_length - 1] + reply_ids[-1:]
-        marks, missed = _earlier_replies(tokenizer, messages, prompt, len(prompt_ids))
+        marks, missed = _earlier_replies(
+            tokenizer, messages, prompt, len(prompt_ids), encoded.get("offset_mapping")
+        )
         prompts.append(prompt_ids[-input_length:])
         completions.append(reply_ids)
         replies.append(marks[-input_length:])
@@ -302,14 +309,17 @@ def _rendered_reply(tokenizer, messages: list[dict], reply: str) -> tuple[str, s
     return prompt, whole[len(prompt) :]
 
 
-def _earlier_replies(tokenizer, messages: list[dict], prompt: str, length: int) -> tuple[list[int], int]:
-    """(1 on each of the prompt's `length` tokens that belong to an assistant reply before the last, else 0;
+def _earlier_replies(
+    tokenizer, messages: list[dict], prompt: str, length: int, offsets: list[tuple[int, int]] | None
+) -> tuple[list[int], int]:
+    """(1 on each of the prompt's `length` tokens that belongs to an assistant reply before the last, else 0;
     the number of such replies left unmarked). With --completion_only_loss every reply is trained on, as TRL's
-    assistant_only_loss does: each found as the last one is (_rendered_reply), its tokens read from the
-    prompt's character offsets, tokenised once. A reply is left unmarked (part of the prompt, not trained on)
-    where the template renders it differently once the conversation goes on, a token straddles its edges, its
-    content is no text (a tool call), or the tokenizer gives no offsets; a reply opening the conversation
-    answers nothing and is not marked."""
+    assistant_only_loss does: each found as the last one is (_rendered_reply), its tokens those that start
+    inside its characters (`offsets`: each prompt token's, in order; a whitespace token whose offsets are
+    trimmed to nothing included). A reply is left unmarked (part of the prompt, not trained on) where the
+    template renders it differently once the conversation goes on, a token straddles its edges, its content is
+    not a text (a tool call), or the tokenizer gives no offsets (None: a slow one). The conversation's first
+    message is no reply to anything, and is not marked."""
     spans, missed = [], 0
     for turn, message in enumerate(messages):
         if turn == 0 or message["role"] != "assistant":
@@ -321,20 +331,16 @@ def _earlier_replies(tokenizer, messages: list[dict], prompt: str, length: int) 
             continue
         spans.append((len(rendered[0]), len(rendered[0]) + len(rendered[1])))
     marked = [0] * length
-    if not spans:
-        return marked, missed
-    try:
-        offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    except NotImplementedError:  # a slow (Python) tokenizer has no offsets
+    if offsets is None:
         return marked, missed + len(spans)
+    starts = [start for start, _ in offsets]
     for start, end in spans:
-        straddles = any(a < edge < b for a, b in offsets for edge in (start, end))
-        inside = [i for i, (a, b) in enumerate(offsets) if start <= a and b <= end and a < b]
-        if straddles or not inside:
+        first, last = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
+        before, final = offsets[first - 1] if first else (0, 0), offsets[last - 1] if last else (0, 0)
+        if first == last or before[1] > start or final[1] > end:  # nothing inside, or a token across an edge
             missed += 1
             continue
-        for i in inside:
-            marked[i] = 1
+        marked[first:last] = [1] * (last - first)
     return marked, missed
 
 

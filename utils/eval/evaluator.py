@@ -25,7 +25,7 @@ from configs.evaluation import METRIC_NAMES
 from utils.data.loaders import EvalSet, move_batch
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, StopCheck
-from utils.eval.generation import gathered_for_generation, generate, keep_gathered
+from utils.eval.generation import gathered_for_generation, generate, keep_gathered, stop_token_ids
 from utils.eval.rouge import lead_sentences, lead_steps, rouge_scores
 from utils.eval.scores import SCORERS, mean_scores
 from utils.files import atomic_path
@@ -44,13 +44,14 @@ def lead_steps_label(cleaning: str) -> str:
     return "first sentence of each step" if cleaning == "wikihow" else "first sentence of each line"
 
 
-def generated_lengths(ids: torch.Tensor, pad_id: int, eos_id: int | None) -> list[int]:
-    """The tokens each row of `ids` wrote, its end-of-sequence token included: the non-padding ones before its
-    first EOS, and the EOS. Apart from padding, which a decoder-only model's tokenizer may share with the EOS
-    (Llama's, GPT-2's): counting non-padding tokens alone would leave their EOS out, and count T5's."""
-    if eos_id is None:
+def generated_lengths(ids: torch.Tensor, pad_id: int, stop_ids: list[int]) -> list[int]:
+    """The tokens each row of `ids` wrote, its stop token included: the non-padding ones before the first of
+    `stop_ids` (stop_token_ids), and that one. Apart from padding, which a decoder-only model's tokenizer may
+    share with its EOS (Llama's, GPT-2's): counting non-padding tokens alone would leave their EOS out, and
+    count T5's."""
+    if not stop_ids:
         return (ids != pad_id).sum(dim=1).tolist()
-    ended = ids == eos_id
+    ended = torch.isin(ids, torch.tensor(stop_ids, device=ids.device))
     before_end = ended.int().cumsum(dim=1) == 0
     return (((ids != pad_id) & before_end).sum(dim=1) + ended.any(dim=1)).tolist()
 
@@ -113,6 +114,7 @@ class Evaluator:
         with_baselines = self.scores_baselines and self.baselines is None
         desc = f"{METRIC_NAMES[self.metric]} evaluation"
         keep = keep_gathered(model, self.gather_for_generation, self.compute_dtype, self.info.device)
+        stops = stop_token_ids(model, dataset.tokenizer)
         with (
             progress_bar(len(self.eval_set.loader), desc, unit="batch", colour="magenta") as bar,
             gathered_for_generation(model, keep),
@@ -125,7 +127,7 @@ class Evaluator:
                 outputs = generate(model, prompts, {**self.generation, "pad_token_id": pad_id})
                 ids = self.task.completions(outputs, prompts).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
-                lengths = generated_lengths(ids, pad_id, dataset.tokenizer.eos_token_id)
+                lengths = generated_lengths(ids, pad_id, stops)
                 for text, length in zip(texts, lengths, strict=True):
                     if position < sampler.num_real_samples:
                         index = sampler.indices[position]

@@ -46,6 +46,15 @@ def generate(model: nn.Module, prompts: dict, generation: dict) -> torch.Tensor:
         return model.generate(**kwargs)  # FSDP2: a registered forward method (utils/fsdp/shard.py)
 
 
+def stop_token_ids(model: nn.Module, tokenizer) -> list[int]:
+    """The ids generation ends a row at: the model's generation config's EOS (one, or several: a chat model's
+    end of turn too) and the tokenizer's."""
+    config = getattr(model.module if isinstance(model, FSDP) else model, "generation_config", None)
+    ids = getattr(config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted({*ids, *([] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id])})
+
+
 def _fsdp1_compute_dtype(model: FSDP):
     """The summoned root parameters come back in full precision, and the root's forward, which casts to the
     compute dtype, is skipped: autocast to the policy's compute dtype keeps the fp32 root's matmuls (the
