@@ -92,11 +92,15 @@ def test_rouge_is_rouge_scores_with_its_stemmer_and_rougelsum_by_sentence():
 
 
 def test_gen_len_counts_the_written_tokens_and_the_eos_also_when_it_pads():
-    """T5's outputs (decoder start 0 = pad, then tokens, EOS 1, padding) and a decoder-only model's
+    """T5's outputs (decoder start 0 = pad, then tokens, EOS 1, padding), BART's, and a decoder-only model's
     completions padded with its EOS (2): each row's tokens and its stop token, as T5's always were; a row cut
     by max_new_tokens has none to count; a chat model that stops at its end of turn (7) before the EOS."""
     t5 = torch.tensor([[0, 5, 6, 1, 0, 0], [0, 5, 6, 7, 8, 1]])
-    assert generated_lengths(t5, pad_id=0, stop_ids=[1]) == [3, 5] == (t5 != 0).sum(dim=1).tolist()
+    written = SEQ2SEQ.completions(t5, {})
+    assert generated_lengths(written, pad_id=0, stop_ids=[1]) == [3, 5] == (t5 != 0).sum(dim=1).tolist()
+    # BART's decoder starts from its EOS (2; padding 1), then the forced <s> (0): the start is no stop
+    bart = torch.tensor([[2, 0, 5, 6, 2, 1], [2, 0, 5, 6, 7, 2]])
+    assert generated_lengths(SEQ2SEQ.completions(bart, {}), pad_id=1, stop_ids=[2]) == [4, 5]
     causal = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
     assert generated_lengths(causal, pad_id=2, stop_ids=[2]) == [3, 5, 1]
     assert (causal != 2).sum(dim=1).tolist() == [2, 5, 0]  # what counting non-padding tokens gave

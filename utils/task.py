@@ -124,8 +124,9 @@ class Seq2SeqTask(Task):
                 )
 
     def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:  # noqa: ARG002 - CausalTask's
-        """What `generate` wrote for `prompts`: an encoder-decoder's outputs are the new tokens alone."""
-        return outputs
+        """What `generate` wrote for `prompts`: an encoder-decoder's outputs after the decoder's start token,
+        which it was given (T5's is the padding token, BART's its EOS)."""
+        return outputs[:, 1:]
 
     def loss_metrics(self, val_loss: float | None) -> dict:  # noqa: ARG002 - CausalTask's reads it
         """What the records add to a validation loss: nothing here (a summary's loss is read as it is)."""
