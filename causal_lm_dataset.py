@@ -63,14 +63,15 @@ class CausalLMDataset(SummarizationDataset):
         input_ids = torch.cat([prompt, completion])
         labels = input_ids.clone()
         if self.completion_only_loss:
-            labels[: len(prompt)] = torch.where(self._trained_in_prompt(index), prompt, IGNORED)
+            replies = self._replies_in_prompt(index)
+            labels[: len(prompt)] = IGNORED if replies is None else torch.where(replies, prompt, IGNORED)
         return input_ids, labels, len(prompt)
 
-    def _trained_in_prompt(self, index: int) -> torch.Tensor:
+    def _replies_in_prompt(self, index: int) -> torch.Tensor | None:
         """True on the prompt's tokens that are an earlier assistant reply of a conversation (trained on as the
-        last reply is), False elsewhere and for rows that are no conversation."""
+        last reply is), False elsewhere; None for rows that are no conversation (none in their prompt)."""
         if "source_replies" not in self.token_ids.column_names:
-            return torch.zeros(len(self._ids("source_ids", index)), dtype=torch.bool)
+            return None
         return self._ids("source_replies", index).bool()
 
     def notes(self) -> list[str]:
