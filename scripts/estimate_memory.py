@@ -119,17 +119,17 @@ class CausalShape:
     """A decoder-only model's FSDP units and what its forward keeps, from its config: the model is built and
     run on fake tensors, so the figures are the model's own, whatever its family."""
 
-    def __init__(self, config, dropout_rate: float | None = None) -> None:
-        self.config, self.dropout_rate = config, dropout_rate
+    def __init__(self, config) -> None:
+        self.config = config
 
-    def _model(self, dtype, layers: int | None = None):
+    def _model(self, dtype, layers: int | None = None, dropout_rate: float | None = None):
         from transformers import AutoModelForCausalLM
 
         from utils.model.loading import family_overrides
 
         config = self.config.__class__.from_dict(self.config.to_dict())
         config.use_cache = False
-        overrides = {} if self.dropout_rate is None else {"dropout_rate": self.dropout_rate}
+        overrides = {} if dropout_rate is None else {"dropout_rate": dropout_rate}
         for name, value in family_overrides(config, overrides).items():  # --dropout_rate, as a run sets it
             setattr(config, name, value)
         if layers is not None:
@@ -167,7 +167,7 @@ class CausalShape:
         # these rows are whole, so there is none
         whole_rows = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
         with FakeTensorMode(), whole_rows:
-            model = self._model(dtype, layers).train()
+            model = self._model(dtype, layers, w.dropout_rate).train()
             model.config._attn_implementation = "sdpa" if w.sdpa else "eager"
             if w.checkpointing if checkpointing is None else checkpointing:
                 apply_fsdp_checkpointing(model, layer_classes(model))
@@ -245,6 +245,7 @@ class Workload:
     checkpointing: bool
     sdpa: bool = False  # torch's scaled_dot_product_attention (math kernel): boolean extended masks
     attention_bytes: int = 0  # q/k/v copies, scores, probabilities: the math kernel upcasts bf16 to fp32 on CPU
+    dropout_rate: float | None = None  # --dropout_rate as given (None: the model's own; T5's masks: mask_bytes)
 
     @property
     def attention(self) -> int:
@@ -374,19 +375,18 @@ def estimate(
     missing = [name for name, value in lengths.items() if value is None]
     if missing:
         raise ValueError(f"{'a decoder-only' if causal else 'a T5'} model's plan needs {', '.join(missing)}")
-    if causal:
-        shape = CausalShape(shape.config, dropout_rate)
-    dropout_rate = 0.1 if dropout_rate is None else dropout_rate
+    t5_dropout = 0.1 if dropout_rate is None else dropout_rate  # T5's own default
     work = Workload(
         batch=batch_size,
         src=max_seq_len if causal else max_source_length,
         tgt=0 if causal else max_target_length,
         compute_bytes=compute,
-        mask_bytes=(compute if device == "cpu" else 1) if dropout_rate > 0 else 0,
+        mask_bytes=(compute if device == "cpu" else 1) if t5_dropout > 0 else 0,
         checkpointing=activation_checkpointing,
         sdpa=attn_implementation == "sdpa",
         # CPU's sdpa math kernel computes bf16/fp16 attention in fp32 (and keeps it so).
         attention_bytes=4 if device == "cpu" and attn_implementation == "sdpa" else 0,
+        dropout_rate=dropout_rate,
     )
     units = shape.unit_params()
     degree = shard_degree(sharding_strategy, nproc, shard_group_size)
