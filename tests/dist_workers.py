@@ -820,6 +820,26 @@ def nonfinite_worker(rank: int, world_size: int, steps: int = 4, bad_step: int =
     return out
 
 
+@contextlib.contextmanager
+def layers_compiled_by(backend: str, on_graph):
+    """utils/fsdp/shard.py's compile_layers compiling with torch.compile `backend`, calling `on_graph()` for
+    each graph it compiles (recompiles and graph breaks included)."""
+    import torch._dynamo
+
+    from utils.fsdp import shard as shard_module
+
+    def counting_backend(graph, example_inputs):
+        on_graph()
+        return torch._dynamo.lookup_backend(backend)(graph, example_inputs)
+
+    original = shard_module.compile_layers
+    shard_module.compile_layers = functools.partial(original, backend=counting_backend)
+    try:
+        yield
+    finally:
+        shard_module.compile_layers = original
+
+
 def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict:
     """fp32 per-step losses and final weights with every T5Block compiled (torch.compile `backend`, through
     utils/fsdp/shard.py's own compile_layers), for FSDP1 (original parameters) and FSDP2; then, on FSDP2, an
@@ -829,19 +849,11 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
     import torch._dynamo
 
     from utils.eval.generation import generate
-    from utils.fsdp import shard as shard_module
 
     phase: list = [0]
     compiled_at: list = []
-
-    def counting_backend(graph, example_inputs):
-        compiled_at.append(phase[0])
-        return torch._dynamo.lookup_backend(backend)(graph, example_inputs)
-
-    original = shard_module.compile_layers
-    shard_module.compile_layers = functools.partial(original, backend=counting_backend)
     out = {"reference": reference_run(steps, world_size) if rank == 0 else None}
-    try:
+    with layers_compiled_by(backend, lambda: compiled_at.append(phase[0])):
         for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
             torch._dynamo.reset()
             compiled_at.clear()
@@ -863,8 +875,6 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
                     prompts = SEQ2SEQ.prompts(make_batch(batch_seed(steps, rank)))
                     generate(model, prompts, {"max_new_tokens": new_tokens})
             out[version] = {"losses": losses, "state": state if rank == 0 else None, "compiled_at": compiled_at[:]}
-    finally:
-        shard_module.compile_layers = original
     return out
 
 
@@ -1423,20 +1433,11 @@ def causal_compile_worker(rank: int, world_size: int, folder: str, steps: int) -
     packed blocks, and the graphs compiled for each; the unsharded, uncompiled reference's on rank 0."""
     import torch._dynamo
 
-    from utils.fsdp import shard as shard_module
-
     fresh = load_model(folder, dropout_rate=0.0)
     vocab = fresh.config.vocab_size
     out: dict = {}
     graphs: list = []
-
-    def counting_backend(graph, example_inputs):
-        graphs.append(1)
-        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
-
-    original = shard_module.compile_layers
-    shard_module.compile_layers = functools.partial(original, backend=counting_backend)
-    try:
+    with layers_compiled_by("aot_eager", lambda: graphs.append(1)):
         for packed in (False, True):
             if rank == 0:
                 out[("reference", packed)] = reference_run(steps, world_size, copy.deepcopy(fresh), vocab, CAUSAL,
@@ -1450,6 +1451,4 @@ def causal_compile_worker(rank: int, world_size: int, folder: str, steps: int) -
                     model, optimizer, rank, world_size, steps, vocab, task=CAUSAL, packed=packed
                 )
                 out[(version, packed)] = {"losses": losses, "graphs": len(graphs)}
-    finally:
-        shard_module.compile_layers = original
     return out
