@@ -48,6 +48,19 @@ def demo_launch(request, tmp_path_factory):
         run.kill()
 
 
+def uses_the_rank_pool(item) -> bool:
+    module = getattr(item, "module", None)
+    return any(hasattr(module, name) for name in ("run_ranks", "pooled"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_pool_started(request) -> None:
+    """The pool's two ranks started with the session when a selected test uses them, so that their imports
+    (about 4 s on 2 cores) run beside the tests before the first that does."""
+    if any(uses_the_rank_pool(item) for item in request.session.items):
+        rank_pool.pool().start(2)
+
+
 @pytest.fixture(scope="session")
 def fresh_demo(demo_launch) -> Path:
     """The output folder of the README's demo command, run once beside the other tests."""

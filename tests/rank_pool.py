@@ -15,8 +15,11 @@ would run it, because between scenarios every worker puts back what a scenario c
 - the package's module globals (a rebound name, the items of a dict, list or set, the attributes of one of
   its own objects such as hang_report.WHERE) and its functools caches.
 
-A hang still fails fast: a scenario that outlives its deadline has its workers killed and replaced, and the
-test fails with each rank's output. A worker is replaced too, its state not trusted for the next scenario,
+When one rank fails, the pool sends the others SIGTERM, as torchrun does (0.1 s after): a rank with no handler
+of its own ends its scenario there, as a process would end, and one that handles it (a training run saves, then
+stops) goes on as under torchrun. A hang still fails fast: a scenario that outlives its deadline, or a rank still
+running FAILED_PEER_GRACE_S after another failed, has its workers killed and replaced, and the test fails with
+each rank's output. A worker is replaced too, its state not trusted for the next scenario,
 when its scenario raised past its entry point or died, when a collective or the group's forming timed out in
 it (its output says so, or the scenario asks with `replace_after`), or when it left a thread or a child
 process running. A script that ends with a non-zero exit status after handling its error (a refused setting, a
@@ -314,6 +317,20 @@ def _preload() -> None:
     importlib.import_module("tests.dist_workers")
 
 
+class Terminated(BaseException):  # noqa: N818 - named for the signal, as KeyboardInterrupt is
+    """The pool's SIGTERM, in a scenario that has no handler of its own for it: the scenario ends here, as its
+    process would have ended."""
+
+
+_scenario_running = False  # in a worker: whether a scenario's own code is running (the pool's SIGTERM ends it)
+
+
+def _terminate_the_scenario(_signum, _frame) -> None:
+    """A worker's SIGTERM handler (a scenario may install its own; FreshState puts this one back after it)."""
+    if _scenario_running:
+        raise Terminated
+
+
 def _serve(conn, environ: dict) -> None:
     """A worker's life: set up as a rank process, then run scenarios until told to stop."""
     _die_with_parent()
@@ -328,6 +345,7 @@ def _serve(conn, environ: dict) -> None:
         os.dup2(devnull.fileno(), 1)
         os.dup2(devnull.fileno(), 2)
     _preload()
+    signal.signal(signal.SIGTERM, _terminate_the_scenario)
     fresh = FreshState.capture()
     conn.send(("ready", os.getpid()))
     while True:
@@ -337,23 +355,32 @@ def _serve(conn, environ: dict) -> None:
             return
         if job is None:
             return
-        conn.send(_run_scenario(job, fresh))
+        try:
+            outcome = _run_scenario(job, fresh)
+        except Terminated:  # it landed in the pool's own code after the scenario: the state is not trusted
+            outcome = Outcome("terminated", STOPPED_BY_A_FAILED_PEER, False, 0.0)
+        conn.send(outcome)
 
 
 def _run_scenario(job: Scenario, fresh: FreshState) -> Outcome:
+    global _scenario_running
     started = time.monotonic()
     os.environ.clear()  # the launching test's environment, as a process it started would inherit it
     os.environ.update(job.environ)
     kind, value, left = "error", None, []
     with _output_to(job.stdout_path, job.stderr_path):
         try:
+            _scenario_running = True
             if job.script is not None:
                 kind, value = "exit", _run_script(job.script, job.args)
             else:
                 kind, value = "ok", _run_ranks_function(job)
+        except Terminated:
+            kind, value = "terminated", STOPPED_BY_A_FAILED_PEER
         except BaseException:  # noqa: BLE001 - a rank's failure, whatever it is, is the test's to report
             kind, value = "error", traceback.format_exc()
         finally:
+            _scenario_running = False
             try:
                 left = fresh.left_running()
                 fresh.restore()
@@ -436,9 +463,14 @@ class Scenario:
     replace_after: bool = False
 
 
+STOPPED_BY_A_FAILED_PEER = "ended by SIGTERM after another rank failed (torchrun stops the others so)"
+
+
 @dataclasses.dataclass
 class Outcome:
-    kind: str  # "ok" (a function's result), "exit" (a script's exit status), "error" (a traceback), "died"
+    # "ok" (a function's result), "exit" (a script's exit status), "error" (a traceback), "terminated" (the pool's
+    # SIGTERM after another rank failed), "died"
+    kind: str
     value: object
     clean: bool  # the worker may run the next scenario
     seconds: float
@@ -502,9 +534,14 @@ class RankPool:
         self.started += 1
         return _Worker(self._context, offline_env())
 
-    def _take(self, count: int) -> list[_Worker]:
+    def start(self, count: int) -> None:
+        """At least `count` workers started, not waited for: their imports run beside what the session does
+        first."""
         while len(self._workers) < count:
             self._workers.append(self._start_worker())
+
+    def _take(self, count: int) -> list[_Worker]:
+        self.start(count)
         workers = self._workers[:count]
         for worker in workers:
             worker.wait_ready()
@@ -515,8 +552,9 @@ class RankPool:
         self._workers[index] = self._start_worker()  # starts now; the next scenario waits until it is ready
 
     def run(self, scenarios: list[Scenario], timeout_s: float) -> list[Outcome]:
-        """Each scenario on the worker of its rank; every rank's outcome, in rank order. A rank that does not
-        end within `timeout_s`, or within FAILED_PEER_GRACE_S after another rank failed, is killed ("died")."""
+        """Each scenario on the worker of its rank; every rank's outcome, in rank order. When a rank fails, the
+        others get SIGTERM, as torchrun sends it. A rank that does not end within `timeout_s`, or within
+        FAILED_PEER_GRACE_S after another rank failed, is killed ("died")."""
         workers = self._take(len(scenarios))
         for worker, scenario in zip(workers, scenarios, strict=True):
             worker.conn.send(scenario)
@@ -538,9 +576,12 @@ class RankPool:
                     workers[rank].process.join(5)
                     code = workers[rank].process.exitcode
                     outcomes[rank] = Outcome("died", f"the rank's process died (exit code {code})", False, 0.0)
-                if _failed(outcomes[rank]) and pending and not peer_failed:  # the others: a grace period
+                if _failed(outcomes[rank]) and pending and not peer_failed:  # the others: SIGTERM, then a grace
                     peer_failed = True
                     deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
+                    for other in pending:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(workers[other].process.pid, signal.SIGTERM)
         for rank in pending:
             if peer_failed:
                 why = f"was still running {FAILED_PEER_GRACE_S:g} s after another rank failed"

@@ -1,6 +1,6 @@
 """The pooled rank processes (tests/rank_pool.py): a scenario finds what a fresh process has, whatever the one
-before it changed, on the same reused worker; a hang and a rank left waiting by a failed peer fail fast, and
-their workers are replaced."""
+before it changed, on the same reused worker; a hang fails fast, and a rank left waiting by a failed peer ends as
+torchrun ends it (SIGTERM) or is killed after a grace; workers not to be trusted are replaced."""
 
 import logging
 import os
@@ -106,25 +106,40 @@ def sleeps(rank: int, world_size: int, seconds: float) -> None:
     time.sleep(seconds)
 
 
-def fails_on_rank_1_while_rank_0_sleeps(rank: int, world_size: int) -> None:
+def fails_on_rank_1_while_rank_0_sleeps(rank: int, world_size: int, rank_0_ignores_sigterm: bool) -> None:
     if rank == 1:
         raise RuntimeError("rank 1 failed")
+    if rank_0_ignores_sigterm:  # as a rank blocked inside a collective does: it runs no Python handler
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(600)
 
 
-@pytest.mark.slow  # each case replaces both workers (their imports: about 10 s of CPU)
-def test_a_hang_and_a_rank_left_waiting_by_a_failed_peer_fail_fast_and_their_workers_are_replaced(monkeypatch):
+@pytest.mark.slow  # each case replaces workers (their imports: about 5 s of CPU each)
+def test_a_hang_and_a_rank_left_waiting_by_a_failed_peer_end_fast_and_the_untrusted_workers_are_replaced(
+    monkeypatch,
+):
     monkeypatch.setattr(rank_pool, "FAILED_PEER_GRACE_S", 1)  # the pool's 10 s, shortened
     started = pool().started
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"rank 0 did not finish within 2 s \(hang\?\): killed"):
         run_ranks(sleeps, 600, timeout_s=2)  # a sleep 300 times the deadline
     assert time.monotonic() - start < 60
+    assert pool().started == started + 2  # both workers
+    # A rank left waiting by a failed peer gets SIGTERM, as torchrun sends it: with no handler of its own, its
+    # scenario ends there, and its worker is reused; the failed rank's is replaced.
     start = time.monotonic()
     with pytest.raises(AssertionError) as failed:
-        run_ranks(fails_on_rank_1_while_rank_0_sleeps, timeout_s=300)
+        run_ranks(fails_on_rank_1_while_rank_0_sleeps, False, timeout_s=300)
+    assert time.monotonic() - start < 60  # not the 300 s deadline
+    assert "RuntimeError: rank 1 failed" in str(failed.value)
+    assert f"rank 0 failed:\n{rank_pool.STOPPED_BY_A_FAILED_PEER}" in str(failed.value)
+    assert pool().started == started + 3
+    # One that does not end on SIGTERM is killed after the grace, and replaced too.
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(fails_on_rank_1_while_rank_0_sleeps, True, timeout_s=300)
     assert time.monotonic() - start < 60  # the grace after rank 1's failure, not the 300 s deadline
     assert "RuntimeError: rank 1 failed" in str(failed.value)
     assert "rank 0 was still running 1 s after another rank failed: killed" in str(failed.value)
-    assert pool().started == started + 4  # both workers, twice
+    assert pool().started == started + 5
     assert run_ranks(what_a_process_has)[0]["probe"] is None  # the new workers run scenarios
