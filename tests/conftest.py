@@ -55,10 +55,10 @@ def uses_the_rank_pool(item) -> bool:
 
 @pytest.fixture(scope="session", autouse=True)
 def rank_pool_started(request) -> None:
-    """The pool's two ranks started with the session when a selected test uses them, so that their imports
-    (about 4 s on 2 cores) run beside the tests before the first that does."""
+    """The rank pool's imports started with the session when a selected test uses the pool, so that they
+    (about 3 s) run beside the tests before the first that does."""
     if any(uses_the_rank_pool(item) for item in request.session.items):
-        rank_pool.pool().start(2)
+        rank_pool.pool().start_imports()
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import pytest
 
 from configs.paths import REPO_ROOT
 from tests.processes import child_pids, is_running
-from tests.rank_pool import Scenario, own_module_names, pool, read_text, scenario_files
+from tests.rank_pool import Scenario, offline_env, pool, read_text, scenario_files
 from utils.distributed.process_group import free_port
 
 DEFAULT_TIMEOUT_S = 300
@@ -63,30 +63,6 @@ def torchrun_command(
         script,
         *args,
     ]
-
-
-def own_modules() -> list[str]:
-    """The module names of this package's code, its scripts included (as imported: the entry point run as a
-    script is __main__, which would also name torchrun's agent, so it is left out)."""
-    return own_module_names(("configs", "policies", "utils", "scripts"))
-
-
-def own_deprecations_as_errors() -> str:
-    """PYTHONWARNINGS that turns a DeprecationWarning or FutureWarning raised from this package's own calls
-    into an error (CI fails on it), module by module (the variable takes exact module names, no patterns)."""
-    return ",".join(
-        f"error::{category}:{module}"
-        for module in own_modules()
-        for category in ("DeprecationWarning", "FutureWarning")
-    )
-
-
-def offline_env(extra: dict | None = None) -> dict:
-    """The test environment of a run: no hub access, one thread per rank (2 ranks share 2 cores), and this
-    package's own deprecations as errors."""
-    environment = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(extra or {}))
-    environment["PYTHONWARNINGS"] = own_deprecations_as_errors()
-    return environment
 
 
 def torchrun(

@@ -1,9 +1,11 @@
 """Rank processes started once per pytest session and reused by every multi-rank scenario that needs real
 processes but not a real torchrun.
 
-Starting a rank costs 5-10 s of imports (torch, transformers, datasets, the package) before any work; a
-scenario here pays it once per session instead of once per launch. Each scenario runs as a fresh process
-would run it, because between scenarios every worker puts back what a scenario can change (`FreshState`):
+Starting a rank costs 3-10 s of imports (torch, transformers, datasets, the package) before any work; a
+scenario here pays it once per session instead of once per launch. The imports run once, in a fork server
+(tests/rank_pool_fork_server.py), and each worker is forked from it, so a replaced worker is ready at once.
+Each scenario runs as a fresh process would run it, because between scenarios every worker puts back what a
+scenario can change (`FreshState`):
 
 - the process group (destroyed), `os.environ`, the working directory, `sys.argv`, `sys.path`, the umask;
 - the random streams (torch's, Python's, NumPy's) where the worker's started (a new process seeds them at
@@ -27,8 +29,8 @@ missing file, another rank's failure) leaves a worker that is reused. What only 
 itself, signals, kill -9, the run lock between processes, the launch forms) is tested through
 tests/launch.py's real launches instead.
 
-This module imports only the standard library at the top: a worker sets its environment (one thread, offline,
-the package's deprecations as errors) before torch is imported.
+This module imports only the standard library at the top: the fork server sets a rank's environment (one
+thread, offline, the package's deprecations as errors) before torch is imported.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import ctypes
 import dataclasses
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import random
@@ -90,6 +93,26 @@ def own_module_names(folders: tuple[str, ...] = OWN_PACKAGES) -> list[str]:
             parts = path.relative_to(REPO_ROOT).with_suffix("").parts
             names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
+
+
+def own_deprecations_as_errors() -> str:
+    """PYTHONWARNINGS that turns a DeprecationWarning or FutureWarning raised from this package's own calls
+    into an error (CI fails on it), module by module (the variable takes exact module names, no patterns): the
+    package's code and its scripts, as imported (the entry point run as a script is __main__, which would also
+    name torchrun's agent, so it is left out)."""
+    return ",".join(
+        f"error::{category}:{module}"
+        for module in own_module_names((*OWN_PACKAGES, "scripts"))
+        for category in ("DeprecationWarning", "FutureWarning")
+    )
+
+
+def offline_env(extra: dict | None = None) -> dict:
+    """The test environment of a run: no hub access, one thread per rank (2 ranks share 2 cores), and this
+    package's own deprecations as errors."""
+    environment = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(extra or {}))
+    environment["PYTHONWARNINGS"] = own_deprecations_as_errors()
+    return environment
 
 
 def _is_own(module_name: str) -> bool:
@@ -307,7 +330,19 @@ def _signal_handlers() -> dict:
     return handlers
 
 
-def _preload() -> None:
+def set_up_as_a_rank(environ: dict) -> None:
+    """What a rank process has before its first import: the test environment (one thread, offline), the
+    repository as its working directory and on its path, and the package's own deprecations as errors."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(REPO_ROOT)
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    for category in (DeprecationWarning, FutureWarning):  # this package's own, as pyproject.toml says
+        warnings.filterwarnings("error", category=category, module=OWN_MODULES)
+
+
+def preload() -> None:
     """Import what every scenario needs, once: the package (every module, so that its globals are saved before
     any scenario runs) and the tests' rank functions."""
     import importlib
@@ -332,19 +367,17 @@ def _terminate_the_scenario(_signum, _frame) -> None:
 
 
 def _serve(conn, environ: dict) -> None:
-    """A worker's life: set up as a rank process, then run scenarios until told to stop."""
+    """A worker's life, forked from the fork server (its imports done there): set up as a rank process with
+    random streams of its own, as a new process seeds them, then run scenarios until told to stop."""
+    import numpy
+
     _die_with_parent()
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(REPO_ROOT)
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    for category in (DeprecationWarning, FutureWarning):  # this package's own, as pyproject.toml says
-        warnings.filterwarnings("error", category=category, module=OWN_MODULES)
+    set_up_as_a_rank(environ)
+    numpy.random.seed()  # Python's random reseeds itself in a forked child; NumPy's does not
     with open(os.devnull, "wb") as devnull:  # between scenarios output goes nowhere (not into a test's capture)
         os.dup2(devnull.fileno(), 1)
         os.dup2(devnull.fileno(), 2)
-    _preload()
+    preload()  # what the fork server did not import (it ignores a module that fails to import)
     signal.signal(signal.SIGTERM, _terminate_the_scenario)
     fresh = FreshState.capture()
     conn.send(("ready", os.getpid()))
@@ -520,7 +553,10 @@ class RankPool:
     """Worker processes, one per rank of the largest group asked for so far; worker i plays rank i."""
 
     def __init__(self) -> None:
-        self._context = multiprocessing.get_context("spawn")
+        # Workers are forked from a server that has done a rank's imports once (tests/rank_pool_fork_server.py):
+        # a worker, a replacement included, is ready in a fraction of a second instead of 3-5 s of imports.
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(["tests.rank_pool_fork_server"])
         self._workers: list[_Worker] = []
         self.started = 0  # workers started, replacements included
         self.replaced: list[str] = []  # why, one line per replaced worker
@@ -529,19 +565,17 @@ class RankPool:
         """A worker set up as tests/launch.py sets up torchrun's ranks: offline, one thread, and this package's
         own deprecations as errors (also in the processes a rank starts: DataLoader workers, checkpoint
         writers)."""
-        from tests.launch import offline_env
-
         self.started += 1
         return _Worker(self._context, offline_env())
 
-    def start(self, count: int) -> None:
-        """At least `count` workers started, not waited for: their imports run beside what the session does
-        first."""
-        while len(self._workers) < count:
-            self._workers.append(self._start_worker())
+    def start_imports(self) -> None:
+        """The fork server started, not waited for: its imports run beside what the session does first (the
+        first worker's start waits for them)."""
+        multiprocessing.forkserver.ensure_running()
 
     def _take(self, count: int) -> list[_Worker]:
-        self.start(count)
+        while len(self._workers) < count:
+            self._workers.append(self._start_worker())
         workers = self._workers[:count]
         for worker in workers:
             worker.wait_ready()
