@@ -6,8 +6,7 @@ process group with everything a fresh process would have put back. A hang fails 
 that rank's traceback and output.
 """
 
-from tests.launch import offline_env
-from tests.rank_pool import PROCESS_GROUP_TIMEOUT_S, Scenario, pool, read_text, scenario_files
+from tests.rank_pool import PROCESS_GROUP_TIMEOUT_S, Scenario, offline_env, pool, read_text, scenario_files
 from utils.distributed.process_group import free_port
 
 __all__ = ["PROCESS_GROUP_TIMEOUT_S", "run_ranks"]

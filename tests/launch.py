@@ -107,8 +107,9 @@ def pooled(
     as __main__ with this process's environment (`env` added) and what torchrun gives its ranks (without an
     agent: rank 0 hosts the store, and no torchrun restart is possible), offline, one thread per rank. The
     result reads as torchrun's, each rank's stdout (then stderr) after the other's; torchrun's own lines and
-    closing report are absent. A rank that is still running `timeout` s after the start, or 10 s after another
-    rank exited non-zero (torchrun would stop it), is killed, and the run's exit status is then non-zero."""
+    closing report are absent. When a rank exits non-zero, the others get SIGTERM, as torchrun sends it; a rank
+    still running `timeout` s after the start, or 10 s after another failed, is killed. The run's exit status is
+    the first non-zero one of a rank that was not stopped by that SIGTERM."""
     start = time.monotonic()
     port = free_port()
     with scenario_files(nproc) as files:
@@ -136,7 +137,9 @@ def pooled(
     for outcome in outcomes:
         if outcome.kind != "exit":  # the rank raised past the script, or was killed: say it as torchrun would
             stderr += f"\n{outcome.value}\n"
-    codes = [outcome.value if outcome.kind == "exit" else 1 for outcome in outcomes]
+    # A rank stopped by the SIGTERM after another's failure has no status of its own: the failed one's is the run's
+    ended = [outcome for outcome in outcomes if outcome.kind != "terminated"]
+    codes = [outcome.value if outcome.kind == "exit" else 1 for outcome in ended]
     returncode = next((code for code in codes if code != 0), 0)
     return Run(returncode, stdout, stderr, time.monotonic() - start, written)
 

@@ -17,20 +17,22 @@ scenario can change (`FreshState`):
 - the package's module globals (a rebound name, the items of a dict, list or set, the attributes of one of
   its own objects such as hang_report.WHERE) and its functools caches.
 
-When one rank fails, the pool sends the others SIGTERM, as torchrun does (0.1 s after): a rank with no handler
-of its own ends its scenario there, as a process would end, and one that handles it (a training run saves, then
-stops) goes on as under torchrun. A hang still fails fast: a scenario that outlives its deadline, or a rank still
-running FAILED_PEER_GRACE_S after another failed, has its workers killed and replaced, and the test fails with
-each rank's output. A worker is replaced too, its state not trusted for the next scenario,
-when its scenario raised past its entry point or died, when a collective or the group's forming timed out in
-it (its output says so, or the scenario asks with `replace_after`), or when it left a thread or a child
-process running. A script that ends with a non-zero exit status after handling its error (a refused setting, a
-missing file, another rank's failure) leaves a worker that is reused. What only a fresh process shows (torchrun
-itself, signals, kill -9, the run lock between processes, the launch forms) is tested through
-tests/launch.py's real launches instead.
+When one rank fails, the pool sends the others SIGTERM, as torchrun does: a rank with no handler of its own
+ends its scenario there, as a process would end (and its worker, stopped at an arbitrary point, is replaced),
+and one that handles it (a training run saves, then stops) goes on as under torchrun. A hang still fails fast:
+a scenario that outlives its deadline, or a rank still running FAILED_PEER_GRACE_S after another failed, has
+its workers killed and replaced, and the test fails with each rank's output. A worker is replaced too, its
+state not trusted for the next scenario, when its scenario raised past its entry point or died, when a
+collective or the group's forming timed out in it (its output says so, or the scenario asks with
+`replace_after`), or when it left a thread or a child process running. A script that ends with a non-zero exit
+status after handling its error (a refused setting, a missing file, another rank's failure) leaves a worker
+that is reused. What only a fresh process shows (torchrun itself, signals, kill -9, the run lock between
+processes, the launch forms) is tested through tests/launch.py's real launches instead.
 
 This module imports only the standard library at the top: the fork server sets a rank's environment (one
-thread, offline, the package's deprecations as errors) before torch is imported.
+thread, offline, the package's deprecations as errors) before torch is imported. What a forked worker shares
+with the others, where torchrun's ranks would each draw their own: Python's string-hash salt (a difference
+between ranks that comes from it shows only in the real launches).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ OWN_MODULES = r"((configs|policies|utils|scripts)(\.|$)|(T5_training|summarizati
 OWN_PACKAGES = ("configs", "policies", "utils")
 OWN_TOP_MODULES = ("T5_training", "summarization_dataset")
 READY_TIMEOUT_S = 180  # a new worker's imports, on a loaded 2-core machine
+# The environment pytest started with, before any test changed it: the fork server's, whenever it starts.
+ENVIRON_AT_START = dict(os.environ)
 # After one rank fails, how long the others may take to end before they are killed (as torchrun stops them).
 FAILED_PEER_GRACE_S = 10
 THREAD_GRACE_S = 5  # how long a scenario's own threads and child processes may take to end after it returns
@@ -77,8 +81,9 @@ TIMED_OUT = re.compile(
 # ------------------------------------------------------------------------------------------- the worker
 
 
-def _die_with_parent() -> None:
-    """Linux: this worker gets SIGKILL when the pytest process that started it dies (no orphaned ranks)."""
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the one that started it dies (the fork server, pytest's child, and
+    each worker, the fork server's: no orphaned ranks)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
@@ -366,14 +371,28 @@ def _terminate_the_scenario(_signum, _frame) -> None:
         raise Terminated
 
 
+def _default_sigterm_in_a_child() -> None:
+    """A process a scenario forks (a DataLoader's or a datasets pool's worker) has SIGTERM as a forked child of a
+    rank has it: the default, unless the rank's own code installed a handler."""
+    global _scenario_running
+    _scenario_running = False
+    if signal.getsignal(signal.SIGTERM) is _terminate_the_scenario:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _serve(conn, environ: dict) -> None:
     """A worker's life, forked from the fork server (its imports done there): set up as a rank process with
-    random streams of its own, as a new process seeds them, then run scenarios until told to stop."""
+    random streams of its own and the interpreter's default way of starting processes, as a new process has
+    them, then run scenarios until told to stop."""
+    import datasets.fingerprint
     import numpy
 
-    _die_with_parent()
+    die_with_parent()
     set_up_as_a_rank(environ)
     numpy.random.seed()  # Python's random reseeds itself in a forked child; NumPy's does not
+    datasets.fingerprint.fingerprint_rng.seed()  # nor datasets' (random fingerprints of unhashable transforms)
+    multiprocessing.set_start_method(None, force=True)  # a forkserver child's would be the forkserver
+    os.register_at_fork(after_in_child=_default_sigterm_in_a_child)
     with open(os.devnull, "wb") as devnull:  # between scenarios output goes nowhere (not into a test's capture)
         os.dup2(devnull.fileno(), 1)
         os.dup2(devnull.fileno(), 2)
@@ -424,7 +443,8 @@ def _run_scenario(job: Scenario, fresh: FreshState) -> Outcome:
     except Exception as err:  # noqa: BLE001 - an unpicklable result is the test's error, not the pool's
         kind, value = "error", f"the result cannot be sent back: {err!r}"
     timed_out = any(TIMED_OUT.search(read_bytes(path)) for path in (job.stdout_path, job.stderr_path))
-    clean = kind != "error" and not left and not timed_out and not job.replace_after
+    # A scenario ended by the pool's SIGTERM stopped at an arbitrary point (a lock held, a handler half run).
+    clean = kind not in ("error", "terminated") and not left and not timed_out and not job.replace_after
     return Outcome(kind, value, clean, time.monotonic() - started, left)
 
 
@@ -482,8 +502,7 @@ class Scenario:
     """One rank's part: `function(rank, world_size, *args)` in a gloo group the pool forms, or `script` with
     `args` as its command line (it forms its own group from the torchrun-like environment). `environ`: the
     whole environment (the launching test's, with the rank's variables), as a started process would have it;
-    what a library reads once at import (HF_HUB_OFFLINE, PYTHONWARNINGS) is the pool's (tests/launch.py:
-    offline_env)."""
+    what a library reads once at import (HF_HUB_OFFLINE, PYTHONWARNINGS) is the pool's (`offline_env`)."""
 
     rank: int
     world_size: int
@@ -514,7 +533,13 @@ class _Worker:
     def __init__(self, context, environ: dict):
         self.conn, child_end = context.Pipe()
         self.process = context.Process(target=_serve, args=(child_end, environ), name="rank-pool-worker")
-        self.process.start()
+        try:
+            self.process.start()
+        except (EOFError, OSError) as err:
+            raise AssertionError(
+                f"the rank pool's fork server died ({err!r}): its imports failed; `python -c 'import "
+                "tests.rank_pool_fork_server'` in the repository shows why"
+            ) from None
         child_end.close()
         self.ready = False
 
@@ -560,18 +585,32 @@ class RankPool:
         self._workers: list[_Worker] = []
         self.started = 0  # workers started, replacements included
         self.replaced: list[str] = []  # why, one line per replaced worker
+        self._imports_started = False
 
     def _start_worker(self) -> _Worker:
         """A worker set up as tests/launch.py sets up torchrun's ranks: offline, one thread, and this package's
         own deprecations as errors (also in the processes a rank starts: DataLoader workers, checkpoint
         writers)."""
         self.started += 1
+        self.start_imports()
         return _Worker(self._context, offline_env())
 
     def start_imports(self) -> None:
         """The fork server started, not waited for: its imports run beside what the session does first (the
-        first worker's start waits for them)."""
-        multiprocessing.forkserver.ensure_running()
+        first worker's start waits for them). It starts from the repository (Python 3.11's fork server imports
+        from its working directory) with the environment pytest started with, whichever test is running."""
+        if self._imports_started:
+            return
+        self._imports_started = True
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(ENVIRON_AT_START)
+        try:
+            with contextlib.chdir(REPO_ROOT):
+                multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
 
     def _take(self, count: int) -> list[_Worker]:
         while len(self._workers) < count:
@@ -614,8 +653,9 @@ class RankPool:
                     peer_failed = True
                     deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
                     for other in pending:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(workers[other].process.pid, signal.SIGTERM)
+                        if workers[other].process.exitcode is None:  # a dead one's pid may be another's now
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(workers[other].process.pid, signal.SIGTERM)
         for rank in pending:
             if peer_failed:
                 why = f"was still running {FAILED_PEER_GRACE_S:g} s after another rank failed"
@@ -640,7 +680,7 @@ def _failed(outcome: Outcome) -> bool:
 
 
 def _why_replaced(outcome: Outcome) -> str:
-    if outcome.kind in ("error", "died"):
+    if outcome.kind in ("error", "died", "terminated"):
         return str(outcome.value).strip().splitlines()[-1][:200]
     if outcome.left_running:
         return f"left running: {', '.join(outcome.left_running)}"[:200]

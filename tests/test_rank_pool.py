@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy
 import pytest
@@ -74,6 +75,16 @@ def what_a_process_has(rank: int, world_size: int) -> dict:
     }
 
 
+def imports_inherited(rank: int, world_size: int) -> bool:
+    return "tests.rank_pool_fork_server" in sys.modules
+
+
+def test_workers_are_forked_from_the_server_that_did_the_imports():
+    """The fork server's module is in each worker: it imported everything once, and the workers were forked
+    from it (else each would import it all again, silently slower: the server skips a module it cannot import)."""
+    assert run_ranks(imports_inherited) == [True, True]
+
+
 def test_a_scenario_finds_what_a_fresh_process_has_whatever_the_one_before_changed():
     """The random streams start where the worker's started (a new process seeds them at random: each run seeds
     its own), so both scenarios draw the same first numbers."""
@@ -111,40 +122,57 @@ def sleeps(rank: int, world_size: int, seconds: float) -> None:
     time.sleep(seconds)
 
 
-def fails_on_rank_1_while_rank_0_sleeps(rank: int, world_size: int, rank_0_ignores_sigterm: bool) -> None:
+def fails_on_rank_1_while_rank_0_sleeps(rank: int, world_size: int, rank_0_sigterm: str, marker: str) -> str:
+    """Rank 1 raises; rank 0 sleeps with SIGTERM as it is (the pool's), ignored (as a rank blocked inside a
+    collective, which runs no Python handler), or handled (as a training run's stop request): it then writes
+    `marker` and returns."""
     if rank == 1:
         raise RuntimeError("rank 1 failed")
-    if rank_0_ignores_sigterm:  # as a rank blocked inside a collective does: it runs no Python handler
+    received = []
+    if rank_0_sigterm == "ignored":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    time.sleep(600)
+    elif rank_0_sigterm == "handled":
+        signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
+    deadline = time.monotonic() + 600
+    while not received and time.monotonic() < deadline:
+        time.sleep(0.05)
+    Path(marker).write_text("received SIGTERM")
+    return "stopped on request"
 
 
-@pytest.mark.slow  # each case replaces workers (their imports: about 5 s of CPU each)
+@pytest.mark.slow  # two deadlines and a grace, on purpose: about 4 s
 def test_a_hang_and_a_rank_left_waiting_by_a_failed_peer_end_fast_and_the_untrusted_workers_are_replaced(
-    monkeypatch,
+    monkeypatch, tmp_path
 ):
     monkeypatch.setattr(rank_pool, "FAILED_PEER_GRACE_S", 1)  # the pool's 10 s, shortened
+    marker = tmp_path / "marker"
     started = pool().started
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"rank 0 did not finish within 2 s \(hang\?\): killed"):
         run_ranks(sleeps, 600, timeout_s=2)  # a sleep 300 times the deadline
     assert time.monotonic() - start < 60
     assert pool().started == started + 2  # both workers
-    # A rank left waiting by a failed peer gets SIGTERM, as torchrun sends it: with no handler of its own, its
-    # scenario ends there, and its worker is reused; the failed rank's is replaced.
+    # A rank left waiting by a failed peer gets SIGTERM, as torchrun sends it. With no handler of its own, its
+    # scenario ends there, and its worker, stopped at an arbitrary point, is replaced with the failed rank's.
     start = time.monotonic()
     with pytest.raises(AssertionError) as failed:
-        run_ranks(fails_on_rank_1_while_rank_0_sleeps, False, timeout_s=300)
+        run_ranks(fails_on_rank_1_while_rank_0_sleeps, "as it is", str(marker), timeout_s=300)
     assert time.monotonic() - start < 60  # not the 300 s deadline
     assert "RuntimeError: rank 1 failed" in str(failed.value)
     assert f"rank 0 failed:\n{rank_pool.STOPPED_BY_A_FAILED_PEER}" in str(failed.value)
-    assert pool().started == started + 3
+    assert not marker.exists() and pool().started == started + 4
+    # One that handles it, as a training run does, gets it and ends as it chooses; its worker is reused.
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(fails_on_rank_1_while_rank_0_sleeps, "handled", str(marker), timeout_s=300)
+    assert "RuntimeError: rank 1 failed" in str(failed.value) and "rank 0 failed" not in str(failed.value)
+    assert marker.read_text() == "received SIGTERM" and pool().started == started + 5
+    marker.unlink()
     # One that does not end on SIGTERM is killed after the grace, and replaced too.
     start = time.monotonic()
     with pytest.raises(AssertionError) as failed:
-        run_ranks(fails_on_rank_1_while_rank_0_sleeps, True, timeout_s=300)
+        run_ranks(fails_on_rank_1_while_rank_0_sleeps, "ignored", str(marker), timeout_s=300)
     assert time.monotonic() - start < 60  # the grace after rank 1's failure, not the 300 s deadline
     assert "RuntimeError: rank 1 failed" in str(failed.value)
     assert "rank 0 was still running 1 s after another rank failed: killed" in str(failed.value)
-    assert pool().started == started + 5
+    assert not marker.exists() and pool().started == started + 7
     assert run_ranks(what_a_process_has)[0]["probe"] is None  # the new workers run scenarios
