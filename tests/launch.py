@@ -102,8 +102,10 @@ def pooled(
     nproc: int = 2,
     timeout: float = DEFAULT_TIMEOUT_S,
     env: dict | None = None,
+    script: str = "T5_training.py",
 ) -> Run:
-    """`torchrun --nproc_per_node nproc T5_training.py args` on the pooled rank processes: each rank runs it
+    """`torchrun --nproc_per_node nproc T5_training.py args` (or another `script`: a path from the repository's
+    root, or an absolute one) on the pooled rank processes: each rank runs it
     as __main__ with this process's environment (`env` added) and what torchrun gives its ranks (without an
     agent: rank 0 hosts the store, and no torchrun restart is possible), offline, one thread per rank. The
     result reads as torchrun's, each rank's stdout (then stderr) after the other's; torchrun's own lines and
@@ -125,7 +127,7 @@ def pooled(
                 },
                 stdout_path=stdout,
                 stderr_path=stderr,
-                script="T5_training.py",  # a wrapper that patches torch or a class would leave it patched
+                script=script,  # one that patched torch or a class (not the package's globals) would leave it so
                 args=list(args),
             )
             for rank, (stdout, stderr) in enumerate(files)

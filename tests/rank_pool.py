@@ -22,7 +22,8 @@ ends its scenario there, as a process would end (and its worker, stopped at an a
 and one that handles it (a training run saves, then stops) goes on as under torchrun. A hang still fails fast:
 a scenario that outlives its deadline, or a rank still running FAILED_PEER_GRACE_S after another failed, has
 its workers killed and replaced, and the test fails with each rank's output. A worker is replaced too, its
-state not trusted for the next scenario, when its scenario raised past its entry point or died, when a
+state not trusted for the next scenario, when its scenario raised past its entry point or died (a script that
+ends its process itself, os._exit(130) after a second Ctrl-C, gives that exit status, as a rank would), when a
 collective or the group's forming timed out in it (its output says so, or the scenario asks with
 `replace_after`), or when it left a thread or a child process running. A script that ends with a non-zero exit
 status after handling its error (a refused setting, a missing file, another rank's failure) leaves a worker
@@ -648,7 +649,11 @@ class RankPool:
                 except (EOFError, ConnectionError):
                     workers[rank].process.join(5)
                     code = workers[rank].process.exitcode
-                    outcomes[rank] = Outcome("died", f"the rank's process died (exit code {code})", False, 0.0)
+                    if scenarios[rank].script is not None and code is not None and code >= 0:
+                        # The script ended its process itself (os._exit), as it would end a rank's: its status.
+                        outcomes[rank] = Outcome("exit", code, False, 0.0)
+                    else:
+                        outcomes[rank] = Outcome("died", f"the rank's process died (exit code {code})", False, 0.0)
                 if _failed(outcomes[rank]) and pending and not peer_failed:  # the others: SIGTERM, then a grace
                     peer_failed = True
                     deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)

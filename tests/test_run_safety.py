@@ -18,6 +18,7 @@ from configs.cli import config_to_dict as record_sections
 from configs.cli import continue_run, parse_args
 from configs.errors import CheckpointError, ConfigError
 from configs.paths import REPO_ROOT
+from tests.launch import pooled
 from utils import layout
 from utils.checkpoint.integrity import HashingFile, checkpoint_files, file_record, find_damage, hashed_file
 from utils.checkpoint.record import recorded_run
@@ -302,11 +303,13 @@ INTERRUPTED = textwrap.dedent("""
 
 
 def test_a_stop_at_once_prints_one_line_and_exits_130_without_a_traceback(tmp_path):
-    done = subprocess.run([sys.executable, "-c", INTERRUPTED, str(tmp_path / "out")], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 130, done.stdout + done.stderr
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    # On a pooled rank: the process ends itself (os._exit), so its worker is replaced, patched globals and all.
+    done = pooled([str(tmp_path / "out")], nproc=1, script=str(script))
+    assert done.returncode == 130, done.describe()
     assert done.stdout.count("interrupted: stopped at once") == 1, done.stdout
-    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert "Traceback" not in done.output, done.describe()
 
 
 # ----------------------------------------------------------------------- a resume continues the run saved
