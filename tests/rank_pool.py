@@ -382,16 +382,20 @@ def _default_sigterm_in_a_child() -> None:
 
 
 def _serve(conn, environ: dict) -> None:
-    """A worker's life, forked from the fork server (its imports done there): set up as a rank process with
-    random streams of its own and the interpreter's default way of starting processes, as a new process has
-    them, then run scenarios until told to stop."""
+    """A worker's life, forked from the fork server (its imports done there; spawned where there is none): set up
+    as a rank process with random streams of its own and the interpreter's default way of starting processes,
+    as a new process has them, then run scenarios until told to stop."""
+    die_with_parent()
+    set_up_as_a_rank(environ)  # before torch is imported, where the worker was spawned
     import datasets.fingerprint
     import numpy
+    import torch
 
-    die_with_parent()
-    set_up_as_a_rank(environ)
-    numpy.random.seed()  # Python's random reseeds itself in a forked child; NumPy's does not
-    datasets.fingerprint.fingerprint_rng.seed()  # nor datasets' (random fingerprints of unhashable transforms)
+    # A new process seeds torch's, Python's, NumPy's and datasets' streams at random: a forked child of the server
+    # would share the server's, but for Python's, which reseeds itself in a forked child.
+    torch.seed()
+    numpy.random.seed()
+    datasets.fingerprint.fingerprint_rng.seed()  # random fingerprints of unhashable transforms
     multiprocessing.set_start_method(None, force=True)  # a forkserver child's would be the forkserver
     os.register_at_fork(after_in_child=_default_sigterm_in_a_child)
     with open(os.devnull, "wb") as devnull:  # between scenarios output goes nowhere (not into a test's capture)
@@ -580,9 +584,13 @@ class RankPool:
 
     def __init__(self) -> None:
         # Workers are forked from a server that has done a rank's imports once (tests/rank_pool_fork_server.py):
-        # a worker, a replacement included, is ready in a fraction of a second instead of 3-5 s of imports.
-        self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["tests.rank_pool_fork_server"])
+        # a worker, a replacement included, is ready in a fraction of a second instead of 3-5 s of imports. On
+        # Linux only: elsewhere (macOS) forking a process that loaded torch is not safe, and each worker is
+        # spawned and does its own imports.
+        self.forked = sys.platform == "linux"
+        self._context = multiprocessing.get_context("forkserver" if self.forked else "spawn")
+        if self.forked:
+            self._context.set_forkserver_preload(["tests.rank_pool_fork_server"])
         self._workers: list[_Worker] = []
         self.started = 0  # workers started, replacements included
         self.replaced: list[str] = []  # why, one line per replaced worker
@@ -600,7 +608,7 @@ class RankPool:
         """The fork server started, not waited for: its imports run beside what the session does first (the
         first worker's start waits for them). It starts from the repository (Python 3.11's fork server imports
         from its working directory) with the environment pytest started with, whichever test is running."""
-        if self._imports_started:
+        if self._imports_started or not self.forked:
             return
         self._imports_started = True
         saved = dict(os.environ)

@@ -79,6 +79,7 @@ def imports_inherited(rank: int, world_size: int) -> bool:
     return "tests.rank_pool_fork_server" in sys.modules
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the pool forks its workers on Linux only (elsewhere: spawn)")
 def test_workers_are_forked_from_the_server_that_did_the_imports():
     """The fork server's module is in each worker: it imported everything once, and the workers were forked
     from it (else each would import it all again, silently slower: the server skips a module it cannot import)."""
@@ -89,11 +90,10 @@ def test_a_scenario_finds_what_a_fresh_process_has_whatever_the_one_before_chang
     """The random streams start where the worker's started (a new process seeds them at random: each run seeds
     its own), so both scenarios draw the same first numbers."""
     before = run_ranks(changes_what_a_process_has)
-    # Each worker, forked from the same server, seeds Python's and NumPy's streams of its own, as a new process
-    # does (torch's default seed is the same constant in every new process).
-    torch_numbers, python_numbers, numpy_numbers = zip(*(drawn for _, drawn in before), strict=True)
-    assert torch_numbers[0] == torch_numbers[1], before
-    assert python_numbers[0] != python_numbers[1] and numpy_numbers[0] != numpy_numbers[1], before
+    # Each worker seeds torch's, Python's and NumPy's streams of its own, as a new process does (a worker forked
+    # from the server would otherwise start from the server's).
+    for numbers in zip(*(drawn for _, drawn in before), strict=True):
+        assert numbers[0] != numbers[1], before
     for rank, seen in enumerate(run_ranks(what_a_process_has)):
         pid, drawn = before[rank]
         assert seen == {
