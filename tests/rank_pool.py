@@ -532,6 +532,7 @@ class Outcome:
     clean: bool  # the worker may run the next scenario
     seconds: float
     left_running: list = dataclasses.field(default_factory=list)  # threads and processes it did not end
+    ended_its_process: bool = False  # a script's os._exit: its status read from the process's end
 
 
 class _Worker:
@@ -657,9 +658,10 @@ class RankPool:
                 except (EOFError, ConnectionError):
                     workers[rank].process.join(5)
                     code = workers[rank].process.exitcode
-                    if scenarios[rank].script is not None and code is not None and code >= 0:
-                        # The script ended its process itself (os._exit), as it would end a rank's: its status.
-                        outcomes[rank] = Outcome("exit", code, False, 0.0)
+                    # The script ended its process itself (os._exit), as it would end a rank's: its status (255 is
+                    # what the fork server's death leaves its children).
+                    if scenarios[rank].script is not None and code is not None and 0 <= code < 255:
+                        outcomes[rank] = Outcome("exit", code, False, 0.0, ended_its_process=True)
                     else:
                         outcomes[rank] = Outcome("died", f"the rank's process died (exit code {code})", False, 0.0)
                 if _failed(outcomes[rank]) and pending and not peer_failed:  # the others: SIGTERM, then a grace
@@ -695,6 +697,8 @@ def _failed(outcome: Outcome) -> bool:
 def _why_replaced(outcome: Outcome) -> str:
     if outcome.kind in ("error", "died", "terminated"):
         return str(outcome.value).strip().splitlines()[-1][:200]
+    if outcome.ended_its_process:
+        return f"the script ended its process (exit status {outcome.value})"
     if outcome.left_running:
         return f"left running: {', '.join(outcome.left_running)}"[:200]
     return "a collective or the group timed out in it, or it asked to be replaced"

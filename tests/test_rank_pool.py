@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
+import torch.distributed as dist
 
 from configs.paths import REPO_ROOT
 from tests import rank_pool
@@ -126,13 +127,14 @@ def fails_on_rank_1_while_rank_0_sleeps(rank: int, world_size: int, rank_0_sigte
     """Rank 1 raises; rank 0 sleeps with SIGTERM as it is (the pool's), ignored (as a rank blocked inside a
     collective, which runs no Python handler), or handled (as a training run's stop request): it then writes
     `marker` and returns."""
+    received = []
+    if rank == 0 and rank_0_sigterm == "ignored":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    elif rank == 0 and rank_0_sigterm == "handled":
+        signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
+    dist.barrier()  # rank 0's handler is in place before rank 1 fails
     if rank == 1:
         raise RuntimeError("rank 1 failed")
-    received = []
-    if rank_0_sigterm == "ignored":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    elif rank_0_sigterm == "handled":
-        signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
     deadline = time.monotonic() + 600
     while not received and time.monotonic() < deadline:
         time.sleep(0.05)
