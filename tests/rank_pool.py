@@ -50,6 +50,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -66,9 +67,11 @@ PROCESS_GROUP_TIMEOUT_S = 30  # collectives of a run_ranks scenario give up afte
 OWN_MODULES = r"((configs|policies|utils|scripts)(\.|$)|(T5_training|summarization_dataset)$)"
 OWN_PACKAGES = ("configs", "policies", "utils")
 OWN_TOP_MODULES = ("T5_training", "summarization_dataset")
-READY_TIMEOUT_S = 180  # a new worker's imports, on a loaded 2-core machine
+READY_TIMEOUT_S = 180  # the fork server's imports, or a spawned worker's, on a loaded 2-core machine
 # The environment pytest started with, before any test changed it: the fork server's, whenever it starts.
 ENVIRON_AT_START = dict(os.environ)
+# Where the fork server says its imports are done ("ok") or why they failed (a traceback).
+SERVER_REPORT_VARIABLE = "RANK_POOL_SERVER_REPORT"
 # After one rank fails, how long the others may take to end before they are killed (as torchrun stops them).
 FAILED_PEER_GRACE_S = 10
 THREAD_GRACE_S = 5  # how long a scenario's own threads and child processes may take to end after it returns
@@ -595,7 +598,7 @@ class RankPool:
         self._workers: list[_Worker] = []
         self.started = 0  # workers started, replacements included
         self.replaced: list[str] = []  # why, one line per replaced worker
-        self._imports_started = False
+        self._server_report: Path | None = None  # once the fork server is started
 
     def _start_worker(self) -> _Worker:
         """A worker set up as tests/launch.py sets up torchrun's ranks: offline, one thread, and this package's
@@ -603,18 +606,32 @@ class RankPool:
         writers)."""
         self.started += 1
         self.start_imports()
+        self._wait_for_the_imports()
         return _Worker(self._context, offline_env())
+
+    def _wait_for_the_imports(self) -> None:
+        """Until the fork server has done its imports (a worker's start would wait without a bound): a failure
+        within READY_TIMEOUT_S fails the test that asked, with the server's traceback."""
+        if self._server_report is None:
+            return
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._server_report.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = self._server_report.read_text() if self._server_report.exists() else ""
+        if report != "ok":
+            why = f"failed:\n{report}" if report else f"did not finish within {READY_TIMEOUT_S} s"
+            raise AssertionError(f"the rank pool's fork server's imports (tests/rank_pool_fork_server.py) {why}")
 
     def start_imports(self) -> None:
         """The fork server started, not waited for: its imports run beside what the session does first (the
         first worker's start waits for them). It starts from the repository (Python 3.11's fork server imports
         from its working directory) with the environment pytest started with, whichever test is running."""
-        if self._imports_started or not self.forked:
+        if self._server_report is not None or not self.forked:
             return
-        self._imports_started = True
+        self._server_report = Path(tempfile.mkdtemp(prefix="rank_pool_server_")) / "report"
         saved = dict(os.environ)
         os.environ.clear()
-        os.environ.update(ENVIRON_AT_START)
+        os.environ.update(ENVIRON_AT_START, **{SERVER_REPORT_VARIABLE: str(self._server_report)})
         try:
             with contextlib.chdir(REPO_ROOT):
                 multiprocessing.forkserver.ensure_running()
@@ -687,6 +704,8 @@ class RankPool:
         for worker in self._workers:
             worker.stop()
         self._workers = []
+        if self._server_report is not None:
+            shutil.rmtree(self._server_report.parent, ignore_errors=True)
 
 
 def _failed(outcome: Outcome) -> bool:
