@@ -404,7 +404,7 @@ def _serve(conn, environ: dict) -> None:
     with open(os.devnull, "wb") as devnull:  # between scenarios output goes nowhere (not into a test's capture)
         os.dup2(devnull.fileno(), 1)
         os.dup2(devnull.fileno(), 2)
-    preload()  # what the fork server did not import (it ignores a module that fails to import)
+    preload()  # a spawned worker's imports (a forked one has them from the server: nothing left to do)
     signal.signal(signal.SIGTERM, _terminate_the_scenario)
     fresh = FreshState.capture()
     conn.send(("ready", os.getpid()))
@@ -545,10 +545,8 @@ class _Worker:
         try:
             self.process.start()
         except (EOFError, OSError) as err:
-            raise AssertionError(
-                f"the rank pool's fork server died ({err!r}): its imports failed; `python -c 'import "
-                "tests.rank_pool_fork_server'` in the repository shows why"
-            ) from None
+            died = f"the rank pool could not start a worker ({err!r}): its fork server died"
+            raise AssertionError(died) from None
         child_end.close()
         self.ready = False
 

@@ -83,7 +83,7 @@ def imports_inherited(rank: int, world_size: int) -> bool:
 @pytest.mark.skipif(sys.platform != "linux", reason="the pool forks its workers on Linux only (elsewhere: spawn)")
 def test_workers_are_forked_from_the_server_that_did_the_imports():
     """The fork server's module is in each worker: it imported everything once, and the workers were forked
-    from it (else each would import it all again, silently slower: the server skips a module it cannot import)."""
+    from it (else each would do its own imports, as a spawned one does: correct, silently slower)."""
     assert run_ranks(imports_inherited) == [True, True]
 
 
