@@ -1,11 +1,15 @@
 """Host memory: freed tensors that glibc keeps in its heaps go back to the OS when trimmed
-(utils/observe/memory.py: trim_host_heap, which a checkpoint save calls before it gathers or stages)."""
+(utils/observe/memory.py: trim_host_heap, which a checkpoint save calls before it gathers or stages); the
+program's modules are kept out of the garbage collector's walks (T5_training.py: kept_for_the_whole_process)."""
 
+import gc
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+import transformers
 
 from configs.paths import REPO_ROOT
 
@@ -56,3 +60,22 @@ def test_trimming_gives_freed_tensors_back_to_the_os():
     trimmed, freed = released_bytes("trimmed", "freed")
     assert trimmed > 120e6  # the 128 MB leave the resident memory
     assert freed < 30e6  # the control: freed alone, glibc keeps them resident
+
+
+def test_the_programs_modules_are_frozen_out_of_collections_and_the_collector_is_left_as_it_was():
+    """T5_training's imports (torch, transformers, the package) are frozen: no collection walks them again."""
+    import T5_training
+
+    walked = {id(obj) for obj in gc.get_objects()}  # what a collection walks: every tracked object but the frozen
+    for kept in (T5_training.Trainer, T5_training.build_loaders, torch.nn.Module, transformers.PreTrainedModel):
+        assert id(kept) not in walked, kept
+    assert gc.isenabled()
+
+    gc.disable()  # a program that keeps the collector off finds it off after the imports too
+    try:
+        with T5_training.kept_for_the_whole_process():
+            made = [[]]
+        assert not gc.isenabled()
+        assert id(made) not in {id(obj) for obj in gc.get_objects()}
+    finally:
+        gc.enable()
