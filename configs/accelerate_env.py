@@ -230,9 +230,9 @@ LAYER_CLASSES_VARIABLE = "FSDP_TRANSFORMER_CLS_TO_WRAP"
 CHECKED_VARIABLES = {
     LAYER_CLASSES_VARIABLE: (
         TESTED_LAYER_CLASSES,
-        "the transformer policy here makes each layer of the model's encoder and decoder stacks a unit, read "
-        "from the model (docs/models.md): set fsdp_transformer_layer_cls_to_wrap to its layer classes, "
-        "comma-separated (T5: T5Block; BART: BartEncoderLayer,BartDecoderLayer)",
+        "the transformer policy here makes each layer of the model's stacks a unit, read from the model "
+        "(docs/models.md): set fsdp_transformer_layer_cls_to_wrap to its layer classes, comma-separated (T5: "
+        "T5Block; BART: BartEncoderLayer,BartDecoderLayer; Llama: LlamaDecoderLayer)",
     ),
     "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": (
         ONLY_FALSE,

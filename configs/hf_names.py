@@ -142,8 +142,8 @@ HF_NAMES = {
         "none needed: validation generates and scores summaries (--eval_rouge true, the default)", "boolean"
     ),  # fmt: skip
     "overwrite_output_dir": left_out(
-        "not done: a run never overwrites one; an --output_dir holding a run resumes it (--resume true, the "
-        "default) or is refused: give another --output_dir for a new run",
+        "not done: a run never overwrites one; an --output_dir holding a run is refused: continue it with "
+        "--resume true, or give another --output_dir for a new run",
         "boolean",
     ),
     "eval_strategy": HFName(

@@ -95,8 +95,8 @@ class TrainConfig:
     save_model: bool = option(
         default=False,
         help=(
-            "Save the full model state dict (.pt, gathered on rank 0) at each new best validation loss, "
-            "or every epoch when there is no metric (--run_validation false)."
+            "Save the full model state dict (.pt, gathered on rank 0) at each new best --metric_for_best "
+            "(the validation loss by default), or every epoch when there is no metric (--run_validation false)."
         ),
     )
     track_memory: bool = option(

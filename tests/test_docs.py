@@ -1,4 +1,5 @@
-"""The docs' configuration reference is the one the code generates; the module map names every module."""
+"""The docs' configuration reference and accelerate mapping are the ones the code generates; the module map
+names every module."""
 
 import re
 from pathlib import Path
@@ -7,12 +8,21 @@ from scripts.config_reference import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGURATION = ROOT / "docs" / "configuration.md"
+ECOSYSTEM = ROOT / "docs" / "ecosystem.md"
 DEVELOPMENT = ROOT / "docs" / "development.md"
 
 
 def test_docs_config_reference_matches_the_dataclasses():
     assert reference_markdown() in CONFIGURATION.read_text(encoding="utf-8"), (
         "docs/configuration.md's reference is stale: paste `python scripts/config_reference.py` into it"
+    )
+
+
+def test_docs_accelerate_mapping_is_the_one_the_code_applies():
+    from configs.accelerate_env import mapping_markdown
+
+    assert mapping_markdown() in ECOSYSTEM.read_text(encoding="utf-8"), (
+        "docs/ecosystem.md's accelerate mapping is stale: paste configs.accelerate_env.mapping_markdown() into it"
     )
 
 
