@@ -20,10 +20,9 @@ def reference(tmp_path_factory) -> Path:
     return train_reference(tmp_path_factory.mktemp("reference") / "out")
 
 
-# The README demo (tests/test_demo_figures.py), the suite's longest launch (about 50 s alone on this project's
-# 2 cores), starts with the session and runs beside the other tests; the tests marked `waits`, which leave the
-# cores idle most of their time (collective timeouts, a stopped rank, a delay injected), run first, beside it,
-# and the tests that read the demo last.
+# The README demo (tests/test_demo_figures.py), the suite's longest launch (4 minutes alone on this project's
+# 2 cores), starts with the session and runs beside the other tests, which leave the cores idle about a fifth
+# of the time (waiting for launches to start, for collective timeouts, for signals); its tests run last.
 DEMO_TIMEOUT_S = 1800
 
 
@@ -32,8 +31,7 @@ def reads_the_demo(item) -> bool:
 
 
 def pytest_collection_modifyitems(items) -> None:
-    # Stable: the other tests keep their order.
-    items.sort(key=lambda item: (reads_the_demo(item), item.get_closest_marker("waits") is None))
+    items.sort(key=reads_the_demo)  # stable: the other tests keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -74,7 +74,6 @@ def test_async_checkpoint_needs_sharded_checkpoints():
 
 
 @pytest.mark.slow  # two DCP writer processes (about 15 s)
-@pytest.mark.waits  # for the writer processes' start, one at a time
 def test_background_saves_survive_a_stager_that_closes_itself_after_each_save(tmp_path):
     """torch 2.11 and 2.12's DefaultStager closes itself after each stage (the GPU machine's torch 2.11 failed
     at the second FSDP2 background save with "KeyError: <class 'type'>"): the manager gives each save a stager

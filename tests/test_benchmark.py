@@ -27,7 +27,6 @@ def test_every_case_is_a_valid_gpu_run(suite):
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # one-rank cases: one core idle
 def test_gpu_suite_runs_at_tiny_scale_on_cpu(tmp_path):
     command = [sys.executable, "scripts/benchmark.py", "--suite", "gpu", "--steps", "3", "--cases", *RUN_CASES,
                "--batch_size", "2", "--max_source_length", "32", "--max_target_length", "8",

@@ -120,7 +120,6 @@ def rank_pids(run: Background) -> dict[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # for the collective timeout, a rank stopped
 def test_a_stopped_rank_leaves_the_others_report_of_where_they_waited(tmp_path):
     output_dir = tmp_path / "run"
     args = ["--output_dir", str(output_dir), "--epochs", "1", "--num_train_samples", "800",

@@ -31,7 +31,6 @@ TIMEOUT_S = 2  # the collectives' and the store's in these scenarios; every inje
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # rank 1 waits out rank 0's work and sleep
 def test_a_wait_on_a_rank_that_works_outlasts_the_timeout_one_that_does_not_is_named_and_a_failure_ends_it():
     waiter = run_ranks(progress_bounded_worker, TIMEOUT_S, replace_after=True)[1]
     assert waiter["busy"] == "done" and waiter["busy_s"] >= 3 * TIMEOUT_S, waiter
@@ -44,7 +43,6 @@ def test_a_wait_on_a_rank_that_works_outlasts_the_timeout_one_that_does_not_is_n
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # rank 1 waits out rank 0's long work
 def test_rank0s_loading_full_save_and_checkpoint_check_outlast_the_collective_timeout(tmp_path):
     ranks = run_ranks(long_rank0_work_worker, str(tmp_path / "run"), TIMEOUT_S, replace_after=True)
     for rank, seen in enumerate(ranks):

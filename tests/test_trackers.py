@@ -144,7 +144,6 @@ def test_a_failed_run_is_marked_failed_in_mlflow(tmp_path, tracker_environment):
 
 
 @pytest.mark.slow
-@pytest.mark.waits
 def test_config_json_replays_the_run_exactly_and_the_trackers_hold_its_metrics(
     reference, tmp_path, tracker_environment
 ):
