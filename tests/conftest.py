@@ -20,9 +20,10 @@ def reference(tmp_path_factory) -> Path:
     return train_reference(tmp_path_factory.mktemp("reference") / "out")
 
 
-# The README demo (tests/test_demo_figures.py), the suite's longest launch (4 minutes alone on this project's
-# 2 cores), starts with the session and runs beside the other tests, which leave the cores idle about a fifth
-# of the time (waiting for launches to start, for collective timeouts, for signals); its tests run last.
+# The README demo (tests/test_demo_figures.py), the suite's longest launch (50 s alone on this project's Xeon
+# cores, 4 minutes on the earlier EPYC), starts with the session and runs beside the other tests, which leave
+# the cores idle about a fifth of the time (waiting for launches to start, for collective timeouts, for
+# signals); its tests run last.
 DEMO_TIMEOUT_S = 1800
 
 
