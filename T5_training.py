@@ -103,11 +103,12 @@ def answer_before_the_imports(argv: list[str]) -> None:
 
 @contextlib.contextmanager
 def kept_for_the_whole_process():
-    """Objects made inside that live as long as the process (here the modules of torch, transformers and the
-    package: about 440,000 objects) are made with the garbage collector off, collected once (their garbage),
-    then frozen out of every later collection's walk (gc.freeze): a run's start and exit take about 1.5 s less
-    on 2 cores, and a full collection (the one before the process group's teardown, or one Python starts)
-    0.26 s less on this project's CPU (docs/throughput.md). The collector is left on or off as it was."""
+    """What the block imports (the modules of torch, transformers and the package: about 440,000 objects that live
+    as long as the process) is made with the garbage collector off, collected once (its garbage), then frozen,
+    with everything else alive then, out of every later collection's walk (gc.freeze): a run's start and exit
+    take about 1.5 s less on 2 cores, and a full collection (the one before the process group's teardown, or
+    one Python starts) 0.26 s less on this project's CPU (docs/throughput.md). The collector is left on or off
+    as it was."""
     collecting = gc.isenabled()
     gc.disable()
     try:

@@ -48,7 +48,8 @@ def test_exception_on_one_rank_ends_all_ranks_with_one_traceback(tmp_path, fail_
     if fail_rank == "1":  # torchrun's SIGTERM reached rank 0 before it had finished, and waited for the save
         # As a rule after training ("as the run ends"); or while rank 0 leaves training, which it does as rank 1's
         # exit closes the connections, 0.1 s before the signal (tests/test_run_safety.py tests each message).
-        noted = [line.split("[rank 0] INFO ", 1)[1] for line in output.splitlines() if "received SIGTERM" in line]
+        signal_noted = "[rank 0] INFO received SIGTERM"
+        noted = [line.partition("[rank 0] INFO ")[2] for line in output.splitlines() if signal_noted in line]
         assert len(noted) == 1, output[-3000:]
         ending, leaving = "received SIGTERM as the run ends: its saves", "received SIGTERM: saving a checkpoint"
         assert noted[0].startswith((ending, leaving)), noted

@@ -78,4 +78,5 @@ def test_the_programs_modules_are_frozen_out_of_collections_and_the_collector_is
         assert not gc.isenabled()
         assert id(made) not in {id(obj) for obj in gc.get_objects()}
     finally:
+        gc.unfreeze()  # what the block froze in this pytest process (the session's objects too) is collected again
         gc.enable()
