@@ -196,7 +196,10 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # is read and checked before the model loads, so a data error costs seconds, not the minutes of loading a
     # large model.
     tokenizer = loading.load_tokenizer(train.model_name, evaluating=evaluating, config=checked_config)
-    loaders = build_loaders(tokenizer, DATA_FORMATS[type(task)], config.data, train, evaluation, info)
+    loaders = build_loaders(
+        tokenizer=tokenizer, data_format=DATA_FORMATS[type(task)], data=config.data, train=train,
+        evaluation=evaluation, info=info,
+    )  # fmt: skip
     log_evaluation_plan(config, loaders)
 
     # The model: pretrained weights (a skeleton on the meta device where rank-0-only loading fills it
@@ -248,8 +251,9 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
 
         if evaluation.evaluate_only:
             evaluate_saved_model(
-                model, loaders.evaluation, task, config, info, progress, start, precision.compute_dtype
-            )
+                model=model, eval_set=loaders.evaluation, task=task, config=config, info=info, progress=progress,
+                start=start, compute_dtype=precision.compute_dtype,
+            )  # fmt: skip
         else:
             evaluator = None
             if loaders.evaluation is not None:
@@ -271,8 +275,10 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
             else:
                 checkpoints.begin_training(start, progress)  # a rollback's abandoned checkpoints set aside
                 if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
-                    record_ = run_record.run_record(config, from_accelerate, info, precision, throughput, job,
-                                                    loaders.unknown_tokens())  # fmt: skip
+                    record_ = run_record.run_record(
+                        config=config, from_accelerate=from_accelerate, info=info, precision=precision,
+                        throughput=throughput, torchrun_job=job, unknown_tokens=loaders.unknown_tokens(),
+                    )  # fmt: skip
                     config_file = os.path.join(train.output_dir, layout.CONFIG_FILE)
                     run_record.write_run_record(config_file, record_, start.path)
                 trainer.train(progress, resumed=start.is_checkpoint, stop=stop)
@@ -389,6 +395,7 @@ def build_throughput(
 
 
 def evaluate_saved_model(
+    *,
     model,
     eval_set,
     task: Task,

@@ -956,7 +956,9 @@ def source_parity_worker(rank: int, world_size: int, sources: dict, steps: int) 
     out = {"batches": {}, "losses": {}}
     for name, fields in sources.items():
         data = DataConfig(num_train_samples=32, max_source_length=64, max_target_length=16, **fields)
-        loaders = build_loaders(tokenizer, FORMAT, data, train, EvalConfig(), info)
+        loaders = build_loaders(
+            tokenizer=tokenizer, data_format=FORMAT, data=data, train=train, evaluation=EvalConfig(), info=info
+        )
         batches = [batch for _, batch in zip(range(steps), loaders.train, strict=False)]
         out["batches"][name] = batches
         for version in (1, 2):

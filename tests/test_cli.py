@@ -693,7 +693,11 @@ def test_a_record_of_another_version_replays_what_this_version_knows(tmp_path):
     ran = parse_args(["--epochs", "3", "--device", "cpu"])
     info = SimpleNamespace(world_size=2, backend="gloo", device="cpu")
     record = run_record(
-        ran, {}, info, SimpleNamespace(name="fp32", tf32=False), SimpleNamespace(peak_flops=0, peak_source="-")
+        config=ran,
+        from_accelerate={},
+        info=info,
+        precision=SimpleNamespace(name="fp32", tf32=False),
+        throughput=SimpleNamespace(peak_flops=0, peak_source="-"),
     )
     record["resumed_from"] = None
     # Every key a record holds is a section or a key config files know to skip.

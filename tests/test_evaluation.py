@@ -133,7 +133,14 @@ def test_generation_scores_the_validation_loss_rows_unless_asked_otherwise():
 
     def loaders(evaluation: EvalConfig, num_val_samples: int):
         data = DataConfig(num_train_samples=8, num_val_samples=num_val_samples)
-        return build_loaders(tokenizer, FORMAT, data, TrainConfig(), evaluation, info)
+        return build_loaders(
+            tokenizer=tokenizer,
+            data_format=FORMAT,
+            data=data,
+            train=TrainConfig(),
+            evaluation=evaluation,
+            info=info,
+        )
 
     small = loaders(EvalConfig(), 8)
     val_rows = row_ids(small.val.dataset)

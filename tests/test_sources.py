@@ -250,7 +250,14 @@ def test_evaluate_only_needs_only_the_split_it_scores(tmp_path, eval_split, log_
     evaluation = EvalConfig(evaluate_only=True, eval_split=eval_split, eval_metric="accuracy")
     info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
-    loaders = build_loaders(tokenizer, FORMAT, DataConfig(test_file=str(path)), TrainConfig(), evaluation, info)
+    loaders = build_loaders(
+        tokenizer=tokenizer,
+        data_format=FORMAT,
+        data=DataConfig(test_file=str(path)),
+        train=TrainConfig(),
+        evaluation=evaluation,
+        info=info,
+    )
     assert loaders.train is None and loaders.evaluation.split == "test" and len(loaders.evaluation.dataset) == 3
     assert loaders.cleaning == "plain"
     said = [record.getMessage() for record in log_records]
@@ -267,11 +274,20 @@ def test_evaluate_only_auto_scores_the_validation_split_where_there_is_one(tmp_p
     evaluation = EvalConfig(evaluate_only=True, eval_metric="accuracy")
     info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
-    loaders = build_loaders(tokenizer, FORMAT, data, TrainConfig(), evaluation, info)
+    loaders = build_loaders(
+        tokenizer=tokenizer, data_format=FORMAT, data=data, train=TrainConfig(), evaluation=evaluation, info=info
+    )
     assert loaders.evaluation.split == "validation" and len(loaders.evaluation.dataset) == 2
     # A validation split held out of train is no better than the data's own test split: auto takes the test.
     held_out = DataConfig(train_file=str(write_rows(tmp_path / "train.jsonl", ROWS * 4)), test_file=files["test"])
-    loaders = build_loaders(tokenizer, FORMAT, held_out, TrainConfig(), evaluation, info)
+    loaders = build_loaders(
+        tokenizer=tokenizer,
+        data_format=FORMAT,
+        data=held_out,
+        train=TrainConfig(),
+        evaluation=evaluation,
+        info=info,
+    )
     assert loaders.evaluation.split == "test" and len(loaders.evaluation.dataset) == 3
 
 
@@ -538,11 +554,26 @@ def test_rows_by_source_wikihow_keeps_the_tutorials_subset_other_sources_use_eve
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     rows = [{"document": f"text number {i}", "summary": f"sum {i}"} for i in range(40)]
     data = DataConfig(train_file=str(write_rows(tmp_path / "train.csv", rows)))  # 5% held out: 38 and 2
-    mine = build_loaders(tokenizer, FORMAT, data, TrainConfig(), EvalConfig(), info)
-    wikihow = build_loaders(tokenizer, FORMAT, DataConfig(), TrainConfig(), EvalConfig(), info)
+    mine = build_loaders(
+        tokenizer=tokenizer, data_format=FORMAT, data=data, train=TrainConfig(), evaluation=EvalConfig(), info=info
+    )
+    wikihow = build_loaders(
+        tokenizer=tokenizer,
+        data_format=FORMAT,
+        data=DataConfig(),
+        train=TrainConfig(),
+        evaluation=EvalConfig(),
+        info=info,
+    )
     split_rows = len(load_wikihow(EMBEDDED_DATA_DIR, "train"))
-    build_loaders(tokenizer, FORMAT, DataConfig(train_file=data.train_file, num_train_samples=500), TrainConfig(),
-                  EvalConfig(), info)  # fmt: skip
+    build_loaders(
+        tokenizer=tokenizer,
+        data_format=FORMAT,
+        data=DataConfig(train_file=data.train_file, num_train_samples=500),
+        train=TrainConfig(),
+        evaluation=EvalConfig(),
+        info=info,
+    )
     assert (len(mine.train.dataset), len(mine.val.dataset)) == (38, 2)
     assert (len(wikihow.train.dataset), len(wikihow.val.dataset)) == (1500, 300) and split_rows > 1500
     said = [record.getMessage() for record in log_records]
@@ -567,7 +598,14 @@ def test_text_the_tokenizer_cannot_read_is_reported_once_and_recorded(tmp_path, 
     english = [{"document": f"the plum grows in the garden {'so ' * i}", "summary": "a plum"} for i in range(20)]
     for name, rows in (("foreign", foreign), ("english", english)):
         data = DataConfig(train_file=str(write_rows(tmp_path / name / "train.csv", rows)))
-        loaders = build_loaders(tokenizer, FORMAT, data, TrainConfig(), EvalConfig(eval_rouge=False), info)
+        loaders = build_loaders(
+            tokenizer=tokenizer,
+            data_format=FORMAT,
+            data=data,
+            train=TrainConfig(),
+            evaluation=EvalConfig(eval_rouge=False),
+            info=info,
+        )
         counts = loaders.unknown_tokens()
         assert set(counts) == {"train", "validation"}
         assert (counts["train"]["rows"] == counts["train"]["rows_total"] == 19) == (name == "foreign"), counts
@@ -581,7 +619,14 @@ def test_text_the_tokenizer_cannot_read_is_reported_once_and_recorded(tmp_path, 
     # the warning puts on the prefix, not on the data (before, it named the row's characters: none, "?").
     log_records.clear()
     data = DataConfig(train_file=str(tmp_path / "english" / "train.csv"), source_prefix="summarize: ")
-    build_loaders(tokenizer, FORMAT, data, TrainConfig(), EvalConfig(eval_rouge=False), info).unknown_tokens()
+    build_loaders(
+        tokenizer=tokenizer,
+        data_format=FORMAT,
+        data=data,
+        train=TrainConfig(),
+        evaluation=EvalConfig(eval_rouge=False),
+        info=info,
+    ).unknown_tokens()
     warned = [
         r.getMessage() for r in log_records if r.levelname == "WARNING" and "unknown token" in r.getMessage()
     ]

@@ -2,7 +2,9 @@
 generation's rows, built from a data format (a task's Dataset and collate: summarization_dataset.FORMAT) over
 the run's source, whose rows come from the data cache (utils/data/cache.py):
 
-    loaders = build_loaders(tokenizer, FORMAT, config.data, train, evaluation, info)
+    loaders = build_loaders(
+        tokenizer=tokenizer, data_format=FORMAT, data=config.data, train=train, evaluation=evaluation, info=info
+    )
 
 Also the DataLoader settings every loader shares, the batches' move to the device, and the containers the
 trainer and the evaluator receive. Needs the process group: the samplers read rank and world size.
@@ -200,7 +202,7 @@ def rows_phrase(dataset: Dataset, asked: int | None, flag: str) -> str:
 
 
 def build_loaders(
-    tokenizer, data_format: DataFormat, data: DataConfig, train: TrainConfig, evaluation: EvalConfig,
+    *, tokenizer, data_format: DataFormat, data: DataConfig, train: TrainConfig, evaluation: EvalConfig,
     info: DistInfo,
 ) -> Loaders:  # fmt: skip
     """This rank's training loader (shuffled, resumable), validation loader (in order, padded) and generation

@@ -16,6 +16,7 @@ from utils.observe.flops import Throughput
 
 
 def run_record(
+    *,
     config: RunConfig,
     from_accelerate: dict,
     info: DistInfo,
