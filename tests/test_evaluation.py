@@ -20,16 +20,13 @@ from configs.data import DataConfig
 from configs.evaluation import EvalConfig
 from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
-from configs.training import TrainConfig
 from scripts.summarize import main as summarize_main
-from summarization_dataset import FORMAT
 from tests.dist_harness import run_ranks
 from tests.dist_workers import generation_worker
 from tests.launch import pooled
+from tests.test_sources import one_rank_loaders
 from utils.checkpoint.hf_export import run_generation_config, write_adapter_folder
 from utils.data.cache import load_wikihow
-from utils.data.loaders import build_loaders
-from utils.distributed.process_group import DistInfo
 from utils.eval.evaluator import generated_lengths
 from utils.eval.generation import stop_token_ids
 from utils.eval.rouge import ROUGE_KEYS, rouge_scores
@@ -129,18 +126,10 @@ def test_generation_scores_the_validation_loss_rows_unless_asked_otherwise():
     """A small run's evaluation is as small as the run: by default generation scores exactly the rows whose
     validation loss the run measures; --eval_num_samples N asks for the first N (beyond them too); 0 for all."""
     tokenizer = AutoTokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
-    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
 
     def loaders(evaluation: EvalConfig, num_val_samples: int):
         data = DataConfig(num_train_samples=8, num_val_samples=num_val_samples)
-        return build_loaders(
-            tokenizer=tokenizer,
-            data_format=FORMAT,
-            data=data,
-            train=TrainConfig(),
-            evaluation=evaluation,
-            info=info,
-        )
+        return one_rank_loaders(tokenizer, data, evaluation)
 
     small = loaders(EvalConfig(), 8)
     val_rows = row_ids(small.val.dataset)

@@ -44,6 +44,20 @@ from utils.distributed.process_group import DistInfo
 from utils.eval.scores import accuracy_scores
 
 FORMATS = ("csv", "jsonl", "json", "parquet")
+ONE_CPU_RANK = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+
+
+def one_rank_loaders(tokenizer, data: DataConfig, evaluation: EvalConfig | None = None):
+    """The loaders of a single CPU rank over `data`, with the tutorial's train_config."""
+    evaluation = evaluation or EvalConfig()
+    return build_loaders(
+        tokenizer=tokenizer,
+        data_format=FORMAT,
+        data=data,
+        train=TrainConfig(),
+        evaluation=evaluation,
+        info=ONE_CPU_RANK,
+    )
 
 
 def wikihow_rows(split: str) -> list[dict]:
@@ -248,16 +262,8 @@ def test_evaluate_only_needs_only_the_split_it_scores(tmp_path, eval_split, log_
     """A test file alone: --eval_split test scores it, and so does auto (the default), saying so."""
     path = write_rows(tmp_path / "test.jsonl", ROWS)
     evaluation = EvalConfig(evaluate_only=True, eval_split=eval_split, eval_metric="accuracy")
-    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
-    loaders = build_loaders(
-        tokenizer=tokenizer,
-        data_format=FORMAT,
-        data=DataConfig(test_file=str(path)),
-        train=TrainConfig(),
-        evaluation=evaluation,
-        info=info,
-    )
+    loaders = one_rank_loaders(tokenizer, DataConfig(test_file=str(path)), evaluation)
     assert loaders.train is None and loaders.evaluation.split == "test" and len(loaders.evaluation.dataset) == 3
     assert loaders.cleaning == "plain"
     said = [record.getMessage() for record in log_records]
@@ -272,22 +278,12 @@ def test_evaluate_only_auto_scores_the_validation_split_where_there_is_one(tmp_p
              for split in ("validation", "test")}  # fmt: skip
     data = DataConfig(validation_file=files["validation"], test_file=files["test"])
     evaluation = EvalConfig(evaluate_only=True, eval_metric="accuracy")
-    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
-    loaders = build_loaders(
-        tokenizer=tokenizer, data_format=FORMAT, data=data, train=TrainConfig(), evaluation=evaluation, info=info
-    )
+    loaders = one_rank_loaders(tokenizer, data, evaluation)
     assert loaders.evaluation.split == "validation" and len(loaders.evaluation.dataset) == 2
     # A validation split held out of train is no better than the data's own test split: auto takes the test.
     held_out = DataConfig(train_file=str(write_rows(tmp_path / "train.jsonl", ROWS * 4)), test_file=files["test"])
-    loaders = build_loaders(
-        tokenizer=tokenizer,
-        data_format=FORMAT,
-        data=held_out,
-        train=TrainConfig(),
-        evaluation=evaluation,
-        info=info,
-    )
+    loaders = one_rank_loaders(tokenizer, held_out, evaluation)
     assert loaders.evaluation.split == "test" and len(loaders.evaluation.dataset) == 3
 
 
@@ -550,30 +546,13 @@ def test_accuracy_and_the_best_metric():
 def test_rows_by_source_wikihow_keeps_the_tutorials_subset_other_sources_use_every_row(tmp_path, log_records):
     """NONE (the default) of --num_train_samples/--num_val_samples: the tutorial's 1,500/300 of WikiHow, every
     row of a file; a number larger than the split is said once; the start line says what each split gives."""
-    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     rows = [{"document": f"text number {i}", "summary": f"sum {i}"} for i in range(40)]
     data = DataConfig(train_file=str(write_rows(tmp_path / "train.csv", rows)))  # 5% held out: 38 and 2
-    mine = build_loaders(
-        tokenizer=tokenizer, data_format=FORMAT, data=data, train=TrainConfig(), evaluation=EvalConfig(), info=info
-    )
-    wikihow = build_loaders(
-        tokenizer=tokenizer,
-        data_format=FORMAT,
-        data=DataConfig(),
-        train=TrainConfig(),
-        evaluation=EvalConfig(),
-        info=info,
-    )
+    mine = one_rank_loaders(tokenizer, data)
+    wikihow = one_rank_loaders(tokenizer, DataConfig())
     split_rows = len(load_wikihow(EMBEDDED_DATA_DIR, "train"))
-    build_loaders(
-        tokenizer=tokenizer,
-        data_format=FORMAT,
-        data=DataConfig(train_file=data.train_file, num_train_samples=500),
-        train=TrainConfig(),
-        evaluation=EvalConfig(),
-        info=info,
-    )
+    one_rank_loaders(tokenizer, DataConfig(train_file=data.train_file, num_train_samples=500))
     assert (len(mine.train.dataset), len(mine.val.dataset)) == (38, 2)
     assert (len(wikihow.train.dataset), len(wikihow.val.dataset)) == (1500, 300) and split_rows > 1500
     said = [record.getMessage() for record in log_records]
@@ -590,7 +569,6 @@ def test_rows_by_source_wikihow_keeps_the_tutorials_subset_other_sources_use_eve
 def test_text_the_tokenizer_cannot_read_is_reported_once_and_recorded(tmp_path, log_records):
     """The embedded vocabulary has no 梅 or ü: a file of such text gets one warning per split, naming the
     characters and the fix, and the counts go to the run record; English text gets none."""
-    info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     foreign = [
         {"document": f"the plum 梅 grows in zürich {'so ' * i}", "summary": "梅 in zürich"} for i in range(20)
@@ -598,14 +576,7 @@ def test_text_the_tokenizer_cannot_read_is_reported_once_and_recorded(tmp_path, 
     english = [{"document": f"the plum grows in the garden {'so ' * i}", "summary": "a plum"} for i in range(20)]
     for name, rows in (("foreign", foreign), ("english", english)):
         data = DataConfig(train_file=str(write_rows(tmp_path / name / "train.csv", rows)))
-        loaders = build_loaders(
-            tokenizer=tokenizer,
-            data_format=FORMAT,
-            data=data,
-            train=TrainConfig(),
-            evaluation=EvalConfig(eval_rouge=False),
-            info=info,
-        )
+        loaders = one_rank_loaders(tokenizer, data, EvalConfig(eval_rouge=False))
         counts = loaders.unknown_tokens()
         assert set(counts) == {"train", "validation"}
         assert (counts["train"]["rows"] == counts["train"]["rows_total"] == 19) == (name == "foreign"), counts
@@ -619,14 +590,7 @@ def test_text_the_tokenizer_cannot_read_is_reported_once_and_recorded(tmp_path, 
     # the warning puts on the prefix, not on the data (before, it named the row's characters: none, "?").
     log_records.clear()
     data = DataConfig(train_file=str(tmp_path / "english" / "train.csv"), source_prefix="summarize: ")
-    build_loaders(
-        tokenizer=tokenizer,
-        data_format=FORMAT,
-        data=data,
-        train=TrainConfig(),
-        evaluation=EvalConfig(eval_rouge=False),
-        info=info,
-    ).unknown_tokens()
+    one_rank_loaders(tokenizer, data, EvalConfig(eval_rouge=False)).unknown_tokens()
     warned = [
         r.getMessage() for r in log_records if r.levelname == "WARNING" and "unknown token" in r.getMessage()
     ]
