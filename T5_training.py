@@ -28,7 +28,7 @@ from configs.errors import ConfigError, UserError
 from configs.run import RunConfig
 from utils.checkpoint.record import recorded_run
 from utils.data import sources
-from utils.distributed.launcher import launcher_ranks, point_launcher_to_the_log
+from utils.distributed.launcher import launcher_ranks, point_launcher_to_the_log, tell_the_launcher
 from utils.log import get_logger, setup_logging
 from utils.model.source import check_local_model_dir, hub_model_source, looks_like_local_path
 
@@ -75,14 +75,17 @@ def check_inputs(config: RunConfig) -> None:
 
 
 def refusal(err: UserError, rank: int) -> int:
-    """The exit status of a run refused for `err`. The same input error happens on every rank: rank 0 says it
+    """The exit status of a run refused for `err`. An input error usually happens on every rank: rank 0 says it
     once, every rank exits non-zero (2 for a setting). torchrun stops the other ranks as soon as one exits
-    non-zero; the other ranks wait a moment so rank 0 is not killed before its message is out."""
+    non-zero; the other ranks wait a moment so rank 0 is not killed before its message is out. One still
+    running then failed where rank 0 did not (a folder missing on its node, a GPU its LOCAL_RANK does not
+    have): its error goes to torchrun's closing report, which shows the rank that failed first."""
     if rank == 0:
         get_logger().error("%s", err)
         point_launcher_to_the_log(rank)
     else:
         time.sleep(RANK0_MESSAGE_GRACE_S)
+        tell_the_launcher(f"[rank {rank}] {err}")
     return 2 if isinstance(err, ConfigError) else 1
 
 
@@ -191,15 +194,18 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     evaluating = evaluation.evaluate_only
     checked_config = loading.run_model_config(train.model_name, evaluating=evaluating)
     task = task_for(checked_config, train.model_name)
-    task.check_data(config.data)  # what only one kind of model reads (--packing: a decoder-only model)
+    task.check_data(config.data, checked_config)  # what only some models read (--packing: a decoder-only one)
     # Datasets and loaders (the task's Dataset and collate; the tutorial's, summarization_dataset.py): the data
     # is read and checked before the model loads, so a data error costs seconds, not the minutes of loading a
     # large model.
+    # A node that builds its data cache (utils/data/shared_cache.py) is waited for by its progress, not
+    # --dist_timeout_s: the other nodes may have theirs already.
     tokenizer = loading.load_tokenizer(train.model_name, evaluating=evaluating, config=checked_config)
-    loaders = build_loaders(
-        tokenizer=tokenizer, data_format=DATA_FORMATS[type(task)], data=config.data, train=train,
-        evaluation=evaluation, info=info,
-    )  # fmt: skip
+    with progress_bounded("data loading"):
+        loaders = build_loaders(
+            tokenizer=tokenizer, data_format=DATA_FORMATS[type(task)], data=config.data, train=train,
+            evaluation=evaluation, info=info,
+        )  # fmt: skip
     log_evaluation_plan(config, loaders)
 
     # The model: pretrained weights (a skeleton on the meta device where rank-0-only loading fills it

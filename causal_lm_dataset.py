@@ -108,8 +108,9 @@ class PackedCausalDataset(CausalLMDataset):
     ids and the settings alone, so every rank and a resumed run see the same ones.
 
     documents: whole rows in their order, a block closed when the next row does not fit (a row longer than a
-    block is cut to it). Position ids restart at every row; given them without an attention mask,
-    transformers' attention keeps each row to itself (a block-causal mask; flash-attention and FlexAttention
+    block keeps its last --max_seq_len tokens: the completion, which the loss is on, after the prompt's end).
+    Position ids restart at every row; given them without an attention mask, transformers' attention keeps
+    each row to itself (a block-causal mask; flash-attention and FlexAttention
     take the boundaries from the position ids), and a row's first token is not trained on as the previous
     row's continuation: each row's losses are those it has alone. The rest of a block is padding (collate).
     wrapped: every row's tokens one after the other, cut into full blocks, the last part dropped, attention
@@ -136,7 +137,7 @@ class PackedCausalDataset(CausalLMDataset):
             self.num_blocks = self.row_tokens // self.block_length
             self.packed_tokens = self.num_blocks * self.block_length
         else:
-            kept = np.minimum(lengths, self.block_length)  # a row longer than a block is cut to it
+            kept = np.minimum(lengths, self.block_length)  # a row longer than a block keeps its end
             firsts, used = [], self.block_length
             for row, length in enumerate(kept.tolist()):
                 if used + length > self.block_length:
@@ -167,7 +168,9 @@ class PackedCausalDataset(CausalLMDataset):
         parts = []
         for row in range(self.block_firsts[index], self.block_firsts[index + 1]):
             input_ids, labels, _ = self.sequence(row)
-            input_ids, labels = input_ids[: self.block_length], labels[: self.block_length].clone()
+            # A row longer than a block loses its start: the completion stays (cutting its end could leave a
+            # row with no trained token), after the prompt's end, where its cue is.
+            input_ids, labels = input_ids[-self.block_length :], labels[-self.block_length :].clone()
             labels[0] = IGNORED  # predicted from the row before it: no row is trained on as another's sequel
             parts.append((input_ids, labels, torch.arange(len(input_ids))))
         ids, labels, positions = (torch.cat(column) for column in zip(*parts, strict=True))

@@ -189,6 +189,11 @@ def check_data_source(data: DataConfig, evaluation: EvalConfig | None = None) ->
             f"--dataset_text_field: whole texts have no reference for generation to be scored against, so {what} "
             "has no score to give; their measure is the validation loss (--metric_for_best val_loss)"
         )
+    if data.dataset_text_field and data.source_prefix:
+        raise ConfigError(
+            f"--dataset_text_field trains on whole texts, which have no prompt for --source_prefix "
+            f"{data.source_prefix!r} to go before: drop it, or put it in the texts"
+        )
     if data.dataset_text_field and (data.text_column or data.summary_column):
         raise ConfigError(
             "--dataset_text_field names the one column of whole texts; --text_column and --summary_column name a "

@@ -12,7 +12,15 @@ import math
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoModelForCausalLM, BertConfig, BertForMaskedLM
+from transformers import (
+    AutoModelForCausalLM,
+    BertConfig,
+    BertForMaskedLM,
+    BloomConfig,
+    GPT2Config,
+    LlamaConfig,
+    T5Config,
+)
 
 from causal_lm_dataset import CausalLMDataset, PackedCausalDataset, causal_collate
 from configs.data import DataConfig
@@ -265,6 +273,56 @@ def test_a_packed_block_keeps_its_documents_apart_each_with_the_losses_it_has_al
     assert torch.equal(seen, every_row)  # every token once, in order (no row is longer than a block here)
 
 
+def test_a_row_longer_than_a_block_keeps_its_completion_and_the_prompts_end(causal_dirs):
+    """--packing documents with blocks shorter than a row (the embedded WikiHow sample's prompts, 24-token
+    blocks): each row keeps its last 24 tokens, its completion and EOS among them, so every block is trained
+    on. Control: cutting the rows' ends instead (the completion first) leaves blocks with no trained token."""
+    tokenizer = load_tokenizer(causal_dirs["llama"])
+    data = DataConfig(packing=True, max_seq_len=24, max_target_length=12)
+    lengths = CausalLMDataset.lengths(data)
+    plain = CausalLMDataset(tokenizer, "validation", 8, *lengths, data)
+    packed = PackedCausalDataset(tokenizer, "validation", 8, *lengths, data)
+    rows = [plain.sequence(row) for row in range(len(plain))]
+    assert all(len(ids) > 24 for ids, _, _ in rows)  # every row is cut: one row per block
+    assert len(packed) == len(plain)
+    for block, (ids, labels, _) in enumerate(rows):
+        item = packed[block]
+        assert torch.equal(item["input_ids"], ids[-24:]) and item["input_ids"][-1] == tokenizer.eos_token_id
+        assert torch.equal(item["labels"][1:], labels[-23:]) and (item["labels"] != IGNORED).any()
+    assert all(
+        (labels[:24][1:] == IGNORED).all() for _, labels, _ in rows
+    )  # the control: their starts train nothing
+
+
+def test_a_validation_split_with_no_scored_token_has_no_loss_and_no_best_model(causal_dirs):
+    """Rows whose every label is masked score nothing: the validation loss is NaN, not 0 (which, lowest of
+    all, would have been taken for the best model, its perplexity 1)."""
+    import torch.distributed as dist
+
+    from utils.train.step import validate
+
+    tokenizer = load_tokenizer(causal_dirs["llama"])
+    model = AutoModelForCausalLM.from_pretrained(causal_dirs["llama"])
+    item = CausalLMDataset(tokenizer, "validation", 2, 48, 12, DataConfig())[0]
+    unscored = causal_collate(
+        [{**item, "labels": torch.full_like(item["labels"], IGNORED)}], tokenizer.pad_token_id
+    )
+    progress = type("NoBar", (), {"update": lambda self, n: None})()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        losses = [
+            validate(
+                model, [batch], device=torch.device("cpu"), num_real_samples=1, progress=progress, task=CAUSAL
+            )
+            for batch in (unscored, causal_collate([item], tokenizer.pad_token_id))
+        ]
+    finally:
+        dist.destroy_process_group()
+    assert math.isnan(losses[0]) and math.isfinite(losses[1]) and losses[1] > 0
+    assert math.isnan(CAUSAL.loss_metrics(losses[0])["val_perplexity"])
+    assert not CAUSAL.is_better("val_loss", losses[0], None) and CAUSAL.is_better("val_loss", losses[1], losses[0])
+
+
 def test_wrapped_packing_is_the_rows_tokens_concatenated_and_cut(causal_dirs, tmp_path):
     """--packing_strategy wrapped (the Llama 2 guide's): the blocks are every row's tokens one after the other,
     cut into full blocks of --max_seq_len, token for token, the last part dropped; labels the same tokens."""
@@ -295,9 +353,38 @@ def test_a_text_field_row_is_trained_on_whole_and_a_seq2seq_model_refuses_it(cau
     from utils.task import SEQ2SEQ
 
     with pytest.raises(ConfigError, match="--dataset_text_field is for decoder-only models"):
-        SEQ2SEQ.check_data(data)
+        SEQ2SEQ.check_data(data, T5Config())
     with pytest.raises(ConfigError, match="--packing true is for decoder-only models"):
-        SEQ2SEQ.check_data(DataConfig(packing=True))
+        SEQ2SEQ.check_data(DataConfig(packing=True), T5Config())
+
+
+def test_documents_packing_is_refused_for_a_model_that_takes_no_position_ids():
+    """BLOOM's forward takes no position ids, from which transformers keeps a packed block's rows apart: a
+    row's losses in a block differ from its losses alone (Llama's, the control, are equal), so documents
+    packing is refused for it; wrapped packing and no packing are allowed. Llama and GPT-2 take them."""
+    from transformers import BloomForCausalLM, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    first, second = torch.randint(3, 100, (7,)), torch.randint(3, 100, (5,))
+    labels = torch.cat([first, torch.tensor([IGNORED]), second[1:]])
+    block = {"input_ids": torch.cat([first, second])[None], "labels": labels[None],
+             "position_ids": torch.cat([torch.arange(7), torch.arange(5)])[None]}  # fmt: skip
+    alone = {"input_ids": second[None], "labels": second[None], "attention_mask": torch.ones(1, 5)}
+    small = {"vocab_size": 100, "hidden_size": 32, "num_attention_heads": 4}
+    bloom = BloomForCausalLM(BloomConfig(n_layer=2, **small)).eval()
+    llama = LlamaForCausalLM(LlamaConfig(intermediate_size=64, num_hidden_layers=2, **small)).eval()
+    with torch.no_grad():
+        apart = {name: torch.allclose(CAUSAL.token_losses(model, block)[0][0, 7:],
+                                      CAUSAL.token_losses(model, alone)[0][0], atol=1e-6)
+                 for name, model in (("bloom", bloom), ("llama", llama))}  # fmt: skip
+    assert apart == {"bloom": False, "llama": True}
+    documents = DataConfig(packing=True)
+    with pytest.raises(ConfigError, match="by their position ids, and BloomForCausalLM takes none"):
+        CAUSAL.check_data(documents, BloomConfig())
+    CAUSAL.check_data(dataclasses.replace(documents, packing_strategy="wrapped"), BloomConfig())
+    CAUSAL.check_data(DataConfig(), BloomConfig())
+    for config in (LlamaConfig(), GPT2Config()):
+        CAUSAL.check_data(documents, config)
 
 
 @pytest.mark.slow  # two ranks and an export each
@@ -552,6 +639,26 @@ def test_an_earlier_replys_marks_cover_its_whitespace_whatever_the_tokenizers_of
     assert tokenizer.decode([i for i, mark in zip(ids, marks, strict=True) if mark]) == code + "<|endoftext|>"
 
 
+def test_a_cut_reply_keeps_the_whole_end_of_turn_of_a_chatml_shaped_template(causal_dirs):
+    """A template that closes a turn with its marker and a newline (ChatML's `<|im_end|>\n`: Qwen, Phi-3):
+    a reply cut by --max_target_length still ends with both, its EOS trained on, the cut taken from the reply's
+    text. Control: keeping the last token alone (the newline) loses the marker."""
+    from utils.data.cache import _encode_chat_batch
+
+    tokenizer = load_tokenizer(causal_dirs["llama"])
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    batch = {"source": [json.dumps([{"role": "user", "content": "How do I cook rice?"}])],
+             "target": ["Rinse it, then boil it for twelve minutes and salt it at the end."]}  # fmt: skip
+    whole = _encode_chat_batch(batch, tokenizer, 512, 64)["target_ids"][0]
+    closing = tokenizer("</s>\n", add_special_tokens=False)["input_ids"][-2:]
+    assert whole[-2:] == closing and closing[0] == tokenizer.eos_token_id and len(whole) > 8
+    cut = _encode_chat_batch(batch, tokenizer, 512, 8)["target_ids"][0]
+    assert cut == whole[:6] + closing
+
+
 def test_rope_frequencies_stay_fp32_and_exact_under_bf16_mixed_precision(causal_dirs):
     """FSDP1 casts a unit's buffers to the policy's buffer dtype: for a model that computes some (RoPE's
     inv_freq) the policy leaves buffers alone, so the rotary angles come from the fp32 frequencies a fresh model
@@ -628,7 +735,8 @@ def test_a_tokenizer_with_tokens_added_past_the_embedding_is_refused_with_the_re
 def test_the_edges_of_decoder_only_data_each_said_once(causal_dirs, tmp_path):
     """GPT-2's EOS (also its unknown token) is not counted as text it cannot read; --pad_to_max_length pads a
     documents block to --max_seq_len; whole texts refuse a score they cannot have; a CSV `messages` column
-    (texts, no conversations) is refused naming the flags to use."""
+    (texts, no conversations) is refused naming the flags to use; so is a --source_prefix of whole texts (it
+    went past --max_seq_len, untrained)."""
     from configs.errors import DataError
     from configs.evaluation import EvalConfig
     from configs.validate import check_data_source
@@ -643,6 +751,8 @@ def test_the_edges_of_decoder_only_data_each_said_once(causal_dirs, tmp_path):
     for evaluation in (EvalConfig(evaluate_only=True), EvalConfig(metric_for_best="rougeL")):
         with pytest.raises(ConfigError, match="whole texts have no reference"):
             check_data_source(DataConfig(dataset_text_field="content"), evaluation)
+    with pytest.raises(ConfigError, match="whole texts, which have no prompt for --source_prefix 'Recipe: '"):
+        check_data_source(DataConfig(dataset_text_field="content", source_prefix="Recipe: "))
     csv = tmp_path / "chats.csv"
     csv.write_text("messages\nhello there\n")
     with pytest.raises(DataError, match="column 'messages' holds a str, not a conversation"):

@@ -262,3 +262,26 @@ def test_a_waiting_rank_ends_with_the_builders_data_error(tmp_path, monkeypatch)
     waiter.join(timeout=30)
     assert not waiter.is_alive()
     assert errors == [str(built.value)] and "headline,title,text" in errors[0]
+
+
+def test_a_folder_another_node_completed_during_the_build_is_kept(tmp_path, monkeypatch):
+    """Where file locks do not reach other nodes, two builders may run at once: the one that finishes second
+    finds the other's complete folder (which that node's ranks may be reading) and keeps it, its own build
+    discarded, instead of deleting it and renaming its own into place."""
+    key = {"rows": "demo"}
+    folder = shared_cache.folder_for(tmp_path, "demo", key)
+
+    def build_while_another_node_finishes(partial: Path) -> dict:
+        theirs = tmp_path / "the-other-nodes-build"
+        theirs.mkdir()
+        (theirs / "rows.arrow").write_bytes(b"theirs")
+        (theirs / shared_cache.MANIFEST).write_text(json.dumps({"key": key, "files": {"rows.arrow": 6}}))
+        os.replace(theirs, folder)  # their rename, while this builder still writes
+        (partial / "rows.arrow").write_bytes(b"mine, longer")
+        return {}
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    found, manifest = shared_cache.shared_folder(tmp_path, "demo", key, build_while_another_node_finishes, "rows")
+    assert found == folder and manifest["files"] == {"rows.arrow": 6}
+    assert (folder / "rows.arrow").read_bytes() == b"theirs"
+    assert [path.name for path in tmp_path.iterdir() if path.is_dir()] == [folder.name]  # no partial folder left

@@ -403,6 +403,25 @@ def check_user_error(run: Run, phrase: str) -> str:
     return lines[0]
 
 
+def test_a_refusal_of_a_rank_other_than_0_reaches_torchruns_report(tmp_path, monkeypatch, log_records):
+    """An input error of one rank alone (a folder missing on its node, a GPU its LOCAL_RANK does not have):
+    that rank logs nothing (the usual error is rank 0's to say, once) and writes it, with its rank, to its
+    torchrun error file, which torchrun's closing report shows for the rank that failed first; rank 0's file
+    points at its ERROR line."""
+    import T5_training
+    from configs.errors import DataFileNotFoundError
+
+    monkeypatch.setattr(T5_training, "RANK0_MESSAGE_GRACE_S", 0.0)
+    err = DataFileNotFoundError("data/train.csv does not exist on this node: copy it, or share the folder")
+    reports = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error{rank}.json"))
+        assert T5_training.refusal(err, rank) == 1
+        reports[rank] = json.loads((tmp_path / f"error{rank}.json").read_text())["message"]
+    assert reports == {0: CAUSE, 1: f"[rank 1] {err}"}
+    assert [record.getMessage() for record in log_records if record.levelname == "ERROR"] == [str(err)]
+
+
 def test_missing_data(tmp_path):
     empty = tmp_path / "empty_data"
     empty.mkdir()

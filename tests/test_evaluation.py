@@ -24,7 +24,7 @@ from scripts.summarize import main as summarize_main
 from tests.dist_harness import run_ranks
 from tests.dist_workers import generation_worker
 from tests.launch import pooled
-from tests.test_sources import one_rank_loaders
+from tests.test_sources import ONE_CPU_RANK, one_rank_loaders
 from utils.checkpoint.hf_export import run_generation_config, write_adapter_folder
 from utils.data.cache import load_wikihow
 from utils.eval.evaluator import generated_lengths
@@ -106,6 +106,39 @@ def test_gen_len_counts_the_written_tokens_and_the_eos_also_when_it_pads():
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 2]))
     assert stop_token_ids(model, SimpleNamespace(eos_token_id=2)) == [2, 7]
     assert stop_token_ids(SimpleNamespace(), SimpleNamespace(eos_token_id=1)) == [1]
+
+
+def test_generation_stops_at_the_tokenizers_eos_also_where_the_models_config_names_another(monkeypatch, tmp_path):
+    """Every training row ends with the tokenizer's EOS: the evaluator hands `generate` that one and the model's
+    generation config's (stop_token_ids), so a folder whose generation_config.json names another EOS does not
+    write past it (text after it that the predictions would score)."""
+    import torch.distributed as dist
+
+    from utils.eval import evaluator as evaluation_module
+    from utils.eval.evaluator import Evaluator
+    from utils.eval.generation import generate
+
+    tokenizer = AutoTokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    model = T5ForConditionalGeneration.from_pretrained(str(EMBEDDED_MODEL_DIR)).eval()
+    model.generation_config.eos_token_id = 99  # not the tokenizer's (1)
+    eval_set = one_rank_loaders(tokenizer, DataConfig(num_train_samples=4, num_val_samples=2)).evaluation
+    asked = []
+
+    def recorded(model, prompts, settings):
+        asked.append((prompts, settings))
+        return generate(model, prompts, settings)
+
+    monkeypatch.setattr(evaluation_module, "generate", recorded)
+    evaluator = Evaluator(eval_set=eval_set, task=SEQ2SEQ, generation={"max_new_tokens": 24, "num_beams": 1},
+                          metric="rouge", predictions_file=lambda split, step: str(tmp_path / f"{split}-{step}"),
+                          info=ONE_CPU_RANK, gather_for_generation="false",
+                          compute_dtype=torch.float32)  # fmt: skip
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rows = evaluator._generate_share(model, None)
+    finally:
+        dist.destroy_process_group()
+    assert [settings["eos_token_id"] for _, settings in asked] == [[1, 99]] and len(rows) == 2
 
 
 def test_ranks_with_different_generated_lengths_finish(generated):

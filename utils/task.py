@@ -11,6 +11,7 @@ instead of assuming an encoder-decoder: a decoder-only model is the second class
 branches through them.
 """
 
+import inspect
 import math
 
 import torch
@@ -114,7 +115,7 @@ class Seq2SeqTask(Task):
     lora_task_type = "SEQ_2_SEQ_LM"  # peft's TaskType
     params_key = "summarization"  # the model config's task_specific_params entry the run's settings go in
 
-    def check_data(self, data: DataConfig) -> None:
+    def check_data(self, data: DataConfig, config: PretrainedConfig) -> None:  # noqa: ARG002 - CausalTask's
         """ConfigError for the data settings only a decoder-only model reads."""
         for given, flag in ((data.packing, "--packing true"), (data.dataset_text_field, "--dataset_text_field")):
             if given:
@@ -220,8 +221,17 @@ class CausalTask(Task):
         """The prompts alone, left-padded, so that every row's completion starts at the same position."""
         return {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
 
-    def check_data(self, data: DataConfig) -> None:
-        """A decoder-only model reads every data setting."""
+    def check_data(self, data: DataConfig, config: PretrainedConfig) -> None:
+        """ConfigError where --packing documents would let a block's rows attend to each other: transformers
+        tells them apart by their position ids, which some models' forward does not take (BLOOM, MPT)."""
+        forward = inspect.signature(self.model_mapping[type(config)].forward).parameters
+        if data.packing and data.packing_strategy == "documents" and "position_ids" not in forward:
+            raise ConfigError(
+                f"--packing_strategy documents keeps a block's rows apart by their position ids, and "
+                f"{self.architecture(config)} takes none: its rows would attend to the rows before them. Train "
+                "it unpacked (--packing false), or with --packing_strategy wrapped (rows attending across, as the "
+                "Llama 2 guide packed)"
+            )
 
     def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:
         """A decoder-only model's outputs begin with the prompt: the tokens after it."""

@@ -46,9 +46,9 @@ _CHAT_TOKEN_FEATURES = datasets.Features(
     {**_TOKEN_FEATURES, "source_replies": datasets.List(datasets.Value("int8")),
      "replies_unmarked": datasets.Value("int16")}  # the earlier replies that could not be told apart
 )  # fmt: skip
-# Bump when _encode_chat_batch changes (3: earlier replies marked by their characters, and counted where not): the
-# conversations' token caches are rebuilt.
-CHAT_ENCODING_VERSION = 3
+# Bump when _encode_chat_batch changes (3: earlier replies marked by their characters, and counted where not; 4: a
+# cut reply keeps the template's whole end of turn): the conversations' token caches are rebuilt.
+CHAT_ENCODING_VERSION = 4
 
 # Starting a tokenising process (a fork, the tokenizer pickled) pays off from about this many rows.
 _ROWS_PER_TOKENISING_PROCESS = 10_000
@@ -281,8 +281,9 @@ def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length:
                 "saw. Use a chat template that ends the assistant's turn marker with a separator."
             )
         reply_ids = whole_ids[len(prompt_ids) :]
-        if len(reply_ids) > output_length:  # cut, keeping the template's last token (its end of turn)
-            reply_ids = reply_ids[: output_length - 1] + reply_ids[-1:]
+        if len(reply_ids) > output_length:  # cut, keeping what the template ends the turn with
+            closing = min(_closing_length(tokenizer, prompt, added, reply, whole_ids), output_length)
+            reply_ids = reply_ids[: output_length - closing] + reply_ids[len(reply_ids) - closing :]
         marks, missed = _earlier_replies(
             tokenizer, messages, prompt, len(prompt_ids), encoded.get("offset_mapping")
         )
@@ -296,6 +297,15 @@ def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length:
         "source_replies": replies,
         "replies_unmarked": unmarked,
     }
+
+
+def _closing_length(tokenizer, prompt: str, added: str, reply: str, whole_ids: list[int]) -> int:
+    """How many of the conversation's tokens (`whole_ids`) the template writes after the reply's text: its
+    end-of-turn marker and what follows it (ChatML's `<|im_end|>` and a newline). At least 1 (the last token),
+    also where the text before the closing reads into other tokens without it."""
+    text = reply.strip()
+    head = tokenizer(prompt + added[: added.rindex(text) + len(text)], add_special_tokens=False)["input_ids"]
+    return max(len(whole_ids) - len(head), 1) if whole_ids[: len(head)] == head else 1
 
 
 def _rendered_reply(tokenizer, messages: list[dict], reply: str) -> tuple[str, str] | None:

@@ -14,14 +14,16 @@ process reading it is never pulled from under:
   with working locks, build it once between them. The other ranks wait for a complete folder to appear (the
   one named by the key, or one that `reuse` accepts): a wait on the file system, with no collective whose
   timeout could fire while the builder works (the trap of a `main_process_first` barrier on a large file).
+  The ranks of other nodes, done with their own cache, wait for the builders by their progress
+  (T5_training.py reads the data in a `progress_bounded` block), not for --dist_timeout_s.
 * **Complete or absent.** The builder writes into `<folder>.partial-<host>-<pid>` and renames it into place
   only after writing a manifest that records the key and the size of every Arrow file. A build killed
   half-way leaves its partial folder, which the next builder on that host reports and removes. A folder
   whose manifest is missing or unreadable, made from another key, or whose files do not have the recorded
   sizes (truncated or deleted since) is damaged: it is reported and rebuilt, never used. Content inside a
   file of the right size is not checksummed (that would read the whole cache at every start). Should two
-  builders race all the same (a file system whose locks do not reach other nodes), the second rename finds
-  the folder complete and keeps it.
+  builders race all the same (a file system whose locks do not reach other nodes), the second to finish
+  finds the folder complete and keeps it, its own build discarded.
 * **A failed build ends the waiting ranks too.** The builder's error is written to `<folder>.failed`; the
   waiting ranks raise it instead of waiting for a folder that will not come. A bad-input error (DataError)
   stands for the same key in later runs too (the key holds the input's fingerprint, so a fixed input gets
@@ -161,6 +163,10 @@ def _build_locked(folder: Path, key: dict, build: Callable[[Path], dict], what: 
         files = {str(path.relative_to(partial)): path.stat().st_size for path in partial.rglob("*.arrow")}
         manifest = {"key": key, "files": files, **extra}
         write_json(partial / MANIFEST, manifest)
+        winner, _ = checked_manifest(folder, key)
+        if winner is not None:  # built meanwhile where the lock does not reach (another node's): theirs is kept
+            shutil.rmtree(partial, ignore_errors=True)
+            return folder, winner
         if folder.exists():
             shutil.rmtree(folder)  # damaged: no process can be using it
         try:

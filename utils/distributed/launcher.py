@@ -31,10 +31,15 @@ def point_launcher_to_the_log(rank: int) -> None:
     """Under torchrun: its closing report (ChildFailedError) shows, for the rank that failed first, what that
     rank's error file says, else only a link to torch's docs. The file says the cause is this rank's ERROR line
     above the report, rather than repeating it: a refusal stays one message."""
+    tell_the_launcher(f"the cause is the [rank {rank}] ERROR line above this report")
+
+
+def tell_the_launcher(message: str) -> None:
+    """Under torchrun: `message` in this rank's error file, which torchrun's closing report shows if this rank
+    failed first."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    message = f"the cause is the [rank {rank}] ERROR line above this report"
     with contextlib.suppress(OSError):  # the launcher's report is a courtesy: never a second failure
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"message": message, "timestamp": str(int(time.time()))}, f)

@@ -115,6 +115,9 @@ class Evaluator:
         desc = f"{METRIC_NAMES[self.metric]} evaluation"
         keep = keep_gathered(model, self.gather_for_generation, self.compute_dtype, self.info.device)
         stops = stop_token_ids(model, dataset.tokenizer)
+        # The tokenizer's padding token: a decoder-only model's config may name none (Llama's). Every stop token:
+        # the tokenizer's EOS, which each trained row ends with, also where the model's config names another.
+        settings = {**self.generation, "pad_token_id": pad_id, "eos_token_id": stops}
         with (
             progress_bar(len(self.eval_set.loader), desc, unit="batch", colour="magenta") as bar,
             gathered_for_generation(model, keep),
@@ -123,8 +126,7 @@ class Evaluator:
             for batch in self.eval_set.loader:
                 check_stop()
                 prompts = self.task.prompts(move_batch(batch, self.info.device))
-                # The tokenizer's padding token: a decoder-only model's config may name none (Llama's).
-                outputs = generate(model, prompts, {**self.generation, "pad_token_id": pad_id})
+                outputs = generate(model, prompts, settings)
                 ids = self.task.completions(outputs, prompts).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
                 lengths = generated_lengths(ids, pad_id, stops)

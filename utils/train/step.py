@@ -188,4 +188,4 @@ def validate(
         progress.update(1)
     dist.all_reduce(sums)
     loss_sum, tokens = sums.tolist()
-    return loss_sum / max(tokens, 1.0)
+    return loss_sum / tokens if tokens else math.nan  # no token scored: no loss to report, nor a best model
