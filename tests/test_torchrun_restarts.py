@@ -13,7 +13,7 @@ from configs.errors import CheckpointError, ConfigError
 from tests.dist_harness import run_ranks
 from utils import layout
 from utils.checkpoint.start import resolve_start
-from utils.distributed.process_group import agent_process, check_restarts, torchrun_attempt
+from utils.distributed.process_group import agent_process, check_local_rank, check_restarts, torchrun_attempt
 
 AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "localhost", "MASTER_PORT": "29400"}
 
@@ -34,6 +34,14 @@ def test_the_launch_is_its_rendezvous_id_or_store_address_and_its_agent():
     )
     pid, start_time = agent_process().split("/")
     assert int(pid) == os.getppid() and int(start_time) > 0
+
+
+def test_a_world_without_each_processs_local_rank_is_refused():
+    """A hand-made environment (srun, mpirun) with WORLD_SIZE but no LOCAL_RANK: every rank would take GPU 0."""
+    with pytest.raises(ConfigError, match="WORLD_SIZE is 16 and LOCAL_RANK is not set: launch with torchrun"):
+        check_local_rank({"WORLD_SIZE": "16", "RANK": "9"})
+    check_local_rank({"WORLD_SIZE": "16", "RANK": "9", "LOCAL_RANK": "1"})
+    check_local_rank({})  # a plain `python T5_training.py`: a world of one
 
 
 def test_restarts_on_several_nodes_need_a_store_per_attempt():

@@ -64,6 +64,7 @@ def describe_launch(device_choice: str, cpu_offload: bool = False) -> DistInfo:
     """This process's place in the job, from the launcher's environment; no process group yet. The
     settings are checked against it before anything is created or read."""
     rank, local_rank, world_size = launcher_ranks()
+    check_local_rank(os.environ)
     check_restarts(os.environ)
     device = resolve_device(device_choice, local_rank)
     return DistInfo(rank, local_rank, world_size, device, group_backend(device, cpu_offload))
@@ -105,6 +106,17 @@ def agent_process() -> str:
     except (OSError, IndexError):
         return str(pid)
     return f"{pid}/{start_time}"
+
+
+def check_local_rank(environ) -> None:
+    """Refuse a launch that names a world of several processes but not each one's place on its node (a
+    hand-made srun or mpirun environment): every rank would take the first GPU and build the data cache."""
+    world_size = int(environ.get("WORLD_SIZE", 1))
+    if world_size > 1 and "LOCAL_RANK" not in environ:
+        raise ConfigError(
+            f"WORLD_SIZE is {world_size} and LOCAL_RANK is not set: launch with torchrun (README; under SLURM, "
+            "scripts/slurm/train.sbatch), or set LOCAL_RANK and LOCAL_WORLD_SIZE for each process as torchrun does"
+        )
 
 
 def check_restarts(environ) -> None:
