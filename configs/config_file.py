@@ -43,6 +43,7 @@ RUN_RECORD_KEYS = (
     "command",
     "resumed_from",
 )
+RECORD_SIGNATURE = ("versions", "command")  # keys every run record has, and no hand-written settings file
 
 
 def read_config_file(
@@ -58,14 +59,14 @@ def read_config_file(
     not one. A run record's fields and keys that this version does not know (an older or newer version wrote
     them) are left out, as a resume leaves them out."""
     content = _load(path)
-    # A run record holds keys that no setting has (a setting may share a record key: --device).
-    is_run_record = any(key in content and key not in section_of for key in RUN_RECORD_KEYS)
+    # A run record (what run_record writes: its versions and command among its keys), not a file of one's own
+    # that happens to use one of its keys (backend, world_size).
+    is_run_record = all(key in content for key in RECORD_SIGNATURE)
     section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
     values, hf_keys = {}, hf_keys_of(content, section_keys)
+    known = [*section_keys, *section_of, *hf_names.HF_NAMES]
     for key, value in content.items():
-        if key in hf_keys or (
-            is_run_record and (key in RUN_RECORD_KEYS or key not in {**section_keys, **section_of})
-        ):
+        if key in hf_keys or (is_run_record and (key in RUN_RECORD_KEYS or _another_versions(key, known))):
             continue
         if key in section_keys:
             if value is None:  # a section whose fields are all commented out
@@ -121,11 +122,16 @@ def _load(path: str) -> dict:
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in SUFFIXES:
         raise ConfigError(f"--config {path}: a config file is YAML (.yaml, .yml) or JSON (.json)")
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark, which some editors write, is no content
         try:
             content = json.load(f) if suffix == ".json" else yaml.safe_load(f)
         except (json.JSONDecodeError, yaml.YAMLError) as err:
             raise ConfigError(f"--config {path} is not valid {suffix[1:].upper()}: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"--config {path} is not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}): save it "
+                "as UTF-8"
+            ) from None
     if content is None:  # an empty YAML file
         return {}
     if not isinstance(content, dict):
@@ -136,9 +142,10 @@ def _load(path: str) -> dict:
 def _in_section(path: str, name: str, section: str, section_of: dict[str, str], is_run_record: bool) -> bool:
     """Whether `name` is a field this version takes (in its own section: else a ConfigError)."""
     if name not in section_of:
-        if is_run_record:  # a field an older or newer version recorded: not this version's to take
+        known = [*section_of, *hf_names.HF_NAMES]
+        if is_run_record and _another_versions(name, known):
             return False
-        raise ConfigError(_unknown_key(path, name, list(section_of)))
+        raise ConfigError(_unknown_key(path, name, known))
     if section_of[name] != section:
         raise ConfigError(
             f"--config {path}: {name} is a field of section {section_of[name]}, not {section}: move it there "
@@ -166,6 +173,16 @@ def _text(path: str, name: str, value, takes_none: bool) -> str:
         f"--config {path}: {name} takes one value, not {value!r} (YAML reads some unquoted texts, such as dates, "
         "as other types: quote it)"
     )
+
+
+CLOSE = 0.8  # how alike a record's unknown key and a key of this version must be to be taken for a typo
+
+
+def _another_versions(key: str, known: list[str]) -> bool:
+    """Whether a run record's `key`, which this version does not know, is an older or newer version's (left
+    out, as a resume leaves it out), not a key mistyped in the record (close to one of `known`: refused as in
+    any file)."""
+    return key not in known and not difflib.get_close_matches(str(key), known, n=1, cutoff=CLOSE)
 
 
 def _unknown_key(path: str, key: str, valid: list[str]) -> str:

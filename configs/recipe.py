@@ -67,8 +67,9 @@ class RecipeConfig:
     max_steps: int = option(
         default=0,
         help=(
-            "Stop after this many optimizer steps, whatever epochs says, validating, evaluating, saving and "
-            "exporting as at a normal end; 0 = run all epochs."
+            "Stop after this many optimizer steps, validating, evaluating, saving and exporting as at a normal "
+            "end; the learning-rate schedule spans them. A budget within --epochs: a larger one does not add "
+            "epochs (the run and its schedule end with them). 0 = run all epochs."
         ),
         minimum=0,
     )

@@ -707,6 +707,29 @@ def test_a_record_of_another_version_replays_what_this_version_knows(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(record))
     assert config_to_dict(parse_args(["--config", str(path)])) == config_to_dict(ran)
+    # A key mistyped in a record (close to one of this version's) is refused as in any file, not skipped
+    for section, typo, meant in (
+        ("train_config", "epoch", "epochs"),
+        ("train_config", "learning_rat", "learning_rate"),
+    ):
+        edited = json.loads(json.dumps(record))
+        edited[section][typo] = 5
+        path.write_text(json.dumps(edited))
+        with pytest.raises(ConfigError, match=f"unknown key '{typo}': did you mean {meant}"):
+            parse_args(["--config", str(path)])
+
+
+def test_a_file_of_ones_own_with_a_record_key_is_checked_as_ones_own(tmp_path):
+    """Only a run record (its versions and command) has its other versions' keys skipped: a hand-written file
+    that uses one of a record's keys (backend) has it refused, as its typos and its other unknown keys, not
+    its every unknown key skipped and its output_dir dropped as a record's."""
+    path = tmp_path / "run.yaml"
+    path.write_text("backend: nccl\ntrain:\n  output_dir: runs/x\n  epochs: 5\n")
+    with pytest.raises(ConfigError, match="unknown key 'backend'"):
+        parse_args(["--config", str(path)])
+    path.write_text("train:\n  output_dir: runs/x\n  epochs: 5\n")
+    config = parse_args(["--config", str(path)])
+    assert config.train.output_dir == "runs/x" and config.train.epochs == 5
 
 
 def test_a_top_level_device_is_the_setting_in_a_file_of_your_own(tmp_path):
@@ -735,3 +758,9 @@ def test_config_file_errors_name_the_file_and_the_fix(tmp_path):
             parse_args(["--config", str(path)])
     with pytest.raises(ConfigError, match="no such file"):
         parse_args(["--config", str(tmp_path / "missing.yaml")])
+    path.write_bytes('data:\n  source_prefix: "r\u00e9sum\u00e9: "\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text \\(byte 25 is 0xe9\\): save it as UTF-8"):
+        parse_args(["--config", str(path)])
+    bom = tmp_path / "run.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"train": {"epochs": 3}}')  # a byte-order mark, as some editors write
+    assert parse_args(["--config", str(bom)]).train.epochs == 3

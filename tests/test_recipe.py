@@ -77,6 +77,20 @@ def test_each_schedule_follows_its_formula(schedule):
     assert lr_factor(10, schedule, 3, 10) == pytest.approx(1.0 if schedule == "constant" else 0.0)
 
 
+def test_the_schedule_spans_the_steps_the_run_trains():
+    """--max_steps within the epochs sizes the decay and the warmup share to it; a larger one does not add
+    epochs (Trainer.done ends the run with them), so the schedule ends with them too: a linear decay reaches
+    0 at the run's last step, not at a step it never trains (0.61 of the rate left at 100 of 40 steps)."""
+    from utils.train.optim import total_optimizer_steps
+
+    two_epochs = {"epochs": 2, "batches_per_epoch": 20}
+    assert total_optimizer_steps(RecipeConfig(), **two_epochs) == 40
+    assert total_optimizer_steps(RecipeConfig(max_steps=25), **two_epochs) == 25
+    assert total_optimizer_steps(RecipeConfig(max_steps=100), **two_epochs) == 40
+    assert total_optimizer_steps(RecipeConfig(max_steps=100, gradient_accumulation_steps=3), **two_epochs) == 14
+    assert lr_factor(39, "linear", 0, 40) == pytest.approx(1 / 40) and lr_factor(39, "linear", 0, 100) > 0.6
+
+
 # ------------------------------------------------------------------------------------- through torchrun
 
 COMMON = ["--mixed_precision", "false", "--dropout_rate", "0", "--num_train_samples", "48", "--num_val_samples",
@@ -144,6 +158,11 @@ def test_early_stopping_counts_the_epochs_since_the_best(next_epoch, best_epoch,
     reason = trainer.done(progress)
     assert (reason is not None) is stops
     assert reason is None or reason.startswith(f"early stopping: {patience} epochs without a better val_loss")
+    # A finished run's resume names the setting that would train on: not --epochs, which changes nothing here
+    assert (
+        not stops
+        or trainer.ending(progress)[1] == f"a higher --early_stopping_patience than {patience} (0: never)"
+    )
 
 
 @pytest.mark.parametrize("global_step, stops", [(4, False), (5, True), (6, True)])
@@ -155,8 +174,12 @@ def test_max_steps_ends_the_run_before_the_next_epoch_whatever_epochs_says(globa
     trainer = Trainer.__new__(Trainer)
     trainer.recipe, trainer.evaluation = RecipeConfig(max_steps=5), EvalConfig()
     trainer.train_config = TrainConfig(epochs=20)
-    reason = trainer.done(TrainProgress(epoch=2, global_step=global_step))
-    assert reason == ("--max_steps 5 reached" if stops else None)
+    ending = trainer.ending(TrainProgress(epoch=2, global_step=global_step))
+    assert ending == (("--max_steps 5 reached", "a higher --max_steps than 5 (0: none)") if stops else None)
+    assert trainer.ending(TrainProgress(epoch=21, global_step=3)) == (
+        "all 20 epochs trained",
+        "more --epochs than 20",
+    )
 
 
 @pytest.mark.slow  # a whole training through torchrun

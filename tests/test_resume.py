@@ -571,6 +571,36 @@ def test_optimizer_state_survives_the_round_trip(round_trip, checkpoint_type):
         assert result["new_run_progress"], where
 
 
+def test_a_resume_decays_by_this_runs_gamma_from_the_rate_its_schedule_reached():
+    """StepLR's saved state holds its gamma: a resume given another --gamma (recorded as changed there) decays
+    by it from here on, not by the saved run's. A checkpoint without optimizer state (--save_optimizer false)
+    resumes at the rate its schedule had reached, not the base rate (from which the decay started over).
+    Another --lr scales the reached rate. Controls: the scheduler's own load and the fresh groups' rate."""
+    from torch.optim.lr_scheduler import StepLR
+
+    from utils.checkpoint.manager import restore_schedule
+
+    def schedule(gamma: float, lr: float = 0.002):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+        return optimizer, StepLR(optimizer, step_size=1, gamma=gamma)
+
+    optimizer, scheduler = schedule(0.85)
+    for _ in range(2):  # two epochs
+        optimizer.step()
+        scheduler.step()
+    saved = {"scheduler": scheduler.state_dict(), "has_optimizer": False}
+    for lr in (0.002, 0.004):
+        optimizer, scheduler = schedule(0.5, lr)
+        restore_schedule(scheduler, optimizer, saved, [lr])
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr * 0.85**2)
+        optimizer.step()
+        scheduler.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr * 0.85**2 * 0.5)
+    optimizer, scheduler = schedule(0.5)
+    scheduler.load_state_dict(saved["scheduler"])
+    assert scheduler.gamma == 0.85 and optimizer.param_groups[0]["lr"] == 0.002  # what restore_schedule mends
+
+
 # --------------------------------------------------------------------------------- 6. hf_model export
 
 

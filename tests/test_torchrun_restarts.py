@@ -85,10 +85,23 @@ def test_a_restart_of_the_job_continues_from_its_newest_checkpoint(tmp_path):
     assert start.path == str(tmp_path / "checkpoints" / "step_00000010") and start.is_checkpoint
 
 
-def test_a_restart_before_any_checkpoint_starts_afresh(tmp_path):
-    _started_run(tmp_path, "job7", [])
-    start = resolve_start("false", str(tmp_path), job="job7", attempt=1)
+def test_a_restart_before_any_checkpoint_starts_as_the_first_attempt_did(tmp_path):
+    """Afresh, or from the weights of the .pt --resume names (not from the base model: the run would silently
+    start over), or from the checkpoint it names outside output_dir."""
+    output_dir = tmp_path / "run"
+    _started_run(output_dir, "job7", [])
+    start = resolve_start("false", str(output_dir), job="job7", attempt=1)
     assert start.path is None and not start.is_checkpoint
+    weights = tmp_path / "T5-model-1.pt"
+    weights.write_bytes(b"")
+    start = resolve_start(str(weights), str(output_dir), job="job7", attempt=1)
+    assert start.path == str(weights) and not start.is_checkpoint
+    with pytest.raises(ConfigError, match="already holds a run"):  # the control: a first attempt is refused
+        resolve_start(str(weights), str(output_dir), job="job7", attempt=0)
+    _started_run(tmp_path / "other", "job6", [4])
+    elsewhere = str(tmp_path / "other" / "checkpoints" / "step_00000004")
+    start = resolve_start(elsewhere, str(output_dir), job="job7", attempt=1)
+    assert start.path == elsewhere and start.is_checkpoint
 
 
 def test_a_restart_of_another_job_decides_as_its_first_attempt_did(tmp_path):

@@ -398,8 +398,7 @@ class CheckpointManager:
         this_runs_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         try:
             self._restore_model_and_optimizer(checkpoint, state)
-            self.scheduler.load_state_dict(state["scheduler"])
-            self._keep_this_runs_lr(this_runs_lrs)
+            restore_schedule(self.scheduler, self.optimizer, state, this_runs_lrs)
             if self.scaler is not None and state["scaler"] is not None:
                 self.scaler.load_state_dict(state["scaler"])
             self._restore_rng(checkpoint, state["world_size"])
@@ -448,21 +447,6 @@ class CheckpointManager:
             fill_from_full(template, torch.load(file, map_location="cpu", weights_only=True, mmap=True), file)
         else:
             dcp.load({section: template}, storage_reader=SafeFileSystemReader(checkpoint))
-
-    def _keep_this_runs_lr(self, this_runs_lrs: list[float]) -> None:
-        """The checkpoint's optimizer groups and scheduler carry the learning rate of the run that saved them;
-        a resume given another --lr scales the schedule to it from here on."""
-        saved = [group["initial_lr"] for group in self.optimizer.param_groups]
-        self.scheduler.base_lrs = list(this_runs_lrs)  # what the schedule scales from now on
-        if saved == this_runs_lrs:
-            return
-        for group, base, old in zip(self.optimizer.param_groups, this_runs_lrs, saved, strict=True):
-            group["lr"] *= base / old
-            group["initial_lr"] = base
-        get_logger().info(
-            "learning rate: --lr %g where the checkpoint's run had %g; the schedule goes on scaled by %g",
-            this_runs_lrs[0], saved[0], this_runs_lrs[0] / saved[0],
-        )  # fmt: skip
 
     def _restore_rng(self, checkpoint: str, saved_world_size: int) -> None:
         if saved_world_size != self.info.world_size:
@@ -555,3 +539,33 @@ def _rng_state(device: torch.device) -> dict:
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
+
+
+def restore_schedule(
+    scheduler: LRScheduler, optimizer: torch.optim.Optimizer, state: dict, this_runs_lrs: list
+) -> None:
+    """The schedule's position from a checkpoint's train state, with this run's settings. A checkpoint without
+    optimizer state leaves this run's fresh groups: they take the learning rate the schedule had reached. StepLR's
+    saved state would put the saved run's --gamma back: this run's stays. The checkpoint's optimizer groups and
+    scheduler carry the learning rate of the run that saved them; a resume given another --lr scales the
+    schedule to it from here on."""
+    gamma = getattr(scheduler, "gamma", None)
+    scheduler.load_state_dict(state["scheduler"])
+    if gamma is not None:
+        scheduler.gamma = gamma
+    groups = optimizer.param_groups
+    if not state["has_optimizer"]:
+        reached, bases = scheduler.get_last_lr(), scheduler.base_lrs
+        for index, group in enumerate(groups):  # one rate for every group: the decay groups share it
+            group["lr"], group["initial_lr"] = reached[index % len(reached)], bases[index % len(bases)]
+    saved = [group["initial_lr"] for group in groups]
+    scheduler.base_lrs = list(this_runs_lrs)  # what the schedule scales from now on
+    if saved == this_runs_lrs:
+        return
+    for group, base, old in zip(groups, this_runs_lrs, saved, strict=True):
+        group["lr"] *= base / old
+        group["initial_lr"] = base
+    get_logger().info(
+        "learning rate: --lr %g where the checkpoint's run had %g; the schedule goes on scaled by %g",
+        this_runs_lrs[0], saved[0], this_runs_lrs[0] / saved[0],
+    )  # fmt: skip

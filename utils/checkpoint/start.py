@@ -141,13 +141,18 @@ class Choice:
 def _choose(resume: str, output_dir: str, job: str | None, attempt: int) -> Choice:
     """Rank 0: where the run may start from."""
     prepare_output_dir(output_dir)
-    if attempt > 0 and job is not None and recorded_job(output_dir) == job:
+    # A torchrun restart of this run (its first attempt recorded the job) continues from its newest checkpoint;
+    # before one exists it starts where the first attempt did (--resume's .pt or checkpoint, or afresh).
+    restarted = attempt > 0 and job is not None and recorded_job(output_dir) == job
+    if restarted:
         found = _complete_candidates(output_dir)
-        where = found[0].path if found else "the start"
-        get_logger().warning("torchrun restart %d of this run: continuing from %s", attempt, where)
-        return Choice(candidates=found) if found else Choice(StartPoint())
+        if found:
+            get_logger().warning("torchrun restart %d of this run: continuing from %s", attempt, found[0].path)
+            return Choice(candidates=found)
+        get_logger().warning("torchrun restart %d of this run, no checkpoint yet: starting as it started", attempt)
     if resume.lower() == "false":
-        refuse_over_a_run(output_dir, "--resume false")
+        if not restarted:
+            refuse_over_a_run(output_dir, "--resume false")
         return Choice(StartPoint())
     if resume.lower() == "true":
         found = _complete_candidates(output_dir)
@@ -162,7 +167,8 @@ def _choose(resume: str, output_dir: str, job: str | None, attempt: int) -> Choi
             f"checkpoint in output_dir, or a folder such as {example}"
         )
     if not os.path.isdir(resume):
-        refuse_over_a_run(output_dir, f"--resume {resume} (a new run from its weights)")
+        if not restarted:
+            refuse_over_a_run(output_dir, f"--resume {resume} (a new run from its weights)")
         return Choice(StartPoint(resume))
     if not os.path.isfile(os.path.join(resume, layout.STATE_FILE)):
         raise CheckpointError(

@@ -72,5 +72,7 @@ def steps_per_epoch(recipe: RecipeConfig, batches_per_epoch: int) -> int:
 
 
 def total_optimizer_steps(recipe: RecipeConfig, epochs: int, batches_per_epoch: int) -> int:
-    """The run's optimizer steps: --max_steps, or every epoch's batches in groups of the accumulation."""
-    return recipe.max_steps or epochs * steps_per_epoch(recipe, batches_per_epoch)
+    """The run's optimizer steps: every epoch's batches in groups of the accumulation, or fewer, --max_steps (a
+    larger one does not add epochs: they end the run first)."""
+    every_epoch = epochs * steps_per_epoch(recipe, batches_per_epoch)
+    return min(recipe.max_steps or every_epoch, every_epoch)

@@ -102,11 +102,10 @@ class Trainer:
             recompute=throughput.recompute,
             task=task,
         )
-        # The run's optimizer steps (--max_steps or every epoch's), for the time left; and the step last shown.
-        # (--max_steps may exceed what the epochs hold: the epochs then end the run first.)
+        # The run's optimizer steps (every epoch's, or fewer: --max_steps), for the time left; and the step last
+        # shown.
         batches_per_epoch = len(loaders.train) if loaders.train is not None else 0
-        every_epoch = train.epochs * optim.steps_per_epoch(recipe, batches_per_epoch)
-        self.total_steps = min(recipe.max_steps or every_epoch, every_epoch)
+        self.total_steps = optim.total_optimizer_steps(recipe, train.epochs, batches_per_epoch)
         self.shown_step: int | None = None
         self.memory_account_due = True  # written once, after the run's first optimizer step
         self.metrics: MetricsWriter | None = None  # open while train() runs
@@ -349,17 +348,26 @@ class Trainer:
         return following
 
     def done(self, progress: TrainProgress) -> str | None:
-        """Why training ends before the epoch `progress` is at, or None: every epoch trained, --max_steps
-        reached, or --early_stopping_patience epochs without a new best (counted from the best epoch kept in
-        the progress, so the count is the same after a resume)."""
-        if progress.epoch > self.train_config.epochs:
-            return f"all {self.train_config.epochs} epochs trained"
-        if 0 < self.recipe.max_steps <= progress.global_step:
-            return f"--max_steps {self.recipe.max_steps} reached"
+        """Why training ends before the epoch `progress` is at, or None (`ending`)."""
+        ending = self.ending(progress)
+        return ending[0] if ending else None
+
+    def ending(self, progress: TrainProgress) -> tuple[str, str] | None:
+        """(why training ends before the epoch `progress` is at, the setting a resume would change to train
+        on), or None: every epoch trained, --max_steps reached, or --early_stopping_patience epochs without a
+        new best (counted from the best epoch kept in the progress, so the count is the same after a resume)."""
+        epochs, max_steps = self.train_config.epochs, self.recipe.max_steps
+        if progress.epoch > epochs:
+            return f"all {epochs} epochs trained", f"more --epochs than {epochs}"
+        if 0 < max_steps <= progress.global_step:
+            return f"--max_steps {max_steps} reached", f"a higher --max_steps than {max_steps} (0: none)"
         patience, best = self.recipe.early_stopping_patience, progress.best_epoch
         if patience and best is not None and progress.epoch - 1 - best >= patience:
             metric = self.evaluation.metric_for_best
-            return f"early stopping: {patience} epochs without a better {metric} than epoch {best}'s"
+            return (
+                f"early stopping: {patience} epochs without a better {metric} than epoch {best}'s",
+                f"a higher --early_stopping_patience than {patience} (0: never)",
+            )
         return None
 
     def final_export(self, progress: TrainProgress, last_epoch: int) -> None:
@@ -392,12 +400,12 @@ class Trainer:
         last_epoch = progress.epoch if progress.samples_consumed else progress.epoch - 1
         last = progress.best_epoch is not None and progress.best_epoch != last_epoch
         folder = os.path.join(self.train_config.output_dir, self.checkpoints.final_folder(last))
-        reason = self.done(progress)
+        reason, train_on = self.ending(progress)
         if rank0_decides(lambda: os.path.isdir(folder)):  # one answer: the export below is collective
             get_logger().info(
                 "the run in %s had finished (%s; step %d): nothing to do, nothing changed. To train on, resume "
-                "with more --epochs than %d (or a higher --max_steps).",
-                self.train_config.output_dir, reason, progress.global_step, last_epoch,
+                "with %s.",
+                self.train_config.output_dir, reason, progress.global_step, train_on,
             )  # fmt: skip
             return
         get_logger().warning(
