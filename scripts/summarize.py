@@ -78,10 +78,17 @@ def untrained_generation(model, params: dict) -> dict:
     return generation
 
 
+def source_cleaning(params: dict) -> str:
+    """How the model's training run prepared its texts (CLEANINGS): the run's model names it (one saved before
+    the field, with the run's max_source_length, was a WikiHow run's); a model no run saved (the hub's, with
+    or without published settings, the embedded base) reads a text as it is."""
+    return params.get("cleaning", "wikihow" if "max_source_length" in params else "plain")
+
+
 def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[str]:
     """Summaries of `articles`, prepared and generated as the model's training run did."""
     params = summarization_settings(model.config)
-    cleaning = params.get("cleaning", "wikihow")  # models saved before the field: WikiHow runs
+    cleaning = source_cleaning(params)
     if cleaning not in CLEANINGS:
         raise UserError(f"the model's cleaning {cleaning!r} is unknown to this version: update the package")
     clean = CLEANINGS[cleaning]

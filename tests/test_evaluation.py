@@ -405,6 +405,14 @@ def test_summarize_writes_whole_summaries_with_a_model_trained_elsewhere(tmp_pat
     assert said["default"][0].count("summaries of up to 150 new tokens\n") == 1, said
     assert said["published"][0].count("up to 40 new tokens (its published summarization settings)") == 1, said
     assert "summaries of up to" not in said["own"][0], said
+    # Their texts are read as they are (WikiHow's cleaning drops a text's quotes), unlike a run's of before the
+    # cleaning field, which was a WikiHow run's
+    from scripts.summarize import source_cleaning
+
+    published_t5 = {"prefix": "summarize: ", "num_beams": 4, "max_length": 200}
+    assert [source_cleaning(params) for params in ({}, published_t5)] == ["plain", "plain"]
+    assert source_cleaning({"prefix": "", "max_source_length": 512}) == "wikihow"
+    assert source_cleaning({"cleaning": "chat", "max_source_length": 512}) == "chat"
 
 
 @pytest.mark.slow

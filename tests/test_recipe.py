@@ -81,7 +81,7 @@ def test_the_schedule_spans_the_steps_the_run_trains():
     """--max_steps within the epochs sizes the decay and the warmup share to it; a larger one does not add
     epochs (Trainer.done ends the run with them), so the schedule ends with them too: a linear decay reaches
     0 at the run's last step, not at a step it never trains (0.61 of the rate left at 100 of 40 steps)."""
-    from utils.train.optim import total_optimizer_steps
+    from utils.train.optim import total_optimizer_steps, unreached_step_budget
 
     two_epochs = {"epochs": 2, "batches_per_epoch": 20}
     assert total_optimizer_steps(RecipeConfig(), **two_epochs) == 40
@@ -89,6 +89,12 @@ def test_the_schedule_spans_the_steps_the_run_trains():
     assert total_optimizer_steps(RecipeConfig(max_steps=100), **two_epochs) == 40
     assert total_optimizer_steps(RecipeConfig(max_steps=100, gradient_accumulation_steps=3), **two_epochs) == 14
     assert lr_factor(39, "linear", 0, 40) == pytest.approx(1 / 40) and lr_factor(39, "linear", 0, 100) > 0.6
+    # HF's max_steps adds epochs, this one does not: the start says so, naming the epochs that would train all
+    assert unreached_step_budget(RecipeConfig(max_steps=100), **two_epochs) == (
+        "--max_steps 100 is more than the 2 epoch(s) hold (40 optimizer steps): the run trains 40; --epochs 5 "
+        "would train them all"
+    )
+    assert unreached_step_budget(RecipeConfig(max_steps=25), **two_epochs) is None
 
 
 # ------------------------------------------------------------------------------------- through torchrun

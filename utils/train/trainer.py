@@ -106,6 +106,9 @@ class Trainer:
         # shown.
         batches_per_epoch = len(loaders.train) if loaders.train is not None else 0
         self.total_steps = optim.total_optimizer_steps(recipe, train.epochs, batches_per_epoch)
+        unreached = optim.unreached_step_budget(recipe, train.epochs, batches_per_epoch)
+        if unreached:
+            get_logger().info("%s", unreached)
         self.shown_step: int | None = None
         self.memory_account_due = True  # written once, after the run's first optimizer step
         self.metrics: MetricsWriter | None = None  # open while train() runs
