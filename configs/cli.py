@@ -118,13 +118,26 @@ def parse_value(spec: FieldSpec, text: str):
     return text
 
 
+# A count of steps whose share of the run is another flag: HF 5 takes a number below 1 as that share.
+SHARE_OF_THE_RUN = {"warmup_steps": "warmup_ratio"}
+
+
+def _is_a_share(text: str) -> bool:
+    try:
+        return 0 < float(text) < 1
+    except ValueError:
+        return False
+
+
 def _parse_number(spec: FieldSpec, text: str) -> int | float:
     type_hint, flag = spec.type_hint, f"--{spec.name}"
     try:
         value = type_hint(text)
     except ValueError:
+        share = SHARE_OF_THE_RUN.get(spec.name) if _is_a_share(text) else None  # HF 5 reads 0.05 so
+        hint = f" (a share of the run's steps is --{share} {text})" if share else ""
         raise ConfigError(
-            f"{flag} takes {'an integer' if type_hint is int else 'a number'}, not {text!r}"
+            f"{flag} takes {'an integer' if type_hint is int else 'a number'}, not {text!r}{hint}"
         ) from None
     if not math.isfinite(value):  # nan compares False with every bound
         raise ConfigError(f"{flag} takes a finite number, not {text!r}")
@@ -245,8 +258,9 @@ def _unknown_flag_message(unknown: list[str], parser: argparse.ArgumentParser) -
     return "\n".join(lines)
 
 
-def own_flags(parser: argparse.ArgumentParser) -> set[str]:
-    return {opt for action in parser._actions for opt in action.option_strings}
+def own_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """{each option string of the parser (aliases too): the field it sets}."""
+    return {opt: action.dest.rsplit(".", 1)[-1] for action in parser._actions for opt in action.option_strings}
 
 
 def hf_name_notes(argv: list[str] | None = None) -> list[str]:

@@ -8,7 +8,7 @@ work as keys of a --config file. docs/configuration.md's table is `markdown()`.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from configs.errors import ConfigError
@@ -27,6 +27,25 @@ class HFName:
 
 def renamed(field: str) -> HFName:
     return HFName(lambda value: [(field, value)], "value", f"`--{field}`")
+
+
+def step_count(name: str, field: str, meaning: str = "") -> HFName:
+    """An HF name for a number of steps, which HF 5 also takes as a share of the run (a number below 1): refused
+    as such, naming the flag that counts steps here."""
+
+    def becomes(value: str) -> list[tuple[str, str]]:
+        try:
+            share = 0 < float(value) < 1
+        except ValueError:  # the flag's own parser says what is wrong with it
+            share = False
+        if share:
+            raise ConfigError(
+                f"--{name} {value}: HF reads a number below 1 as a share of the run's steps; this package counts "
+                f"steps: give --{field} N"
+            )
+        return [(field, value)]
+
+    return HFName(becomes, "value", f"`--{field}`{meaning}")
 
 
 def boolean(*fields: str) -> HFName:
@@ -115,9 +134,13 @@ HF_NAMES = {
     "lr_scheduler_type": HFName(
         scheduler, "value", "`--lr_scheduler` (linear, cosine, constant; constant_with_warmup: constant)"
     ),  # fmt: skip
-    "logging_steps": renamed("log_every_n_steps"),
-    "eval_steps": renamed("eval_every_n_steps"),
-    "save_steps": renamed("save_every_n_steps"),
+    "logging_steps": step_count("logging_steps", "log_every_n_steps"),
+    "eval_steps": step_count(
+        "eval_steps", "eval_every_n_steps", " (left out beside --eval_strategy epoch or no, as HF leaves it)"
+    ),
+    "save_steps": step_count(
+        "save_steps", "save_every_n_steps", " (left out beside --save_strategy epoch or no, as HF leaves it)"
+    ),
     "save_total_limit": HFName(whole_number_limit, "value", "`--keep_last_n` (0 here writes no checkpoints)"),
     "resume_from_checkpoint": renamed("resume"),
     "dataloader_num_workers": renamed("num_workers_dataloader"),
@@ -185,9 +208,10 @@ def canonical(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
-def translate(argv: list[str], own_flags: set[str]) -> tuple[list[str], list[str]]:
-    """argv with HF's names replaced by this package's flags (`own_flags`, which are left as they are), and
-    one line for each name met."""
+def translate(argv: list[str], own_flags: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """argv with HF's names replaced by this package's flags (`own_flags`: {flag: the field it sets}, which are
+    left as they are), and one line for each name met. A field set both by its own flag and by an HF name is
+    refused (which one wins would depend on nothing the user sees), as in a --config file."""
     out, used, position = [], [], 0
     while position < len(argv):
         token = argv[position]
@@ -206,6 +230,14 @@ def translate(argv: list[str], own_flags: set[str]) -> tuple[list[str], list[str
                 break
         used.append((flag, name, given))
     flags, notes = resolve(used)
+    own = {own_flags[flag]: flag for flag in (token.partition("=")[0] for token in out) if flag in own_flags}
+    both = sorted({field for field, _ in flags if field in own})
+    if both:
+        names = ", ".join(label for label, _, _ in used)
+        raise ConfigError(
+            f"{', '.join(own[field] for field in both)} given twice, by its own flag and by an HF name ({names}): "
+            "keep one"
+        )
     return out + [part for field, text in flags for part in (f"--{field}", text)], notes
 
 
@@ -225,10 +257,14 @@ def resolve(used: list[tuple[str, str, list[str]]]) -> tuple[list[tuple[str, str
     do_* names are read together, as HF reads them."""
     values = {name: value_of(label, HF_NAMES[name], given) for label, name, given in used}
     joint = {**precision(values), **tasks(values)}
+    ignored = steps_a_strategy_ignores(values)
     flags, notes = [], []
     for label, name, given in used:
         hf = HF_NAMES[name]
         said = f"{label}{' ' + ' '.join(given) if given else ''}"
+        if name in ignored:
+            notes.append(f"{said}: left out ({ignored[name]})")
+            continue
         became = joint[name] if name in joint else hf.becomes(values[name]) if hf.becomes else None
         if not became:
             notes.append(f"{said}: left out ({plain(hf.meaning)})")
@@ -250,6 +286,20 @@ def precision(values: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
     if bf16 is not None:
         joint["bf16"] = [] if bf16 == "false" and fp16 == "true" else [("mixed_precision", bf16)]
     return joint
+
+
+def steps_a_strategy_ignores(values: dict[str, str]) -> dict[str, str]:
+    """{--eval_steps or --save_steps: why it is left out} where HF's strategy beside it ignores it (epoch, no),
+    as HF does: a template's --eval_steps 500 would otherwise add a generation pass every 500 steps."""
+    ignored = {}
+    for steps, strategies in (
+        ("eval_steps", ("eval_strategy", "evaluation_strategy")),
+        ("save_steps", ("save_strategy",)),
+    ):
+        chosen = next((f"--{name} {values[name]}" for name in strategies if name in values), None)
+        if steps in values and chosen and chosen.rsplit(" ", 1)[1] in ("epoch", "no"):
+            ignored[steps] = f"{chosen}: HF ignores it then, and so does this run"
+    return ignored
 
 
 def tasks(values: dict[str, str]) -> dict[str, list[tuple[str, str]]]:

@@ -86,6 +86,44 @@ def test_strategies_of_no_switch_the_feature_off():
     assert parse_args(["--eval_strategy", "epoch"]).train.run_validation
 
 
+@pytest.mark.parametrize("strategy", ["epoch", "no"])
+def test_steps_beside_a_strategy_that_ignores_them_are_left_out_as_hf_leaves_them(strategy):
+    """A template's --eval_steps 500 beside --eval_strategy epoch evaluates every epoch only (HF ignores the
+    steps then), not also every 500 steps; the same for saves; beside steps, the steps are taken."""
+    argv = ["--eval_strategy", strategy, "--eval_steps", "100", "--save_strategy", strategy, "--save_steps", "200"]
+    config = parse_args(argv)
+    assert (config.evaluation.eval_every_n_steps, config.checkpointing.save_every_n_steps) == (0, 0)
+    said = hf_name_notes(argv)
+    assert (
+        f"--eval_steps 100: left out (--eval_strategy {strategy}: HF ignores it then, and so does this run)"
+        in said
+    )
+    assert (
+        f"--save_steps 200: left out (--save_strategy {strategy}: HF ignores it then, and so does this run)"
+        in said
+    )
+    steps = parse_args(["--eval_strategy", "steps", "--eval_steps", "100", "--save_steps", "200"])
+    assert (steps.evaluation.eval_every_n_steps, steps.checkpointing.save_every_n_steps) == (100, 200)
+
+
+def test_a_setting_given_by_its_own_flag_and_by_an_hf_name_is_refused_in_either_order():
+    """Which would win depended on nothing the user sees (the HF name, translated last, always did)."""
+    for argv, own, hf in (
+        (["--lr", "1e-3", "--learning_rate", "3e-4"], "--lr", "--learning_rate"),
+        (["--learning_rate=3e-4", "--lr=1e-3"], "--lr", "--learning_rate"),
+        (["--mixed_precision", "false", "--bf16"], "--mixed_precision", "--bf16"),
+        (["--tensorboard", "true", "--report_to", "wandb"], "--tensorboard", "--report_to"),
+        (
+            ["--batch-size", "4", "--per_device_train_batch_size", "8"],
+            "--batch-size",
+            "--per_device_train_batch_size",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=f"{own} given twice, by its own flag and by an HF name \\({hf}\\)"):
+            parse_args(argv)
+    assert parse_args(["--learning_rate", "3e-4", "--epochs", "3"]).train.lr == 3e-4  # no overlap: both taken
+
+
 def test_names_with_no_meaning_here_are_left_out_with_what_the_package_does():
     argv = [*LEFT_OUT, "True", "--epochs", "5"]  # HF's boolean with a value, then one of ours
     assert parse_args(argv).train.epochs == 5
@@ -106,6 +144,19 @@ def test_names_with_no_meaning_here_are_left_out_with_what_the_package_does():
         (["--save_total_limit", "0"], "keeps every checkpoint then"),
         (["--do_train", "False"], "nothing to do"),
         (["--eval_strategy", "sometimes"], "no, steps and epoch"),
+        # HF 5 reads a number below 1 as a share of the run: named with the flag that counts steps here
+        (
+            ["--eval_steps", "0.1"],
+            "--eval_steps 0.1: HF reads a number below 1 as a share.*--eval_every_n_steps N",
+        ),
+        (
+            ["--logging_steps", "0.5"],
+            "share of the run's steps; this package counts steps: give --log_every_n_steps",
+        ),
+        (
+            ["--warmup_steps", "0.05"],
+            "takes an integer, not '0.05' \\(a share of the run's steps is --warmup_ratio",
+        ),
     ],
 )
 def test_values_this_package_cannot_honour_are_refused(argv, message):
