@@ -150,6 +150,12 @@ HF_NAMES = {
     "report_to": HFName(trackers, "values", "`--tensorboard`, `--wandb`, `--mlflow`: true if named, false if not"),
     "run_name": renamed("tracker_run_name"),
     "generation_num_beams": renamed("num_beams"),
+    "generation_max_length": HFName(
+        lambda value: [("max_new_tokens", value)],
+        "value",
+        "`--max_new_tokens` (the tokens generated; HF's length also counts an encoder-decoder's start token, a "
+        "decoder-only model's prompt)",
+    ),
     "do_train": HFName(
         None,
         "boolean",
@@ -187,6 +193,12 @@ HF_NAMES = {
     "model_name_or_path": renamed("model_name"),
     "max_train_samples": renamed("num_train_samples"),
     "max_eval_samples": renamed("num_val_samples"),
+    "val_max_target_length": HFName(
+        lambda value: [("max_new_tokens", value)],
+        "value",
+        "`--max_new_tokens` (evaluation's generated length; validation's targets are cut at --max_target_length, "
+        "as training's)",
+    ),
     "overwrite_cache": left_out(
         "none needed: the token cache is rebuilt when the data, tokenizer or lengths change", "boolean"
     ),  # fmt: skip

@@ -9,6 +9,7 @@ import pytest
 import T5_training
 from configs import hf_names
 from configs.cli import build_parser, hf_name_notes, own_flags, parse_args
+from configs.data import DataConfig
 from configs.errors import ConfigError
 from tests.test_cli import all_fields
 
@@ -44,6 +45,15 @@ def test_each_hf_name_becomes_its_flag_with_one_line():
     assert "--learning_rate 3e-4 -> --lr 3e-4" in notes
     assert "--bf16 False -> --mixed_precision false" in notes
     assert len(notes) == len(FIRST_FLAGS) - 1  # warmup_ratio is this package's own name too
+
+
+@pytest.mark.parametrize("name", ["--generation_max_length", "--val_max_target_length"])
+def test_hfs_generation_lengths_set_the_generated_tokens_not_training_truncation(name):
+    """What a mistyped one was led to before (--max_target_length, which cuts training's targets)."""
+    config = parse_args([name, "64"])
+    assert (
+        config.evaluation.max_new_tokens == 64 and config.data.max_target_length == DataConfig().max_target_length
+    )
 
 
 @pytest.mark.parametrize(

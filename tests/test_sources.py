@@ -507,6 +507,10 @@ def test_missing_files_and_folders(tmp_path):
     )
     assert "no such folder" in _error(DataConfig(data_dir=str(tmp_path / "nope")))
     (tmp_path / "sample").mkdir()  # a typo of a folder that exists: named
+    assert _error(DataConfig(train_file=str(tmp_path / "sample"))) == (  # a folder as a file: --data_dir named
+        f"{tmp_path / 'sample'} is a folder, not a data file: give a file (.csv, .jsonl, .json, .parquet), or "
+        f"--data_dir {tmp_path / 'sample'} for a folder of train/validation/test files or a saved dataset"
+    )
     assert _error(DataConfig(data_dir=str(tmp_path / "sampel"))).endswith(
         f"Did you mean --data_dir {tmp_path / 'sample'}?"
     )

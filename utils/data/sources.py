@@ -717,6 +717,11 @@ def check_data_found(data: DataConfig) -> None:
     missing data is said in about a second. A --dataset_name is looked up when it is loaded."""
     named = [Path(path) for path in (data.train_file, data.validation_file, data.test_file) if path]
     for path in named:
+        if path.is_dir():
+            raise DataFileNotFoundError(
+                f"{path.resolve()} is a folder, not a data file: give a file (.csv, .jsonl, .json, .parquet), or "
+                f"--data_dir {path} for a folder of train/validation/test files or a saved dataset"
+            )
         if path.suffix.lower() in FILE_TYPES and not path.is_file():  # another type: file_source says so
             raise DataFileNotFoundError(f"data file not found: {path.resolve()}")
     if named or data.dataset_name:
