@@ -279,7 +279,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
             if start.is_checkpoint and trainer.done(progress):
                 trainer.finish_finished_run(progress)  # a resume of a finished run changes nothing
             else:
-                checkpoints.begin_training(start, progress)  # a rollback's abandoned checkpoints set aside
+                progress = checkpoints.begin_training(start, progress)  # a rollback's abandoned branch set aside
                 if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
                     record_ = run_record.run_record(
                         config=config, from_accelerate=from_accelerate, info=info, precision=precision,

@@ -778,10 +778,14 @@ def test_a_rollback_sticks_a_resume_continues_its_branch_and_a_finished_run_chan
     assert rollback.returncode == 0, rollback.describe()
     assert "changed here: --max_steps 22 (the run had 0), --keep_last_n 3 (the run had 2)" in rollback.output
     [branch] = (out / "checkpoints" / "abandoned").iterdir()
+    # The abandoned branch's epoch 2 was a new best: hf_model/ held its model and goes with it; this branch's
+    # best is chosen again, and its end (step 22, validated) writes hf_model/ anew.
     assert branch.name.startswith("after_step_00000020-") and sorted(p.name for p in branch.iterdir()) == [
-        "step_00000024"
-    ]
+        "hf_model", "step_00000024"
+    ]  # fmt: skip
     assert rollback.output.count(f"moved to {branch}") == 1, rollback.describe()
+    assert "this branch's best is chosen again from its own evaluations" in rollback.output, rollback.describe()
+    assert "new best val_loss" in rollback.output and (out / "hf_model" / "config.json").is_file()
     assert complete_checkpoint_steps(out) == [20, 22]
     assert_losses_match(out, reference, steps=[21, 22])
 

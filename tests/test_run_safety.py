@@ -21,6 +21,7 @@ from configs.paths import REPO_ROOT
 from tests.launch import pooled
 from utils import layout
 from utils.checkpoint.integrity import HashingFile, checkpoint_files, file_record, find_damage, hashed_file
+from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.record import recorded_run
 from utils.checkpoint.run_lock import RunLock
 from utils.checkpoint.start import StartPoint, resolve_start, set_aside_newer
@@ -29,7 +30,7 @@ from utils.train.preemption import STOP_SIGNALS, StopRequest
 # ------------------------------------------------------------------------------ checkpoints verify themselves
 
 
-def make_checkpoint(output_dir, step: int, world_size: int = 2) -> str:
+def make_checkpoint(output_dir, step: int, world_size: int = 2, best_epoch: int | None = None) -> str:
     """A complete checkpoint as the manager completes one: files written (model.pt hashed as it is written,
     the others read at completion), then train_state.json listing them."""
     folder = os.path.join(layout.checkpoint_root(str(output_dir)), layout.step_dir_name(step))
@@ -41,8 +42,9 @@ def make_checkpoint(output_dir, step: int, world_size: int = 2) -> str:
         torch.save({"weight": torch.randn(64, 64)}, f)
     with open(os.path.join(folder, "__0_0.distcp"), "wb") as f:
         f.write(os.urandom(20000))
+    progress = {"epoch": 1, "global_step": step, "best_epoch": best_epoch}
     state = {"format_version": layout.FORMAT_VERSION, "checkpoint_type": layout.FULL, "has_optimizer": False,
-             "world_size": world_size, "progress": {"epoch": 1, "global_step": step}}  # fmt: skip
+             "world_size": world_size, "progress": progress}  # fmt: skip
     state["files"] = checkpoint_files(folder, written)
     with open(os.path.join(folder, layout.STATE_FILE), "w") as f:
         json.dump(state, f)
@@ -159,7 +161,7 @@ def test_dcps_failures_reach_the_user_as_one_sentence():
 def test_a_rollback_sets_the_abandoned_branch_aside(tmp_path, log_records):
     start_folder = make_checkpoint(tmp_path, 4)
     newer = [make_checkpoint(tmp_path, step) for step in (8, 12)]
-    set_aside_newer(str(tmp_path), StartPoint(start_folder, layout.FULL), 4)
+    assert not set_aside_newer(str(tmp_path), StartPoint(start_folder, layout.FULL), TrainProgress(global_step=4))
     assert layout.complete_checkpoints(str(tmp_path)) == [start_folder]
     [branch] = os.listdir(os.path.join(layout.checkpoint_root(str(tmp_path)), layout.ABANDONED_DIR))
     assert branch.startswith("after_step_00000004-")
@@ -168,6 +170,27 @@ def test_a_rollback_sets_the_abandoned_branch_aside(tmp_path, log_records):
     assert any("step_00000008, step_00000012" in r.getMessage() for r in log_records), log_records
     # --resume true now continues this branch.
     assert resolve_start("true", str(tmp_path)).path == start_folder
+
+
+def test_a_rollback_sets_aside_the_exports_of_a_best_epoch_the_abandoned_branch_found(tmp_path, log_records):
+    """The abandoned branch found a newer best (epoch 2) than the restored progress holds (epoch 1): hf_model/
+    holds its model and goes with it, and this branch's best is chosen again. Control: where the branch found
+    no newer best, the exports hold the restored best's model and stay."""
+    for found, best in (("newer best", 2), ("no newer best", 1)):
+        out = tmp_path / found
+        start_folder = make_checkpoint(out, 4, best_epoch=1)
+        make_checkpoint(out, 8, best_epoch=best)
+        (out / layout.HF_DIR).mkdir()
+        (out / layout.HF_DIR / "config.json").write_text("{}")
+        restored = TrainProgress(epoch=2, global_step=4, best_metric=1.5, best_epoch=1)
+        abandoned = set_aside_newer(str(out), StartPoint(start_folder, layout.FULL), restored)
+        [branch] = (out / "checkpoints" / layout.ABANDONED_DIR).iterdir()
+        aside = sorted(path.name for path in branch.iterdir())
+        if found == "newer best":
+            assert abandoned and aside == [layout.HF_DIR, "step_00000008"] and not (out / layout.HF_DIR).exists()
+            assert any("this branch's best is chosen again" in r.getMessage() for r in log_records), log_records
+        else:
+            assert not abandoned and aside == ["step_00000008"] and (out / layout.HF_DIR / "config.json").exists()
 
 
 # ------------------------------------------------------------------------------------ one run per output_dir
@@ -388,7 +411,9 @@ def test_the_record_a_resume_reads(tmp_path):
     path, record = recorded_run("true", str(tmp_path))
     assert path == str(tmp_path / layout.CONFIG_FILE) and record["train_config"]["lr"] == 0.005
     assert recorded_run(checkpoint, str(tmp_path / "elsewhere"))[0] == path  # the checkpoint's own run
-    set_aside_newer(str(tmp_path), StartPoint(make_checkpoint(tmp_path, 2), layout.FULL), 2)  # step 4 set aside
+    set_aside_newer(
+        str(tmp_path), StartPoint(make_checkpoint(tmp_path, 2), layout.FULL), TrainProgress(global_step=2)
+    )
     [aside] = (tmp_path / "checkpoints" / "abandoned").glob("*/step_00000004")
     assert recorded_run(str(aside), str(tmp_path / "elsewhere"))[0] == path  # found from a set-aside one too
     assert recorded_run("false", str(tmp_path)) is None

@@ -38,7 +38,7 @@ import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ from utils.checkpoint.state_dicts import (
     tensor_only_optimizer_state,
 )
 from utils.distributed.hang_report import WHERE
-from utils.distributed.process_group import DistInfo
+from utils.distributed.process_group import DistInfo, rank0_decides
 from utils.distributed.progress_bounded import progress_bounded
 from utils.files import disk_bytes, free_bytes, is_disk_full, write_json
 from utils.log import get_logger, size_text
@@ -371,18 +371,24 @@ class CheckpointManager:
         os.replace(checkpoint, doomed)
         self.purger.submit(shutil.rmtree, doomed, ignore_errors=True)
 
-    def begin_training(self, start: StartPoint, progress: TrainProgress) -> None:
+    def begin_training(self, start: StartPoint, progress: TrainProgress) -> TrainProgress:
         """Before a run's first step (collective; rank 0 acts, under the run lock): a rollback's abandoned
         newer checkpoints are set aside (utils/checkpoint/start.py), temporary folders of saves that never
-        completed are removed, and a background writer process is started."""
-        if self.info.is_main:
-            set_aside_newer(self.output_dir, start, progress.global_step)
+        completed are removed, and a background writer process is started. Returns the progress to train
+        from: without a best epoch where the exported best model was the abandoned branch's."""
+
+        def prepare() -> bool:
+            exports_abandoned = set_aside_newer(self.output_dir, start, progress)
             for stale in layout.stale_temporaries(self.output_dir):  # under the run lock: nobody writes them
                 self._purge(stale)
                 get_logger().info("removing %s, a save that never completed", stale)
-        dist.barrier()
+            return exports_abandoned
+
+        if rank0_decides(prepare):
+            progress = replace(progress, best_metric=None, best_epoch=None)
         if self.background is not None and self.checkpointing.keep_last_n:
             self.background.start_process(layout.tmp_checkpoint_dir(self.output_dir, 0) + "_writer_start")
+        return progress
 
     @fsdp1_state_dict_warnings_ignored()
     def load(self, start: StartPoint) -> TrainProgress:

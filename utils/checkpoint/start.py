@@ -211,31 +211,39 @@ def _set_aside_damaged(output_dir: str, checkpoint: str, problem: str, continuin
     )  # fmt: skip
 
 
-def set_aside_newer(output_dir: str, start: StartPoint, branch_point: int) -> None:
-    """Rank 0, when a run starts training from a checkpoint (of step `branch_point`, its restored progress)
-    older than output_dir's newest (a rollback): the newer checkpoints (and one of the same step that is not
-    the start) belong to the abandoned branch. They
-    move, together, to checkpoints/abandoned/, so that --resume true and torchrun restarts continue this
-    branch; one line says so."""
+def set_aside_newer(output_dir: str, start: StartPoint, progress: TrainProgress) -> bool:
+    """Rank 0, when a run starts training from a checkpoint (its restored `progress`) older than output_dir's
+    newest (a rollback): the newer checkpoints (and one of the same step that is not the start) belong to the
+    abandoned branch. They move, together, to checkpoints/abandoned/, so that --resume true and torchrun
+    restarts continue this branch; one line says so. Where that branch found a newer best epoch than
+    `progress` holds, the exports (hf_model/ and its kin) hold its model, not this branch's: they move with
+    it, and True says that this branch's best is to be chosen again (the restored best's model was
+    overwritten there)."""
     if not start.is_checkpoint:
-        return  # a new run: refused over an existing one (refuse_over_a_run), so there is nothing newer
-    start_path = os.path.realpath(start.path)
+        return False  # a new run: refused over an existing one (refuse_over_a_run), so there is nothing newer
+    branch_point, start_path = progress.global_step, os.path.realpath(start.path)
     newer = [
         path
         for path in layout.complete_checkpoints(output_dir)
         if layout.step_of(path) >= branch_point and os.path.realpath(path) != start_path
     ]
     if not newer:
-        return
+        return False
+    exports_abandoned = read_train_state(newer[-1])["progress"].get("best_epoch") != progress.best_epoch
+    exports = [os.path.join(output_dir, name) for name in layout.EXPORT_DIRS] if exports_abandoned else []
+    moved = newer + [path for path in exports if os.path.isdir(path)]
     destination = layout.abandoned_dir(output_dir, branch_point, layout.time_stamp())
     os.makedirs(destination)
-    for path in newer:
+    for path in moved:
         shutil.move(path, os.path.join(destination, os.path.basename(path)))
     get_logger().warning(
         "started from step %d, before this output_dir's newest checkpoint: the abandoned branch's %s moved to "
-        "%s (--resume true and torchrun restarts now continue from this run's checkpoints)",
-        branch_point, ", ".join(os.path.basename(path) for path in newer), destination,
+        "%s (--resume true and torchrun restarts now continue from this run's checkpoints)%s",
+        branch_point, ", ".join(os.path.basename(path) for path in moved), destination,
+        "; its best epoch's model was the exported one, so this branch's best is chosen again from its own "
+        "evaluations" if exports_abandoned else "",
     )  # fmt: skip
+    return exports_abandoned
 
 
 def recorded_job(output_dir: str) -> str | None:
