@@ -54,6 +54,7 @@ EVAL_KEYS = {"type", "epoch", "step", "split", "rouge1", "rouge2", "rougeL", "ro
 MEMORY_KEYS = {
     "type",
     "rank",
+    "step",
     "load_rss_delta_bytes",
     "param_numel_local",
     "param_numel_total",
@@ -152,7 +153,7 @@ def test_metrics_records_have_exactly_the_documented_keys(records, run_config):
 @pytest.mark.slow
 def test_memory_account_has_one_record_per_rank_and_full_shard_halves_the_state(records):
     memory = [r for r in records if r["type"] == "memory"]
-    assert [r["rank"] for r in memory] == list(range(NPROC))
+    assert [r["rank"] for r in memory] == list(range(NPROC)) and {r["step"] for r in memory} == {1}
     for record in memory:
         total = record["param_numel_total"]
         # FULL_SHARD on 2 ranks: half the parameters and half of AdamW's two moments (plus padding).

@@ -601,6 +601,26 @@ def test_a_resume_decays_by_this_runs_gamma_from_the_rate_its_schedule_reached()
     assert scheduler.gamma == 0.85 and optimizer.param_groups[0]["lr"] == 0.002  # what restore_schedule mends
 
 
+def test_a_resume_cuts_metrics_back_to_its_checkpoint_memory_records_by_their_step(tmp_path):
+    """Each training process writes its memory account after its first step, with that step: a resume from
+    step 20 keeps the start's (step 1, and one of an older version without a step) and drops the abandoned
+    process's (step 21, after the checkpoint), as it drops its steps; the resumed process then writes its own."""
+    from utils.observe.metrics import truncate_metrics_for_resume
+
+    path = tmp_path / "metrics.jsonl"
+    records = [
+        {"type": "memory", "rank": 0, "step": 1},
+        {"type": "memory", "rank": 0},
+        {"type": "step", "step": 20},
+        {"type": "epoch", "epoch": 1},
+        {"type": "memory", "rank": 0, "step": 21},
+        {"type": "step", "step": 21},
+    ]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    truncate_metrics_for_resume(str(path), last_step=20, next_epoch=2)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records[:4]
+
+
 # --------------------------------------------------------------------------------- 6. hf_model export
 
 

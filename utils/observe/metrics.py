@@ -71,8 +71,11 @@ def json_safe(value):
     return value
 
 
+STEPPED = ("step", "eval", "validation", "memory")  # the records that name the step they were written after
+
+
 def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> None:
-    """Keep the records a checkpoint covers (step, eval and validation records <= last_step, epochs <
+    """Keep the records a checkpoint covers (step, eval, validation and memory records <= last_step, epochs <
     next_epoch), drop the rest.
 
     The resumed run writes the later steps again, so the file ends as an uninterrupted run's would.
@@ -86,7 +89,7 @@ def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> N
                 record = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by the crash
                 continue
-            if record.get("type") in ("step", "eval", "validation") and record["step"] > last_step:
+            if record.get("type") in STEPPED and record.get("step", 0) > last_step:  # memory: older ones have none
                 continue
             if record.get("type") == "epoch" and record["epoch"] >= next_epoch:
                 continue

@@ -312,7 +312,7 @@ class Trainer:
         if self.recipe.lr_scheduler != "step":  # else the tutorial's StepLR, once per epoch
             self.scheduler.step()
         if self.memory_account_due:  # AdamW's state exists from the first step on
-            self._write_memory_account(batches[0], settings.saved_counter.bytes)
+            self._write_memory_account(step, batches[0], settings.saved_counter.bytes)
             self.memory_account_due = False
 
     def _end_epoch(
@@ -458,13 +458,14 @@ class Trainer:
             self.metrics.write(record)
         self.model.train()
 
-    def _write_memory_account(self, first_batch: dict, saved_activation_bytes: int) -> None:
-        """The memory records (utils/observe/memory.py), after the run's first optimizer step."""
+    def _write_memory_account(self, step: int, first_batch: dict, saved_activation_bytes: int) -> None:
+        """The memory records (utils/observe/memory.py) after this process's first optimizer step, `step`: a
+        run's start, and each resume's (whose load restored a checkpoint)."""
         counted = self.task.batch_shape(first_batch)
         for record in memory_records(
             self.model, self.optimizer, self.info.device, self.memory_baseline, saved_activation_bytes, counted
         ):
-            self.metrics.write(record)
+            self.metrics.write({**record, "step": step})
 
     def _epoch_record(
         self,
