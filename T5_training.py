@@ -476,7 +476,11 @@ def main(argv: list[str] | None = None) -> int:
         point_launcher_to_the_log(rank)
         return 1
     except FAILURES as err:  # Exception, and DCP's CheckpointException (a BaseException)
-        if process_group.is_peer_failure(err):
+        if getattr(err, "refusal", None):  # another rank's own input error, which rank 0 says (once)
+            if rank == 0:
+                get_logger().error("%s", err.refusal)
+                point_launcher_to_the_log(rank)
+        elif process_group.is_peer_failure(err):
             # Another rank failed first and printed why; N copies of "connection closed" would bury it.
             get_logger().error("stopped: another rank failed (its error is above)")
         elif is_disk_full(err):  # a full disk outside a checkpoint save (which says more): one line, no traceback

@@ -129,8 +129,8 @@ def _load(path: str) -> dict:
             raise ConfigError(f"--config {path} is not valid {suffix[1:].upper()}: {err}") from None
         except UnicodeDecodeError as err:
             raise ConfigError(
-                f"--config {path} is not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}): save it "
-                "as UTF-8"
+                f"--config {path} is not UTF-8 text (it holds the byte {err.object[err.start]:#04x}): save it as "
+                "UTF-8"
             ) from None
     if content is None:  # an empty YAML file
         return {}

@@ -113,7 +113,8 @@ def flash_attention(value: str) -> list[tuple[str, str]]:
 
 def strategy(name: str, field: str, off: str) -> Callable[[str], list[tuple[str, str]]]:
     """HF's --*_strategy: `no` switches the package's own off (`field` `off`); epoch and steps are its ways
-    already (every epoch; --eval_steps/--save_steps add step-wise ones)."""
+    already (every epoch; with steps, --eval_steps/--save_steps add step-wise ones, which epoch and no leave
+    out: steps_a_strategy_ignores)."""
 
     def becomes(value: str) -> list[tuple[str, str]]:
         if value == "no":
@@ -178,7 +179,8 @@ HF_NAMES = {
     "eval_strategy": HFName(
         strategy("eval_strategy", "run_validation", "false"),
         "value",
-        "no: `--run_validation false`; epoch, steps: as here (--eval_steps N adds steps)",
+        "no: `--run_validation false`; epoch: as here (every epoch; --eval_steps left out); steps: as here, "
+        "--eval_steps N adds steps",
     ),
     "evaluation_strategy": HFName(
         strategy("evaluation_strategy", "run_validation", "false"), "value", "as --eval_strategy"
@@ -186,7 +188,8 @@ HF_NAMES = {
     "save_strategy": HFName(
         strategy("save_strategy", "keep_last_n", "0"),
         "value",
-        "no: `--keep_last_n 0`; epoch, steps: as here (--save_steps N adds steps)",
+        "no: `--keep_last_n 0`; epoch: as here (every epoch; --save_steps left out); steps: as here, "
+        "--save_steps N adds steps",
     ),
     "logging_strategy": left_out("a step line every --log_every_n_steps steps", "value"),
     # run_summarization.py's arguments
@@ -283,6 +286,13 @@ def resolve(used: list[tuple[str, str, list[str]]]) -> tuple[list[tuple[str, str
             continue
         flags += became
         notes.append(f"{said} -> " + " ".join(f"--{field} {text}" for field, text in became))
+    values_of: dict[str, set[str]] = {}
+    for field, text in flags:
+        values_of.setdefault(field, set()).add(text)
+    clashing = sorted(field for field, texts in values_of.items() if len(texts) > 1)
+    if clashing:  # which would win depends on the order alone (--generation_max_length, --val_max_target_length)
+        names = ", ".join(label for label, _, _ in used)
+        raise ConfigError(f"HF's names ({names}) give --{clashing[0]} two values: keep one")
     return flags, notes
 
 

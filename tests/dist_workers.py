@@ -1080,13 +1080,19 @@ def short_timeouts(seconds: float) -> None:
 
 def progress_bounded_worker(rank: int, world_size: int, timeout_s: float) -> dict:
     """Rank 0's part of a progress-bounded block, while rank 1 waits: busy for 3x the timeout; asleep (no progress)
-    for 3x; failing. What each rank saw and how long it waited."""
+    for 3x; failing; refusing an input of its own (a UserError). What each rank saw and how long it waited."""
+    from configs.errors import DataError
+
+    def refuse():
+        raise DataError("data/train.csv is not on this node: copy it there")
+
     short_timeouts(timeout_s)
     seen = {}
     for case, part in (
         ("busy", lambda: busy_for(3 * timeout_s)),
         ("asleep", lambda: time.sleep(3 * timeout_s)),
         ("failing", lambda: 1 / 0),
+        ("refusing", refuse),
     ):
         started = time.monotonic()
         try:
@@ -1094,8 +1100,9 @@ def progress_bounded_worker(rank: int, world_size: int, timeout_s: float) -> dic
                 if rank == 0:
                     part()
             seen[case] = "done"
-        except (PeerStalled, PeerFailed, ZeroDivisionError) as err:
+        except (PeerStalled, PeerFailed, ZeroDivisionError, DataError) as err:
             seen[case] = f"{type(err).__name__}: {err}"
+            seen[f"{case}_refusal"] = getattr(err, "refusal", None)
         seen[f"{case}_s"] = time.monotonic() - started
         _set_pg_timeout(datetime.timedelta(seconds=60))  # the next case starts together (rank 0 may still sleep)
         dist.barrier()

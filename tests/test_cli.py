@@ -759,7 +759,7 @@ def test_config_file_errors_name_the_file_and_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         parse_args(["--config", str(tmp_path / "missing.yaml")])
     path.write_bytes('data:\n  source_prefix: "r\u00e9sum\u00e9: "\n'.encode("latin-1"))
-    with pytest.raises(ConfigError, match="is not UTF-8 text \\(byte 25 is 0xe9\\): save it as UTF-8"):
+    with pytest.raises(ConfigError, match="is not UTF-8 text \\(it holds the byte 0xe9\\): save it as UTF-8"):
         parse_args(["--config", str(path)])
     bom = tmp_path / "run.json"
     bom.write_bytes(b"\xef\xbb\xbf" + b'{"train": {"epochs": 3}}')  # a byte-order mark, as some editors write

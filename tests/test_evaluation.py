@@ -139,6 +139,12 @@ def test_generation_stops_at_the_tokenizers_eos_also_where_the_models_config_nam
     finally:
         dist.destroy_process_group()
     assert [settings["eos_token_id"] for _, settings in asked] == [[1, 99]] and len(rows) == 2
+    # The export generates as evaluated: its generation_config.json ends at both where the model's config names
+    # another EOS than the tokenizer's; the embedded T5's (the same one) is left as it was.
+    assert run_generation_config(model.config, tokenizer).eos_token_id == 1
+    model.config.eos_token_id = 99
+    assert run_generation_config(model.config, tokenizer).eos_token_id == [1, 99]
+    assert run_generation_config(model.config).eos_token_id == 99  # the control: the config's alone
 
 
 def test_ranks_with_different_generated_lengths_finish(generated):

@@ -154,6 +154,8 @@ def test_names_with_no_meaning_here_are_left_out_with_what_the_package_does():
         (["--save_total_limit", "0"], "keeps every checkpoint then"),
         (["--do_train", "False"], "nothing to do"),
         (["--eval_strategy", "sometimes"], "no, steps and epoch"),
+        # two HF names for one setting, given two values: which would win depends on their order alone
+        (["--generation_max_length", "64", "--val_max_target_length", "80"], "give --max_new_tokens two values"),
         # HF 5 reads a number below 1 as a share of the run: named with the flag that counts steps here
         (
             ["--eval_steps", "0.1"],

@@ -40,6 +40,10 @@ def test_a_wait_on_a_rank_that_works_outlasts_the_timeout_one_that_does_not_is_n
     assert "in the asleep case" in waiter["asleep"] and waiter["asleep_s"] < 3 * TIMEOUT_S, waiter
     assert waiter["failing"] == "PeerFailed: stopped: rank 0 failed in the failing case (its error is above)"
     assert waiter["failing_s"] < TIMEOUT_S, waiter  # told at once, not after a timeout
+    # An input error of that rank alone, which only rank 0 says (T5_training.py: refusal): the waiters get it, so
+    # that a waiting rank 0 says another rank's (a crash, the control, prints its own traceback: none carried)
+    assert waiter["refusing_refusal"] == "rank 0: data/train.csv is not on this node: copy it there", waiter
+    assert waiter["failing_refusal"] is None and waiter["refusing_s"] < TIMEOUT_S, waiter
 
 
 @pytest.mark.slow

@@ -186,6 +186,10 @@ def test_max_steps_ends_the_run_before_the_next_epoch_whatever_epochs_says(globa
         "all 20 epochs trained",
         "more --epochs than 20",
     )
+    # Both ended it: both are named (more epochs alone would stop at --max_steps again)
+    assert trainer.ending(TrainProgress(epoch=21, global_step=5))[1] == (
+        "more --epochs than 20 and a higher --max_steps than 5 (0: none)"
+    )
 
 
 @pytest.mark.slow  # a whole training through torchrun

@@ -49,6 +49,7 @@ from utils.checkpoint.state_dicts import (
     local_rows,
     with_local_rows,
 )
+from utils.eval.generation import stops_of
 from utils.files import atomic_path, tmp_path
 from utils.log import get_logger, progress_bar, warnings_ignored
 from utils.model.loading import saved_config, skeleton
@@ -180,7 +181,7 @@ def write_model_description(model_config, tokenizer, dtype: torch.dtype, folder:
     config.architectures = [task_for(config).architecture(config)]
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(folder)
-    run_generation_config(config).save_pretrained(folder)
+    run_generation_config(config, tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
@@ -189,14 +190,18 @@ def summarization_settings(config) -> dict:
     return (getattr(config, "task_specific_params", None) or {}).get(task_for(config).params_key, {})
 
 
-def run_generation_config(config) -> GenerationConfig:
-    """generation_config.json with the run's generation settings, so `generate()` summarises as evaluated."""
+def run_generation_config(config, tokenizer=None) -> GenerationConfig:
+    """generation_config.json with the run's generation settings, so `generate()` summarises as evaluated: up
+    to the run's lengths, and ending at every stop token evaluation ended at (the tokenizer's EOS too)."""
     generation_config = GenerationConfig.from_model_config(config)
     summarization = summarization_settings(config)
     generation = {key: summarization[key] for key in GENERATION_KEYS if key in summarization}
     if generation.get("num_beams", 1) == 1:
         generation.pop("length_penalty", None)  # a beam-search setting; transformers refuses it otherwise
     generation_config.update(use_cache=True, **generation)
+    stops = stops_of(generation_config, tokenizer)
+    if stops != stops_of(generation_config, None):  # the config names another EOS than the tokenizer's
+        generation_config.eos_token_id = stops
     return generation_config
 
 
@@ -215,7 +220,7 @@ def write_adapter_folder(
         peft_skeleton.save_pretrained(tmp, state_dict=adapters, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         # What a whole model's config.json and generation_config.json carry, for scripts/summarize.py.
-        run_generation_config(config).save_pretrained(tmp)
+        run_generation_config(config, tokenizer).save_pretrained(tmp)
         with open(os.path.join(tmp, layout.ADAPTER_SUMMARIZATION_FILE), "w", encoding="utf-8") as f:
             json.dump(summarization_settings(config), f, indent=1)
 

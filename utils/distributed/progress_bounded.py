@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from configs.errors import UserError
 from policies.private_api import default_store
 
 BEAT_S = 1.0  # how often (at most) a working rank samples what it did, and a waiting rank looks at the beats
@@ -43,7 +44,12 @@ class PeerStalled(RuntimeError):
 
 
 class PeerFailed(RuntimeError):
-    """Another rank's part of a progress-bounded block raised (its error is printed there)."""
+    """Another rank's part of a progress-bounded block raised: its error is printed there, or, where it refused
+    an input of its own (a UserError, which ranks other than 0 leave to rank 0 to say), `refusal` holds it."""
+
+    def __init__(self, message: str, refusal: str | None = None):
+        super().__init__(message)
+        self.refusal = refusal
 
 
 class Work:
@@ -123,7 +129,9 @@ def progress_bounded(phase: str) -> Iterator[None]:
     beats.start()
     try:
         yield
-    except BaseException:
+    except BaseException as err:
+        if isinstance(err, UserError):  # said by rank 0 alone: a waiting rank 0 says this rank's
+            store.set(f"{key}/refusal", str(err))
         store.set(f"{key}/failed", str(rank))
         store.set(f"{key}/over", "failed")  # wakes the waiting ranks
         raise
@@ -154,4 +162,7 @@ def _wait_for_every_part(store, key: str, world_size: int, phase: str, timeout_s
             )
     if store.check([f"{key}/failed"]):
         failed = store.get(f"{key}/failed").decode()
+        if store.check([f"{key}/refusal"]):
+            refusal = f"rank {failed}: {store.get(f'{key}/refusal').decode()}"
+            raise PeerFailed(f"stopped: rank {failed} failed in {phase}: {refusal}", refusal=refusal)
         raise PeerFailed(f"stopped: rank {failed} failed in {phase} (its error is above)")

@@ -49,10 +49,16 @@ def generate(model: nn.Module, prompts: dict, generation: dict) -> torch.Tensor:
 def stop_token_ids(model: nn.Module, tokenizer) -> list[int]:
     """The ids generation ends a row at: the model's generation config's EOS (one, or several: a chat model's
     end of turn too) and the tokenizer's."""
-    config = getattr(model.module if isinstance(model, FSDP) else model, "generation_config", None)
-    ids = getattr(config, "eos_token_id", None)
+    own = model.module if isinstance(model, FSDP) else model
+    return stops_of(getattr(own, "generation_config", None), tokenizer)
+
+
+def stops_of(generation_config, tokenizer) -> list[int]:
+    """A generation config's EOS ids (none, one or several) and the tokenizer's (None: none), sorted."""
+    ids = getattr(generation_config, "eos_token_id", None)
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return sorted({*ids, *([] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id])})
+    own = getattr(tokenizer, "eos_token_id", None)
+    return sorted({*ids, *([] if own is None else [own])})
 
 
 def _fsdp1_compute_dtype(model: FSDP):

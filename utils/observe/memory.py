@@ -1,8 +1,9 @@
 """Memory per rank: peaks (CUDA allocated/reserved on GPU, resident set size on CPU) and the memory
 account, which says how much of the model and optimizer state each rank holds and what loading cost.
 
-The account is written once, after the first optimizer step of a run (AdamW creates its state lazily at
-that step), as one `{"type": "memory", ...}` record per rank in metrics.jsonl.
+The account is written by each training process (a run's start, each resume), after its first optimizer step
+(AdamW creates its state lazily at that step), as one `{"type": "memory", ...}` record per rank in
+metrics.jsonl, with that step.
 """
 
 import ctypes

@@ -360,18 +360,25 @@ class Trainer:
         on), or None: every epoch trained, --max_steps reached, or --early_stopping_patience epochs without a
         new best (counted from the best epoch kept in the progress, so the count is the same after a resume)."""
         epochs, max_steps = self.train_config.epochs, self.recipe.max_steps
-        if progress.epoch > epochs:
-            return f"all {epochs} epochs trained", f"more --epochs than {epochs}"
-        if 0 < max_steps <= progress.global_step:
-            return f"--max_steps {max_steps} reached", f"a higher --max_steps than {max_steps} (0: none)"
         patience, best = self.recipe.early_stopping_patience, progress.best_epoch
-        if patience and best is not None and progress.epoch - 1 - best >= patience:
-            metric = self.evaluation.metric_for_best
-            return (
+        metric = self.evaluation.metric_for_best
+        ended = [
+            (progress.epoch > epochs, f"all {epochs} epochs trained", f"more --epochs than {epochs}"),
+            (
+                0 < max_steps <= progress.global_step,
+                f"--max_steps {max_steps} reached",
+                f"a higher --max_steps than {max_steps} (0: none)",
+            ),
+            (
+                bool(patience) and best is not None and progress.epoch - 1 - best >= patience,
                 f"early stopping: {patience} epochs without a better {metric} than epoch {best}'s",
                 f"a higher --early_stopping_patience than {patience} (0: never)",
-            )
-        return None
+            ),
+        ]
+        holding = [(why, fix) for holds, why, fix in ended if holds]
+        if not holding:
+            return None
+        return holding[0][0], " and ".join(fix for _, fix in holding)  # each that would end it again
 
     def final_export(self, progress: TrainProgress, last_epoch: int) -> None:
         """hf_model/ holds the best epoch's model; the final one goes there when there is no metric, or beside
