@@ -122,19 +122,12 @@ def parse_value(spec: FieldSpec, text: str):
 SHARE_OF_THE_RUN = {"warmup_steps": "warmup_ratio"}
 
 
-def _is_a_share(text: str) -> bool:
-    try:
-        return 0 < float(text) < 1
-    except ValueError:
-        return False
-
-
 def _parse_number(spec: FieldSpec, text: str) -> int | float:
     type_hint, flag = spec.type_hint, f"--{spec.name}"
     try:
         value = type_hint(text)
     except ValueError:
-        share = SHARE_OF_THE_RUN.get(spec.name) if _is_a_share(text) else None  # HF 5 reads 0.05 so
+        share = SHARE_OF_THE_RUN.get(spec.name) if hf_names.is_a_share(text) else None  # HF 5 reads 0.05 so
         hint = f" (a share of the run's steps is --{share} {text})" if share else ""
         raise ConfigError(
             f"{flag} takes {'an integer' if type_hint is int else 'a number'}, not {text!r}{hint}"

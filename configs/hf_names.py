@@ -25,27 +25,32 @@ class HFName:
     meaning: str  # docs/configuration.md's cell: what it became, or what the package does instead
 
 
-def renamed(field: str) -> HFName:
-    return HFName(lambda value: [(field, value)], "value", f"`--{field}`")
+def renamed(field: str, note: str = "") -> HFName:
+    return HFName(lambda value: [(field, value)], "value", f"`--{field}`{note}")
 
 
-def step_count(name: str, field: str, meaning: str = "") -> HFName:
+def is_a_share(text: str) -> bool:
+    """Whether a step count's text is HF 5's share of the run's steps (a number below 1). Text that is no number
+    is not: the flag's own parser says what is wrong with it."""
+    try:
+        return 0 < float(text) < 1
+    except ValueError:
+        return False
+
+
+def step_count(name: str, field: str, note: str = "") -> HFName:
     """An HF name for a number of steps, which HF 5 also takes as a share of the run (a number below 1): refused
     as such, naming the flag that counts steps here."""
 
     def becomes(value: str) -> list[tuple[str, str]]:
-        try:
-            share = 0 < float(value) < 1
-        except ValueError:  # the flag's own parser says what is wrong with it
-            share = False
-        if share:
+        if is_a_share(value):
             raise ConfigError(
                 f"--{name} {value}: HF reads a number below 1 as a share of the run's steps; this package counts "
                 f"steps: give --{field} N"
             )
         return [(field, value)]
 
-    return HFName(becomes, "value", f"`--{field}`{meaning}")
+    return HFName(becomes, "value", f"`--{field}`{note}")
 
 
 def boolean(*fields: str) -> HFName:
@@ -151,11 +156,10 @@ HF_NAMES = {
     "report_to": HFName(trackers, "values", "`--tensorboard`, `--wandb`, `--mlflow`: true if named, false if not"),
     "run_name": renamed("tracker_run_name"),
     "generation_num_beams": renamed("num_beams"),
-    "generation_max_length": HFName(
-        lambda value: [("max_new_tokens", value)],
-        "value",
-        "`--max_new_tokens` (the tokens generated; HF's length also counts an encoder-decoder's start token, a "
-        "decoder-only model's prompt)",
+    "generation_max_length": renamed(
+        "max_new_tokens",
+        " (the tokens generated; HF's length also counts an encoder-decoder's start token, a decoder-only "
+        "model's prompt)",
     ),
     "do_train": HFName(
         None,
@@ -196,11 +200,9 @@ HF_NAMES = {
     "model_name_or_path": renamed("model_name"),
     "max_train_samples": renamed("num_train_samples"),
     "max_eval_samples": renamed("num_val_samples"),
-    "val_max_target_length": HFName(
-        lambda value: [("max_new_tokens", value)],
-        "value",
-        "`--max_new_tokens` (evaluation's generated length; validation's targets are cut at --max_target_length, "
-        "as training's)",
+    "val_max_target_length": renamed(
+        "max_new_tokens",
+        " (evaluation's generated length; validation's targets are cut at --max_target_length, as training's)",
     ),
     "overwrite_cache": left_out(
         "none needed: the token cache is rebuilt when the data, tokenizer or lengths change", "boolean"
@@ -318,9 +320,9 @@ def steps_a_strategy_ignores(values: dict[str, str]) -> dict[str, str]:
         ("eval_steps", ("eval_strategy", "evaluation_strategy")),
         ("save_steps", ("save_strategy",)),
     ):
-        chosen = next((f"--{name} {values[name]}" for name in strategies if name in values), None)
-        if steps in values and chosen and chosen.rsplit(" ", 1)[1] in ("epoch", "no"):
-            ignored[steps] = f"{chosen}: HF ignores it then, and so does this run"
+        strategy_name = next((name for name in strategies if name in values), None)
+        if steps in values and strategy_name and values[strategy_name] in ("epoch", "no"):
+            ignored[steps] = f"--{strategy_name} {values[strategy_name]}: HF ignores it then, and so does this run"
     return ignored
 
 

@@ -110,7 +110,7 @@ class Trainer:
         if unreached:
             get_logger().info("%s", unreached)
         self.shown_step: int | None = None
-        self.memory_account_due = True  # written once, after the run's first optimizer step
+        self.memory_account_due = True  # written once per process, after its first optimizer step
         self.metrics: MetricsWriter | None = None  # open while train() runs
 
     def train(self, progress: TrainProgress, resumed: bool, stop: StopRequest) -> bool:
