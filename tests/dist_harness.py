@@ -6,10 +6,26 @@ process group with everything a fresh process would have put back. A hang fails 
 that rank's traceback and output.
 """
 
+import contextlib
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
 from tests.rank_pool import PROCESS_GROUP_TIMEOUT_S, Scenario, offline_env, pool, read_text, scenario_files
 from utils.distributed.process_group import free_port
 
-__all__ = ["PROCESS_GROUP_TIMEOUT_S", "run_ranks"]
+__all__ = ["PROCESS_GROUP_TIMEOUT_S", "one_process_group", "run_ranks"]
+
+
+@contextlib.contextmanager
+def one_process_group() -> Iterator[None]:
+    """A gloo group of this (the test) process alone, for code that runs collectives on a single rank; torn down
+    after the block."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 180, replace_after: bool = False) -> list:

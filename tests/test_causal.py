@@ -29,7 +29,7 @@ from configs.lora import LoraConfig
 from configs.paths import REPO_ROOT
 from policies.wrapping import layer_classes
 from scripts.make_tiny_family import CAUSAL_FAMILIES, make
-from tests.dist_harness import run_ranks
+from tests.dist_harness import one_process_group, run_ranks
 from tests.dist_workers import (
     causal_batch,
     causal_compile_worker,
@@ -297,7 +297,6 @@ def test_a_row_longer_than_a_block_keeps_its_completion_and_the_prompts_end(caus
 def test_a_validation_split_with_no_scored_token_has_no_loss_and_no_best_model(causal_dirs):
     """Rows whose every label is masked score nothing: the validation loss is NaN, not 0 (which, lowest of
     all, would have been taken for the best model, its perplexity 1)."""
-    import torch.distributed as dist
 
     from utils.train.step import validate
 
@@ -308,16 +307,13 @@ def test_a_validation_split_with_no_scored_token_has_no_loss_and_no_best_model(c
         [{**item, "labels": torch.full_like(item["labels"], IGNORED)}], tokenizer.pad_token_id
     )
     progress = type("NoBar", (), {"update": lambda self, n: None})()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_process_group():
         losses = [
             validate(
                 model, [batch], device=torch.device("cpu"), num_real_samples=1, progress=progress, task=CAUSAL
             )
             for batch in (unscored, causal_collate([item], tokenizer.pad_token_id))
         ]
-    finally:
-        dist.destroy_process_group()
     assert math.isnan(losses[0]) and math.isfinite(losses[1]) and losses[1] > 0
     assert math.isnan(CAUSAL.loss_metrics(losses[0])["val_perplexity"])
     assert not CAUSAL.is_better("val_loss", losses[0], None) and CAUSAL.is_better("val_loss", losses[1], losses[0])

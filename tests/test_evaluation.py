@@ -21,7 +21,7 @@ from configs.evaluation import EvalConfig
 from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
 from scripts.summarize import main as summarize_main
-from tests.dist_harness import run_ranks
+from tests.dist_harness import one_process_group, run_ranks
 from tests.dist_workers import generation_worker
 from tests.launch import pooled
 from tests.test_sources import ONE_CPU_RANK, one_rank_loaders
@@ -112,7 +112,6 @@ def test_generation_stops_at_the_tokenizers_eos_also_where_the_models_config_nam
     """Every training row ends with the tokenizer's EOS: the evaluator hands `generate` that one and the model's
     generation config's (stop_token_ids), so a folder whose generation_config.json names another EOS does not
     write past it (text after it that the predictions would score)."""
-    import torch.distributed as dist
 
     from utils.eval import evaluator as evaluation_module
     from utils.eval.evaluator import Evaluator
@@ -133,11 +132,8 @@ def test_generation_stops_at_the_tokenizers_eos_also_where_the_models_config_nam
                           metric="rouge", predictions_file=lambda split, step: str(tmp_path / f"{split}-{step}"),
                           info=ONE_CPU_RANK, gather_for_generation="false",
                           compute_dtype=torch.float32)  # fmt: skip
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_process_group():
         rows = evaluator._generate_share(model, None)
-    finally:
-        dist.destroy_process_group()
     assert [settings["eos_token_id"] for _, settings in asked] == [[1, 99]] and len(rows) == 2
     # The export generates as evaluated: its generation_config.json ends at both where the model's config names
     # another EOS than the tokenizer's; the embedded T5's (the same one) is left as it was.
