@@ -46,6 +46,16 @@ class FSDPConfig:
         minimum=1,
         maximum=2,
     )
+    single_rank_fsdp: bool = option(
+        default=True,
+        help=(
+            "At world size 1 (one process): true wraps the model in FSDP as on many ranks (FSDP1 then runs "
+            "NO_SHARD). false trains the model itself, without FSDP's per-unit hooks, casts and one-rank "
+            "collectives, in mixed precision by torch.autocast (fp32 weights and optimizer): torchtitan's "
+            "choice where nothing is sharded. Checkpoints, exports and LoRA are the same either way. No effect "
+            "on several ranks. true by default until the GPU suite measures false (docs/throughput.md)."
+        ),
+    )
     mixed_precision: bool = option(
         default=True,
         help=(

@@ -37,6 +37,7 @@ def check_settings(config: RunConfig, world_size: int, device_type: str | None =
     if fsdp.fsdp_version == 2:
         check_fsdp2_settings(fsdp)
     check_hybrid_sharding(fsdp, world_size)
+    check_single_rank(fsdp, world_size)
     check_checkpointing(config.checkpointing, config.fsdp)
     check_data_source(config.data, config.evaluation)
     check_evaluation(config.evaluation, config.train)
@@ -147,6 +148,22 @@ def check_hybrid_sharding(fsdp_config: FSDPConfig, world_size: int) -> None:
             f"--sharding_strategy {strategy} with a shard group of 1 rank: FSDP1 would silently stop "
             "synchronising gradients across groups. Use --sharding_strategy NO_SHARD (pure replication), "
             "a --hybrid_shard_group_size above 1, or --fsdp_version 2."
+        )
+
+
+def check_single_rank(fsdp_config: FSDPConfig, world_size: int) -> None:
+    """With --single_rank_fsdp false one rank trains the model unwrapped: what only FSDP does is refused."""
+    if fsdp_config.single_rank_fsdp or world_size != 1:
+        return
+    if fsdp_config.fsdp_cpu_offload:
+        raise ConfigError(
+            "--fsdp_cpu_offload true is FSDP's (each unit copied to the GPU as it runs); with --single_rank_fsdp "
+            "false the model is not wrapped. Leave --single_rank_fsdp true to offload."
+        )
+    if fsdp_config.cpu_ram_efficient_loading:
+        raise ConfigError(
+            "--cpu_ram_efficient_loading true spares the other ranks a copy of the weights; one rank reads them "
+            "once anyway, and with --single_rank_fsdp false no FSDP unit would fill a skeleton. Drop it."
         )
 
 

@@ -106,6 +106,7 @@ SUITES = {
     "gpu": {
         "bf16, FSDP1": ["--mixed_precision", "true"],
         "bf16, FSDP2": ["--mixed_precision", "true", "--fsdp_version", "2"],
+        "bf16, no FSDP (one rank)": ["--mixed_precision", "true", "--single_rank_fsdp", "false"],
         "bf16, FSDP1, no activation checkpointing": [
             "--mixed_precision",
             "true",
@@ -121,6 +122,16 @@ SUITES = {
         "bf16, FSDP1, t5_flex, no activation checkpointing": [
             "--mixed_precision",
             "true",
+            "--attn_implementation",
+            "t5_flex",
+            "--fsdp_activation_checkpointing",
+            "false",
+        ],
+        "bf16, no FSDP (one rank), t5_flex, no activation checkpointing": [
+            "--mixed_precision",
+            "true",
+            "--single_rank_fsdp",
+            "false",
             "--attn_implementation",
             "t5_flex",
             "--fsdp_activation_checkpointing",

@@ -17,7 +17,7 @@ from configs.validate import check_settings
 from scripts import benchmark
 from scripts.benchmark import GPU_ONLY, PEERS_OF_SUITE, SUITES
 
-RUN_CASES = ["bf16, FSDP1", "fp16 + scaler, FSDP1"]  # the last needs a GPU: skipped on CPU
+RUN_CASES = ["bf16, FSDP1", "bf16, no FSDP (one rank)", "fp16 + scaler, FSDP1"]  # the last: skipped on CPU
 
 
 @pytest.mark.parametrize("suite", sorted(SUITES))

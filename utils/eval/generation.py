@@ -21,6 +21,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from policies.private_api import fsdp1_units_kept_unsharded, fsdp1_unsharded_numel, fsdp2_units_kept_unsharded
@@ -43,7 +44,8 @@ def generate(model: nn.Module, prompts: dict, generation: dict) -> torch.Tensor:
         if isinstance(model, FSDP):
             with FSDP.summon_full_params(model, recurse=False, writeback=False), _fsdp1_compute_dtype(model):
                 return model.module.generate(**kwargs)
-        return model.generate(**kwargs)  # FSDP2: a registered forward method (utils/fsdp/shard.py)
+        # FSDP2: a registered forward method; one rank's unwrapped model: under autocast (utils/fsdp/shard.py)
+        return model.generate(**kwargs)
 
 
 def stop_token_ids(model: nn.Module, tokenizer) -> list[int]:
@@ -101,7 +103,7 @@ def whole_model_numel(model: nn.Module) -> int:
 @contextlib.contextmanager
 def gathered_for_generation(model: nn.Module, keep: bool):
     """Inside, with `keep`: each FSDP unit stays gathered from its first forward on; all are freed at the end."""
-    if not keep:
+    if not keep or not isinstance(model, FSDP | FSDPModule):  # one rank's unwrapped model: nothing to gather
         yield
         return
     kept = fsdp1_units_kept_unsharded if isinstance(model, FSDP) else fsdp2_units_kept_unsharded

@@ -6,7 +6,9 @@ FSDP1 (`--fsdp_version 1`, the tutorial's API, deprecated upstream) is the tutor
 `FSDP(model, auto_wrap_policy=..., mixed_precision=..., sharding_strategy=..., ...)`, then activation
 checkpointing of the stack layers inside their units (each T5Block for T5; policies/wrapping.py: layer_classes).
 FSDP2 (`--fsdp_version 2`) reads like torchtitan's `parallelize`: activation checkpointing, then `fully_shard`
-of every layer and of the root. With --compile, each layer is compiled first, for both backends.
+of every layer and of the root. With --compile, each layer is compiled first, for both backends. At world size 1
+with --single_rank_fsdp false nothing is sharded or wrapped: the model itself, its layers checkpointed and
+compiled alike, computes under autocast (`unwrapped_model`).
 How the tutorial's FSDP1 settings map onto FSDP2 (docs/pitfalls.md #15; what has no FSDP2 meaning is refused
 by configs/validate.py before anything loads):
 
@@ -117,6 +119,11 @@ def shard_model(
     layers = layer_classes(model)  # T5Block for T5: the units, what is checkpointed and compiled
     if fsdp.compile:
         compile_layers(model, layers)
+    if dist.get_world_size() == 1 and not fsdp.single_rank_fsdp:
+        return unwrapped_model(
+            model, layers, checkpointing=fsdp.fsdp_activation_checkpointing, precision=precision, device=device,
+            restores=restores,
+        )  # fmt: skip
     if fsdp.fsdp_version == 1:
         param_init_fn = None
         if restores:
@@ -184,6 +191,29 @@ def shard_model(
     return model
 
 
+def unwrapped_model(
+    model: nn.Module, layers: frozenset[type], *, checkpointing: bool, precision: Precision, device: torch.device,
+    restores: bool,
+) -> nn.Module:  # fmt: skip
+    """One rank, --single_rank_fsdp false: the model itself on `device`, its stack layers checkpointed as FSDP's
+    would be. Its forward and generate run under autocast to the compute dtype (bf16, fp16; nothing in fp32);
+    the weights and AdamW's state stay fp32, like FSDP's master copy. `restores`: the skeleton on the meta device
+    is allocated for the checkpoint to fill."""
+    if checkpointing:
+        apply_fsdp_checkpointing(model, layers)
+    if restores:
+        to_empty(model, device)
+    else:
+        model.to(device)
+    dtype = precision.compute_dtype
+    if dtype != torch.float32:
+        # One autocast object per method: generate calls forward, and an object entered twice loses the state
+        # it restores on exit. generate is covered whole: it calls the encoder without forward.
+        model.forward = torch.autocast(device.type, dtype=dtype)(model.forward)
+        model.generate = torch.autocast(device.type, dtype=dtype)(model.generate)
+    return model
+
+
 def computed_buffers_kept(policy: MixedPrecision | None, model: nn.Module) -> MixedPrecision | None:
     """FSDP1's policy, but leaving the buffers alone where the model computes some (RoPE's inv_freq): cast to
     bf16 by buffer_dtype, its rotary angles would come from rounded frequencies, off by radians at long
@@ -230,6 +260,12 @@ def unit_class_name(unit: nn.Module) -> str:
 def log_fsdp_layout(model: nn.Module, precision: Precision) -> None:
     """One line at INFO (units by class, precision); the whole wrapped module tree at DEBUG (long for t5-3b)."""
     units = fsdp_units(model)
+    tf32 = ", fp32 matmuls in TF32 (--tf32)" if precision.tf32 else ""
+    if not units:
+        dtype = str(precision.compute_dtype).removeprefix("torch.")
+        how = "in fp32" if dtype == "float32" else f"under autocast to {dtype}, fp32 weights and optimizer"
+        get_logger().info("no FSDP: one rank trains the model itself (--single_rank_fsdp false), %s%s", how, tf32)
+        return
     by_class = Counter(unit_class_name(unit) for unit in units[1:])
     # FSDP1's strategy as it runs (NO_SHARD at world size 1, whatever was asked)
     strategy = "" if isinstance(model, FSDPModule) else f", {model.sharding_strategy.name}"
@@ -240,7 +276,7 @@ def log_fsdp_layout(model: nn.Module, precision: Precision) -> None:
         " + ".join(f"{count} {name}" for name, count in by_class.items()),
         strategy,
         precision.name,
-        ", fp32 matmuls in TF32 (--tf32)" if precision.tf32 else "",
+        tf32,
     )
     # LoRA's lora_A and lora_B, units of their own under FSDP1 in a partly frozen model
     adapters = by_class.get("Linear", 0) if any(not p.requires_grad for p in model.parameters()) else 0

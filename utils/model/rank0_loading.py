@@ -13,7 +13,8 @@ FSDP2: ranks but 0 build on meta; after fully_shard, broadcast_rank0_weights all
 and scatters rank 0's loaded state dict into them.
 
 A run that resumes a checkpoint builds the skeleton on every rank and reads nothing here: UnitMaterializer
-(FSDP1) and `to_empty` (FSDP2) allocate the shards, and the checkpoint manager fills them.
+(FSDP1) and `to_empty` (FSDP2; one rank's unwrapped model too) allocate them, and the checkpoint manager fills
+them.
 """
 
 import json
@@ -144,12 +145,29 @@ class UnitMaterializer:
 
 def to_empty(model: nn.Module, device: torch.device) -> None:
     """model.to_empty(device), keeping the values of its computed non-persistent buffers (RoPE's inv_freq,
-    loading.computed_buffers): no state dict holds them, so nothing would fill them again."""
+    loading.computed_buffers): no state dict holds them, so nothing would fill them again. And keeping tied
+    weights one parameter: on an unwrapped model to_empty makes each of T5's `shared`, `embed_tokens` and
+    `lm_head` a parameter of its own (FSDP's parameters stay tied)."""
     computed = computed_buffers(model)
+    tied = tied_parameter_names(model)
     model.to_empty(device=device)
+    for first, *aliases in tied:
+        parameter = model.get_parameter(first)
+        for alias in aliases:
+            owner, _, name = alias.rpartition(".")
+            if model.get_parameter(alias) is not parameter:
+                setattr(model.get_submodule(owner), name, parameter)
     with torch.no_grad():
         for name, value in computed.items():
             model.get_buffer(name).copy_(value)
+
+
+def tied_parameter_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that has several, first the one named_parameters() gives."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def broadcast_rank0_weights(model: nn.Module, rank0_state: dict, device: torch.device) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
@@ -124,8 +125,9 @@ def flag_nonfinite_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tenso
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool):
     """Skip the gradient reduction of this backward (FSDP1 no_sync, FSDP2 set_requires_gradient_sync):
-    gradients then stay unsharded on every rank until a backward with the reduction."""
-    if enabled:
+    gradients then stay unsharded on every rank until a backward with the reduction. The unwrapped model of one
+    rank (--single_rank_fsdp false) reduces nothing either way."""
+    if enabled or not isinstance(model, FSDP | FSDPModule):
         yield
     elif isinstance(model, FSDP):
         with model.no_sync():
