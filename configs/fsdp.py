@@ -34,6 +34,11 @@ def hybrid_group_size(world_size: int, requested: int = 0) -> int:
     return size
 
 
+def wraps_in_fsdp(fsdp: "FSDPConfig", world_size: int) -> bool:
+    """Whether the model is wrapped in FSDP: on several ranks always, on one unless --single_rank_fsdp false."""
+    return fsdp.single_rank_fsdp or world_size > 1
+
+
 @dataclass
 class FSDPConfig:
     fsdp_version: int = option(

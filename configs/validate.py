@@ -13,7 +13,7 @@ from configs.checkpointing import CheckpointConfig
 from configs.data import DataConfig
 from configs.errors import ConfigError
 from configs.evaluation import METRIC_KEYS, EvalConfig
-from configs.fsdp import HYBRID, FSDPConfig, hybrid_group_size
+from configs.fsdp import HYBRID, FSDPConfig, hybrid_group_size, wraps_in_fsdp
 from configs.lora import LoraConfig
 from configs.observability import ObserveConfig
 from configs.paths import EMBEDDED_DATA_DIR
@@ -34,10 +34,10 @@ def check_settings(config: RunConfig, world_size: int, device_type: str | None =
     if device_type is not None:
         check_device_settings(fsdp, device_type)
         check_attention(config.recipe, device_type)
-    if fsdp.fsdp_version == 2:
-        check_fsdp2_settings(fsdp)
-    check_hybrid_sharding(fsdp, world_size)
-    check_single_rank(fsdp, world_size)
+    if wraps_in_fsdp(fsdp, world_size):
+        check_wrapping(config, world_size)
+    else:
+        check_unwrapped(fsdp)
     check_checkpointing(config.checkpointing, config.fsdp)
     check_data_source(config.data, config.evaluation)
     check_evaluation(config.evaluation, config.train)
@@ -45,6 +45,14 @@ def check_settings(config: RunConfig, world_size: int, device_type: str | None =
     check_optional_packages(config.observe, config.lora)
     check_profile(config.observe, config.recipe)
     check_lora(config.lora, fsdp)
+
+
+def check_wrapping(config: RunConfig, world_size: int) -> None:
+    """The rules of FSDP's own settings, where FSDP wraps the model."""
+    fsdp = config.fsdp
+    if fsdp.fsdp_version == 2:
+        check_fsdp2_settings(fsdp)
+    check_hybrid_sharding(fsdp, world_size)
     check_decay_groups(config.train, fsdp)
     check_compile(fsdp)
 
@@ -151,10 +159,9 @@ def check_hybrid_sharding(fsdp_config: FSDPConfig, world_size: int) -> None:
         )
 
 
-def check_single_rank(fsdp_config: FSDPConfig, world_size: int) -> None:
-    """With --single_rank_fsdp false one rank trains the model unwrapped: what only FSDP does is refused."""
-    if fsdp_config.single_rank_fsdp or world_size != 1:
-        return
+def check_unwrapped(fsdp_config: FSDPConfig) -> None:
+    """With --single_rank_fsdp false one rank trains the model unwrapped: what only FSDP does is refused (FSDP's
+    other settings, its version, strategy and the rest, mean nothing there)."""
     if fsdp_config.fsdp_cpu_offload:
         raise ConfigError(
             "--fsdp_cpu_offload true is FSDP's (each unit copied to the GPU as it runs); with --single_rank_fsdp "
@@ -163,7 +170,9 @@ def check_single_rank(fsdp_config: FSDPConfig, world_size: int) -> None:
     if fsdp_config.cpu_ram_efficient_loading:
         raise ConfigError(
             "--cpu_ram_efficient_loading true spares the other ranks a copy of the weights; one rank reads them "
-            "once anyway, and with --single_rank_fsdp false no FSDP unit would fill a skeleton. Drop it."
+            "once anyway, and with --single_rank_fsdp false no FSDP unit would fill a skeleton. Pass "
+            "--cpu_ram_efficient_loading false (an accelerate config's fsdp_cpu_ram_efficient_loading sets it "
+            "too)."
         )
 
 

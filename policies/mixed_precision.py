@@ -134,6 +134,13 @@ class Precision:
         return self.policy.param_dtype
 
     @property
+    def unwrapped_name(self) -> str:
+        """The precision of a model FSDP does not wrap (--single_rank_fsdp false): autocast to the compute
+        dtype, or fp32 (the run record's name for it)."""
+        dtype = str(self.compute_dtype).removeprefix("torch.")
+        return "fp32" if self.compute_dtype == torch.float32 else f"autocast_{dtype}"
+
+    @property
     def needs_grad_scaler(self) -> bool:
         """fp16 gradients underflow without loss scaling (docs/pitfalls.md #5); bf16 and fp32 need none."""
         return self.compute_dtype == torch.float16

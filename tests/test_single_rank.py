@@ -127,9 +127,10 @@ def test_compiled_blocks_compile_in_the_first_step_only():
     assert losses == pytest.approx(reference_losses, rel=1e-6)
     # The embedded model's 4 kinds of block, forward and backward: all in step 0, none after.
     assert set(Counter(compiled_at)) == {0}, Counter(compiled_at)
+    print(f"one rank without FSDP compiles by step: {dict(Counter(compiled_at))}")
 
 
-def test_a_skeleton_filled_by_a_checkpoint_keeps_its_tied_weights():
+def test_the_skeleton_a_checkpoint_fills_keeps_its_tied_weights():
     with one_process_group():
         model = shard_model(tiny_t5(on_meta=True), _fsdp_config(UNWRAPPED), FP32, CPU, restores=True)
     assert model.shared.weight.device == CPU
@@ -141,13 +142,27 @@ def test_a_skeleton_filled_by_a_checkpoint_keeps_its_tied_weights():
 
 @pytest.mark.parametrize(
     ("flag", "message"),
-    [("--fsdp_cpu_offload", "--fsdp_cpu_offload true is FSDP's"), ("--cpu_ram_efficient_loading", "Drop it")],
+    [
+        ("--fsdp_cpu_offload", "--fsdp_cpu_offload true is FSDP's"),
+        ("--cpu_ram_efficient_loading", "Pass --cpu_ram_efficient_loading false"),
+    ],
 )
 def test_what_only_fsdp_does_is_refused_without_it(flag, message):
     config = run_config(**{"single_rank_fsdp": False, flag.removeprefix("--"): True})
     with pytest.raises(ConfigError, match=message):
         check_settings(config, world_size=1, device_type="cuda")
     check_settings(config, world_size=2, device_type="cuda")  # on several ranks the flag does nothing
+
+
+@pytest.mark.parametrize(
+    "fsdp_setting",
+    [{"compile": True}, {"weight_decay": 0.01}, {"sharding_strategy": "HYBRID_SHARD"}],
+    ids=["compile", "weight decay", "hybrid strategy"],
+)
+def test_fsdp1s_own_rules_do_not_apply_where_fsdp_does_not_wrap(fsdp_setting):
+    with pytest.raises(ConfigError, match="FSDP1"):  # the control: FSDP1 at world size 1 refuses each
+        check_settings(run_config(**fsdp_setting), world_size=1, device_type="cuda")
+    check_settings(run_config(**fsdp_setting, single_rank_fsdp=False), world_size=1, device_type="cuda")
 
 
 def evaluation_records(output_dir: Path) -> list[tuple]:
@@ -165,7 +180,8 @@ def test_a_run_without_fsdp_trains_saves_and_resumes_as_fsdp1_does(tmp_path):
     unwrapped, fsdp1, resumed = tmp_path / "unwrapped", tmp_path / "fsdp1", tmp_path / "resumed"
     run = pooled([*RUN, "--output_dir", str(unwrapped), "--single_rank_fsdp", "false"], nproc=1)
     assert run.returncode == 0, run.describe()
-    assert "no FSDP: one rank trains the model itself (--single_rank_fsdp false), in fp32" in run.output
+    line = "no FSDP: one rank trains the model itself (--single_rank_fsdp false), mixed precision fp32 "
+    assert line in run.output, run.describe()
     assert "Warning" not in run.output, run.describe()
     run = pooled([*RUN, "--output_dir", str(fsdp1)], nproc=1)
     assert run.returncode == 0, run.describe()
@@ -175,15 +191,17 @@ def test_a_run_without_fsdp_trains_saves_and_resumes_as_fsdp1_does(tmp_path):
     assert sorted(losses) == list(range(1, 7)) and losses == step_losses(str(fsdp1))
     evaluations = [evaluation_records(output_dir) for output_dir in (unwrapped, fsdp1)]
     assert evaluations[0] == evaluations[1] and len(evaluations[0]) == 2  # the same validation loss and ROUGE
+    policies = [json.loads((d / "config.json").read_text())["mixed_precision_policy"] for d in (unwrapped, fsdp1)]
+    assert policies == ["fp32", "fp32_policy"]  # the run record names no FSDP policy where FSDP did not wrap
     model_file = Path("hf_model") / "model.safetensors"
     assert (unwrapped / model_file).read_bytes() == (fsdp1 / model_file).read_bytes()
 
-    # The unwrapped run's step-3 checkpoint resumed by FSDP1: steps 4 to 6 as both runs trained them.
-    source = unwrapped / "checkpoints" / "step_00000003"
-    args = [*RUN, "--output_dir", str(resumed), "--single_rank_fsdp", "true", "--resume", str(source)]
-    run = pooled(args, nproc=1)
-    assert run.returncode == 0, run.describe()
-    assert "FSDP1: 5 units" in run.output, run.describe()
-    resumed_losses = step_losses(str(resumed))
-    assert sorted(resumed_losses) == [4, 5, 6]
-    assert resumed_losses == {step: losses[step] for step in (4, 5, 6)}
+    # Each run's step-3 checkpoint resumed by the other form: steps 4 to 6 as both runs trained them.
+    for source, form, log_line in ((unwrapped, "true", "FSDP1: 5 units"), (fsdp1, "false", "no FSDP: ")):
+        output_dir = resumed / form
+        checkpoint = source / "checkpoints" / "step_00000003"
+        args = [*RUN, "--output_dir", str(output_dir), "--single_rank_fsdp", form, "--resume", str(checkpoint)]
+        run = pooled(args, nproc=1)
+        assert run.returncode == 0, run.describe()
+        assert log_line in run.output, run.describe()
+        assert step_losses(str(output_dir)) == {step: losses[step] for step in (4, 5, 6)}

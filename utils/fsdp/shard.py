@@ -48,7 +48,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from configs.fsdp import TESTED_LAYER_CLASSES, FSDPConfig
+from configs.fsdp import TESTED_LAYER_CLASSES, FSDPConfig, wraps_in_fsdp
 from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
 from policies.mixed_precision import Precision
 from policies.private_api import wrapped_module
@@ -119,7 +119,7 @@ def shard_model(
     layers = layer_classes(model)  # T5Block for T5: the units, what is checkpointed and compiled
     if fsdp.compile:
         compile_layers(model, layers)
-    if dist.get_world_size() == 1 and not fsdp.single_rank_fsdp:
+    if not wraps_in_fsdp(fsdp, dist.get_world_size()):
         return unwrapped_model(
             model, layers, checkpointing=fsdp.fsdp_activation_checkpointing, precision=precision, device=device,
             restores=restores,
@@ -262,9 +262,12 @@ def log_fsdp_layout(model: nn.Module, precision: Precision) -> None:
     units = fsdp_units(model)
     tf32 = ", fp32 matmuls in TF32 (--tf32)" if precision.tf32 else ""
     if not units:
-        dtype = str(precision.compute_dtype).removeprefix("torch.")
-        how = "in fp32" if dtype == "float32" else f"under autocast to {dtype}, fp32 weights and optimizer"
-        get_logger().info("no FSDP: one rank trains the model itself (--single_rank_fsdp false), %s%s", how, tf32)
+        get_logger().info(
+            "no FSDP: one rank trains the model itself (--single_rank_fsdp false), mixed precision %s (fp32 "
+            "weights and optimizer)%s",
+            precision.unwrapped_name,
+            tf32,
+        )
         return
     by_class = Counter(unit_class_name(unit) for unit in units[1:])
     # FSDP1's strategy as it runs (NO_SHARD at world size 1, whatever was asked)

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from configs.cli import config_to_dict
+from configs.fsdp import wraps_in_fsdp
 from configs.run import RunConfig
 from policies.mixed_precision import Precision
 from utils.distributed.process_group import DistInfo
@@ -36,7 +37,10 @@ def run_record(
         "torchrun_job": torchrun_job,  # a torchrun restart of this job continues this run (checkpoint/start.py)
         "backend": info.backend,
         "device": str(info.device),
-        "mixed_precision_policy": precision.name,
+        # FSDP's policy, or autocast's dtype where FSDP does not wrap the model
+        "mixed_precision_policy": (
+            precision.name if wraps_in_fsdp(config.fsdp, info.world_size) else precision.unwrapped_name
+        ),
         "tf32_matmuls": precision.tf32,  # --tf32 as it applied: on CUDA only
         "mfu_peak_tflops": throughput.peak_flops / 1e12 if throughput.peak_flops else None,
         "mfu_peak_source": throughput.peak_source,
