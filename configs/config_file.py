@@ -124,7 +124,14 @@ def _load(path: str) -> dict:
         raise ConfigError(f"--config {path}: a config file is YAML (.yaml, .yml) or JSON (.json)")
     with open(path, encoding="utf-8-sig") as f:  # a byte-order mark, which some editors write, is no content
         try:
-            content = json.load(f) if suffix == ".json" else yaml.safe_load(f)
+            if suffix == ".json":
+                content = json.load(f, object_pairs_hook=_one_of_each)
+            else:
+                content = yaml.load(f, Loader=_UniqueKeyLoader)
+        except KeyGivenTwice as err:
+            raise ConfigError(
+                f"--config {path}: {err}; keep one (a file's later value would win silently)"
+            ) from None
         except (json.JSONDecodeError, yaml.YAMLError) as err:
             raise ConfigError(f"--config {path} is not valid {suffix[1:].upper()}: {err}") from None
         except UnicodeDecodeError as err:
@@ -137,6 +144,33 @@ def _load(path: str) -> dict:
     if not isinstance(content, dict):
         raise ConfigError(f"--config {path}: the file must hold a mapping of sections and fields")
     return content
+
+
+class KeyGivenTwice(ValueError):
+    """A mapping of the file names a key twice (the parsers keep the last without a word)."""
+
+
+def _one_of_each(pairs: list[tuple]) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice."""
+    keys = [key for key, _ in pairs]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        raise KeyGivenTwice(f"{twice!r} is given twice in one object")
+    return dict(pairs)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (a merge's `<<` keys may be overridden)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+                if key in lines:
+                    raise KeyGivenTwice(f"{key!r} is given twice in one mapping (lines {lines[key]} and {line})")
+                lines[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _in_section(path: str, name: str, section: str, section_of: dict[str, str], is_run_record: bool) -> bool:

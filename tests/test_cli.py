@@ -751,6 +751,13 @@ def test_config_file_errors_name_the_file_and_the_fix(tmp_path):
         "data:\n  source_prefix: null\n": 'source_prefix takes no null \\(an empty text is ""\\)',
         "lora:\n  lora_target_modules: [q, v]\n": "not a list \\(a comma-separated list is one text: q,v\\)",
         "train:\n  model_name: 2024-01-01\n": "quote it",
+        # a key twice: YAML and JSON parsers keep the last, and a section given twice would lose its first fields
+        "train:\n  epochs: 3\n  lr: 0.1\n  epochs: 4\n": (
+            "'epochs' is given twice in one mapping \\(lines 2 and 4\\); keep one"
+        ),
+        "train:\n  epochs: 3\nfsdp:\n  compile: true\ntrain:\n  lr: 0.1\n": (
+            "'train' is given twice in one mapping \\(lines 1 and 5\\)"
+        ),
     }
     for text, message in cases.items():
         path.write_text(text)
@@ -764,3 +771,6 @@ def test_config_file_errors_name_the_file_and_the_fix(tmp_path):
     bom = tmp_path / "run.json"
     bom.write_bytes(b"\xef\xbb\xbf" + b'{"train": {"epochs": 3}}')  # a byte-order mark, as some editors write
     assert parse_args(["--config", str(bom)]).train.epochs == 3
+    bom.write_text('{"train": {"epochs": 3, "lr": 0.1, "epochs": 4}}')
+    with pytest.raises(ConfigError, match="'epochs' is given twice in one object; keep one"):
+        parse_args(["--config", str(bom)])
