@@ -1216,6 +1216,25 @@ def disk_full_worker(rank: int, world_size: int, output_root: str) -> dict:
     return out
 
 
+def checkpoint_size_worker(rank: int, world_size: int, output_root: str) -> dict:
+    """The checkpoint manager's size of a checkpoint before any is written (the one a full disk's message gives),
+    for sharded and replicated models."""
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    out = {}
+    for name, overrides in (
+        ("FSDP1 FULL_SHARD", {}),
+        ("FSDP1 NO_SHARD", {"sharding_strategy": "NO_SHARD"}),
+        ("FSDP2 NO_SHARD", {"fsdp_version": 2, "sharding_strategy": "NO_SHARD"}),
+    ):
+        fsdp = _fsdp_config(overrides)
+        model = shard_model(tiny_t5(), fsdp, FP32, CPU)
+        output_dir = os.path.join(output_root, name.replace(" ", "_"))
+        with plain_manager(model, fsdp, CheckpointConfig(), output_dir, info, tokenizer) as manager:
+            out[name] = manager._checkpoint_bytes()
+    return out
+
+
 def start_checks_worker(rank: int, world_size: int, root: str) -> dict:
     """The checks a multi-node run makes at start. The run lock's, that every rank sees output_dir: each rank in
     a working directory of its own, as a node is, given a relative --output_dir (each its own folder) and then
@@ -1333,7 +1352,8 @@ def generation_gathers_worker(rank: int, world_size: int) -> dict:
     generation of each of GATHER_TOKENS new tokens, its token ids, whether every unit is sharded again after it,
     and the loss of a training step after it."""
     from scripts.gpu_check import AllGatherCount
-    from utils.eval.generation import gathered_for_generation, generate, whole_model_numel
+    from utils.eval.generation import gathered_for_generation, generate
+    from utils.observe.memory import param_numel_whole
 
     out = {}
     settings = {"num_beams": 1, "do_sample": False}
@@ -1354,7 +1374,7 @@ def generation_gathers_worker(rank: int, world_size: int) -> dict:
             model.train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
             out[(name, keep)] = {
-                "whole_numel": whole_model_numel(model),
+                "whole_numel": param_numel_whole(model),
                 "all_gathers": counts,
                 "ids": ids,
                 "sharded_after": all_units_sharded(model),

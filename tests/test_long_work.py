@@ -13,10 +13,12 @@ import pytest
 from configs.errors import CheckpointError
 from tests.dist_harness import run_ranks
 from tests.dist_workers import (
+    checkpoint_size_worker,
     disk_full_worker,
     long_rank0_work_worker,
     progress_bounded_worker,
     start_checks_worker,
+    tiny_t5,
 )
 from utils.checkpoint import integrity
 from utils.checkpoint.background import staging_problem
@@ -135,6 +137,15 @@ def test_a_full_disk_ends_each_save_with_one_message_keeping_the_previous_checkp
             ranks[1][case].split(" are free there")[0].rsplit(", ", 1)[0]
             == ranks[0][case].split(" are free there")[0].rsplit(", ", 1)[0]
         ), (ranks[0][case], ranks[1][case])
+
+
+def test_the_size_a_full_disks_message_gives_counts_replicas_once(tmp_path):
+    whole = sum(p.numel() for p in tiny_t5().parameters()) * 4 * 3  # fp32 parameters and AdamW's two moments
+    sizes = run_ranks(checkpoint_size_worker, str(tmp_path))[0]
+    # FULL_SHARD's shards add up to the model; NO_SHARD's replicas are written once (each rank's whole copy
+    # times the world size was the count before)
+    assert sizes == {name: (whole, "the model and optimizer in fp32") for name in sizes}, sizes
+    assert len(sizes) == 3
 
 
 def test_a_full_disk_is_recognised_in_each_wording():

@@ -76,7 +76,7 @@ from utils.distributed.progress_bounded import progress_bounded
 from utils.files import disk_bytes, free_bytes, is_disk_full, write_json
 from utils.log import get_logger, size_text
 from utils.model.lora import trainable_share, transposed_layers
-from utils.observe.memory import param_numel_local, trim_host_heap
+from utils.observe.memory import param_numel_local, param_numel_whole, trim_host_heap
 
 
 @dataclass
@@ -132,9 +132,9 @@ class CheckpointManager:
         # every rank at the next collective.
         self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if info.is_main else None
         self.purged = 0  # folders handed to it
-        rank_bytes = staged_bytes(model, self.save_optimizer)
+        rank_bytes = state_bytes(model, param_numel_local(model), self.save_optimizer)  # what a rank stages
         if info.is_main and self.checkpoint_type == layout.FULL and checkpointing.keep_last_n:
-            say_if_full_saves_are_large(rank_bytes * info.world_size)
+            say_if_full_saves_are_large(state_bytes(model, param_numel_whole(model), self.save_optimizer))
         # --async_checkpoint (collective: every rank makes the writer's group).
         self.background = BackgroundWriter(model, info, rank_bytes) if checkpointing.async_checkpoint else None
 
@@ -265,8 +265,9 @@ class CheckpointManager:
         kept = layout.complete_checkpoints(self.output_dir)
         if kept:
             return disk_bytes(kept[-1]), "the size of the newest checkpoint"
-        state_bytes = staged_bytes(self.model, self.save_optimizer) * self.info.world_size
-        return state_bytes, "the model and optimizer in fp32"
+        # replicas (NO_SHARD, the hybrid strategies' groups) are written once
+        whole = state_bytes(self.model, param_numel_whole(self.model), self.save_optimizer)
+        return whole, "the model and optimizer in fp32"
 
     def _ran_out_of_space(self, err: BaseException) -> bool:
         """Whether a failed save failed for a full disk: said so (utils/files.py), or said otherwise while less
@@ -516,11 +517,12 @@ class CheckpointManager:
         return layout.HF_LAST_DIR if last else layout.HF_DIR
 
 
-def staged_bytes(model: nn.Module, save_optimizer: bool) -> int:
-    """The bytes of this rank's part of a checkpoint, about: its parameter shards in fp32 (the sharded
-    parameters' dtype) and, with the optimizer, AdamW's two moments of the trainable ones."""
+def state_bytes(model: nn.Module, numel: int, save_optimizer: bool) -> int:
+    """The checkpoint bytes of `numel` of the model's parameter elements (a rank's shards, or the whole model),
+    about: in fp32 (the sharded parameters' dtype) and, with the optimizer, AdamW's two moments of the trainable
+    share."""
     trainable, total = trainable_share(model)  # LoRA: the optimizer holds moments of the adapters only
-    return int(param_numel_local(model) * 4 * (1 + (2 * trainable / max(1, total) if save_optimizer else 0)))
+    return int(numel * 4 * (1 + (2 * trainable / max(1, total) if save_optimizer else 0)))
 
 
 FULL_SAVE_WARNING_BYTES = 10**10  # t5-3b's model and AdamW in fp32 are 34 GB; t5-large's 9 GB

@@ -24,10 +24,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from policies.private_api import fsdp1_units_kept_unsharded, fsdp1_unsharded_numel, fsdp2_units_kept_unsharded
+from policies.private_api import fsdp1_units_kept_unsharded, fsdp2_units_kept_unsharded
 from utils.distributed.launcher import ranks_on_this_host
 from utils.distributed.process_group import any_rank
-from utils.observe.memory import available_memory
+from utils.observe.memory import available_memory, param_numel_whole
 
 
 def generate(model: nn.Module, prompts: dict, generation: dict) -> torch.Tensor:
@@ -84,20 +84,13 @@ def keep_gathered(model: nn.Module, setting: str, compute_dtype: torch.dtype, de
         return setting == "true"
     if dist.get_world_size() == 1:
         return False  # nothing is sharded: nothing to gather
-    needed = whole_model_numel(model) * compute_dtype.itemsize
+    needed = param_numel_whole(model) * compute_dtype.itemsize
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
         available = available_memory()
         free = None if available is None else available // ranks_on_this_host(dist.get_world_size())
     return not any_rank(free is None or needed > free // 2, device)
-
-
-def whole_model_numel(model: nn.Module) -> int:
-    """Elements of the sharded model's parameters, whole: FSDP2's DTensors count the whole parameter."""
-    if isinstance(model, FSDP):
-        return fsdp1_unsharded_numel(model)
-    return sum(p.numel() for p in model.parameters())
 
 
 @contextlib.contextmanager
