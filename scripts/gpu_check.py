@@ -1,6 +1,7 @@
 """What only a GPU shows, checked in a few minutes: the process group's backends, host syncs in a training step
 (with transformers' sdpa and with t5_flex), the bf16 choice, FSDP2 with CPU offload, t5_flex's FlexAttention
-forward and backward against the stock attention, a sharded save and load, and generation's all-gathers.
+forward and backward against the stock attention, one rank without FSDP against FSDP1 (the loss, and the SDPA
+kernels each step's attention takes), a sharded save and load, and generation's all-gathers.
 
     torchrun --nproc_per_node 1 scripts/gpu_check.py --output gpu_check.json    # one GPU (or N)
     torchrun --nproc_per_node 2 scripts/gpu_check.py --device cpu               # tiny scale on CPU (the tests)
@@ -21,6 +22,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -237,6 +239,42 @@ def loss_and_grads(model_name: str, device: torch.device, precision: Precision, 
     return loss.item(), {name: p.grad.full_tensor().float() for name, p in model.named_parameters()}
 
 
+# The kernels behind scaled_dot_product_attention, as the profiler names them (the math one computes in fp32 for
+# bf16 inputs: docs/pitfalls.md #47 found the stock step under autocast taking it for 48 of its 120 calls).
+SDPA_KERNELS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+def check_single_rank(model_name: str, device: torch.device) -> tuple[str, str]:
+    """One rank without FSDP (--single_rank_fsdp false: autocast) against FSDP1 at world size 1 (its mixed
+    precision), bf16 where the device has it, activation checkpointing on: one padded batch's forward and
+    backward, the losses within 1e-2 relative, and the SDPA kernels each took (counted by torch's profiler)."""
+    if dist.get_world_size() > 1:
+        return "skipped", "one rank only: on several ranks FSDP wraps the model whatever the flag says"
+    precision = resolve_precision(FSDPConfig(), device)
+    losses, found = {}, []
+    for name, fsdp in (("FSDP1", FSDPConfig()), ("no FSDP", FSDPConfig(single_rank_fsdp=False))):
+        model, config = fresh_model(model_name, fsdp, precision, device)
+        batch = random_batch(config, device, lengths=(64, 24))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            token_losses, labels = SEQ2SEQ.token_losses(model, batch)
+            loss = token_losses.sum() / (labels != -100).sum()
+            loss.backward()
+        names = (event.name.removeprefix("aten::") for event in profile.events())
+        kernels = Counter(kernel for kernel in names if kernel in SDPA_KERNELS)
+        losses[name] = loss.item()
+        found.append(f"{name}: loss {losses[name]:.6f}, SDPA kernels {dict(kernels)}")
+    relative = abs(losses["no FSDP"] - losses["FSDP1"]) / abs(losses["FSDP1"])
+    return ("ok" if relative <= 1e-2 else "FAILED"), f"{precision.name}: " + "; ".join(found) + (
+        f"; relative {relative:.2g}"
+    )
+
+
 def check_bf16(device: torch.device) -> tuple[str, str]:
     precision = resolve_precision(FSDPConfig(), device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else "-"
@@ -308,6 +346,7 @@ def run_checks(device: torch.device, model_name: str, folder: str) -> dict:
         "host syncs, sdpa": lambda: check_syncs(model_name, device, "sdpa"),
         f"host syncs, {t5_attention.NAME}": lambda: check_syncs(model_name, device, t5_attention.NAME),
         f"{t5_attention.NAME} against sdpa": lambda: check_t5_flex(model_name, device),
+        "one rank without FSDP": lambda: check_single_rank(model_name, device),
         "sharded save and load": lambda: check_sharded_save(model_name, device, folder),
         "generation's all-gathers": lambda: check_generation(model_name, device),
     }

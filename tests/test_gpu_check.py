@@ -4,7 +4,7 @@ say they were skipped, and a check that breaks is reported, not raised."""
 import re
 
 from scripts import gpu_check
-from tests.dist_harness import run_ranks
+from tests.dist_harness import one_process_group, run_ranks
 
 
 def checks_worker(rank: int, world_size: int, folder: str, break_one: bool) -> dict:
@@ -22,7 +22,7 @@ def test_the_gpu_check_runs_its_cpu_checks_at_tiny_scale(tmp_path, capfd):
     statuses = {name: check["status"] for name, check in findings.items()}
     assert statuses == {
         "backends": "ok", "bf16 choice": "ok", "CPU offload": "skipped", "host syncs, sdpa": "skipped",
-        "host syncs, t5_flex": "skipped", "t5_flex against sdpa": "skipped",
+        "host syncs, t5_flex": "skipped", "t5_flex against sdpa": "skipped", "one rank without FSDP": "skipped",
         "sharded save and load": "ok", "generation's all-gathers": "ok",
     }, findings  # fmt: skip
     assert "backend gloo, cpu all-reduce 2" in findings["backends"]["found"]
@@ -38,3 +38,14 @@ def test_the_gpu_check_runs_its_cpu_checks_at_tiny_scale(tmp_path, capfd):
     assert broken["bf16 choice"] == {**broken["bf16 choice"], "status": "FAILED"}
     assert broken["bf16 choice"]["found"].startswith("ZeroDivisionError")
     assert broken["sharded save and load"]["status"] == "ok"
+
+
+def test_the_one_rank_check_compares_the_losses_and_counts_the_attention_kernels_of_each_form():
+    with one_process_group():
+        status, found = gpu_check.check_single_rank(
+            str(gpu_check.EMBEDDED_MODEL_DIR), gpu_check.torch.device("cpu")
+        )
+    assert status == "ok", found
+    # Both forms ran their forward and checkpointed backward through a kernel of SDPA (CPU's own here).
+    counts = re.findall(r"(FSDP1|no FSDP): loss [\d.]+, SDPA kernels \{'(\w+)': (\d+)", found)
+    assert [form for form, _, _ in counts] == ["FSDP1", "no FSDP"] and all(int(n) > 0 for _, _, n in counts), found
