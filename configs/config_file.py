@@ -64,6 +64,14 @@ def read_config_file(
     is_run_record = all(key in content for key in RECORD_SIGNATURE)
     section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
     values, hf_keys = {}, hf_keys_of(content, section_keys)
+    given_at: dict[str, str] = {}  # {field: where in the file}: a field given in two places is refused
+
+    def take(name: str, value, where: str) -> None:
+        if name in given_at:
+            raise ConfigError(f"--config {path}: {name} is given twice, {given_at[name]} and {where}; keep one")
+        given_at[name] = where
+        values[name] = value
+
     known = [*section_keys, *section_of, *hf_names.HF_NAMES]
     for key, value in content.items():
         if key in hf_keys or (is_run_record and (key in RUN_RECORD_KEYS or _another_versions(key, known))):
@@ -75,9 +83,9 @@ def read_config_file(
                 raise ConfigError(f"--config {path}: {key} is a section and takes fields, not {value!r}")
             for name, field_value in value.items():
                 if name not in hf_keys and _in_section(path, name, section_keys[key], section_of, is_run_record):
-                    values[name] = field_value
+                    take(name, field_value, f"under {key}")
         elif key in section_of:
-            values[key] = value
+            take(key, value, "at the top level")
         else:
             raise ConfigError(_unknown_key(path, key, [*section_keys, *section_of]))
     if is_run_record:  # where this command writes and starts from is its own, not the recorded run's

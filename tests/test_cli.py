@@ -758,6 +758,11 @@ def test_config_file_errors_name_the_file_and_the_fix(tmp_path):
         "train:\n  epochs: 3\nfsdp:\n  compile: true\ntrain:\n  lr: 0.1\n": (
             "'train' is given twice in one mapping \\(lines 1 and 5\\)"
         ),
+        # the same field in two places: by section name and config.json key, or at the top level too
+        "train:\n  epochs: 3\ntrain_config:\n  epochs: 4\n": (
+            "epochs is given twice, under train and under train_config"
+        ),
+        "epochs: 3\ntrain:\n  epochs: 4\n": "epochs is given twice, at the top level and under train; keep one",
     }
     for text, message in cases.items():
         path.write_text(text)
