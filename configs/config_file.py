@@ -168,17 +168,26 @@ def _one_of_each(pairs: list[tuple]) -> dict:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (a merge's `<<` keys may be overridden)."""
+    """PyYAML's safe loader, refusing a key given twice in one mapping as written (a merge's `<<` keys may be
+    overridden). Checked where PyYAML flattens each mapping's merges, before it rewrites the mapping with the
+    merged keys, once per mapping (a merged one is flattened again where it is used)."""
 
-    def construct_mapping(self, node, deep=False):
-        lines: dict = {}
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                key, line = self.construct_object(key_node), key_node.start_mark.line + 1
-                if key in lines:
-                    raise KeyGivenTwice(f"{key!r} is given twice in one mapping (lines {lines[key]} and {line})")
-                lines[key] = line
-        return super().construct_mapping(node, deep=deep)
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.checked: set[int] = set()
+
+    def flatten_mapping(self, node):
+        if id(node) not in self.checked:
+            self.checked.add(id(node))
+            lines: dict = {}
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                    key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+                    if key in lines:
+                        where = f"lines {lines[key]} and {line}" if lines[key] != line else f"both on line {line}"
+                        raise KeyGivenTwice(f"{key!r} is given twice in one mapping ({where})")
+                    lines[key] = line
+        super().flatten_mapping(node)
 
 
 def _in_section(path: str, name: str, section: str, section_of: dict[str, str], is_run_record: bool) -> bool:

@@ -16,8 +16,10 @@ import typing
 from dataclasses import fields, replace
 
 import pytest
+import yaml
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
+from configs import config_file
 from configs.checkpointing import CheckpointConfig
 from configs.cli import (
     ALIASES,
@@ -776,6 +778,19 @@ def test_config_file_errors_name_the_file_and_the_fix(tmp_path):
     bom = tmp_path / "run.json"
     bom.write_bytes(b"\xef\xbb\xbf" + b'{"train": {"epochs": 3}}')  # a byte-order mark, as some editors write
     assert parse_args(["--config", str(bom)]).train.epochs == 3
+    # A YAML merge's key overridden is no key given twice, however the merges nest and anchors are reused
+    # (PyYAML rewrites a merged mapping in place: a check after that saw the override as a second key).
+    merged = tmp_path / "merged.yaml"
+    for text in (
+        "train: {<<: &tuned {<<: &base {epochs: 3, lr: 0.1}, lr: 0.2}}\n",
+        "d: {base: &b {lr: 1}, big: &g {<<: *b, lr: 2}}\ntrain: {<<: *g}\n",
+        "b: &b {lr: 1}\ntrain: {<<: &g {<<: *b, lr: 2}}\nfsdp: *g\n",
+    ):
+        merged.write_text(text)
+        assert config_file._load(str(merged)) == yaml.safe_load(text), text
+    merged.write_text("train: {<<: &tuned {<<: &base {epochs: 3, lr: 0.1}, lr: 0.2}}\n")
+    from_merge = parse_args(["--config", str(merged)]).train
+    assert (from_merge.epochs, from_merge.lr) == (3, 0.2)
     bom.write_text('{"train": {"epochs": 3, "lr": 0.1, "epochs": 4}}')
     with pytest.raises(ConfigError, match="'epochs' is given twice in one object; keep one"):
         parse_args(["--config", str(bom)])
