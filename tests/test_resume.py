@@ -158,7 +158,10 @@ def copy_run(source: Path, destination: Path) -> Path:
 
 
 def remaining_steps(samples: int, consumed: int, world_size: int) -> int:
-    """Steps of the rest of an epoch: the unconsumed samples of the padded order, dealt to the ranks."""
+    """Steps of the rest of an epoch: the unconsumed samples of the padded order, dealt to the ranks (none once
+    every real sample was consumed)."""
+    if consumed >= samples:
+        return 0
     total = math.ceil(samples / world_size) * world_size
     per_rank = math.ceil((total - consumed) / world_size)
     return math.ceil(per_rank / BATCH)

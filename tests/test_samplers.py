@@ -97,6 +97,23 @@ def test_a_resume_on_another_world_size_sees_every_sample_once(grouped):
         assert sorted(first + rest) == list(range(N)), (before, after)
 
 
+def test_an_epoch_every_real_sample_of_which_was_trained_is_over_on_any_world_size():
+    """32 samples on 2 ranks end the epoch at 32 consumed; on 3 ranks the epoch's list is padded to 33, and the
+    one entry left after 32 is a repeat: no step remains (before, a step of repeats was trained)."""
+    for world in (2, 3, 5):
+        samplers = [train_sampler_for(range(32), rank, world, seed=1) for rank in range(world)]
+        for sampler in samplers:
+            sampler.set_epoch(0, samples_consumed=32)
+        assert [len(s) for s in samplers] == [0] * world and [list(s) for s in samplers] == [[]] * world, world
+    # the control: 30 consumed on 2 ranks leave 2 real samples, one step of 3 on 3 ranks (one of them a repeat)
+    trained = [i for rank in range(2) for i in list(train_sampler_for(range(32), rank, 2, seed=1))[:15]]
+    samplers = [train_sampler_for(range(32), rank, 3, seed=1) for rank in range(3)]
+    for sampler in samplers:
+        sampler.set_epoch(0, samples_consumed=30)
+    left = [i for sampler in samplers for i in sampler]
+    assert [len(s) for s in samplers] == [1, 1, 1] and set(trained) | set(left) == set(range(32)), left
+
+
 def test_padding_share_counts_each_sides_padding_over_what_the_model_sees():
     """scripts/padding_share.py: one batch of articles of 1 and 3 tokens, summaries of 2: 2 padded source
     tokens of 6, none of the target's 4, 2 of all 10."""

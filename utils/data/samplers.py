@@ -80,8 +80,10 @@ class ResumableDistributedSampler(DistributedSampler):
     The epoch's order is the padded, shuffled list DistributedSampler builds from (seed, epoch); ranks take
     every world_size-th entry. After k full batches of b samples on W ranks, the first k*b*W entries of that
     list were consumed, whatever W was, so `set_epoch(epoch, samples_consumed)` deals out the rest. With
-    the same world size the resumed order is exactly the uninterrupted one. `grouping` rearranges the
-    shuffled list by length (--group_by_length) before it is dealt out.
+    the same world size the resumed order is exactly the uninterrupted one. Once every real sample was consumed
+    (the list's first len(dataset) entries; the rest repeat them to fill the last step of the saving world), the
+    epoch is over on any world size. `grouping` rearranges the shuffled list by length (--group_by_length) before
+    it is dealt out.
     """
 
     def __init__(
@@ -96,6 +98,8 @@ class ResumableDistributedSampler(DistributedSampler):
         self.samples_consumed = samples_consumed
 
     def _remaining(self) -> list[int]:
+        if self.samples_consumed >= len(self.dataset):
+            return []
         order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
         order = order.tolist() if self.grouping is None else self.grouping.arrange(order.tolist())
         padding = self.total_size - len(order)
@@ -108,7 +112,9 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(self._remaining()[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        return math.ceil(max(self.total_size - self.samples_consumed, 0) / self.num_replicas)
+        if self.samples_consumed >= len(self.dataset):
+            return 0
+        return math.ceil((self.total_size - self.samples_consumed) / self.num_replicas)
 
 
 def train_sampler_for(
