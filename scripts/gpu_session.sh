@@ -3,7 +3,7 @@
 # budget of its own (one slow part cannot eat the others), its output and log under $OUT, one summary line per
 # part in $OUT/summary.txt. From the repository's root:
 #
-#     OUT=/somewhere bash scripts/gpu_session.sh            # one GPU: about 9 minutes in all
+#     OUT=/somewhere bash scripts/gpu_session.sh            # one GPU: at most 9.6 minutes in all
 #     DEVICE=cpu OUT=/tmp/dry bash scripts/gpu_session.sh   # the same parts at tiny scale on CPU (a dry run)
 #
 # 1. the speed benchmark (scripts/benchmark.py --suite gpu): t5-large, bf16, 512/150 tokens, batch 64, dropout
@@ -38,17 +38,17 @@ else  # tiny: the embedded model, short sequences, FlexAttention's exactness onl
     models=(embedded) lengths=(32 8) batch=2 steps=3 shape=tiny block=128 kernels=(sdpa)
 fi
 
-part benchmark 330 "$PYTHON" scripts/benchmark.py --suite gpu --models "${models[@]}" \
+part benchmark 370 "$PYTHON" scripts/benchmark.py --suite gpu --models "${models[@]}" \
     --max_source_length "${lengths[0]}" --max_target_length "${lengths[1]}" --batch_size "$batch" \
-    --steps "$steps" --dropout_rate 0 --time_budget_s 300 --out "$OUT/bench" --cases "bf16, FSDP1" \
+    --steps "$steps" --dropout_rate 0 --time_budget_s 340 --out "$OUT/bench" --cases "bf16, FSDP1" \
     "bf16, no FSDP (one rank)" "bf16, FSDP1, t5_flex" "bf16, FSDP1, t5_flex, no activation checkpointing" \
     "bf16, no FSDP (one rank), t5_flex, no activation checkpointing"
-part gpu_check 120 "$PYTHON" -m torch.distributed.run --nproc_per_node 1 --standalone scripts/gpu_check.py \
+part gpu_check 90 "$PYTHON" -m torch.distributed.run --nproc_per_node 1 --standalone scripts/gpu_check.py \
     --device "$DEVICE" --output "$OUT/gpu_check.json"
-part smoke 60 "$PYTHON" -m torch.distributed.run --nproc_per_node 1 --standalone T5_training.py \
+part smoke 50 "$PYTHON" -m torch.distributed.run --nproc_per_node 1 --standalone T5_training.py \
     --device "$DEVICE" --max_steps 20 --save_every_n_steps 10 --num_val_samples 32 --output_dir "$OUT/smoke"
 part smoke_export 20 "$PYTHON" -c "import sys; from transformers import AutoModelForSeq2SeqLM as M; \
 print(M.from_pretrained(sys.argv[1]).num_parameters(), 'parameters loaded')" "$OUT/smoke/hf_model"
-part packing 60 "$PYTHON" scripts/packing_kernels.py --shape "$shape" --max_seq_len "$block" --batch_size 4 \
+part packing 45 "$PYTHON" scripts/packing_kernels.py --shape "$shape" --max_seq_len "$block" --batch_size 4 \
     --steps "$steps" --kernels "${kernels[@]}" --out "$OUT/packing.json"
 echo "done: $OUT/summary.txt" | tee -a "$OUT/summary.txt"
