@@ -63,7 +63,7 @@ def read_config_file(
     # that happens to use one of its keys (backend, world_size).
     is_run_record = all(key in content for key in RECORD_SIGNATURE)
     section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
-    values, hf_keys = {}, hf_keys_of(content, section_keys)
+    values, hf_keys = {}, hf_keys_of(path, content, section_keys)
     given_at: dict[str, str] = {}  # {field: where in the file}: a field given in two places is refused
 
     def take(name: str, value, where: str) -> None:
@@ -105,15 +105,28 @@ def hf_name_lines(path: str) -> list[str]:
     """One line for each HF name among the file's keys: what it became, or why it was left out."""
     content = _load(path)
     section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
-    return _hf_flags(path, hf_keys_of(content, section_keys))[1]
+    return _hf_flags(path, hf_keys_of(path, content, section_keys))[1]
 
 
-def hf_keys_of(content: dict, section_keys: dict[str, str]) -> dict:
-    """{HF name: value} of the keys of a file's top level and sections that are HF's names."""
-    found = {key: value for key, value in content.items() if key in hf_names.HF_NAMES}
-    for key, value in content.items():
-        if key in section_keys and isinstance(value, dict):
-            found.update({name: v for name, v in value.items() if name in hf_names.HF_NAMES})
+def hf_keys_of(path: str, content: dict, section_keys: dict[str, str]) -> dict:
+    """{HF name: value} of the keys of a file's top level and sections that are HF's names; one given in two
+    places is refused, naming both."""
+    places = [("at the top level", content)]
+    places += [
+        (f"under {key}", value)
+        for key, value in content.items()
+        if key in section_keys and isinstance(value, dict)
+    ]
+    found, given_at = {}, {}
+    for place, mapping in places:
+        for name, value in mapping.items():
+            if name not in hf_names.HF_NAMES:
+                continue
+            if name in given_at:
+                raise ConfigError(
+                    f"--config {path}: {name} is given twice, {given_at[name]} and {place}; keep one"
+                )
+            given_at[name], found[name] = place, value
     return found
 
 

@@ -165,7 +165,8 @@ def check_unwrapped(fsdp_config: FSDPConfig) -> None:
     if fsdp_config.fsdp_cpu_offload:
         raise ConfigError(
             "--fsdp_cpu_offload true is FSDP's (each unit copied to the GPU as it runs); with --single_rank_fsdp "
-            "false the model is not wrapped. Leave --single_rank_fsdp true to offload."
+            "false the model is not wrapped. Leave --single_rank_fsdp true to offload, or pass --fsdp_cpu_offload "
+            "false (an accelerate config's fsdp_offload_params sets it too)."
         )
     if fsdp_config.cpu_ram_efficient_loading:
         raise ConfigError(

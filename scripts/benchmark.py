@@ -872,11 +872,15 @@ def report_failure(model: str, case: str, failure: CaseFailed, args) -> None:
 
 
 def planner_bytes(model_dir: str, case_args: list[str], args) -> dict:
-    """scripts/estimate_memory.py's prediction of the case's peak per rank, for the gpu suite's table."""
+    """scripts/estimate_memory.py's prediction of the case's peak per rank, for the gpu suite's table (none for one
+    rank without FSDP: the planner plans FSDP)."""
     from scripts.estimate_memory import estimate, load_shape
 
     def flag(name: str, default: str) -> str:
         return case_args[case_args.index(name) + 1] if name in case_args else default
+
+    if flag("--single_rank_fsdp", "true") == "false":
+        return {}
 
     precision = "fp32" if flag("--mixed_precision", args.mixed_precision) == "false" else "bf16"
     predicted = estimate(

@@ -169,10 +169,10 @@ def losses_and_rouge(run: dict) -> str:
 
 def precision_words(run: dict) -> str:
     """The demo asks for bf16, which a device without native bf16 replaces with fp32 (faster there)."""
-    policy = run["mixed_precision_policy"]
-    if policy.startswith("bf"):
+    policy = run["mixed_precision_policy"]  # FSDP's policy, or (one rank without FSDP) autocast_bfloat16 or fp32
+    if policy.startswith(("bf", "autocast_bfloat16")):
         return "bf16 mixed precision"
-    return f"fp32: no native bf16 on this {run['device'].upper()}" if policy == "fp32_policy" else policy
+    return f"fp32: no native bf16 on this {run['device'].upper()}" if policy in ("fp32_policy", "fp32") else policy
 
 
 def machine_words(figures: dict) -> str:

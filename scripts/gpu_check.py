@@ -1,7 +1,7 @@
 """What only a GPU shows, checked in a few minutes: the process group's backends, host syncs in a training step
 (with transformers' sdpa and with t5_flex), the bf16 choice, FSDP2 with CPU offload, t5_flex's FlexAttention
 forward and backward against the stock attention, one rank without FSDP against FSDP1 (the loss, and the SDPA
-kernels each step's attention takes), a sharded save and load, and generation's all-gathers.
+kernels of each one's forward calls), a sharded save and load, and generation's all-gathers.
 
     torchrun --nproc_per_node 1 scripts/gpu_check.py --output gpu_check.json    # one GPU (or N)
     torchrun --nproc_per_node 2 scripts/gpu_check.py --device cpu               # tiny scale on CPU (the tests)
@@ -253,7 +253,8 @@ SDPA_KERNELS = (
 def check_single_rank(model_name: str, device: torch.device) -> tuple[str, str]:
     """One rank without FSDP (--single_rank_fsdp false: autocast) against FSDP1 at world size 1 (its mixed
     precision), bf16 where the device has it, activation checkpointing on: one padded batch's forward and
-    backward, the losses within 1e-2 relative, and the SDPA kernels each took (counted by torch's profiler)."""
+    backward, the losses within 1e-2 relative, and the SDPA kernels of each one's forward calls, the backward's
+    recomputation included (counted by torch's profiler)."""
     if dist.get_world_size() > 1:
         return "skipped", "one rank only: on several ranks FSDP wraps the model whatever the flag says"
     precision = resolve_precision(FSDPConfig(), device)

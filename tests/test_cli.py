@@ -765,6 +765,9 @@ def test_config_file_errors_name_the_file_and_the_fix(tmp_path):
             "epochs is given twice, under train and under train_config"
         ),
         "epochs: 3\ntrain:\n  epochs: 4\n": "epochs is given twice, at the top level and under train; keep one",
+        "learning_rate: 0.1\ntrain:\n  learning_rate: 0.2\n": (
+            "learning_rate is given twice, at the top level and under train; keep one"
+        ),
     }
     for text, message in cases.items():
         path.write_text(text)
@@ -779,7 +782,7 @@ def test_config_file_errors_name_the_file_and_the_fix(tmp_path):
     bom.write_bytes(b"\xef\xbb\xbf" + b'{"train": {"epochs": 3}}')  # a byte-order mark, as some editors write
     assert parse_args(["--config", str(bom)]).train.epochs == 3
     # A YAML merge's key overridden is no key given twice, however the merges nest and anchors are reused
-    # (PyYAML rewrites a merged mapping in place: a check after that saw the override as a second key).
+    # (PyYAML rewrites a merged mapping in place, merged keys beside its own).
     merged = tmp_path / "merged.yaml"
     for text in (
         "train: {<<: &tuned {<<: &base {epochs: 3, lr: 0.1}, lr: 0.2}}\n",

@@ -142,8 +142,7 @@ def test_a_full_disk_ends_each_save_with_one_message_keeping_the_previous_checkp
 def test_the_size_a_full_disks_message_gives_counts_replicas_once(tmp_path):
     whole = sum(p.numel() for p in tiny_t5().parameters()) * 4 * 3  # fp32 parameters and AdamW's two moments
     sizes = run_ranks(checkpoint_size_worker, str(tmp_path))[0]
-    # FULL_SHARD's shards add up to the model; NO_SHARD's replicas are written once (each rank's whole copy
-    # times the world size was the count before)
+    # FULL_SHARD's shards add up to the model; NO_SHARD's replicas are written once, not once per rank
     assert sizes == {name: (whole, "the model and optimizer in fp32") for name in sizes}, sizes
     assert len(sizes) == 3
 

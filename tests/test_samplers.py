@@ -99,7 +99,7 @@ def test_a_resume_on_another_world_size_sees_every_sample_once(grouped):
 
 def test_an_epoch_every_real_sample_of_which_was_trained_is_over_on_any_world_size():
     """32 samples on 2 ranks end the epoch at 32 consumed; on 3 ranks the epoch's list is padded to 33, and the
-    one entry left after 32 is a repeat: no step remains (before, a step of repeats was trained)."""
+    one entry left after 32 is a repeat: no step remains."""
     for world in (2, 3, 5):
         samplers = [train_sampler_for(range(32), rank, world, seed=1) for rank in range(world)]
         for sampler in samplers:
@@ -112,6 +112,17 @@ def test_an_epoch_every_real_sample_of_which_was_trained_is_over_on_any_world_si
         sampler.set_epoch(0, samples_consumed=30)
     left = [i for sampler in samplers for i in sampler]
     assert [len(s) for s in samplers] == [1, 1, 1] and set(trained) | set(left) == set(range(32)), left
+
+
+def test_fewer_samples_left_than_ranks_still_give_every_rank_its_steps():
+    """33 samples, 32 consumed on 2 ranks, resumed on 3: one real sample left, and every rank takes one step
+    (a rank without one would skip the others' collectives)."""
+    samplers = [train_sampler_for(range(33), rank, 3, seed=1) for rank in range(3)]
+    for sampler in samplers:
+        sampler.set_epoch(0, samples_consumed=32)
+    dealt_out = [list(sampler) for sampler in samplers]
+    assert [len(s) for s in samplers] == [1, 1, 1] and [len(d) for d in dealt_out] == [1, 1, 1], dealt_out
+    assert len({i for d in dealt_out for i in d}) == 1  # the one sample left, and its repeats
 
 
 def test_padding_share_counts_each_sides_padding_over_what_the_model_sees():

@@ -180,7 +180,7 @@ def test_a_run_without_fsdp_trains_saves_and_resumes_as_fsdp1_does(tmp_path):
     unwrapped, fsdp1, resumed = tmp_path / "unwrapped", tmp_path / "fsdp1", tmp_path / "resumed"
     run = pooled([*RUN, "--output_dir", str(unwrapped), "--single_rank_fsdp", "false"], nproc=1)
     assert run.returncode == 0, run.describe()
-    line = "no FSDP: one rank trains the model itself (--single_rank_fsdp false), mixed precision fp32 "
+    line = "no FSDP: one rank trains the model itself (--single_rank_fsdp false), in fp32\n"
     assert line in run.output, run.describe()
     assert "Warning" not in run.output, run.describe()
     run = pooled([*RUN, "--output_dir", str(fsdp1)], nproc=1)

@@ -81,9 +81,9 @@ class ResumableDistributedSampler(DistributedSampler):
     every world_size-th entry. After k full batches of b samples on W ranks, the first k*b*W entries of that
     list were consumed, whatever W was, so `set_epoch(epoch, samples_consumed)` deals out the rest. With
     the same world size the resumed order is exactly the uninterrupted one. Once every real sample was consumed
-    (the list's first len(dataset) entries; the rest repeat them to fill the last step of the saving world), the
-    epoch is over on any world size. `grouping` rearranges the shuffled list by length (--group_by_length) before
-    it is dealt out.
+    (the list's first len(dataset) entries; the rest repeat them to make the list a multiple of the saving
+    world's ranks), the epoch is over on any world size. `grouping` rearranges the shuffled list by length
+    (--group_by_length) before it is dealt out.
     """
 
     def __init__(
@@ -105,8 +105,9 @@ class ResumableDistributedSampler(DistributedSampler):
         padding = self.total_size - len(order)
         order += (order * math.ceil(padding / len(order)))[:padding]
         remaining = order[self.samples_consumed :]
-        short = -len(remaining) % self.num_replicas  # pad again if the consumed count broke the alignment
-        return remaining + remaining[:short]
+        # pad again if the consumed count broke the alignment (cycling: fewer left than ranks need)
+        short = -len(remaining) % self.num_replicas
+        return remaining + (remaining * math.ceil(short / len(remaining)))[:short]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._remaining()[self.rank :: self.num_replicas])

@@ -108,7 +108,8 @@ def shard_model(
     weights_source: str = "",
     restores: bool = False,
 ) -> nn.Module:
-    """Shard `model` (unwrapped, on CPU or meta) over the default process group. Collective.
+    """Shard `model` (unwrapped, on CPU or meta) over the default process group. Collective. At world size 1
+    with --single_rank_fsdp false, the model itself is returned, on the device (`unwrapped_model`).
 
     With rank-0-only loading (--cpu_ram_efficient_loading) the ranks hold a skeleton on the meta device: FSDP1
     fills each unit with rank 0's reads of `weights_source` (the pretrained model or a full .pt) as it wraps
@@ -262,12 +263,9 @@ def log_fsdp_layout(model: nn.Module, precision: Precision) -> None:
     units = fsdp_units(model)
     tf32 = ", fp32 matmuls in TF32 (--tf32)" if precision.tf32 else ""
     if not units:
-        get_logger().info(
-            "no FSDP: one rank trains the model itself (--single_rank_fsdp false), mixed precision %s (fp32 "
-            "weights and optimizer)%s",
-            precision.unwrapped_name,
-            tf32,
-        )
+        name = precision.unwrapped_name
+        how = "in fp32" if name == "fp32" else f"mixed precision {name} (fp32 weights and optimizer)"
+        get_logger().info("no FSDP: one rank trains the model itself (--single_rank_fsdp false), %s%s", how, tf32)
         return
     by_class = Counter(unit_class_name(unit) for unit in units[1:])
     # FSDP1's strategy as it runs (NO_SHARD at world size 1, whatever was asked)
