@@ -44,6 +44,8 @@ RUN_RECORD_KEYS = (
     "resumed_from",
 )
 RECORD_SIGNATURE = ("versions", "command")  # keys every run record has, and no hand-written settings file
+# {a section's key in a file: the section}: its name (configs/run.py) or its config.json key (train_config)
+SECTION_KEYS = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
 
 
 def read_config_file(
@@ -62,32 +64,26 @@ def read_config_file(
     # A run record (what run_record writes: its versions and command among its keys), not a file of one's own
     # that happens to use one of its keys (backend, world_size).
     is_run_record = all(key in content for key in RECORD_SIGNATURE)
-    section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
-    values, hf_keys = {}, hf_keys_of(path, content, section_keys)
-    given_at: dict[str, str] = {}  # {field: where in the file}: a field given in two places is refused
-
-    def take(name: str, value, where: str) -> None:
-        if name in given_at:
-            raise ConfigError(f"--config {path}: {name} is given twice, {given_at[name]} and {where}; keep one")
-        given_at[name] = where
-        values[name] = value
-
-    known = [*section_keys, *section_of, *hf_names.HF_NAMES]
+    values, hf_keys = {}, hf_keys_of(path, content)
+    given_at: dict[str, str] = {}  # {field: where in the file}
+    known = [*SECTION_KEYS, *section_of, *hf_names.HF_NAMES]
     for key, value in content.items():
         if key in hf_keys or (is_run_record and (key in RUN_RECORD_KEYS or _another_versions(key, known))):
             continue
-        if key in section_keys:
+        if key in SECTION_KEYS:
             if value is None:  # a section whose fields are all commented out
                 continue
             if not isinstance(value, dict):
                 raise ConfigError(f"--config {path}: {key} is a section and takes fields, not {value!r}")
             for name, field_value in value.items():
-                if name not in hf_keys and _in_section(path, name, section_keys[key], section_of, is_run_record):
-                    take(name, field_value, f"under {key}")
+                if name not in hf_keys and _in_section(path, name, SECTION_KEYS[key], section_of, is_run_record):
+                    note_place(path, given_at, name, f"under {key}")
+                    values[name] = field_value
         elif key in section_of:
-            take(key, value, "at the top level")
+            note_place(path, given_at, key, "at the top level")
+            values[key] = value
         else:
-            raise ConfigError(_unknown_key(path, key, [*section_keys, *section_of]))
+            raise ConfigError(_unknown_key(path, key, [*SECTION_KEYS, *section_of]))
     if is_run_record:  # where this command writes and starts from is its own, not the recorded run's
         values = {name: value for name, value in values.items() if not is_launch_field(name)}
     texts = {name: _text(path, name, value, takes_none(name)) for name, value in values.items()}
@@ -103,31 +99,33 @@ def read_config_file(
 
 def hf_name_lines(path: str) -> list[str]:
     """One line for each HF name among the file's keys: what it became, or why it was left out."""
-    content = _load(path)
-    section_keys = {**{name: name for name in SECTION_TITLES}, **{key: name for name, key in RECORD_KEYS.items()}}
-    return _hf_flags(path, hf_keys_of(path, content, section_keys))[1]
+    return _hf_flags(path, hf_keys_of(path, _load(path)))[1]
 
 
-def hf_keys_of(path: str, content: dict, section_keys: dict[str, str]) -> dict:
+def hf_keys_of(path: str, content: dict) -> dict:
     """{HF name: value} of the keys of a file's top level and sections that are HF's names; one given in two
     places is refused, naming both."""
     places = [("at the top level", content)]
     places += [
         (f"under {key}", value)
         for key, value in content.items()
-        if key in section_keys and isinstance(value, dict)
+        if key in SECTION_KEYS and isinstance(value, dict)
     ]
     found, given_at = {}, {}
     for place, mapping in places:
         for name, value in mapping.items():
-            if name not in hf_names.HF_NAMES:
-                continue
-            if name in given_at:
-                raise ConfigError(
-                    f"--config {path}: {name} is given twice, {given_at[name]} and {place}; keep one"
-                )
-            given_at[name], found[name] = place, value
+            if name in hf_names.HF_NAMES:
+                note_place(path, given_at, name, place)
+                found[name] = value
     return found
+
+
+def note_place(path: str, given_at: dict[str, str], name: str, place: str) -> None:
+    """Record in `given_at` where the file at `path` gives `name`; a second place is refused, naming both (which
+    one won would depend on the order of the file alone)."""
+    if name in given_at:
+        raise ConfigError(f"--config {path}: {name} is given twice, {given_at[name]} and {place}; keep one")
+    given_at[name] = place
 
 
 def _hf_flags(path: str, keys: dict) -> tuple[dict[str, str], list[str]]:
