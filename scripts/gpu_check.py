@@ -233,10 +233,17 @@ def loss_and_grads(model_name: str, device: torch.device, precision: Precision, 
     """The token-mean loss and every parameter's full gradient of one padded batch (FSDP2, dropout 0)."""
     fsdp = FSDPConfig(fsdp_version=2, mixed_precision=precision.name != FP32.name)
     model, config = fresh_model(model_name, fsdp, precision, device, kernel)
+    loss = padded_batch_backward(model, config, device)
+    return loss, {name: p.grad.full_tensor().float() for name, p in model.named_parameters()}
+
+
+def padded_batch_backward(model, config, device: torch.device) -> float:
+    """Forward and backward of one padded batch of 64/24 tokens (t5_flex's FlexAttention from 16 tokens on):
+    its token-mean loss."""
     token_losses, labels = SEQ2SEQ.token_losses(model, random_batch(config, device, lengths=(64, 24)))
     loss = token_losses.sum() / (labels != -100).sum()
     loss.backward()
-    return loss.item(), {name: p.grad.full_tensor().float() for name, p in model.named_parameters()}
+    return loss.item()
 
 
 # The kernels behind scaled_dot_product_attention, as the profiler names them (the math one computes in fp32 for
@@ -261,14 +268,10 @@ def check_single_rank(model_name: str, device: torch.device) -> tuple[str, str]:
     losses, found = {}, []
     for name, fsdp in (("FSDP1", FSDPConfig()), ("no FSDP", FSDPConfig(single_rank_fsdp=False))):
         model, config = fresh_model(model_name, fsdp, precision, device)
-        batch = random_batch(config, device, lengths=(64, 24))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            token_losses, labels = SEQ2SEQ.token_losses(model, batch)
-            loss = token_losses.sum() / (labels != -100).sum()
-            loss.backward()
+            losses[name] = padded_batch_backward(model, config, device)
         names = (event.name.removeprefix("aten::") for event in profile.events())
         kernels = Counter(kernel for kernel in names if kernel in SDPA_KERNELS)
-        losses[name] = loss.item()
         found.append(f"{name}: loss {losses[name]:.6f}, SDPA kernels {dict(kernels)}")
     relative = abs(losses["no FSDP"] - losses["FSDP1"]) / abs(losses["FSDP1"])
     return ("ok" if relative <= 1e-2 else "FAILED"), f"{precision.name}: " + "; ".join(found) + (

@@ -31,6 +31,7 @@ from tests.dist_workers import (
     train_wrapped,
 )
 from tests.launch import pooled
+from tests.reference_run import read_records
 from tests.run_configs import run_config
 from utils.eval.generation import generate
 from utils.fsdp.shard import fsdp_units, shard_model
@@ -167,8 +168,9 @@ def test_fsdp1s_own_rules_do_not_apply_where_fsdp_does_not_wrap(fsdp_setting):
 
 def evaluation_records(output_dir: Path) -> list[tuple]:
     """(validation loss, ROUGE-L) of each epoch and evaluation record of a run."""
-    records = map(json.loads, (output_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines())
-    return [(r.get("val_loss"), r.get("rougeL")) for r in records if r["type"] in ("epoch", "eval")]
+    return [
+        (r.get("val_loss"), r.get("rougeL")) for r in read_records(output_dir) if r["type"] in ("epoch", "eval")
+    ]
 
 
 RUN = ["--epochs", "1", "--num_train_samples", "24", "--num_val_samples", "8", "--eval_num_samples", "4",
