@@ -26,7 +26,7 @@ import time
 from configs import cli, validate
 from configs.errors import ConfigError, UserError
 from configs.run import RunConfig
-from utils.checkpoint.record import recorded_run
+from utils.checkpoint.record import recorded_run, records_inputs
 from utils.data import sources
 from utils.distributed.launcher import launcher_ranks, point_launcher_to_the_log, tell_the_launcher
 from utils.log import get_logger, setup_logging
@@ -44,7 +44,8 @@ def read_settings(argv: list[str] | None) -> tuple[RunConfig, dict]:
     # that differs is taken with one line, or refused where the checkpoints cannot honour it.
     recorded = recorded_run(config.checkpointing.resume, config.train.output_dir)
     if recorded is not None:
-        config, changes = cli.continue_run(argv, recorded[1], recorded[0])
+        inputs_recorded = records_inputs(config.checkpointing.resume, config.train.output_dir)
+        config, changes = cli.continue_run(argv, recorded[1], recorded[0], inputs_recorded=inputs_recorded)
         changed = f"; changed here: {', '.join(changes)}" if changes else ""
         get_logger().info("resuming with the settings of %s%s", recorded[0], changed)
     for note in cli.hf_name_notes(argv):
@@ -143,8 +144,9 @@ with kept_for_the_whole_process():
     from policies.mixed_precision import Precision, resolve_precision
     from policies.wrapping import layer_classes
     from utils import layout
+    from utils.checkpoint.inputs import checked_inputs
     from utils.checkpoint.manager import CheckpointManager
-    from utils.checkpoint.run_lock import claimed_output_dir
+    from utils.checkpoint.run_lock import check_writable, claimed_output_dir
     from utils.checkpoint.start import StartPoint, resolve_start
     from utils.data.loaders import Loaders, build_loaders
     from utils.distributed import hang_report, process_group
@@ -172,6 +174,10 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     """One run, on every rank (collective): datasets -> model -> FSDP -> optimizer -> train -> export."""
     train, recipe, evaluation = config.train, config.recipe, config.evaluation
     torch.manual_seed(train.seed)
+    # Every folder of output_dir the run will write, probed on every rank before anything is read or moved: a
+    # read-only checkpoints/ is said now, not at the first save after training.
+    saves_checkpoints = config.checkpointing.keep_last_n > 0
+    check_writable(train.output_dir, evaluating=evaluation.evaluate_only, saves_checkpoints=saves_checkpoints)
     # Where the run starts from (afresh, a .pt, a checkpoint folder): rank 0 looks at output_dir once, every
     # rank checks the checkpoint's files. A torchrun restart of this run continues from its newest intact
     # checkpoint (utils/checkpoint/start.py).
@@ -181,6 +187,15 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     start = resolve_start(
         config.checkpointing.resume, train.output_dir, job, attempt, not evaluation.evaluate_only
     )
+    # What the run reads (its data files, the model folder's config and tokenizer), fingerprinted for its
+    # checkpoints; a resume on changed ones is refused here, before anything loads (utils/checkpoint/inputs.py).
+    # --evaluate_only changes nothing of a run, and may score any data.
+    inputs = None
+    if not evaluation.evaluate_only:
+        inputs = checked_inputs(
+            start, data=config.data, model_name=train.model_name, lora=config.lora.peft == "lora",
+            accept_changed=config.checkpointing.accept_changed_inputs,
+        )  # fmt: skip
     precision = resolve_precision(
         config.fsdp, info.device, functools.partial(process_group.any_rank, device=info.device)
     )
@@ -244,7 +259,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     checkpoints = CheckpointManager(
         checkpointing=config.checkpointing, fsdp=config.fsdp, output_dir=train.output_dir, model=model,
         optimizer=optimizer, scheduler=scheduler, scaler=scaler, model_config=model_config, tokenizer=tokenizer,
-        info=info, lora=config.lora, base_model=base_model,
+        info=info, lora=config.lora, base_model=base_model, inputs=inputs,
     )  # fmt: skip
     with StopRequest() as stop, checkpoints:
         # A GEMM probe on CPU: before the load. --evaluate_only trains nothing, so it has no MFU to say.
@@ -279,6 +294,7 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
             if start.is_checkpoint and trainer.done(progress):
                 trainer.finish_finished_run(progress)  # a resume of a finished run changes nothing
             else:
+                trainer.lay_out(progress)  # where it ends; a resume in another shape re-lays the schedule's rest
                 progress = checkpoints.begin_training(start, progress)  # a rollback's abandoned branch set aside
                 if info.is_main:  # only now: a run that fails to start leaves the previous run's record as it was
                     record_ = run_record.run_record(
@@ -365,8 +381,9 @@ def build_model(
             "false, or --fsdp_version 2 (rank 0 merges, then broadcasts)."
         )
     loaded = loading.load_model_for_run(
-        train.model_name, on_meta, weights, overrides, tokenizer, evaluating=config.evaluation.evaluate_only
-    )
+        train.model_name, on_meta, weights, overrides, tokenizer, evaluating=config.evaluation.evaluate_only,
+        rank0_fills=fsdp.cpu_ram_efficient_loading and fsdp.fsdp_version == 1 and not restores,
+    )  # fmt: skip
     if uses_lora:
         loaded.model = lora.apply_lora(loaded.model, lora_config, lora.adapter_base(train.model_name))
         trainable, total = lora.trainable_share(loaded.model)

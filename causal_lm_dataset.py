@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from configs.data import DataConfig
 from summarization_dataset import SummarizationDataset
-from utils.data.cache import SplitRows
+from utils.data.cache import KNOWN_ROLES, SplitRows
 from utils.data.loaders import DataFormat
 from utils.log import get_logger
 from utils.task import IGNORED
@@ -75,20 +75,38 @@ class CausalLMDataset(SummarizationDataset):
         return self._ids("source_replies", index).bool()
 
     def notes(self) -> list[str]:
-        """The earlier assistant replies --completion_only_loss leaves untrained, if any (utils/data/cache.py:
+        """What rank 0 says of the split's conversations: their messages of a role the package does not know,
+        and the earlier assistant replies --completion_only_loss leaves untrained (utils/data/cache.py:
         _earlier_replies says when)."""
+        return [note for note in (self._unknown_roles_note(), self._unmarked_replies_note()) if note]
+
+    def _unknown_roles_note(self) -> str | None:
+        if "unknown_roles" not in self.token_ids.column_names:
+            return None
+        roles = pc.value_counts(pc.list_flatten(self.token_ids.data.column("unknown_roles"))).to_pylist()
+        if not roles:
+            return None
+        counted = ", ".join(f"{role['counts']} of role {role['values']!r}" for role in roles)
+        return (
+            f"messages of a role the package does not know: {counted} in the {self.split} conversations of "
+            f"{self.source_description}. The chat template rendered them as it renders such a role, and the "
+            "model reads them before the replies after them (and trains on them with --completion_only_loss "
+            f"false); give a message one of the roles {', '.join(KNOWN_ROLES)} where it is to be read as one."
+        )
+
+    def _unmarked_replies_note(self) -> str | None:
         if not self.completion_only_loss or "replies_unmarked" not in self.token_ids.column_names:
-            return []
+            return None
         unmarked = pc.sum(self.token_ids.data.column("replies_unmarked")).as_py() or 0
         if not unmarked:
-            return []
-        return [
+            return None
+        return (
             f"earlier assistant replies not trained on: {unmarked} in the {self.split} conversations of "
             f"{self.source_description} (their conversations' last replies are). For each, one of: the chat "
             "template renders it differently once the conversation goes on, its content is not a text (a tool "
             "call), a token straddles its edges, or the tokenizer gives no character offsets (a slow one). "
             "--completion_only_loss false trains on every token."
-        ]
+        )
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         input_ids, labels, prompt_length = self.sequence(index)

@@ -60,3 +60,14 @@ class CheckpointConfig:
         ),
         on_resume="launch",
     )
+    accept_changed_inputs: bool = option(
+        default=False,
+        help=(
+            "A resume compares what it reads with what its checkpoint recorded the run trained on: the content "
+            "of each data file, and the model folder's config and tokenizer files (with LoRA also its weights' "
+            "sizes and safetensors headers); a changed one is refused, naming the file and what changed. true: "
+            "continue on them deliberately, with one line saying what changed; the position (epoch, samples "
+            "consumed, step) then counts in the new data's order, and later checkpoints record the new inputs."
+        ),
+        on_resume="launch",
+    )

@@ -52,6 +52,7 @@ class FieldSpec:
     above: float | None
     maximum: float | None
     on_resume: str  # configs/options.py: keep, fixed or launch
+    path: str | None  # configs/options.py: path, path_or_name, or None (not a path)
 
 
 def field_specs() -> list[FieldSpec]:
@@ -70,6 +71,7 @@ def field_specs() -> list[FieldSpec]:
                     f.metadata["above"],
                     f.metadata["maximum"],
                     f.metadata["on_resume"],
+                    f.metadata["path"],
                 )
             )
     return specs
@@ -165,6 +167,12 @@ class _RaisingParser(argparse.ArgumentParser):
 
 def help_text(spec: FieldSpec) -> str:
     """A field's documentation, as --help and docs/configuration.md show it."""
+    if spec.on_resume == "fixed" and spec.path:
+        return (
+            f"{spec.help} Made absolute at start. Fixed for a run: a resume keeps the run's value and refuses "
+            "another, but for the same file or folder at another path (another spelling, moved, copied), taken "
+            "where its content is what the run's checkpoint recorded."
+        )
     if spec.on_resume == "fixed":
         return f"{spec.help} Fixed for a run: a resume keeps the run's value and refuses another."
     return spec.help
@@ -282,12 +290,20 @@ def continue_run(
     recorded: Mapping[str, Mapping],
     record_path: str,
     environ: Mapping[str, str] | None = None,
+    *,
+    inputs_recorded: bool = False,
 ) -> tuple[RunConfig, list[str]]:
     """The settings of a resume: the run's recorded ones (`recorded`: the sections of its config.json, at
     `record_path`) wherever the command line (or accelerate launch's environment) gives none; a value given
     that differs from the record is taken, noted in the returned list ("keep" fields), or refused with a
     ConfigError naming both values ("fixed" fields: what the run's checkpoints cannot honour). "launch" fields
-    (output_dir, resume, evaluate_only) are this command's alone."""
+    (output_dir, resume, accept_changed_inputs, evaluate_only) are this command's alone.
+
+    Paths are compared as paths: a recorded one is read as the path it names (records written before paths were
+    made absolute hold them as typed, read from this working directory), another spelling of it is no change, and
+    another path of a "fixed" field is taken where the checkpoint resumed from records its inputs
+    (`inputs_recorded`), its content checked against them later (utils/checkpoint/inputs.py); a checkpoint
+    written before that holds the run to its own paths, as it did."""
     given, _ = _resolve(argv, environ)
     given_values = {name: value for section in given.values() for name, value in section.items()}
     recorded_texts = _recorded_texts(recorded)
@@ -302,14 +318,21 @@ def continue_run(
             if spec.name in given_values:
                 overrides[spec.section][spec.name] = given_values[spec.name]
             continue
+        if spec.path:
+            text = _recorded_path(spec, text, record_path, spec.name not in given_values, inputs_recorded)
         if spec.name not in given_values:  # the run's value
             overrides[spec.section][spec.name] = _parse_recorded(spec, text, record_path)
             continue
         value = given_values[spec.name]
         overrides[spec.section][spec.name] = value
-        if format_value(value) == text:
+        if format_value(value) == text or (spec.path and _same_location(value, text)):
             continue
         held = "its checkpoints hold to it" if spec.on_resume == "fixed" else _held_by(spec.name, recorded_texts)
+        if spec.path and spec.on_resume == "fixed" and os.path.isabs(value) and text:
+            if inputs_recorded:  # its content is checked against the checkpoint's record before loading
+                changes.append(f"--{spec.name} {value} (the run had {text})")
+                continue
+            held = f"{held}: {UNRECORDED_INPUTS}"
         if held:
             raise ConfigError(
                 f"--{spec.name} {format_value(value)}: the run being resumed was trained with --{spec.name} "
@@ -348,6 +371,50 @@ def _recorded_texts(recorded: Mapping[str, Mapping]) -> dict[str, str]:
     }
 
 
+def absolute_path(value: str, kind: str) -> str:
+    """A path setting as the run reads it, resolved once when the settings are read: absolute (~ expanded), so that
+    a resume from another working directory (a SLURM job's submit folder) reads the same file. Empty stays empty;
+    a "path_or_name" value that names nothing here stays as given (a hub name)."""
+    expanded = os.path.expanduser(value)
+    if not value or (kind == "path_or_name" and not os.path.exists(expanded)):
+        return value
+    return os.path.abspath(expanded)
+
+
+def _same_location(a: str, b: str) -> bool:
+    """Whether two paths name one file or folder that exists (a symlink, or a path through one, is its target)."""
+    return os.path.exists(a) and os.path.realpath(a) == os.path.realpath(b)
+
+
+UNRECORDED_INPUTS = (
+    "its checkpoint was written before checkpoints recorded what their run read, so another path cannot be "
+    "checked against it"
+)
+
+
+def _recorded_path(spec: FieldSpec, text: str, record_path: str, required: bool, inputs_recorded: bool) -> str:
+    """A path field's recorded value, as the path it names from here. `required` (the resume takes it): a path of
+    the run's inputs ("fixed") that is not there is a ConfigError saying how to name it anew (where the checkpoint
+    records its inputs) or to put it back."""
+    path = absolute_path(text, spec.path)
+    if not (required and spec.on_resume == "fixed" and os.path.isabs(path)) or os.path.exists(path):
+        return path
+    relative = "" if os.path.isabs(text) else (
+        f" (the record holds it as typed, relative to the folder the run started in, not to this one, "
+        f"{os.getcwd()}: resume from that folder, or name it by its absolute path)"
+    )  # fmt: skip
+    fix = (
+        f"If it moved, name it anew: --{spec.name} NEW_PATH is taken where its content is what the run's "
+        "checkpoint recorded (docs/checkpoints.md)"
+        if inputs_recorded
+        else f"If it moved, put it back there ({UNRECORDED_INPUTS})"
+    )
+    raise ConfigError(
+        f"--{spec.name} {path}: the run being resumed read it ({record_path}), and it is not there{relative}. "
+        f"{fix}; or start a new run in another --output_dir."
+    )
+
+
 def _parse_recorded(spec: FieldSpec, text: str, record_path: str):
     fix = f"This version does not take the run's value: give --{spec.name} on the command line."
     return _parse_from(spec, text, f"the run record {record_path}", fix)
@@ -383,6 +450,10 @@ def _resolve(argv: list[str] | None, environ: Mapping[str, str] | None) -> tuple
         )
     for name, text in explicit.items():
         overrides[specs[name].section][name] = parse_value(specs[name], text)
+    for values in overrides.values():  # paths resolved once, here: the run and its record read them so
+        values.update(
+            {name: absolute_path(value, specs[name].path) for name, value in values.items() if specs[name].path}
+        )
     return overrides, {name: variables for name, (_, variables) in settings.items()}
 
 

@@ -9,9 +9,9 @@
 A field may also stand at the top level (field names are unique across sections). Values are checked as the
 flags are, with the same types, choices and bounds; flags given beside the file win. A run's own
 output_dir/config.json is such a file: it starts the same run again, except for the fields that belong to
-one launch (output_dir, resume, evaluate_only), which it leaves to the command line. HF's names
-(configs/hf_names.py: learning_rate, per_device_train_batch_size, bf16, ...) are keys too, in any section or
-at the top level.
+one launch (output_dir, resume, accept_changed_inputs, evaluate_only), which it leaves to the command line.
+HF's names (configs/hf_names.py: learning_rate, per_device_train_batch_size, bf16, ...) are keys too, in any
+section or at the top level.
 """
 
 import difflib

@@ -19,6 +19,7 @@ class DataConfig:
             "embedded WikiHow sample."
         ),
         on_resume="fixed",
+        path="path",
     )
     train_file: str = option(
         default="",
@@ -28,14 +29,16 @@ class DataConfig:
             "--validation_split_percentage of it becomes validation."
         ),
         on_resume="fixed",
+        path="path",
     )
     validation_file: str = option(
-        default="", help="Validation rows in a file (the types of --train_file).", on_resume="fixed"
+        default="", help="Validation rows in a file (the types of --train_file).", on_resume="fixed", path="path"
     )
     test_file: str = option(
         default="",
         help="Test rows in a file (the types of --train_file), for --evaluate_only --eval_split test.",
         on_resume="fixed",
+        path="path",
     )
     dataset_name: str = option(
         default="",
@@ -44,6 +47,7 @@ class DataConfig:
             "the network once, then datasets' cache) or a local dataset folder."
         ),
         on_resume="fixed",
+        path="path_or_name",
     )
     dataset_config_name: str = option(
         default="", help="The config of --dataset_name (cnn_dailymail: 3.0.0).", on_resume="fixed"
@@ -91,6 +95,7 @@ class DataConfig:
             "them when no run is starting. Default: a cache/ folder beside the data (<data_dir>/cache, the "
             "train file's folder/cache), or in datasets' cache for --dataset_name."
         ),
+        path="path",
     )
     num_train_samples: int | None = option(
         default=None,

@@ -49,7 +49,9 @@ class RecipeConfig:
         default="step",
         help=(
             "step: the tutorial's StepLR, lr x gamma after each epoch. constant, linear (to 0) and cosine "
-            "(to 0): stepped after every optimizer step over the run's optimizer steps, after warmup."
+            "(to 0): stepped after every optimizer step over the run's optimizer steps, after warmup. A resume "
+            "that changes the run's shape (batch size, ranks, accumulation, --epochs, --max_steps) spreads the "
+            "rest of the schedule over the steps it has left (docs/checkpoints.md)."
         ),
         on_resume="fixed",
     )
@@ -57,12 +59,14 @@ class RecipeConfig:
         default=0,
         help="Optimizer steps of linear warmup from 0 to lr (constant/linear/cosine schedules).",
         minimum=0,
+        on_resume="fixed",
     )
     warmup_ratio: float = option(
         default=0.0,
         help="Warmup as a fraction of the run's optimizer steps, when warmup_steps is 0.",
         minimum=0,
         maximum=1,
+        on_resume="fixed",
     )
     max_steps: int = option(
         default=0,

@@ -25,6 +25,7 @@ class TrainConfig:
             "embedded tiny T5."
         ),
         on_resume="fixed",
+        path="path_or_name",
     )
     output_dir: str = option(
         default="outputs",

@@ -44,7 +44,7 @@ from utils.checkpoint import manager as checkpoint_manager
 from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
-from utils.checkpoint.run_lock import claimed_output_dir
+from utils.checkpoint.run_lock import check_writable, claimed_output_dir
 from utils.checkpoint.start import resolve_start
 from utils.checkpoint.state_dicts import gather_full_state_dict, save_full_model, sharded_model_state
 from utils.data.loaders import build_loader, move_batch
@@ -1482,3 +1482,22 @@ def causal_compile_worker(rank: int, world_size: int, folder: str, steps: int) -
                 )
                 out[(version, packed)] = {"losses": losses, "graphs": len(graphs)}
     return out
+
+
+def unwritable_on_one_rank_worker(rank: int, world_size: int, output_dir: str, failing_rank: int) -> str | None:
+    """check_writable on every rank, where `failing_rank`'s probe (-1: none) meets a full quota, injected at its
+    fsync as a quota of that node's disk would: each rank's ConfigError message, or None."""
+    fsync = os.fsync
+
+    def quota_exceeded(descriptor: int) -> None:
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    if rank == failing_rank:
+        os.fsync = quota_exceeded
+    try:
+        check_writable(output_dir, evaluating=False, saves_checkpoints=True)
+    except ConfigError as err:
+        return str(err)
+    finally:
+        os.fsync = fsync
+    return None

@@ -612,6 +612,57 @@ def test_every_assistant_reply_of_a_conversation_is_trained_on_and_nothing_else(
     assert caplog.text.count("earlier assistant replies not trained on: 5 in") == 1
 
 
+def test_a_message_of_an_unknown_role_is_counted_and_said_or_refused(causal_dirs, tmp_path, caplog):
+    """Messages of a role the package does not know ('wizard', 'narrator'): rendered by a template that renders
+    any role, counted by role and said once by rank 0's loaders; refused with one message by a template that
+    raises on them, or leaves them out. The control: conversations of known roles say nothing."""
+    from causal_lm_dataset import FORMAT
+    from configs.errors import DataError
+    from utils.data.loaders import build_dataset
+
+    path = tmp_path / "wizards.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for row in range(6):
+            messages = [{"role": "system", "content": "Answer briefly."},
+                        {"role": "wizard", "content": f"A spell, number {row}."},
+                        {"role": "narrator", "content": "Then the wizard spoke again."},
+                        {"role": "wizard", "content": "Another spell."},
+                        {"role": "user", "content": "How do I cook rice?"},
+                        {"role": "assistant", "content": "Rinse it, then boil it."}]  # fmt: skip
+            f.write(json.dumps({"messages": messages}) + "\n")
+    data = DataConfig(train_file=str(path), cache_dir=str(tmp_path / "cache"), max_source_length=96)
+    tokenizer = load_tokenizer(chat_folder(causal_dirs, tmp_path))
+    dataset = CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(data), data)
+    assert "<|wizard|> A spell, number" in tokenizer.decode(dataset[0]["prompt_ids"])
+    rows = len(dataset)  # the file's rows less those held out for validation
+    said = (
+        f"messages of a role the package does not know: {2 * rows} of role 'wizard', {rows} of role 'narrator' in "
+        f"the train conversations of {dataset.source_description}. The chat template rendered them as it renders "
+        "such a role, and the model reads them before the replies after them (and trains on them with "
+        "--completion_only_loss false); give a message one of the roles system, user, assistant, tool, developer, "
+        "function, ipython where it is to be read as one."
+    )
+    assert dataset.notes() == [said]
+    with caplog.at_level(logging.WARNING):  # rank 0's loaders say it, once
+        build_dataset(tokenizer, FORMAT, "train", 0, data, world_size=1)
+    assert caplog.text.count("messages of a role the package does not know") == 1
+
+    known = conversations(tmp_path)  # the control
+    assert CausalLMDataset(tokenizer, "train", None, *CausalLMDataset.lengths(known), known).notes() == []
+
+    known_only = "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('no ' + m.role) }}"
+    raising = load_tokenizer(chat_folder(causal_dirs, tmp_path / "raising", CHAT_TEMPLATE.replace(
+        "{% for m in messages %}", "{% for m in messages %}" + known_only + "{% endif %}")))  # fmt: skip
+    with pytest.raises(DataError, match=r"refuses a conversation \(its message of role 'wizard'\?\): no wizard"):
+        CausalLMDataset(raising, "train", None, *CausalLMDataset.lengths(data), data)
+    dropping = load_tokenizer(chat_folder(causal_dirs, tmp_path / "dropping", CHAT_TEMPLATE.replace(
+        "<|{{ m['role'] }}|> {{ m['content'] }}</s>",
+        "{% if m.role in ['system', 'user', 'assistant'] %}<|{{ m['role'] }}|> {{ m['content'] }}</s>{% endif %}",
+    )))  # fmt: skip
+    with pytest.raises(DataError, match="leaves out a message of role 'wizard'"):
+        CausalLMDataset(dropping, "train", None, *CausalLMDataset.lengths(data), data)
+
+
 @pytest.mark.parametrize("trim_offsets", [False, True])
 def test_an_earlier_replys_marks_cover_its_whitespace_whatever_the_tokenizers_offsets(causal_dirs, trim_offsets):
     """A code reply's indentation is trained on as its text is: byte-level tokenizers that trim their offsets

@@ -150,6 +150,8 @@ def non_default_value(spec, default):
     if hint is float:
         wider = default * 2 + 1
         return wider if spec.maximum is None or wider <= spec.maximum else (default + spec.maximum) / 2
+    if hint is str and spec.path == "path":
+        return "/elsewhere/other"  # absolute: a path is read so (configs/cli.py: absolute_path)
     if hint is str:
         return default + "_other"
     if hint == float | None:

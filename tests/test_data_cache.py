@@ -65,6 +65,25 @@ def test_cache_dir_moves_the_cache_and_an_unwritable_one_is_named(tmp_path):
         load_wikihow(data_dir, "test", cache_dir=blocked / "cache")
 
 
+def test_a_read_only_cache_dir_is_read_when_complete_and_named_when_it_lacks_the_cache(tmp_path):
+    """--cache_dir on a read-only mount (a real read-only bind mount as root): a complete cache is read as it is
+    (the control); one that lacks this data's cache stops with one message naming the folder, found by a real
+    write before the build (filelock's OSError traceback before)."""
+    from tests.test_sources import read_only_folder
+
+    data_dir = write_data(tmp_path / "data")
+    cache = tmp_path / "cache"
+    assert load_wikihow(data_dir, "test", cache_dir=cache).to_list() == EXPECTED["test"]
+    built = _folders(cache, "text")
+    with read_only_folder(cache):
+        assert load_wikihow(data_dir, "test", cache_dir=cache).to_list() == EXPECTED["test"]
+        write_data(data_dir, FIXTURE_CSV + ADDED_ROW, FIXTURE_LISTS)  # other data, whose cache is not there
+        refused = rf"cannot write the data cache folder {cache} \(Read-only file system\), which lacks the text"
+        with pytest.raises(DataError, match=rf"{refused} cache of .*: point --cache_dir at a writable folder"):
+            load_wikihow(data_dir, "test", cache_dir=cache)
+    assert _folders(cache, "text") == built
+
+
 def test_the_token_cache_is_keyed_by_tokenizer_and_lengths_and_serves_fewer_rows(tokenizer, tmp_path):
     from transformers import T5Tokenizer
 

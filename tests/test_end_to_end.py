@@ -438,6 +438,24 @@ def test_model_path_that_does_not_exist(tmp_path):
     assert str(missing) in line, run.describe()
 
 
+def test_weights_that_do_not_fit_their_config_with_rank0_only_loading(tmp_path):
+    """FSDP1's rank-0-only loading, where rank 0 alone reads the weights into the other ranks' collectives: a
+    config.json whose d_ff is not its weights' ends both ranks with rank 0's one message (tests/test_models.py
+    has every path's message, and the unedited folder's load)."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(EMBEDDED_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "d_ff": 128}))
+    run = pooled(["--model_name", str(folder), "--cpu_ram_efficient_loading", "true", "--fsdp_version", "1",
+                  "--num_train_samples", "8", "--num_val_samples", "4", "--output_dir", str(tmp_path / "out")],
+                 timeout=90)  # fmt: skip
+    line = check_user_error(run, "do not fit its config.json")
+    assert "DenseReluDense.wi.weight is [256, 64] in model.safetensors, and [128, 64]" in line, line
+    assert not (tmp_path / "out").exists(), run.describe()
+
+
 def test_output_dir_not_writable(tmp_path):
     regular_file = tmp_path / "a_file"
     regular_file.write_text("not a folder")

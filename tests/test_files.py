@@ -1,10 +1,13 @@
 """utils/files.py: a file or folder appears complete under its final name, or not at all."""
 
+import errno
 import json
+import os
 
 import pytest
 
-from utils.files import atomic_path, disk_bytes, write_json
+from tests.test_sources import read_only_folder
+from utils.files import atomic_path, disk_bytes, write_json, write_problem
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -46,3 +49,26 @@ def test_a_checkpoint_written_before_metric_for_best_still_reads(tmp_path):
     state = {"format_version": 1, "checkpoint_type": "FULL_STATE_DICT", "progress": progress}
     write_json(tmp_path / "train_state.json", state)
     assert read_train_state(str(tmp_path))["progress"]["best_metric"] == 2.5
+
+
+def test_the_write_probe_says_what_os_access_misses_and_leaves_nothing(tmp_path, monkeypatch):
+    """A read-only mount (a real one: a read-only bind mount as root) and a full quota (injected at fsync, where a
+    quota or NFS says it; os.access passes it) are found by writing; a writable folder passes, and the probe
+    leaves no file."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert write_problem(folder) is None  # control
+    assert write_problem(folder / "checkpoints" / "step_1") is None  # probed where it will be created
+    assert not (folder / "checkpoints").exists() and list(folder.iterdir()) == []
+    with read_only_folder(folder):
+        assert write_problem(folder) == "Read-only file system"
+        assert write_problem(folder / "checkpoints") == "Read-only file system"
+    assert list(folder.iterdir()) == []
+
+    def quota_exceeded(descriptor):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(os, "fsync", quota_exceeded)
+    assert os.access(folder, os.W_OK)  # what os.access says of a full quota
+    assert write_problem(folder) == "Disk quota exceeded"
+    assert list(folder.iterdir()) == []  # the created file removed

@@ -2,6 +2,7 @@
 and in a --config file; names with no meaning here are left out with what the package does instead; an
 unknown flag's suggestions put HF's names first."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ FIRST_FLAGS = {
     ("--dataloader_num_workers", "3"): ("train", "num_workers_dataloader", 3),
     ("--gradient_checkpointing", "False"): ("fsdp", "fsdp_activation_checkpointing", False),
     ("--warmup_ratio", "0.1"): ("recipe", "warmup_ratio", 0.1),
-    ("--model_name_or_path", "data/tiny-t5"): ("train", "model_name", "data/tiny-t5"),
+    ("--model_name_or_path", "data/tiny-t5"): ("train", "model_name", os.path.abspath("data/tiny-t5")),  # a path
     ("--max_train_samples", "64"): ("data", "num_train_samples", 64),
     ("--save_total_limit", "3"): ("checkpointing", "keep_last_n", 3),
     ("--report_to", "tensorboard"): ("observe", "tensorboard", True),

@@ -3,6 +3,7 @@ from each model, the skeleton a restore fills, and LoRA's default targets. Tiny 
 built offline by scripts/make_tiny_family.py, once per session."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from tests.dist_workers import family_worker
 from tests.hf_folders import parameter_ties
 from utils.checkpoint.hf_export import convert_checkpoint
 from utils.checkpoint.state_dicts import set_optimizer_state
-from utils.model.loading import load_model, load_tokenizer
+from utils.model.loading import load_model, load_model_for_run, load_tokenizer
 from utils.model.lora import target_modules
 from utils.train.optim import parameter_groups
 
@@ -110,6 +111,45 @@ def test_missing_weights_stop_the_run_naming_them_and_unused_ones_are_named_in_a
     with caplog.at_level("WARNING"):
         load_model(str(tmp_path))
     assert "extra.weight" in caplog.text and "does not use" in caplog.text
+
+
+def with_config(folder: Path, **changes) -> Path:
+    """`folder` with `changes` made to its config.json."""
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+# The message for the embedded tiny T5 with d_ff 128 in its config.json (its weights hold 256), up to the file
+MISMATCH = (r"the weights of model '{folder}' do not fit its config.json: encoder.block.0.layer.1.DenseReluDense"
+            r".wi.weight is \[256, 64\] in {file}, and \[128, 64\] in the T5ForConditionalGeneration that "
+            r"config.json describes. Put back the config.json saved with these weights")  # fmt: skip
+
+
+def test_weights_that_do_not_fit_their_config_are_one_message_naming_the_first_tensor_and_both_shapes(
+    tmp_path, tokenizer
+):
+    """A config.json that says another d_ff than its weights hold: refused before from_pretrained (whose report
+    and RuntimeError came on every rank), and before FSDP1's rank-0-only loading fills the skeleton unit by
+    unit; read from the safetensors headers, one file or several with their index. The unedited folders load
+    (the control)."""
+    single = tmp_path / "single"
+    shutil.copytree(EMBEDDED_MODEL_DIR, single)
+    sharded = tmp_path / "sharded"
+    load_model(str(single)).save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    for folder in (single, sharded):
+        load_model(str(folder))
+        load_model_for_run(str(folder), True, None, {}, tokenizer, rank0_fills=True)
+    with_config(single, d_ff=128)
+    with pytest.raises(ConfigError, match=MISMATCH.format(folder=single, file="model.safetensors")):
+        load_model(str(single))
+    with pytest.raises(ConfigError, match=MISMATCH.format(folder=single, file="model.safetensors")):
+        load_model_for_run(str(single), True, None, {}, tokenizer, rank0_fills=True)
+    with_config(sharded, d_ff=128)
+    one_of_several = r"model-\d{5}-of-\d{5}.safetensors"
+    with pytest.raises(ConfigError, match=MISMATCH.format(folder=sharded, file=one_of_several)):
+        load_model(str(sharded))
 
 
 @pytest.mark.slow

@@ -97,6 +97,94 @@ def test_the_schedule_spans_the_steps_the_run_trains():
     assert unreached_step_budget(RecipeConfig(max_steps=25), **two_epochs) is None
 
 
+def schedule_rates(kind: str, total: int, warmup: int, stop: int | None = None, steps_after: int = 0,
+                   legacy: bool = False):  # fmt: skip
+    """The rates a per-step schedule of `total` steps gives each step; with `stop`, the run is stopped there
+    (its scheduler's state through JSON, as train_state.json holds it) and resumed in a shape that leaves it
+    `steps_after` steps, through restore_schedule and continue_schedule as a run does. `legacy`: the
+    checkpoint is of the format before the schedule was recorded. Returns (rates, the rate after the last
+    step, what the resume said)."""
+    from utils.checkpoint.manager import restore_schedule
+    from utils.train.optim import continue_schedule
+
+    def fresh(steps: int):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        recipe = RecipeConfig(lr_scheduler=kind, warmup_steps=warmup)
+        return optimizer, lr_scheduler(optimizer, TrainConfig().gamma, recipe, total_steps=steps)
+
+    def train(optimizer, scheduler, steps: int) -> list[float]:
+        rates = []
+        for _ in range(steps):
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return rates
+
+    optimizer, scheduler = fresh(total)
+    rates = train(optimizer, scheduler, total if stop is None else stop)
+    said = None
+    if stop is not None:
+        saved = json.loads(json.dumps(scheduler.state_dict()))
+        if legacy:
+            saved["lr_lambdas"] = [None] * len(saved["lr_lambdas"])
+        optimizer_state = optimizer.state_dict()
+        # The resumed run builds its schedule for its own shape (what T5_training.py does), then restores.
+        optimizer, scheduler = fresh(stop + steps_after)
+        optimizer.load_state_dict(optimizer_state)
+        restore_schedule(scheduler, optimizer, {"scheduler": saved, "has_optimizer": True}, [1.0])
+        said = continue_schedule(scheduler, stop, stop + steps_after, "out")
+        rates += train(optimizer, scheduler, steps_after)
+    return rates, optimizer.param_groups[0]["lr"], said
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant"])
+@pytest.mark.parametrize("steps_after", [22, 6, 30])  # half the batch (or ranks), twice it, more epochs
+def test_a_resume_in_another_shape_spreads_the_rest_of_the_schedule(kind, steps_after):
+    """Stopped at step 5 of 16 (warmup 3) and resumed with the schedule's 11 steps left spread over
+    `steps_after` steps (half the global batch: 22; twice it: 6; more epochs: 30): the rate goes on from where
+    it was, never rises after warmup, and linear and cosine reach 0 after the last step. The control, the
+    unchanged resume (11 steps left), is bit for bit the uninterrupted run and says nothing."""
+    uninterrupted, end, _ = schedule_rates(kind, total=16, warmup=3)
+    rates, after_last, said = schedule_rates(kind, total=16, warmup=3, stop=5, steps_after=steps_after)
+    assert rates[:6] == uninterrupted[:6]  # the resume's first step takes the rate the run had reached
+    after_warmup = rates[3:]
+    assert all(later <= earlier for earlier, later in zip(after_warmup, after_warmup[1:], strict=False)), rates
+    assert after_last == end == (1.0 if kind == "constant" else 0.0)
+    if kind == "linear":  # the rest of the decay in equal steps: 11 positions over steps_after steps
+        pace = rates[5] - rates[6]
+        assert pace == pytest.approx((11 / steps_after) / 13) and rates[-1] == pytest.approx(pace)
+    assert "spread over them" in said and f"{steps_after} steps left where the schedule had 11" in said, said
+
+    same, same_end, said = schedule_rates(kind, total=16, warmup=3, stop=5, steps_after=11)
+    assert (same, same_end, said) == (uninterrupted, end, None)
+
+
+def test_a_resume_inside_warmup_stretches_it_and_an_old_checkpoint_counts_as_before():
+    """Stopped at step 2 of a 4-step warmup and resumed with twice the steps left: the warmup goes on to the
+    peak at half the pace (not repeated: every rate up to it rises), then decays. A checkpoint from before the
+    schedule was recorded keeps the counting it had: the step counter over the new shape's length."""
+    rates, _, _ = schedule_rates("linear", total=12, warmup=4, stop=2, steps_after=20)
+    peak = rates.index(max(rates))
+    assert max(rates) == 1.0 and peak == 2 + 4  # 2 positions of warmup left, 2 steps each
+    assert all(a < b for a, b in zip(rates[:peak], rates[1 : peak + 1], strict=True)), rates
+    assert rates[:3] == pytest.approx([0.2, 0.4, 0.6])  # (position + 1) / 5 at positions 0, 1, 2
+    assert rates[3:7] == pytest.approx([0.7, 0.8, 0.9, 1.0])  # half a position a step
+
+    legacy, _, said = schedule_rates("linear", total=12, warmup=4, stop=2, steps_after=20, legacy=True)
+    assert said is None and legacy[2:] == [lr_factor(step, "linear", 4, 22) for step in range(2, 22)]
+
+
+def test_a_resume_past_the_end_of_a_decayed_schedule_is_refused():
+    """A finished linear run resumed with more epochs would train at a rate of 0: refused, naming the fix. A
+    constant schedule goes on at its rate."""
+    from configs.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"linear learning-rate schedule ended at step 16 .* out/hf_model_last"):
+        schedule_rates("linear", total=16, warmup=0, stop=16, steps_after=8)
+    rates, after_last, _ = schedule_rates("constant", total=16, warmup=0, stop=16, steps_after=8)
+    assert rates[16:] == [1.0] * 8 and after_last == 1.0
+
+
 # ------------------------------------------------------------------------------------- through torchrun
 
 COMMON = ["--mixed_precision", "false", "--dropout_rate", "0", "--num_train_samples", "48", "--num_val_samples",

@@ -306,6 +306,44 @@ def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path):
     assert [r["epoch"] for r in epoch_records(output_dir)] == [1, 2]  # and a whole epoch on 2 ranks
 
 
+@pytest.mark.slow
+def test_a_resume_on_one_rank_spreads_the_rest_of_the_lr_schedule_over_its_steps(tmp_path):
+    """2 ranks -> 1 halves the global batch, so the run has twice the steps left: its linear schedule (warmup 3)
+    goes on from the rate it had reached at step 5, decays in steps of half the size, never rises, and is 0
+    after the last step; the start line says so. (On the code before, step 8's rate rose above step 7's.)"""
+    samples = 48  # 6 steps an epoch on 2 ranks, 12 on one
+    schedule = ["--lr_scheduler", "linear", "--warmup_steps", "3", "--eval_rouge", "false"]
+    args = with_overrides(SMALL_RUN, ["--num_train_samples", str(samples), "--keep_last_n", "10"]) + schedule
+    two_ranks = tmp_path / "two"
+    run = pooled([*args, "--output_dir", str(two_ranks)])
+    assert run.returncode == 0, run.describe()
+    uninterrupted = step_lrs(two_ranks)
+    source = checkpoint_dir(two_ranks, SAVE_EVERY)
+    consumed = json.loads((source / "train_state.json").read_text())["progress"]["samples_consumed"]
+    left = remaining_steps(samples, consumed, 1) + remaining_steps(samples, 0, 1)  # 2 + 12
+
+    output_dir = tmp_path / "one"
+    run = pooled([*args, "--output_dir", str(output_dir), "--resume", str(source)], nproc=1)
+    assert run.returncode == 0, run.describe()
+    changed = f"{left} steps left where the schedule had {len(uninterrupted) - SAVE_EVERY}"
+    assert changed in run.output, run.describe()
+    lrs = step_lrs(output_dir)
+    assert sorted(lrs) == list(range(SAVE_EVERY + 1, SAVE_EVERY + left + 1)), lrs
+    rates = [lrs[step] for step in sorted(lrs)]
+    assert rates[0] == uninterrupted[SAVE_EVERY + 1], (rates, uninterrupted)  # continuous at the resume
+    assert all(later < earlier for earlier, later in zip(rates, rates[1:], strict=False)), rates
+    halved = (uninterrupted[SAVE_EVERY + 1] - uninterrupted[SAVE_EVERY + 2]) / 2
+    assert rates[0] - rates[1] == pytest.approx(halved) and rates[-1] == pytest.approx(halved), rates
+    final = json.loads((checkpoint_dir(output_dir, SAVE_EVERY + left) / "train_state.json").read_text())
+    assert final["scheduler"]["_last_lr"] == [0.0]  # the rate after the last step
+
+    # More epochs after the decay has ended would train at a rate of 0: refused, the run's record untouched.
+    record = (output_dir / "config.json").read_bytes()
+    run = pooled(["--output_dir", str(output_dir), "--resume", "true", "--epochs", "3"], nproc=1)
+    assert run.returncode == 2 and "schedule ended at step 19" in run.output, run.describe()
+    assert (output_dir / "config.json").read_bytes() == record and "Traceback" not in run.output
+
+
 # ---------------------------------------------------------------- 3. a save interrupted half-way
 # tests/test_async_checkpoint.py: a SIGKILL during a background write, then --resume true.
 
@@ -316,7 +354,7 @@ def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     """Ctrl-C in a terminal: SIGINT to torchrun's process group; torchrun forwards it to every rank (each in a
-    session of its own), which save at the next step-log flush and stop with one line. (SIGTERM, the
+    session of its own), which save within two optimizer steps and stop with one line. (SIGTERM, the
     scheduler's signal, takes the same path: test_sigterm_to_torchrun_during_the_rouge_evaluation...)"""
     # Long enough that Ctrl-C, sent once 4 steps are logged, arrives well before the end; no periodic saves.
     epochs, samples = 1, 120
@@ -701,13 +739,14 @@ def _another_model(tmp_path, out):
         shutil.copy(EMBEDDED_MODEL / name, folder / name)
     return (
         ["--model_name", str(folder), "--resume", "true"],
-        "the run being resumed was trained with --model_name",
-        [str(folder), str(EMBEDDED_MODEL), str(out / "config.json")],
+        "was trained on other inputs than this resume reads",
+        [f"the model folder {folder} (the run's was {EMBEDDED_MODEL})", f"{folder / 'config.json'} changed"],
     )
 
 
 # One run per way a bad input is found over an existing run: a resume that would change what the run's
-# checkpoints hold (here the model), refused before the process group (pooled); a damaged checkpoint named with
+# checkpoints hold (here another model folder, whose config the checkpoint's fingerprint of the run's does not
+# match), refused by rank 0's look before anything loads, on every rank (pooled); a damaged checkpoint named with
 # --resume, refused by rank 0's look at output_dir, on every rank (through torchrun: no rank outlives it). A
 # settings refusal comes before output_dir is touched (tests/test_end_to_end.py: nothing is created). Other
 # messages of the same paths are unit-tested (tests/test_cli.py, test_validate.py, test_dataset.py,

@@ -244,6 +244,69 @@ def test_a_refused_start_leaves_no_folder_behind_and_never_removes_one_it_did_no
     assert existing.is_dir() and (existing / layout.RUN_LOCK_FILE).read_text() == ""
 
 
+# Short enough to train in seconds, with a checkpoint and an hf_model/ export at its end.
+SHORT_RUN = ["--num_train_samples", "16", "--num_val_samples", "4", "--epochs", "1", "--eval_rouge", "false",
+             "--mixed_precision", "false"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_checkpoints_folder_that_cannot_be_written_is_said_at_start_before_anything_is_replaced(tmp_path):
+    """The issue's case, with a real read-only bind mount of checkpoints/: the run trained, rewrote hf_model/ and
+    died with a traceback at its first save. Now every rank stops at start with one message naming the folder
+    and the fix; nothing is trained, written or replaced. Control: the same run, writable, trains, saves its
+    checkpoint there and replaces hf_model/."""
+    from tests.test_end_to_end import check_user_error
+    from tests.test_sources import read_only_folder
+
+    out = tmp_path / "out"
+    (out / layout.CHECKPOINTS_DIR).mkdir(parents=True)
+    (out / layout.HF_DIR).mkdir()
+    (out / layout.HF_DIR / "earlier.txt").write_text("an earlier export")
+    args = [*SHORT_RUN, "--output_dir", str(out)]
+    with read_only_folder(out / layout.CHECKPOINTS_DIR):
+        refused = pooled(args, timeout=90)
+    line = check_user_error(refused, "is not writable")
+    checkpoints = str(out / layout.CHECKPOINTS_DIR)
+    assert f"the checkpoints folder {checkpoints!r} is not writable (Read-only file system)" in line, line
+    assert "choose another --output_dir" in line, line
+    left = sorted(path.name for path in out.iterdir())
+    assert left == [layout.CHECKPOINTS_DIR, layout.HF_DIR, layout.RUN_LOCK_FILE], left  # no record, no metrics
+    assert (out / layout.HF_DIR / "earlier.txt").read_text() == "an earlier export"
+
+    trained = pooled(args, timeout=120)
+    assert trained.returncode == 0, trained.describe()
+    assert [os.path.basename(path) for path in layout.complete_checkpoints(str(out))] == ["step_00000002"]
+    assert sorted(path.name for path in (out / layout.HF_DIR).iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
+    ]  # fmt: skip
+
+
+def test_the_folders_probed_are_those_the_run_writes_on_every_rank(tmp_path):
+    """A full quota on rank 1 alone (a node-local disk) stops both ranks with one message naming the rank, its
+    host and the folder; without it both pass. --evaluate_only, which writes no checkpoint, and --keep_last_n 0
+    are not stopped by a read-only checkpoints/, a training run is; a folder not there yet is probed where it
+    will be created, and not created."""
+    from tests.dist_harness import run_ranks
+    from tests.dist_workers import unwritable_on_one_rank_worker
+    from tests.test_sources import read_only_folder
+    from utils.checkpoint.run_lock import check_writable
+
+    assert run_ranks(unwritable_on_one_rank_worker, str(tmp_path), -1) == [None, None]  # control
+    said = run_ranks(unwritable_on_one_rank_worker, str(tmp_path), 1)
+    assert said[0] == said[1] and f"output_dir {str(tmp_path)!r} is not writable from rank 1 (host " in said[0]
+    assert "(Disk quota exceeded)" in said[0] and "choose another --output_dir" in said[0], said[0]
+
+    checkpoints = tmp_path / layout.CHECKPOINTS_DIR
+    check_writable(str(tmp_path), evaluating=False, saves_checkpoints=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+    checkpoints.mkdir()
+    with read_only_folder(checkpoints):
+        check_writable(str(tmp_path), evaluating=True, saves_checkpoints=True)
+        check_writable(str(tmp_path), evaluating=False, saves_checkpoints=False)
+        with pytest.raises(ConfigError, match="the checkpoints folder .* is not writable .Read-only file system."):
+            check_writable(str(tmp_path), evaluating=False, saves_checkpoints=True)
+
+
 # ---------------------------------------------------------------------------------------------------- Ctrl-C
 
 
@@ -366,8 +429,10 @@ def test_a_run_recorded_under_the_old_row_defaults_resumes_with_them():
 
 
 @pytest.mark.parametrize(
-    "flag", [["--num_train_samples", "64"], ["--peft", "none"], ["--model_name", "t5-base"], ["--lora_r", "4"]]
-)
+    "flag",
+    [["--num_train_samples", "64"], ["--peft", "none"], ["--model_name", "t5-base"], ["--lora_r", "4"],
+     ["--warmup_steps", "3"], ["--warmup_ratio", "0.1"]],
+)  # fmt: skip
 def test_a_resume_refuses_what_the_checkpoints_cannot_honour(flag):
     run = recorded(fsdp_version=2, peft="lora", num_train_samples=96)
     with pytest.raises(

@@ -8,11 +8,13 @@ complete. A checkpoint is assembled by every rank in one temporary folder and re
 utils/checkpoint/manager.py.
 """
 
+import contextlib
 import difflib
 import errno
 import json
 import os
 import re
+import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,7 @@ from configs.errors import error_chain, error_summary
 DISK_FULL = re.compile(
     r"No space left on device|Disk quota exceeded|os error (28|122)|errno (28|122)", re.IGNORECASE
 )
+WRITE_PROBE_PREFIX = ".write_probe_"  # write_problem's test file, removed at once
 
 
 def _remove(path: str) -> None:
@@ -130,6 +133,31 @@ def free_bytes(path: str) -> int | None:
         return None
 
 
+def write_problem(folder: str | os.PathLike) -> str | None:
+    """Why this process cannot write in `folder` (its nearest existing parent, where the folder would be created),
+    or None. A real write, not `os.access`, which a full quota and an NFS server's root squashing pass: a file
+    created, written, synced, renamed and removed (a few ms). Nothing is left."""
+    where = nearest_existing(folder)
+    probe = os.path.join(where, f"{WRITE_PROBE_PREFIX}{os.getpid()}_{secrets.token_hex(4)}")
+    renamed = f"{probe}.renamed"
+    try:
+        descriptor = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(descriptor, b"probe")
+            os.fsync(descriptor)  # where a network file system or a quota says no
+        finally:
+            os.close(descriptor)
+        os.replace(probe, renamed)  # what atomic writes and checkpoint saves do
+        os.remove(renamed)
+    except OSError as err:
+        for leftover in (probe, renamed):
+            with contextlib.suppress(OSError):
+                os.remove(leftover)
+        return err.strerror or str(err)
+    return None
+
+
 def writable(folder: str | os.PathLike) -> bool:
-    """Whether this process can create files in `folder`, or create it (its nearest existing parent)."""
-    return os.access(nearest_existing(folder), os.W_OK | os.X_OK)
+    """Whether this process can create files in `folder`, or create it (its nearest existing parent): probed by
+    a real write (write_problem)."""
+    return write_problem(folder) is None

@@ -5,7 +5,8 @@
       config.json                         the run record (utils/observe/run_record.py)
       metrics.jsonl                       one JSON record per line (utils/observe/metrics.py)
       checkpoints/step_00000123/          a resumable checkpoint (utils/checkpoint/manager.py):
-        train_state.json                    progress, scheduler, scaler, format, and every other file of
+        train_state.json                    progress, scheduler, scaler, format, the fingerprints of what the
+                                              run read (utils/checkpoint/inputs.py), and every other file of
                                               the checkpoint with its size and CRC-32; written last
         optimizer_param_groups.json         the optimizer's hyper-parameters
         rng/rank_<r>.pt                     each rank's RNG state

@@ -114,6 +114,7 @@ class CheckpointManager:
         info: DistInfo,
         lora: LoraConfig,
         base_model: str,
+        inputs: dict | None = None,
     ):
         self.checkpointing = checkpointing
         self.checkpoint_type = fsdp.checkpoint_type  # the tutorial's fsdp_config fields
@@ -125,6 +126,9 @@ class CheckpointManager:
         self.info = info
         self.lora = lora if lora.peft == "lora" else None  # the export writes the adapter (and merged model)
         self.base_model = base_model  # what the adapter names as its base (utils/model/lora.py: adapter_base)
+        # What the run reads, fingerprinted (utils/checkpoint/inputs.py), recorded in every checkpoint for a resume
+        # to check; None where a script or test builds a manager of its own.
+        self.inputs = inputs
         self.run_id = layout.time_stamp()  # names this run's .pt files
         self.pending: BackgroundSave | None = None
         self.said_saves_wait = False  # a save waited for the previous one's write (warned once)
@@ -347,6 +351,7 @@ class CheckpointManager:
             "progress": asdict(progress),
             "scheduler": self.scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,
+            "inputs": self.inputs,
         })  # fmt: skip
 
     def _complete(self, tmp: str, final: str, train_state: dict, written: dict, how: str) -> None:
@@ -561,6 +566,12 @@ def restore_schedule(
     scheduler.load_state_dict(state["scheduler"])
     if gamma is not None:
         scheduler.gamma = gamma
+    # A per-step schedule's checkpoint records where it stands (utils/train/optim.py: StretchableSchedule); one
+    # written before it did keeps counting steps as it did then.
+    recorded = state["scheduler"].get("lr_lambdas") or []
+    for schedule, saved in zip(getattr(scheduler, "lr_lambdas", []), recorded, strict=False):
+        if saved is None and hasattr(schedule, "stretches"):
+            schedule.stretches = False
     groups = optimizer.param_groups
     if not state["has_optimizer"]:
         reached, bases = scheduler.get_last_lr(), scheduler.base_lrs

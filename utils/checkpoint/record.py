@@ -40,6 +40,22 @@ def recorded_run(resume: str, output_dir: str) -> tuple[str, dict] | None:
         return None
 
 
+def records_inputs(resume: str, output_dir: str) -> bool:
+    """Whether the checkpoint a resume starts from (output_dir's newest complete one for --resume true, the
+    folder --resume names) records what its run read (train_state.json's "inputs": utils/checkpoint/inputs.py),
+    so that an input named at another path can be checked by its content."""
+    if resume.lower() == "true":
+        kept = layout.complete_checkpoints(output_dir)
+        checkpoint = kept[-1] if kept else None
+    else:
+        checkpoint = resume if os.path.isdir(resume) else None
+    try:
+        with open(os.path.join(checkpoint, layout.STATE_FILE), encoding="utf-8") as f:
+            return "inputs" in json.load(f)
+    except (OSError, TypeError, ValueError):  # no checkpoint (TypeError: None), or none readable
+        return False
+
+
 def _run_folder_of(checkpoint: str) -> str | None:
     """The output_dir a checkpoint folder belongs to: the parent of the `checkpoints` folder above it (a
     set-aside checkpoint sits deeper: checkpoints/abandoned/after_.../step_...), where its run record is."""

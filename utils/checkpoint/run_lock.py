@@ -10,6 +10,9 @@ other's locks; a file system without working locks (some FUSE mounts; Lustre wit
 check fall back to the holder's record, which can tell a live run only on the same host (a warning says so).
 While held, the file records who holds it (host, pid, start time, command), for the message a second run
 gets. A run that ends empties it.
+
+Then every rank probes every folder of output_dir the run will write (`check_writable`): a read-only mount,
+a full quota or a squashed root is said at start, with the folder and the rank, not at the first save.
 """
 
 import contextlib
@@ -24,8 +27,9 @@ import torch.distributed as dist
 
 from configs.errors import ConfigError
 from utils import layout
-from utils.checkpoint.start import prepare_output_dir
+from utils.checkpoint.start import OUTPUT_DIR_USE, prepare_output_dir, unwritable_folder
 from utils.distributed.process_group import rank0_decides
+from utils.files import nearest_existing, write_problem
 from utils.log import get_logger
 
 try:
@@ -132,6 +136,49 @@ def check_shared(lock: RunLock) -> None:
             "part of each checkpoint into output_dir: give a --output_dir on storage that every node mounts at "
             "the same path (NFS, Lustre, GPFS; a relative path is relative to each node's working directory)."
         )
+
+
+# Each folder check_writable probes, named in its message, with what the run writes there.
+OUTPUT_DIR = "output_dir", OUTPUT_DIR_USE
+CHECKPOINTS = "the checkpoints folder", "the run saves its checkpoints there"
+EXPORT = "the export folder", "the run's model is exported there at the end, replacing it"
+EVALUATE_ONLY = "--evaluate_only's folder", "--evaluate_only writes its scores there"
+
+
+def check_writable(output_dir: str, *, evaluating: bool, saves_checkpoints: bool) -> None:
+    """Every rank can write every folder of output_dir the run will write (output_dir; checkpoints/ and the
+    existing exports, which training adds to and replaces; evaluate_only/ for --evaluate_only), or every rank
+    stops with one message naming the folder, the rank and host that cannot, and the fix: before anything is
+    read, trained or replaced, not at the first save after training. Each rank probes for itself (a node-local
+    disk or a mount can differ by node) by a real write (utils/files.py: write_problem); a folder that does not
+    exist yet is probed where it will be created. Collective (one small all-gather)."""
+    folders = {output_dir: OUTPUT_DIR}
+    if evaluating:
+        folders[os.path.join(output_dir, layout.EVALUATE_ONLY_DIR)] = EVALUATE_ONLY
+    else:
+        if saves_checkpoints:
+            folders[layout.checkpoint_root(output_dir)] = CHECKPOINTS
+        folders.update(dict.fromkeys((os.path.join(output_dir, name) for name in layout.EXPORT_DIRS), EXPORT))
+    probed, found = set(), None
+    for folder, kind in folders.items():
+        where = nearest_existing(folder)
+        if where in probed:
+            continue
+        probed.add(where)
+        problem = write_problem(where)
+        if problem is not None:
+            found = (folder, where, kind, problem)
+            break
+    everyone = [(found, socket.gethostname())]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (found, socket.gethostname()))
+    failed = next(((rank, seen, host) for rank, (seen, host) in enumerate(everyone) if seen), None)
+    if failed is None:
+        return
+    rank, (folder, where, (name, use), problem), host = failed
+    seen_from = f" from rank {rank} (host {host})" if rank else ""
+    raise unwritable_folder(name, folder, problem, use, where=where, seen_from=seen_from)
 
 
 def _try_flock(file) -> bool | None:

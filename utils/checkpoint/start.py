@@ -24,6 +24,7 @@ from utils import layout
 from utils.checkpoint.integrity import find_damage
 from utils.checkpoint.progress import TrainProgress
 from utils.distributed.process_group import is_rank0, rank0_decides
+from utils.files import nearest_existing, write_problem
 from utils.log import get_logger
 
 
@@ -255,15 +256,29 @@ def recorded_job(output_dir: str) -> str | None:
         return None
 
 
+OUTPUT_DIR_USE = "the run writes its record, metrics and checkpoints there"
+
+
 def prepare_output_dir(output_dir: str) -> None:
-    """Create output_dir and check it is writable."""
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        probe = os.path.join(output_dir, f".write_test_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as err:
-        raise ConfigError(
-            f"output_dir {output_dir!r} is not writable ({err.strerror}); choose another --output_dir"
-        ) from None
+    """Create output_dir, once a real write where it goes has worked (utils/files.py: write_problem)."""
+    where = nearest_existing(output_dir)
+    problem = write_problem(where)
+    if problem is None:
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+        except OSError as err:
+            problem = err.strerror
+    if problem is not None:
+        raise unwritable_folder("output_dir", output_dir, problem, OUTPUT_DIR_USE, where=where)
+
+
+def unwritable_folder(
+    name: str, folder: str, problem: str, use: str, *, where: str, seen_from: str = ""
+) -> ConfigError:
+    """The refusal of a folder the run will write (`use`: what it writes there) where `problem` stops a write;
+    `where`: the folder probed (its nearest existing parent where it is not there yet); `seen_from`: the rank."""
+    created = "" if where == folder else f" (to be created in {where!r})"
+    return ConfigError(
+        f"{name} {folder!r}{created} is not writable{seen_from} ({problem}): {use}. Make it writable (a read-only "
+        "mount or snapshot, its permissions, a full quota), or choose another --output_dir. Nothing was changed."
+    )

@@ -25,6 +25,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 from datasets.fingerprint import Hasher
+from jinja2 import TemplateError
 
 from configs.data import DataConfig
 from configs.errors import ConfigError, DataError
@@ -44,11 +45,16 @@ _TOKEN_FEATURES = datasets.Features(
 # Conversations also mark their prompt's earlier assistant replies (1), which the loss is on as on the last.
 _CHAT_TOKEN_FEATURES = datasets.Features(
     {**_TOKEN_FEATURES, "source_replies": datasets.List(datasets.Value("int8")),
-     "replies_unmarked": datasets.Value("int16")}  # the earlier replies that could not be told apart
+     "replies_unmarked": datasets.Value("int16"),  # the earlier replies that could not be told apart
+     "unknown_roles": datasets.List(datasets.Value("string"))}  # the role of each message not of KNOWN_ROLES
 )  # fmt: skip
 # Bump when _encode_chat_batch changes (3: earlier replies marked by their characters, and counted where not; 4: a
-# cut reply keeps the template's whole end of turn): the conversations' token caches are rebuilt.
-CHAT_ENCODING_VERSION = 4
+# cut reply keeps the template's whole end of turn; 5: unknown roles listed): the conversations' token caches are
+# rebuilt.
+CHAT_ENCODING_VERSION = 5
+# The roles of TRL's conversational format, and those of OpenAI's (developer, the older function) and Llama 3.1's
+# (ipython) chat formats; a message of another is rendered as the template renders it, and said.
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
 
 # Starting a tokenising process (a fork, the tokenizer pickled) pays off from about this many rows.
 _ROWS_PER_TOKENISING_PROCESS = 10_000
@@ -89,7 +95,7 @@ def cache_root(data: DataConfig, source: TextSource) -> Path:
 def usable_cache_root(root: Path, ready: Callable[[Path], bool]) -> Path:
     """`root`, where this process can write it or `ready(root)` says what is needed is built there already (a
     shared, read-only dataset mount with its cache); else a folder of this user's cache, said once."""
-    if writable(root) or ready(root):
+    if ready(root) or writable(root):  # a complete cache is read as it is: no write probe beside the data
         return root
     fallback = user_cache_dir() / hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
     if is_rank0():
@@ -255,9 +261,10 @@ def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length:
             "the data's rows are conversations (a messages column), and the model's tokenizer has no chat "
             "template to render them: use a chat model's tokenizer (-chat, -Instruct) or set its chat_template"
         )
-    prompts, completions, replies, unmarked = [], [], [], []
+    prompts, completions, replies, unmarked, unknown_roles = [], [], [], [], []
     for history, reply in zip(batch["source"], batch["target"], strict=True):
         messages = json.loads(history)
+        unknown = [message for message in messages if message["role"] not in KNOWN_ROLES]
         rendered = _rendered_reply(tokenizer, messages, reply)
         if rendered is None:
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -268,6 +275,7 @@ def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length:
                 "turn the same whatever follows it."
             )
         prompt, added = rendered
+        _check_rendered(unknown, prompt)
         # A slow (Python) tokenizer has no character offsets: its earlier replies stay unmarked (_earlier_replies)
         encoded = tokenizer(
             prompt, add_special_tokens=False, return_offsets_mapping=getattr(tokenizer, "is_fast", False)
@@ -291,12 +299,29 @@ def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length:
         completions.append(reply_ids)
         replies.append(marks[-input_length:])
         unmarked.append(missed)
+        unknown_roles.append([message["role"] for message in unknown])
     return {
         "source_ids": prompts,
         "target_ids": completions,
         "source_replies": replies,
         "replies_unmarked": unmarked,
+        "unknown_roles": unknown_roles,
     }
+
+
+def _check_rendered(unknown: list[dict], prompt: str) -> None:
+    """Refuse a conversation whose messages of an unknown role the chat template left out of its rendering (a
+    template with a rule for each known role, and none for others): the model would not read what the data
+    says. A message whose content is no text (a tool call) is not looked for."""
+    for message in unknown:
+        content = message["content"]
+        if isinstance(content, str) and content.strip() not in prompt:
+            raise DataError(
+                f"the tokenizer's chat template leaves out a message of role {message['role']!r} (its text is not "
+                f"in the rendered conversation, which ends {prompt[-60:]!r}). Give it one of the roles the "
+                f"template renders (the chat formats' are {', '.join(KNOWN_ROLES)}), or use a template that "
+                "renders it."
+            )
 
 
 def _closing_length(tokenizer, prompt: str, added: str, reply: str, whole_ids: list[int]) -> int:
@@ -311,9 +336,18 @@ def _closing_length(tokenizer, prompt: str, added: str, reply: str, whole_ids: l
 def _rendered_reply(tokenizer, messages: list[dict], reply: str) -> tuple[str, str] | None:
     """(`messages` rendered up to the assistant's turn, the text the template adds for `reply` after them: its
     end-of-turn marker included), or None where the template renders the start differently with the reply
-    than without, or leaves the reply out."""
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": reply}], tokenize=False)
+    than without, or leaves the reply out. A template's own refusal (its raise_exception) is refused."""
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": reply}], tokenize=False)
+    except TemplateError as err:
+        unknown = [message["role"] for message in messages if message["role"] not in KNOWN_ROLES]
+        roles = f" (its message of role {unknown[0]!r}?)" if unknown else ""
+        raise DataError(
+            f"the tokenizer's chat template refuses a conversation{roles}: {err}. Give its messages the roles "
+            f"the template renders (the chat formats' are {', '.join(KNOWN_ROLES)}), or use a template that "
+            "renders them."
+        ) from None
     if not whole.startswith(prompt) or reply.strip() not in whole[len(prompt) :]:
         return None
     return prompt, whole[len(prompt) :]

@@ -113,9 +113,13 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(self._remaining()[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        if self.samples_consumed >= len(self.dataset):
+        return self.share_after(self.samples_consumed)
+
+    def share_after(self, samples_consumed: int) -> int:
+        """This rank's items of an epoch once `samples_consumed` of its order were trained on."""
+        if samples_consumed >= len(self.dataset):
             return 0
-        return math.ceil((self.total_size - self.samples_consumed) / self.num_replicas)
+        return math.ceil((self.total_size - samples_consumed) / self.num_replicas)
 
 
 def train_sampler_for(

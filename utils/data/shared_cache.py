@@ -44,7 +44,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from configs.errors import DataError
-from utils.files import write_json
+from utils.files import write_json, write_problem
 from utils.log import get_logger
 
 MANIFEST = "manifest.json"
@@ -124,13 +124,19 @@ def _ready(folder: Path, key: dict, reuse: Reuse | None) -> tuple[Path, dict] | 
 
 
 def _build_locked(folder: Path, key: dict, build: Callable[[Path], dict], what: str, reuse: Reuse | None):
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
+    # A real write first (os.access passes a full quota, a squashed root): said here, not by the lock or build
+    existed = folder.parent.is_dir()
+    problem = write_problem(folder.parent)
+    if problem is None:
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            problem = err.strerror
+    if problem is not None:
         raise DataError(
-            f"cannot create the data cache folder {folder.parent} ({err.strerror}): point --cache_dir at a "
-            "writable folder."
-        ) from None
+            f"cannot {'write' if existed else 'create'} the data cache folder {folder.parent} ({problem}), which "
+            f"lacks {what}: point --cache_dir at a writable folder."
+        )
     lock = FileLock(str(folder) + ".lock")
     waited = 0.0
     while True:

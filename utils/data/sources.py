@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from configs.data import DataConfig
 from configs.errors import DataError, DataFileNotFoundError, UserError
-from utils.files import closest_folder
+from utils.files import WRITE_PROBE_PREFIX, closest_folder
 
 SPLITS = ("train", "validation", "test")
 TEXT_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("target", pa.string())])
@@ -89,8 +89,10 @@ class TextSource:
     """A source of rows: what it is (for messages), what identifies its content (the text cache's key), how to
     write its splits into a folder (`write(folder) -> manifest fields`: rows, skipped and origin per split),
     the name of the cleaning its texts get (utils/data/cache.py: CLEANINGS; models record it, so
-    scripts/summarize.py prepares texts the same way), where its cache goes without --cache_dir, and how to
-    give it a split it lacks (a sentence with {split}, for messages)."""
+    scripts/summarize.py prepares texts the same way), where its cache goes without --cache_dir, how to
+    give it a split it lacks (a sentence with {split}, for messages), and the files its rows are read from, each
+    under a name that stays when the file moves (its split, or its name in the data folder): what a resume checks
+    against its checkpoint (utils/checkpoint/inputs.py); none for a hub dataset, which its name identifies."""
 
     what: str
     key: dict
@@ -98,6 +100,7 @@ class TextSource:
     cleaning: str
     default_cache: Path
     add_split: str
+    files: dict[str, Path]
 
 
 def file_fingerprint(path: Path) -> dict:
@@ -568,13 +571,21 @@ def is_saved_dataset(folder: Path) -> bool:
     return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
 
 
+def _dataset_files(folder: Path) -> dict[str, Path]:
+    """Every file of a dataset folder (its cache/ folder aside, and the write probes another rank may be making
+    there: utils/files.py write_problem), by its path inside the folder."""
+    return {
+        str(path.relative_to(folder)): path
+        for path in sorted(folder.rglob("*"))
+        if not path.name.startswith(WRITE_PROBE_PREFIX)
+        and path.is_file()
+        and "cache" not in path.relative_to(folder).parts[:1]
+    }
+
+
 def _folder_fingerprint(folder: Path) -> list:
     """Every file of a dataset folder by name, size and modification time (cheap: no content is read)."""
-    return [
-        [str(path.relative_to(folder)), path.stat().st_size, path.stat().st_mtime_ns]
-        for path in sorted(folder.rglob("*"))
-        if path.is_file() and "cache" not in path.relative_to(folder).parts[:1]
-    ]
+    return [[name, path.stat().st_size, path.stat().st_mtime_ns] for name, path in _dataset_files(folder).items()]
 
 
 def _key(data: DataConfig, inputs: dict) -> dict:
@@ -600,7 +611,7 @@ def file_source(files: dict[str, Path], data: DataConfig, add_split: str) -> Tex
 
     what = "the files " + ", ".join(str(path) for path in files.values())
     default_cache = next(iter(files.values())).parent / "cache"
-    return TextSource(what, _key(data, {"files": inputs}), write, "plain", default_cache, add_split)
+    return TextSource(what, _key(data, {"files": inputs}), write, "plain", default_cache, add_split, files)
 
 
 def _dataset_splits(loaded, where: str, name: str, data: DataConfig) -> dict:
@@ -639,8 +650,9 @@ def saved_dataset_source(folder: Path, data: DataConfig) -> TextSource:
 
     add_split = "save the dataset with a '{split}' split"
     return TextSource(
-        f"the saved dataset {folder}", _key(data, inputs), write, "plain", folder / "cache", add_split
-    )
+        f"the saved dataset {folder}", _key(data, inputs), write, "plain", folder / "cache", add_split,
+        _dataset_files(folder),
+    )  # fmt: skip
 
 
 def named_dataset_source(data: DataConfig) -> TextSource:
@@ -650,10 +662,12 @@ def named_dataset_source(data: DataConfig) -> TextSource:
     keeps load_dataset from taking the Arrow files of a cache/ folder inside it for data."""
     name, config_name = data.dataset_name, data.dataset_config_name or None
     inputs = {"dataset": [name, config_name]}
+    files = {}
     if Path(name).is_dir():
         if config_name is None and (found := folder_source(Path(name), data)) is not None:
             return found
         inputs["files"] = _folder_fingerprint(Path(name))
+        files = _dataset_files(Path(name))
 
     def write(out: Path) -> dict:
         import datasets  # noqa: PLC0415
@@ -673,7 +687,7 @@ def named_dataset_source(data: DataConfig) -> TextSource:
 
     what = f"the dataset {name}" + (f" ({config_name})" if config_name else "")
     add_split = "the dataset has none under that name (train, validation or val/valid/dev, test)"
-    return TextSource(what, _key(data, inputs), write, "plain", _hf_datasets_cache(), add_split)
+    return TextSource(what, _key(data, inputs), write, "plain", _hf_datasets_cache(), add_split, files)
 
 
 def named_source(data: DataConfig) -> TextSource | None:

@@ -239,7 +239,10 @@ def wikihow_source(data_dir: Path) -> TextSource:
         "cleaning": CLEANING_VERSION,
     }
     write = functools.partial(_write_wikihow_cache, csv_path, lists)
-    return TextSource(f"WikiHow ({csv_path})", key, write, "wikihow", data_dir / "cache", add_split="")
+    files = {path.name: path for path in [csv_path, *(lists or {}).values()]}
+    return TextSource(
+        f"WikiHow ({csv_path})", key, write, "wikihow", data_dir / "cache", add_split="", files=files
+    )
 
 
 def clean_text(text: str) -> str:

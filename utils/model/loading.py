@@ -28,6 +28,7 @@ import copy
 import functools
 import json
 import os
+import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,7 @@ from transformers.utils import cached_file
 from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
 from configs.recipe import RecipeConfig
 from utils import layout
-from utils.distributed.process_group import rank0_decides
+from utils.distributed.process_group import is_rank0, rank0_decides
 from utils.log import get_logger
 from utils.model import t5_attention
 from utils.model.source import (
@@ -118,14 +119,19 @@ def load_model_for_run(
     overrides: dict,
     tokenizer: PreTrainedTokenizerBase,
     evaluating: bool = False,
+    rank0_fills: bool = False,
 ) -> LoadedModel:
     """The unwrapped model, with the weights of `weights_file` (a full .pt) if given, and the model-config
     `overrides` (model_config_overrides); `tokenizer` (load_tokenizer, loaded once per run) goes with it.
-    `evaluating` (--evaluate_only): an adapter folder is its base with the adapter merged in (evaluated_model)."""
+    `evaluating` (--evaluate_only): an adapter folder is its base with the adapter merged in (evaluated_model).
+    `rank0_fills`: FSDP1's rank-0-only loading, whose rank 0 reads the pretrained weights into the skeleton unit
+    by unit while it is sharded; rank 0 checks their shapes here, before (check_weights_fit)."""
     reset_peak_rss()
     rss_before = current_rss_bytes()
     base, adapter = evaluated_model(model_name, evaluating)
     model = load_model(base, on_meta=on_meta, **overrides)
+    if rank0_fills and weights_file is None and is_rank0():
+        check_weights_fit(resolved_name(base), model)
     if overrides.get("attn_implementation") == t5_attention.NAME:
         t5_attention.fuse_norms(model)  # before LoRA and sharding, so every rank's model has the same modules
     if adapter and not on_meta:  # a skeleton is the base's shape; rank 0's merged weights fill it
@@ -209,6 +215,7 @@ def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase,
     tokenizer = AutoTokenizer.from_pretrained(local)
     check_tokenizer(folder, tokenizer, config)
     task = task_for(config, base)
+    check_weights_fit(resolved_name(base), skeleton(config))
     model = task.model_class.from_pretrained(resolved_name(base), dtype=torch.float32)
     model = PeftModel.from_pretrained(model, local).merge_and_unload()
     settings = os.path.join(local, layout.ADAPTER_SUMMARIZATION_FILE)
@@ -365,6 +372,7 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
         # adapters (policies/wrapping.py), so a restored run would have other units than the one it continues.
         model.requires_grad_(True)
         return model
+    check_weights_fit(model_name, skeleton(config))  # transformers' own check ends in a traceback on every rank
     try:
         model_class = task_for(config, model_name).model_class
         # In fp32 whatever the config's dtype says (Llama's bf16, Llama 2's fp16: transformers 5 loads in it):
@@ -505,8 +513,66 @@ def checkpoint_weight_names(model_name: str) -> set[str]:
         if file.endswith(".safetensors"):
             with safe_open(path, framework="pt") as weights:
                 return set(weights.keys())
-        return set(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        return set(bin_weights(path))
     raise ConfigError(f"model {model_name!r} has no weights file ({', '.join(WEIGHT_FILES)}). {HUB_HINT}")
+
+
+def stored_shapes(model_name: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The shape and file name of each weight of a model's checkpoint, from its safetensors headers (every file
+    its index names, or model.safetensors), else its PyTorch .bin files memory-mapped: no tensor is read. Empty
+    where it has no weights file (from_pretrained says so)."""
+    for file in WEIGHT_FILES:
+        path = cached_file_or_none(model_name, file)
+        if path is None:
+            continue
+        files = [file]
+        if file.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        shapes = {}
+        for name in files:
+            found = cached_file_or_none(model_name, name)  # one the index names but lacks: from_pretrained says it
+            for weight, shape in weight_shapes(found).items() if found else ():
+                shapes[weight] = (shape, name)
+        return shapes
+    return {}
+
+
+def weight_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in one weights file: a safetensors file's header, or a .bin memory-mapped."""
+    if path.endswith(".safetensors"):
+        with safe_open(path, framework="pt") as weights:
+            return {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+    return {name: tuple(tensor.shape) for name, tensor in bin_weights(path).items()}
+
+
+def bin_weights(path: str) -> dict[str, torch.Tensor]:
+    """A PyTorch .bin weights file's tensors, memory-mapped (nothing read but what is touched) where it is in
+    torch's zip format; a file of the older format (torch.save's _use_new_zipfile_serialization=False), which
+    cannot be mapped, is read whole, as from_pretrained reads it."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+
+
+def check_weights_fit(model_name: str, model: nn.Module) -> None:
+    """ConfigError naming the first of the model's weights (in its own order) that the checkpoint holds in
+    another shape, with both shapes: a config.json that says another size (d_ff, d_model, vocab_size) than its
+    weights hold. `model`: built from that config, on the meta device (skeleton); the checkpoint's headers are
+    read, not its tensors. Weights the checkpoint lacks or adds are load_model's to say."""
+    stored = stored_shapes(model_name)
+    prefix = f"{model.base_model_prefix}."
+    for name, tensor in model.state_dict().items():
+        # A checkpoint may store names without the model's base prefix (GPT-2's), as from_pretrained accepts.
+        spelling = next((key for key in (name, name.removeprefix(prefix)) if key in stored), None)
+        if spelling is None:
+            continue
+        shape, file = stored[spelling]
+        if tuple(shape) != tuple(tensor.shape):
+            raise ConfigError(
+                f"the weights of model {model_name!r} do not fit its config.json: {spelling} is {list(shape)} in "
+                f"{file}, and {list(tensor.shape)} in the {type(model).__name__} that config.json describes. Put "
+                "back the config.json saved with these weights (save_pretrained writes both), or give the folder "
+                "these weights came from."
+            )
 
 
 def cached_file_or_none(model_name: str, name: str) -> str | None:

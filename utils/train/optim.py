@@ -1,11 +1,13 @@
 """AdamW's parameter groups and the LR schedules; T5_training.py builds the optimizer with them."""
 
 import math
+import os
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 
+from configs.errors import ConfigError
 from configs.recipe import RecipeConfig
 
 
@@ -59,11 +61,74 @@ def lr_scheduler(
     optimizer: torch.optim.Optimizer, gamma: float, recipe: RecipeConfig, total_steps: int
 ) -> LRScheduler:
     """The tutorial's StepLR (lr x gamma after each epoch), or a per-step schedule (--lr_scheduler constant,
-    linear, cosine) with warmup over `total_steps` optimizer steps."""
+    linear, cosine) with warmup over `total_steps` optimizer steps (a `StretchableSchedule`)."""
     if recipe.lr_scheduler == "step":
         return StepLR(optimizer, step_size=1, gamma=gamma)
     warmup = recipe.warmup_steps or round(recipe.warmup_ratio * total_steps)
-    return LambdaLR(optimizer, lambda step: lr_factor(step, recipe.lr_scheduler, warmup, total_steps))
+    return LambdaLR(optimizer, StretchableSchedule(recipe.lr_scheduler, warmup, total_steps))
+
+
+def continue_schedule(scheduler: LRScheduler, step: int, end_step: int, output_dir: str) -> str | None:
+    """A per-step schedule at `step` of a run (in `output_dir`) that ends at `end_step`
+    (StretchableSchedule.continue_to): what changed, or None. The tutorial's StepLR counts epochs, which a run's
+    shape does not change."""
+    schedule = getattr(scheduler, "lr_lambdas", [None])[0]  # LambdaLR's: one object for every group
+    return schedule.continue_to(step, end_step, output_dir) if isinstance(schedule, StretchableSchedule) else None
+
+
+class StretchableSchedule:
+    """A per-step schedule's LR multiplier by optimizer step, LambdaLR's function: warmup then constant,
+    linear or cosine over `total` positions, the optimizer steps of the run's first shape (global batch and
+    length).
+
+    Optimizer step `step` is at position `anchor_position + (step - anchor_step) * pace`, where the pace
+    spreads what is left of the schedule after the anchor over the steps left until `end_step`. A run
+    that keeps its shape advances one position a step (`end_step = total`, anchor 0). A resume that changes it
+    (another batch size, number of ranks, accumulation, --epochs or --max_steps) re-anchors at its step
+    (`continue_to`), so the rate goes on from where it was, an unfinished warmup is stretched, not repeated,
+    and linear and cosine reach 0 after the last step (docs/checkpoints.md). LambdaLR's state dict carries
+    this object's fields, so every checkpoint records where the schedule stands. `stretches` is False for a
+    run resumed from a checkpoint written before the schedule was recorded: it keeps the counting it had."""
+
+    def __init__(self, kind: str, warmup: int, total: int):
+        self.kind, self.warmup, self.total = kind, warmup, total
+        self.anchor_step, self.anchor_position, self.end_step = 0, 0, total
+        self.stretches = True
+
+    def __call__(self, step: int) -> float:
+        return lr_factor(self.position(step), self.kind, self.warmup, self.total)
+
+    def position(self, step: int) -> float:
+        """Where optimizer step `step` stands in the schedule: an integer while the run keeps its shape."""
+        if step >= self.end_step:
+            return max(self.total, self.anchor_position)  # exactly the end, whatever the pace's rounding
+        steps_left, positions_left = self.end_step - self.anchor_step, self.total - self.anchor_position
+        if steps_left == positions_left:  # the shape the schedule was laid out for: exact integer steps
+            return self.anchor_position + (step - self.anchor_step)
+        return self.anchor_position + (step - self.anchor_step) * positions_left / steps_left
+
+    def continue_to(self, step: int, end_step: int, output_dir: str) -> str | None:
+        """A run (in `output_dir`) at `step` that ends at `end_step`: where that differs from the end laid out,
+        what is left of the schedule is spread over the steps left (the anchor moves to `step`). Returns what
+        changed, or None."""
+        if not self.stretches or end_step == self.end_step or end_step <= step:
+            return None
+        position, was_left = self.position(step), self.end_step - step
+        if position >= self.total and self.kind != "constant":
+            raise ConfigError(
+                f"the run's {self.kind} learning-rate schedule ended at step {min(step, self.end_step)} (a rate "
+                f"of 0 from there), so the {end_step - step} step(s) more that this resume would train would "
+                "change nothing. Train on in a new run from its final model (--model_name "
+                f"{os.path.join(output_dir, 'hf_model_last')}, or hf_model where the last epoch was the best, and "
+                "another --output_dir): its schedule starts afresh."
+            )
+        self.anchor_step, self.anchor_position, self.end_step = step, position, end_step
+        pace = (self.total - position) / (end_step - step)
+        return (
+            f"{end_step - step} steps left where the schedule had {was_left} (the run's shape or data changed): "
+            f"the rest of the {self.kind} schedule, from position {position:g} of {self.total}, is spread over "
+            f"them ({pace:.4g} of the first shape's steps each)"
+        )
 
 
 def steps_per_epoch(recipe: RecipeConfig, batches_per_epoch: int) -> int:

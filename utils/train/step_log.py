@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from configs.errors import TrainingDivergedError
 from utils.distributed.hang_report import WHERE
+from utils.distributed.process_group import is_rank0
 from utils.log import get_logger
 from utils.observe.flops import Throughput
 from utils.train.step import (
@@ -30,33 +31,31 @@ class StepLog:
     Reading a loss with .item() each step would stall the GPU pipeline once per step; here one
     all-reduce and one device-to-host copy serve `every` steps. Step seconds are the window's wall time
     divided by its steps: on a GPU the host runs ahead of the device, so a single step's host time would
-    not be its real time. The same all-reduce carries each rank's stop flag (SIGTERM), so all ranks learn
-    together that one of them must stop, and shows every rank the same NaN/Inf losses and norms: such a
+    not be its real time. The all-reduce shows every rank the same NaN/Inf losses and norms: such a
     step is recorded as nonfinite (and skipped where --on_nonfinite skip or fp16's scaler skipped it) and
     left out of the epoch's loss, or, with `stop_on_nonfinite`, ends the run on every rank before anything
-    else is saved.
+    else is saved. `stall` (the run's StallWatch) reads each flushed step's gradient norm.
     """
 
     def __init__(
         self,
         every: int,
         on_flush: Callable[[list[dict]], None],
-        local_stop: Callable[[], bool] = lambda: False,
         totals: list[float] | None = None,
         stop_on_nonfinite: bool = False,
         throughput: Throughput | None = None,
+        stall: "StallWatch | None" = None,
     ):
         self.every = every
         self.stop_on_nonfinite = stop_on_nonfinite
         self.throughput = throughput
         self.on_flush = on_flush
-        self.local_stop = local_stop
+        self.stall = stall
         self.pending: list[tuple[int, float, torch.Tensor]] = []
         # Sums over all flushed steps and all ranks (carried over from a checkpoint when resuming mid-epoch).
         # (A checkpoint written before the gradient norm or FLOP columns existed has fewer; they start at 0.)
         totals = list(totals or []) + [0.0] * (STAT_COLUMNS - len(totals or []))
         self.totals = torch.tensor(totals, dtype=STAT_DTYPE)
-        self.stop_requested = False
         self.window_start = time.perf_counter()
         # The newest flushed window, for the progress bar and line: its last step, that step's loss, all ranks'
         # samples and tokens per second, seconds per step, and the window's MFU (None without a peak).
@@ -77,13 +76,9 @@ class StepLog:
         if not self.pending:
             return
         WHERE.enter("step-log all-reduce")
-        stacked = torch.stack([stats for _, _, stats in self.pending])
-        stop = torch.zeros(len(self.pending), 1, dtype=STAT_DTYPE, device=stacked.device)
-        stop[-1] = float(self.local_stop())
-        reduced = torch.cat([stacked, stop], dim=1)
+        reduced = torch.stack([stats for _, _, stats in self.pending])
         dist.all_reduce(reduced)
         rows = reduced.tolist()  # host sync
-        self.stop_requested = self.stop_requested or any(row[STAT_COLUMNS] > 0 for row in rows)
         now = time.perf_counter()
         elapsed = now - self.window_start
         seconds = elapsed / len(rows)
@@ -96,7 +91,9 @@ class StepLog:
             for record in records:
                 if record.get("nonfinite") and not math.isfinite(record["grad_norm"]):
                     record["skipped"] = True
-        window = torch.tensor([row[:STAT_COLUMNS] for row in rows], dtype=STAT_DTYPE).sum(dim=0)
+        if self.stall is not None:  # after step_record, which zeroes the tokens of a nonfinite step
+            self.stall.read(records, [row[TARGET_TOKENS] for row in rows])
+        window = torch.tensor(rows, dtype=STAT_DTYPE).sum(dim=0)
         self.totals += window
         self.latest_step, self.latest_loss = records[-1]["step"], records[-1]["loss"]
         self.latest_samples_per_s = float(window[SAMPLES]) / max(elapsed, 1e-9)
@@ -137,3 +134,47 @@ def step_record(step: int, lr: float, row: list[float], seconds: float) -> dict:
         return record
     row[LOSS_SUM] = row[TARGET_TOKENS] = row[GRAD_NORM] = 0.0
     return {**record, "nonfinite": True}
+
+
+# Optimizer steps in a row whose global gradient norm is exactly 0.0 that make a stall. A step that trains on
+# tokens has an exactly zero gradient only where every parameter's gradient vanished or none is trained, which a
+# learning model never shows; 3 in a row say it lasts (AdamW's momentum still moves the weights for a few steps
+# after the gradient vanished, and could carry them out), and still come within a run's first log windows.
+STALL_STEPS = 3
+
+
+class StallWatch:
+    """Says when training stalls: the global gradient norm (before clipping) exactly 0.0 on STALL_STEPS
+    optimizer steps in a row, from the step log's flushed records (no sync of its own). A run that collapses
+    without a NaN (a learning rate far too high: the loss flat, every gradient 0) is otherwise silent. Steps
+    that trained on no token (their gradient is 0 by construction) or whose loss or norm was not finite (said
+    on their own; skipped by --on_nonfinite skip or fp16's scaler) neither count nor break a row. One watch per
+    run, across its epochs; each row of STALL_STEPS or more is said once."""
+
+    def __init__(self) -> None:
+        self.row_start: int | None = None  # the first step of the current row of zero norms
+        self.row_length = 0
+
+    @property
+    def stalled_since(self) -> int | None:
+        """The first step of the stall the run is in now, or None."""
+        return self.row_start if self.row_length >= STALL_STEPS else None
+
+    def read(self, records: list[dict], trained_tokens: list[float]) -> None:
+        for record, tokens in zip(records, trained_tokens, strict=True):
+            if not tokens:
+                continue
+            if record["grad_norm"] != 0.0:
+                self.row_start, self.row_length = None, 0
+                continue
+            self.row_start = record["step"] if self.row_start is None else self.row_start
+            self.row_length += 1
+            if self.row_length == STALL_STEPS and is_rank0():  # once a row
+                get_logger().warning(
+                    "step %d: training has stalled: the gradient norm has been exactly 0.0 since step %d (loss "
+                    "%.4g), so the model no longer learns. Likely causes: a learning rate too high (--lr) drove "
+                    "the weights where every gradient vanishes (a loss flat at ln(vocabulary size) is a uniform "
+                    "guess), or no parameter is trained (all frozen). Start again with a lower --lr, or with "
+                    "parameters that train.",
+                    record["step"], self.row_start, record["loss"],
+                )  # fmt: skip

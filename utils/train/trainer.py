@@ -1,6 +1,7 @@
 """The training loop: epochs of steps, validation, ROUGE, the LR schedule, the epoch record and checkpoints.
 
     trainer = Trainer(model=model, optimizer=optimizer, ..., task=task)
+    trainer.lay_out(progress)                           # where it ends; the LR schedule over the steps left
     finished = trainer.train(progress, resumed, stop)   # False: stopped early (SIGTERM, Ctrl-C), saved first
 
 `train` is the tutorial's `for epoch in range(1, epochs + 1): train(); validation(); scheduler.step(); save`,
@@ -13,6 +14,7 @@ backward, clipping, optimizer step) is utils/train/step.py's `train_step`.
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 
@@ -47,7 +49,7 @@ from utils.observe.metrics import MetricsWriter, open_metrics
 from utils.observe.profiler import StepProfiler
 from utils.task import Task
 from utils.train import optim
-from utils.train.preemption import StopRequest
+from utils.train.preemption import StopRequest, StopVote
 from utils.train.step import (
     HARDWARE_FLOPS,
     INPUT_TOKENS,
@@ -59,7 +61,7 @@ from utils.train.step import (
     train_step,
     validate,
 )
-from utils.train.step_log import StepLog
+from utils.train.step_log import StallWatch, StepLog
 
 
 class Trainer:
@@ -102,16 +104,19 @@ class Trainer:
             recompute=throughput.recompute,
             task=task,
         )
-        # The run's optimizer steps (every epoch's, or fewer: --max_steps), for the time left; and the step last
-        # shown.
         batches_per_epoch = len(loaders.train) if loaders.train is not None else 0
-        self.total_steps = optim.total_optimizer_steps(recipe, train.epochs, batches_per_epoch)
         unreached = optim.unreached_step_budget(recipe, train.epochs, batches_per_epoch)
         if unreached:
             get_logger().info("%s", unreached)
-        self.shown_step: int | None = None
+        # The global step the run ends at (for the time left), and what a resume in another shape changed in the
+        # LR schedule: set by lay_out, before training starts.
+        self.total_steps, self.schedule_change = 0, None
+        self.shown_step: int | None = None  # the step last shown
         self.memory_account_due = True  # written once per process, after its first optimizer step
         self.metrics: MetricsWriter | None = None  # open while train() runs
+        self.stop_vote = StopVote(info.world_size)  # collective: every rank makes its gloo group
+        self.stall = StallWatch()
+        self.best_stalled_since: int | None = None  # the stall the best epoch's model was chosen in, if any
 
     def train(self, progress: TrainProgress, resumed: bool, stop: StopRequest) -> bool:
         """Train from `progress` (a new run's, or a checkpoint's) to the last epoch, then export the final
@@ -142,8 +147,9 @@ class Trainer:
                 # The load phase is over (scripts/checkpoint_costs.py reads this line). A run resumed for its
                 # last evaluation alone has no step left to name.
                 get_logger().info(
-                    "training steps %d-%d, from epoch %d of %d",
+                    "training steps %d-%d, from epoch %d of %d%s",
                     progress.global_step + 1, self.total_steps, progress.epoch, self.train_config.epochs,
+                    f"; {self.schedule_change}" if self.schedule_change else "",
                 )  # fmt: skip
             with forward_warnings_ignored(), profiler, stop.watching():
                 if self.evaluation.eval_on_start and progress.global_step == 0 and not resumed:
@@ -197,8 +203,9 @@ class Trainer:
     def _train_pass(self, progress: TrainProgress, stop: StopRequest, profiler: StepProfiler) -> "EpochPass":
         """One pass over the train loader from `progress` (inside the epoch after a resume): the steps (each
         inside `profiler.step`, which traces the --profile_start_step range), their records, periodic
-        evaluation and checkpoints, --max_steps, and a stop request (agreed at the next step-log flush, saved,
-        then the pass ends). Evaluation and saves inside the epoch are off the training clock. Collective."""
+        evaluation and checkpoints, --max_steps, and a stop request (agreed by the ranks' vote a step after the
+        step it came in, saved, then the pass ends). Evaluation and saves inside the epoch are off the training
+        clock. Collective."""
         train, recipe, info = self.train_config, self.recipe, self.info
         epoch, every_eval = progress.epoch, self.evaluation.eval_every_n_steps
         # Without set_epoch every epoch would see the same order; a resumed epoch skips what the checkpoint
@@ -207,17 +214,20 @@ class Trainer:
         step_log = StepLog(
             self.observe.log_every_n_steps,
             lambda records: self._write_steps(epoch, records),
-            lambda: stop.requested,
             totals=progress.epoch_totals,
             # fp16's scaler skips non-finite steps by design (they calibrate its scale): never a reason to stop.
             stop_on_nonfinite=recipe.on_nonfinite == "stop" and self.scaler is None,
             throughput=self.throughput,
+            stall=self.stall,
         )
         clock = EpochClock(progress.epoch_train_seconds if progress.samples_consumed else 0.0)
         total_batches = len(self.loaders.train)
         samples_per_batch = train.batch_size_training * info.world_size
         done_before = progress.samples_consumed // samples_per_batch
         run = EpochPass(step=progress.global_step, step_log=step_log)
+        # The pass's last step (the epoch's end, or --max_steps) saves anyway: a stop is saved there at the latest.
+        last_step = run.step + optim.steps_per_epoch(recipe, total_batches)
+        last_step = min(last_step, recipe.max_steps) if recipe.max_steps else last_step
 
         def position(evaluation_due: bool = False) -> TrainProgress:
             """Where the pass stands, as a checkpoint resumes it (the step log must be flushed)."""
@@ -226,7 +236,7 @@ class Trainer:
             return dataclasses.replace(here, evaluation_due=evaluation_due)
 
         if progress.evaluation_due:  # a stop abandoned this step's evaluation: it comes first
-            with clock.paused(step_log):
+            with clock.paused(step_log), stop.saved_at(run.step):
                 try:
                     self._evaluate_midway(epoch, run.step, step_log, stop)
                 except StopAgreed:  # stopped again: the checkpoint resumed from still says to redo it
@@ -235,12 +245,14 @@ class Trainer:
                     return run
             progress = dataclasses.replace(progress, evaluation_due=False)
         self.model.train()
+        self.stop_vote.expect(stop, run.step, last_step)
         with progress_bar(total_batches + done_before, f"Training epoch {epoch}", unit="batch", colour="blue",
                       initial=done_before, lines=False) as bar:  # fmt: skip
             for micro_batches in _groups(self.loaders.train, recipe.gradient_accumulation_steps):
                 run.step += 1
                 with profiler.step(run.step):
                     self._step(run.step, micro_batches, step_log)
+                stopping = self.stop_vote.after_step(stop, run.step, last_step)  # every rank votes every step
                 run.batches_done += len(micro_batches)
                 bar.update(len(micro_batches))
                 self._show_progress(bar, step_log, epoch, total_batches - run.batches_done)
@@ -249,26 +261,57 @@ class Trainer:
                 # Inside the epoch: the step budget, periodic evaluation, periodic and stop checkpoints.
                 if 0 < recipe.max_steps <= run.step:
                     break  # the epoch then ends as usual, and the run after it
-                evaluation_abandoned = False
-                if every_eval and run.step % every_eval == 0:
-                    with clock.paused(step_log):
+                # An evaluation due when a stop is agreed is left to the resumed run, as one abandoned for it is.
+                evaluation_due = bool(every_eval) and run.step % every_eval == 0
+                if evaluation_due and not stopping:
+                    with clock.paused(step_log), stop.saved_at(run.step):
                         try:
                             self._evaluate_midway(epoch, run.step, step_log, stop)
+                            evaluation_due = False
                         except StopAgreed:  # a stop request during it: abandoned, saved and stopped below
-                            step_log.stop_requested = evaluation_abandoned = True
-                if self.checkpoints.due(run.step, step_log.stop_requested):
+                            stopping = True
+                if self.checkpoints.due(run.step, stopping):
                     step_log.flush()  # collective; metrics.jsonl then holds every step saved
                     with clock.paused(step_log):  # a stop's save is written before the run stops
-                        self.checkpoints.save(position(evaluation_abandoned), blocking=step_log.stop_requested)
-                if step_log.stop_requested:
+                        self.checkpoints.save(position(evaluation_due), blocking=stopping)
+                if stopping:
                     run.stopped = True
                     break
+            self.stop_vote.settle()  # every rank cast it: none is left in flight past the pass
+            stop.save_step = run.step  # the epoch's evaluation and checkpoint come at this step
             step_log.flush()  # the pass's last steps, shown too
             self._show_progress(bar, step_log, epoch, total_batches - run.batches_done)
         run.epoch_finished = run.batches_done == total_batches
         run.train_seconds = clock.train_seconds()
         run.position = position()
         return run
+
+    def lay_out(self, progress: TrainProgress) -> None:
+        """Where the run that starts from `progress` ends, counted in this run's batches and ranks; a resume that
+        changed the run's shape spreads the rest of the LR schedule over the steps it has left (and is refused,
+        a ConfigError, where a decayed schedule had ended). Before anything of the run is written."""
+        self.total_steps = progress.global_step + self._steps_left(progress)
+        self.schedule_change = optim.continue_schedule(
+            self.scheduler, progress.global_step, self.total_steps, self.train_config.output_dir
+        )
+
+    def _steps_left(self, progress: TrainProgress) -> int:
+        """The optimizer steps this run has left from `progress`: the rest of its epoch from the data position
+        (in this run's batches and ranks, which a resume may have changed), the later epochs', within
+        --max_steps; none once it is done."""
+        if self.done(progress):
+            return 0
+        sampler, batch_size = self.loaders.train_sampler, self.train_config.batch_size_training
+
+        def epoch_steps(samples_consumed: int) -> int:
+            batches = math.ceil(sampler.share_after(samples_consumed) / batch_size)
+            return optim.steps_per_epoch(self.recipe, batches)
+
+        later_epochs = self.train_config.epochs - progress.epoch
+        left = epoch_steps(progress.samples_consumed) + later_epochs * epoch_steps(0)
+        if self.recipe.max_steps:
+            left = min(left, self.recipe.max_steps - progress.global_step)
+        return left
 
     def _show_progress(self, bar: tqdm, step_log: StepLog, epoch: int, batches_left: int) -> None:
         """After each flush of the step log (rank 0): the loss, samples/s, tokens/s, MFU and the time left in
@@ -344,6 +387,7 @@ class Trainer:
             get_logger().info("new best %s %.4f (epoch %d)", metric_name, metric, epoch)
             self.checkpoints.export_hf()
             best_metric, best_epoch = metric, epoch
+            self.best_stalled_since = self.stall.stalled_since
         # The next epoch starts at its beginning; where --max_steps ended this one early, inside it.
         following = TrainProgress(epoch=epoch + 1, global_step=run.step) if run.epoch_finished else run.position
         following = dataclasses.replace(following, best_metric=best_metric, best_epoch=best_epoch)
@@ -389,11 +433,16 @@ class Trainer:
             self.checkpoints.export_hf(last=True)
 
     def _log_summary(self, progress: TrainProgress, last_epoch: int, seconds: float) -> None:
-        """The run's closing line: how long, how far, the best metric, where the model and the metrics are."""
+        """The run's closing line: how long, how far, the best metric, where the model and the metrics are; and
+        whether that model was chosen while training had stalled (StallWatch), which a low loss does not say."""
         output_dir, metric = self.train_config.output_dir, self.evaluation.metric_for_best
-        best = "no metric to choose a best epoch by"
-        if progress.best_epoch is not None:
-            best = f"best {metric} {progress.best_metric:.4f} (epoch {progress.best_epoch})"
+        stalled_since = self.stall.stalled_since if progress.best_epoch is None else self.best_stalled_since
+        stalled = "" if stalled_since is None else f"a stalled model: gradient norm 0.0 since step {stalled_since}"
+        if progress.best_epoch is None:
+            best = "no metric to choose a best epoch by" + (f" (the final model is {stalled})" if stalled else "")
+        else:
+            best = f"best {metric} {progress.best_metric:.4f} (epoch {progress.best_epoch}"
+            best += f", {stalled})" if stalled else ")"
         models = [self.checkpoints.final_folder(last=False)]
         if progress.best_epoch not in (None, last_epoch):
             models.append(f"{self.checkpoints.final_folder(last=True)} (the last epoch's)")
