@@ -100,7 +100,8 @@ def _checked(start: StartPoint, current: dict, accept_changed: bool) -> dict:
 def data_fingerprint(data: DataConfig) -> dict:
     """{each file the run's rows are read from, by its name in the source (utils/data/sources.py: TextSource):
     its path, size and digest}; empty for a hub dataset."""
-    return {name: {"path": str(path), **file_fingerprint(path)} for name, path in text_source(data).files.items()}
+    files = text_source(data).files
+    return {name: {"path": str(path), **content_fingerprint(path)} for name, path in files.items()}
 
 
 def model_fingerprint(model_name: str, lora: bool) -> dict:
@@ -111,14 +112,15 @@ def model_fingerprint(model_name: str, lora: bool) -> dict:
     files = {}
     for path in sorted(Path(model_name).iterdir()):
         if path.is_file() and path.suffix in READ_SUFFIXES:
-            files[path.name] = {"path": str(path), **file_fingerprint(path)}
+            files[path.name] = {"path": str(path), **content_fingerprint(path)}
         elif path.is_file() and lora and path.suffix in WEIGHT_SUFFIXES:
             files[path.name] = {"path": str(path), **weights_fingerprint(path)}
     return {"path": model_name, "files": files}
 
 
-def file_fingerprint(path: Path) -> dict:
-    """A file's size and the digest of its every byte."""
+def content_fingerprint(path: Path) -> dict:
+    """A file's size and the digest of its every byte (where the text cache's key, utils/data/sources.py
+    file_fingerprint, reads its first and last MiB and its mtime)."""
     hasher = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while block := f.read(READ_BYTES):

@@ -10,27 +10,31 @@ from utils import layout
 from utils.log import get_logger
 
 
+def resumed_checkpoint(resume: str, output_dir: str) -> str | None:
+    """The checkpoint folder a resume names, before its files are checked (utils/checkpoint/start.py checks
+    them): output_dir's newest complete one for --resume true, the folder --resume names; None for a new run, a
+    .pt, or an output_dir without a checkpoint."""
+    if resume.lower() == "true":
+        kept = layout.complete_checkpoints(output_dir)
+        return kept[-1] if kept else None
+    return resume if resume.lower() != "false" and os.path.isdir(resume) else None
+
+
 def recorded_run(resume: str, output_dir: str) -> tuple[str, dict] | None:
     """(path, contents) of the run record (config.json) of the run a resume continues, whose settings are its
     defaults (configs/cli.py: continue_run): output_dir's for --resume true when it holds a checkpoint; for a
     checkpoint folder, the record of the output_dir it is in (set-aside checkpoints included). None for a new
     run (or a .pt), or where no record is found. Read by every rank before the process group exists
     (output_dir is shared storage)."""
-    if resume.lower() == "false":
+    checkpoint = resumed_checkpoint(resume, output_dir)
+    if checkpoint is None:
         return None
-    if resume.lower() == "true":
-        if not layout.complete_checkpoints(output_dir):
-            return None
-        folder = output_dir
-    elif os.path.isdir(resume):
-        folder = _run_folder_of(resume)
-        if folder is None:
-            get_logger().warning(
-                "--resume %s: no run record (%s) found above it: the settings are this command's alone",
-                resume, layout.CONFIG_FILE,
-            )  # fmt: skip
-            return None
-    else:
+    folder = output_dir if resume.lower() == "true" else _run_folder_of(checkpoint)
+    if folder is None:
+        get_logger().warning(
+            "--resume %s: no run record (%s) found above it: the settings are this command's alone",
+            resume, layout.CONFIG_FILE,
+        )  # fmt: skip
         return None
     path = os.path.join(folder, layout.CONFIG_FILE)
     try:
@@ -41,18 +45,16 @@ def recorded_run(resume: str, output_dir: str) -> tuple[str, dict] | None:
 
 
 def records_inputs(resume: str, output_dir: str) -> bool:
-    """Whether the checkpoint a resume starts from (output_dir's newest complete one for --resume true, the
-    folder --resume names) records what its run read (train_state.json's "inputs": utils/checkpoint/inputs.py),
-    so that an input named at another path can be checked by its content."""
-    if resume.lower() == "true":
-        kept = layout.complete_checkpoints(output_dir)
-        checkpoint = kept[-1] if kept else None
-    else:
-        checkpoint = resume if os.path.isdir(resume) else None
+    """Whether the checkpoint a resume starts from (resumed_checkpoint) records what its run read
+    (train_state.json's "inputs": utils/checkpoint/inputs.py), so that an input named at another path can be
+    checked by its content."""
+    checkpoint = resumed_checkpoint(resume, output_dir)
+    if checkpoint is None:
+        return False
     try:
         with open(os.path.join(checkpoint, layout.STATE_FILE), encoding="utf-8") as f:
             return "inputs" in json.load(f)
-    except (OSError, TypeError, ValueError):  # no checkpoint (TypeError: None), or none readable
+    except (OSError, ValueError):  # an incomplete or damaged one: start.py says so
         return False
 
 

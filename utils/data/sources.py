@@ -583,9 +583,10 @@ def _dataset_files(folder: Path) -> dict[str, Path]:
     }
 
 
-def _folder_fingerprint(folder: Path) -> list:
-    """Every file of a dataset folder by name, size and modification time (cheap: no content is read)."""
-    return [[name, path.stat().st_size, path.stat().st_mtime_ns] for name, path in _dataset_files(folder).items()]
+def _folder_fingerprint(files: dict[str, Path]) -> list:
+    """A dataset folder's files (_dataset_files) by name, size and modification time (cheap: no content is
+    read)."""
+    return [[name, path.stat().st_size, path.stat().st_mtime_ns] for name, path in files.items()]
 
 
 def _key(data: DataConfig, inputs: dict) -> dict:
@@ -640,7 +641,8 @@ def _hf_datasets_cache() -> Path:
 
 def saved_dataset_source(folder: Path, data: DataConfig) -> TextSource:
     """A folder written by `datasets`' save_to_disk."""
-    inputs = {"saved_dataset": [str(folder.resolve()), _folder_fingerprint(folder)]}
+    files = _dataset_files(folder)
+    inputs = {"saved_dataset": [str(folder.resolve()), _folder_fingerprint(files)]}
 
     def write(out: Path) -> dict:
         import datasets  # noqa: PLC0415
@@ -650,9 +652,8 @@ def saved_dataset_source(folder: Path, data: DataConfig) -> TextSource:
 
     add_split = "save the dataset with a '{split}' split"
     return TextSource(
-        f"the saved dataset {folder}", _key(data, inputs), write, "plain", folder / "cache", add_split,
-        _dataset_files(folder),
-    )  # fmt: skip
+        f"the saved dataset {folder}", _key(data, inputs), write, "plain", folder / "cache", add_split, files
+    )
 
 
 def named_dataset_source(data: DataConfig) -> TextSource:
@@ -666,8 +667,8 @@ def named_dataset_source(data: DataConfig) -> TextSource:
     if Path(name).is_dir():
         if config_name is None and (found := folder_source(Path(name), data)) is not None:
             return found
-        inputs["files"] = _folder_fingerprint(Path(name))
         files = _dataset_files(Path(name))
+        inputs["files"] = _folder_fingerprint(files)
 
     def write(out: Path) -> dict:
         import datasets  # noqa: PLC0415

@@ -225,9 +225,9 @@ class Trainer:
         samples_per_batch = train.batch_size_training * info.world_size
         done_before = progress.samples_consumed // samples_per_batch
         run = EpochPass(step=progress.global_step, step_log=step_log)
-        # The pass's last step (the epoch's end, or --max_steps) saves anyway: a stop is saved there at the latest.
-        last_step = run.step + optim.steps_per_epoch(recipe, total_batches)
-        last_step = min(last_step, recipe.max_steps) if recipe.max_steps else last_step
+        # The pass's last step (the epoch's end, or the run's: lay_out) saves anyway: a stop is saved there at the
+        # latest.
+        last_step = min(run.step + optim.steps_per_epoch(recipe, total_batches), self.total_steps)
 
         def position(evaluation_due: bool = False) -> TrainProgress:
             """Where the pass stands, as a checkpoint resumes it (the step log must be flushed)."""
