@@ -136,8 +136,6 @@ with kept_for_the_whole_process():
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    import causal_lm_dataset
-    import summarization_dataset
     from configs import accelerate_env
     from configs.errors import FAILURES, error_summary
     from configs.evaluation import METRIC_NAMES
@@ -153,18 +151,15 @@ with kept_for_the_whole_process():
     from utils.distributed.progress_bounded import progress_bounded
     from utils.eval.evaluator import Evaluator
     from utils.files import is_disk_full
-    from utils.fsdp.shard import forward_warnings_ignored, log_fsdp_layout, shard_model
+    from utils.fsdp.parallelism import Parallelism, parallelism_for
+    from utils.fsdp.shard import forward_warnings_ignored
     from utils.log import quiet_helper_process
     from utils.model import loading, lora
     from utils.observe import flops, memory, metrics, run_record, tensorboard
-    from utils.task import CausalTask, Seq2SeqTask, Task, task_for
+    from utils.spec import ModelSpec
     from utils.train import optim
     from utils.train.preemption import StopRequest
     from utils.train.trainer import Trainer
-
-# Each task's Dataset and collate: sequence-to-sequence reads the tutorial's (summarization_dataset.py), a
-# decoder-only model prompt and completion as one sequence (causal_lm_dataset.py).
-DATA_FORMATS = {Seq2SeqTask: summarization_dataset.FORMAT, CausalTask: causal_lm_dataset.FORMAT}
 
 if __name__ == "__mp_main__":  # imported by a process torch starts from this one: the background checkpoint
     quiet_helper_process()  # writer of --async_checkpoint (utils/checkpoint/manager.py)
@@ -202,23 +197,25 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     if precision.fallback:
         get_logger().info("%s", precision.fallback)
     precision.set_matmul_precision()
+    # How the model is spread over the ranks (FSDP1, the tutorial's; FSDP2; or one rank unwrapped): chosen
+    # once; loading, the step, generation and the checkpoints ask it (utils/fsdp/parallelism.py).
+    parallelism = parallelism_for(config.fsdp, info.world_size)
 
-    # The model's config, checked (a model this package cannot train stops the run here), and its task
-    # (utils/task.py): what this kind of model trains on and is scored by. It chooses the Dataset here; the
-    # step, the trainer, evaluation and the FLOP count ask it from here on.
+    # The model's config, checked (a model this package cannot train stops the run here), and its spec
+    # (utils/spec.py): what this kind of model trains on and is scored by. Its Dataset is read here; the
+    # tokenizer, the model, the step, the trainer, evaluation, the FLOP count and the export ask it from here on.
     evaluating = evaluation.evaluate_only
-    checked_config = loading.run_model_config(train.model_name, evaluating=evaluating)
-    task = task_for(checked_config, train.model_name)
-    task.check_data(config.data, checked_config)  # what only some models read (--packing: a decoder-only one)
-    # Datasets and loaders (the task's Dataset and collate; the tutorial's, summarization_dataset.py): the data
+    checked_config, spec = loading.run_model_config(train.model_name, evaluating=evaluating)
+    spec.check_data(config.data, checked_config)  # what only some models read (--packing: a decoder-only one)
+    # Datasets and loaders (the spec's Dataset and collate; the tutorial's, summarization_dataset.py): the data
     # is read and checked before the model loads, so a data error costs seconds, not the minutes of loading a
     # large model.
     # A node that builds its data cache (utils/data/shared_cache.py) is waited for by its progress, not
     # --dist_timeout_s: the other nodes may have theirs already.
-    tokenizer = loading.load_tokenizer(train.model_name, evaluating=evaluating, config=checked_config)
+    tokenizer = loading.load_tokenizer(train.model_name, evaluating=evaluating, config=checked_config, spec=spec)
     with progress_bounded("data loading"):
         loaders = build_loaders(
-            tokenizer=tokenizer, data_format=DATA_FORMATS[type(task)], data=config.data, train=train,
+            tokenizer=tokenizer, data_format=spec.data_format, data=config.data, train=train,
             evaluation=evaluation, info=info,
         )  # fmt: skip
     log_evaluation_plan(config, loaders)
@@ -227,20 +224,21 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     # later, or where a checkpoint does), the weights of a .pt, and LoRA adapters. Where rank 0 alone reads
     # them, the others wait for as long as it makes progress, not --dist_timeout_s.
     with progress_bounded("model loading"):
-        loaded = build_model(config, info, start, tokenizer)
+        loaded = build_model(config, info, start, tokenizer, parallelism, spec)
     log_layer_classes_of_accelerate(loaded.model)
     model_config = loaded.model.config
     # Checkpoints and hf_model/ carry how to summarise with this model (scripts/summarize.py reads it).
     model_config.task_specific_params = {
         **(getattr(model_config, "task_specific_params", None) or {}),
-        task.params_key: task.saved_params(config.data, evaluation, loaders.cleaning),
+        spec.params_key: spec.saved_params(config.data, evaluation, loaders.cleaning),
     }
 
     # FSDP: FullyShardedDataParallel (--fsdp_version 1, the tutorial's) or fully_shard (2).
-    model = shard_model(
-        loaded.model, config.fsdp, precision, info.device, loaded.weights_source, restores=start.is_checkpoint
-    )
-    log_fsdp_layout(model, precision)
+    model = parallelism.wrap(
+        loaded.model, precision=precision, device=info.device, weights_source=loaded.weights_source,
+        restores=start.is_checkpoint,
+    )  # fmt: skip
+    parallelism.describe(model, precision)
 
     # AdamW and the LR scheduler, built after sharding: the optimizer must hold FSDP's sharded parameters.
     # fp16 needs a gradient scaler; the sharded one agrees on inf/NaN across ranks, so all skip the same steps.
@@ -258,13 +256,14 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
     base_model = lora.adapter_base(train.model_name)
     checkpoints = CheckpointManager(
         checkpointing=config.checkpointing, fsdp=config.fsdp, output_dir=train.output_dir, model=model,
-        optimizer=optimizer, scheduler=scheduler, scaler=scaler, model_config=model_config, tokenizer=tokenizer,
-        info=info, lora=config.lora, base_model=base_model, inputs=inputs,
+        parallelism=parallelism, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        model_config=model_config, tokenizer=tokenizer, info=info, lora=config.lora, base_model=base_model,
+        inputs=inputs, spec=spec,
     )  # fmt: skip
     with StopRequest() as stop, checkpoints:
         # A GEMM probe on CPU: before the load. --evaluate_only trains nothing, so it has no MFU to say.
         throughput = (
-            None if evaluation.evaluate_only else build_throughput(task, model_config, config, info, precision)
+            None if evaluation.evaluate_only else build_throughput(spec, model_config, config, info, precision)
         )
         progress = checkpoints.load(start)
         memory_baseline = loaded.memory_baseline()  # loading measured until sharded and restored
@@ -272,24 +271,24 @@ def fsdp_main(config: RunConfig, info: process_group.DistInfo, from_accelerate: 
 
         if evaluation.evaluate_only:
             evaluate_saved_model(
-                model=model, eval_set=loaders.evaluation, task=task, config=config, info=info, progress=progress,
-                start=start, compute_dtype=precision.compute_dtype,
+                model=model, parallelism=parallelism, eval_set=loaders.evaluation, spec=spec, config=config,
+                info=info, progress=progress, start=start, compute_dtype=precision.compute_dtype,
             )  # fmt: skip
         else:
             evaluator = None
             if loaders.evaluation is not None:
-                generate_kwargs = task.generation_kwargs(evaluation, config.data.max_target_length)
+                generate_kwargs = spec.generation_kwargs(evaluation, config.data.max_target_length)
                 predictions_file = functools.partial(layout.predictions_file, train.output_dir)
                 evaluator = Evaluator(
-                    eval_set=loaders.evaluation, task=task, generation=generate_kwargs,
+                    eval_set=loaders.evaluation, parallelism=parallelism, spec=spec, generation=generate_kwargs,
                     metric=evaluation.eval_metric, predictions_file=predictions_file, info=info,
                     gather_for_generation=evaluation.gather_for_generation, compute_dtype=precision.compute_dtype,
                 )  # fmt: skip
             trainer = Trainer(
-                model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loaders=loaders,
-                checkpoints=checkpoints, evaluator=evaluator, info=info, train=train, recipe=recipe,
-                evaluation=evaluation, observe=config.observe, throughput=throughput,
-                memory_baseline=memory_baseline, task=task,
+                model=model, parallelism=parallelism, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                loaders=loaders, checkpoints=checkpoints, evaluator=evaluator, info=info, train=train,
+                recipe=recipe, evaluation=evaluation, observe=config.observe, throughput=throughput,
+                memory_baseline=memory_baseline, spec=spec,
             )  # fmt: skip
             if start.is_checkpoint and trainer.done(progress):
                 trainer.finish_finished_run(progress)  # a resume of a finished run changes nothing
@@ -349,15 +348,20 @@ def log_layer_classes_of_accelerate(model: torch.nn.Module) -> None:
 
 
 def build_model(
-    config: RunConfig, info: process_group.DistInfo, start: StartPoint, tokenizer
+    config: RunConfig,
+    info: process_group.DistInfo,
+    start: StartPoint,
+    tokenizer,
+    parallelism: Parallelism,
+    spec: ModelSpec,
 ) -> loading.LoadedModel:
     """The unwrapped model: pretrained (or a skeleton for rank-0-only loading), with the weights a .pt or a
     full checkpoint brings, and LoRA adapters. A LoRA run's own .pt (adapters included) is loaded after the
     adapters are added."""
-    train, lora_config, fsdp = config.train, config.lora, config.fsdp
+    train, lora_config = config.train, config.lora
     uses_lora = lora_config.peft == "lora"
     restores = start.is_checkpoint
-    on_meta = loading.builds_on_meta(fsdp.cpu_ram_efficient_loading, fsdp.fsdp_version, info.is_main, restores)
+    on_meta = parallelism.builds_on_meta(info.is_main, restores)
     weights_file = start.weights_file
     adapter_weights = weights_file if uses_lora and weights_file and lora.holds_adapters(weights_file) else None
     plain_pt = weights_file and not adapter_weights  # a plain model's .pt file
@@ -374,7 +378,7 @@ def build_model(
             f"--model_name {train.model_name} is a LoRA adapter to evaluate, and --resume names weights too "
             f"({start.path}): give one. --resume false scores the adapter merged into its base."
         )
-    if evaluated_adapter and fsdp.cpu_ram_efficient_loading and fsdp.fsdp_version == 1:
+    if evaluated_adapter and parallelism.fills_units_from_files:
         raise ConfigError(
             f"--model_name {train.model_name} is a LoRA adapter, merged into its base in memory; FSDP1's "
             "rank-0-only loading fills each unit from the model's files instead. Add --cpu_ram_efficient_loading "
@@ -382,10 +386,10 @@ def build_model(
         )
     loaded = loading.load_model_for_run(
         train.model_name, on_meta, weights, overrides, tokenizer, evaluating=config.evaluation.evaluate_only,
-        rank0_fills=fsdp.cpu_ram_efficient_loading and fsdp.fsdp_version == 1 and not restores,
+        rank0_fills=parallelism.fills_units_from_files and not restores,
     )  # fmt: skip
     if uses_lora:
-        loaded.model = lora.apply_lora(loaded.model, lora_config, lora.adapter_base(train.model_name))
+        loaded.model = lora.apply_lora(loaded.model, lora_config, lora.adapter_base(train.model_name), spec)
         trainable, total = lora.trainable_share(loaded.model)
         targets = ",".join(lora.target_modules(lora_config, loaded.model))
         get_logger().info(
@@ -399,13 +403,13 @@ def build_model(
 
 
 def build_throughput(
-    task: Task, model_config, config: RunConfig, info: process_group.DistInfo, precision: Precision
+    spec: ModelSpec, model_config, config: RunConfig, info: process_group.DistInfo, precision: Precision
 ) -> flops.Throughput:
     """How steps are counted in FLOPs and rated against the device's peak in the compute dtype. Collective."""
     peak, source = flops.device_peak_flops(
         info.device, precision.compute_dtype, config.observe.peak_tflops, tf32=precision.tf32
     )
-    counter = task.flop_counter(model_config, frozen_weights=config.lora.peft == "lora")
+    counter = spec.flop_counter(model_config, frozen_weights=config.lora.peft == "lora")
     if counter is None:
         get_logger().warning(
             "no MFU: the FLOPs of a %s model are not counted here (docs/models.md)", model_config.model_type
@@ -420,8 +424,9 @@ def build_throughput(
 def evaluate_saved_model(
     *,
     model,
+    parallelism: Parallelism,
     eval_set,
-    task: Task,
+    spec: ModelSpec,
     config: RunConfig,
     info: process_group.DistInfo,
     progress,
@@ -434,7 +439,7 @@ def evaluate_saved_model(
     Its eval record (appended to output_dir/evaluate_only/metrics.jsonl, naming the model evaluated) and its
     predictions (a file per evaluation) go apart from what training wrote, which stays as it was."""
     train, evaluation = config.train, config.evaluation
-    generate_kwargs = task.generation_kwargs(evaluation, config.data.max_target_length)
+    generate_kwargs = spec.generation_kwargs(evaluation, config.data.max_target_length)
     stamp = layout.time_stamp()
 
     def predictions_file(split: str, step: int) -> str:
@@ -442,9 +447,9 @@ def evaluate_saved_model(
 
     with forward_warnings_ignored():
         evaluator = Evaluator(
-            eval_set=eval_set, task=task, generation=generate_kwargs, metric=evaluation.eval_metric,
-            predictions_file=predictions_file, info=info, gather_for_generation=evaluation.gather_for_generation,
-            compute_dtype=compute_dtype,
+            eval_set=eval_set, parallelism=parallelism, spec=spec, generation=generate_kwargs,
+            metric=evaluation.eval_metric, predictions_file=predictions_file, info=info,
+            gather_for_generation=evaluation.gather_for_generation, compute_dtype=compute_dtype,
         )  # fmt: skip
         scores = evaluator.evaluate(model, progress.epoch - 1, progress.global_step)
     path = os.path.join(train.output_dir, layout.EVALUATE_ONLY_DIR, layout.METRICS_FILE)

@@ -22,10 +22,9 @@ from torch.nn.utils.rnn import pad_sequence
 
 from configs.data import DataConfig
 from summarization_dataset import SummarizationDataset
-from utils.data.cache import KNOWN_ROLES, SplitRows
-from utils.data.loaders import DataFormat
+from utils.data.cache import CAUSAL_ENCODING, KNOWN_ROLES, SplitRows
+from utils.data.loaders import IGNORED, DataFormat
 from utils.log import get_logger
-from utils.task import IGNORED
 
 
 class CausalLMDataset(SummarizationDataset):
@@ -35,7 +34,7 @@ class CausalLMDataset(SummarizationDataset):
     prompt_ids (the prompt alone: generation's input). With --pad_to_max_length each sequence is padded to
     input_length + output_length. The rows, the texts and the lengths read as SummarizationDataset's."""
 
-    encoding = "causal"  # prompt and completion tokenised as one sequence (utils/data/cache.py: ENCODINGS)
+    encoding = CAUSAL_ENCODING  # prompt and completion tokenised as one sequence (utils/data/cache.py)
 
     @property
     def completion_only_loss(self) -> bool:
@@ -133,6 +132,8 @@ class PackedCausalDataset(CausalLMDataset):
     row's continuation: each row's losses are those it has alone. The rest of a block is padding (collate).
     wrapped: every row's tokens one after the other, cut into full blocks, the last part dropped, attention
     and prediction across rows (the Llama 2 guide's packing: its ConstantLengthDataset)."""
+
+    packed = True  # its items are blocks of rows (packing_note says what was made of them)
 
     def __init__(
         self,

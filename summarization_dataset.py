@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
 from configs.data import DataConfig
-from utils.data.cache import CLEANINGS, SplitRows, split_rows, unknown_token_counts
+from utils.data.cache import CLEANINGS, SEQ2SEQ_ENCODING, SplitRows, split_rows, unknown_token_counts
 from utils.data.loaders import DataFormat
 from utils.log import get_logger
 
@@ -37,7 +37,8 @@ class SummarizationDataset(Dataset):
     same split and lengths), where the caller has them: the package's loaders do.
     """
 
-    encoding = "seq2seq"  # how the cache tokenises its rows (utils/data/cache.py: ENCODINGS)
+    encoding = SEQ2SEQ_ENCODING  # how the cache tokenises its rows (utils/data/cache.py)
+    packed = False  # an item is a row (a decoder-only model's may be blocks of rows: causal_lm_dataset.py)
 
     @staticmethod
     def lengths(data: DataConfig) -> tuple[int, int]:
@@ -65,8 +66,8 @@ class SummarizationDataset(Dataset):
             )
         elif (rows.split, rows.lengths, rows.encoding) != (type_path, lengths, self.encoding):
             raise ValueError(
-                f"rows of split {rows.split!r} tokenised to {rows.lengths} ({rows.encoding}) handed to a Dataset "
-                f"of split {type_path!r}, lengths {lengths} ({self.encoding})"
+                f"rows of split {rows.split!r} tokenised to {rows.lengths} ({rows.encoding.name}) handed to a "
+                f"Dataset of split {type_path!r}, lengths {lengths} ({self.encoding.name})"
             )
         self.split = type_path
         self.split_rows = rows.split_rows  # the whole split's, before num_samples

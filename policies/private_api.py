@@ -195,16 +195,13 @@ def fsdp1_unsharded_numel(model: nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def fsdp2_units_kept_unsharded(model: nn.Module):
-    """Inside: FSDP2's units keep their parameters gathered after a forward, so later forwards gather nothing;
-    at the end each unit gets its setting back and reshards. Public replacement: `set_reshard_after_forward`
-    (which this calls), were there a way to read the setting it replaces."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+def fsdp2_units_kept_unsharded(units: list[nn.Module]):
+    """Inside: FSDP2's `units` (the root first) keep their parameters gathered after a forward, so later
+    forwards gather nothing; at the end each unit gets its setting back and reshards. Public replacement:
+    `set_reshard_after_forward` (which this calls), were there a way to read the setting it replaces."""
     groups = [group for unit in units for group in fsdp2_param_groups(unit)]
     settings = [group.post_forward_mesh_info for group in groups]
-    model.set_reshard_after_forward(False, recurse=True)
+    units[0].set_reshard_after_forward(False, recurse=True)
     try:
         yield
     finally:

@@ -266,14 +266,14 @@ def fixed_shape_rates(result: dict, model_dir: str, args, peak_tflops: float | N
     MFU without a peak."""
     from transformers import AutoConfig
 
-    from utils.task import task_for
+    from utils.spec import spec_for
 
     batch = {
         "source_mask": torch.ones(args.batch_size, args.max_source_length),
         "target_mask": torch.ones(args.batch_size, args.max_target_length),
     }
     config = AutoConfig.from_pretrained(model_dir)
-    counter = task_for(config).flop_counter(config, frozen_weights=False)
+    counter = spec_for(config).flop_counter(config, frozen_weights=False)
     flops = counter.training(batch, recompute=False)[0].item()
     seconds = result["step_seconds"]
     tokens = args.batch_size * (args.max_source_length + args.max_target_length)

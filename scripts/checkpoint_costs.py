@@ -16,6 +16,12 @@ in the run; `writer` launches this script's own worker:
   time of the two steps after each save over two of that run's median step. Cases: no checkpoints;
   synchronous SHARDED_STATE_DICT saves; --async_checkpoint true. FSDP2 (or --fsdp_version). `--nproc 1` leaves
   a core of this 2-core machine to the background writer, as a GPU node does; with 2 ranks every core trains.
+  Whether the machine left that core free is read at each step's arrival: its busy and idle time (/proc/stat),
+  the CPU of the run's own processes (this watcher, torchrun, the ranks, DCP's writer processes) and the time
+  rank 0's main thread has waited to run (its schedstat). A case during whose steps other processes took more
+  than 0.2 of a core (FREE_CORE_MARGIN) had no core free for the writer: its figures then measure the
+  machine's other load as much as the background save. --repeats runs the cases in turn (A B C A B C), so a
+  load that drifts falls on each alike.
 - `resume`: each rank's peak resident memory (the highest VmHWM read from /proc: the run resets VmHWM at
   each epoch's start, --track_memory, so the last reading would leave the load phase out) until rank 0 logs
   "training steps ..." (the load phase: data, model, sharding, the restore) and over the whole run, for a
@@ -43,6 +49,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,6 +62,17 @@ COMMON = ["--mixed_precision", "false", "--run_validation", "false", "--eval_rou
           "--max_source_length", "128", "--max_target_length", "32", "--batch_size_training", str(BATCH),
           "--log_every_n_steps", "1"]  # fmt: skip
 TRAINING_STARTS = re.compile(r"INFO training steps \d+-\d+")  # the load phase is over
+FREE_CORE_MARGIN = 0.2  # cores other processes may take before --nproc 1's spare core is no longer spare
+
+
+class Load(NamedTuple):
+    """CPU seconds since boot at one moment: the machine's busy and idle time (all cores), that of the watched
+    run's processes, and the time rank 0's main thread has waited to run (runnable, not running)."""
+
+    busy_s: float
+    idle_s: float
+    run_s: float
+    rank0_waited_s: float
 
 
 def launch(repo: Path, args: list[str], log: Path, nproc: int) -> subprocess.Popen:
@@ -65,15 +83,62 @@ def launch(repo: Path, args: list[str], log: Path, nproc: int) -> subprocess.Pop
                             text=True, errors="replace", bufsize=1)  # fmt: skip
 
 
-def workers(agent: int) -> list[int]:
-    """The agent's children (the ranks)."""
+def children(pid: int) -> list[int]:
+    """The process's children, those of all its threads (the agent's are the ranks)."""
     found = []
-    for task in Path(f"/proc/{agent}/task").glob("*"):
+    for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            found += [int(pid) for pid in (task / "children").read_text().split()]
+            found += [int(child) for child in (task / "children").read_text().split()]
         except OSError:
             pass
     return sorted(found)
+
+
+def rank_zero(ranks: list[int]) -> int | None:
+    """Which of the ranks' processes is rank 0, from the RANK torchrun sets in each one's environment."""
+    for pid in ranks:
+        try:
+            if b"\0RANK=0\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():
+                return pid
+        except OSError:
+            pass
+    return None
+
+
+def machine_ticks() -> tuple[int, int]:
+    """The machine's busy and idle time since boot, all cores together, in clock ticks (/proc/stat). A core
+    another guest holds (steal) counts as busy, one waiting for the disk (iowait) as idle."""
+    first_line = Path("/proc/stat").read_text().split("\n", 1)[0]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(field) for field in first_line.split()[1:9])
+    return user + nice + system + irq + softirq + steal, idle + iowait
+
+
+def process_tree_ticks(root: int) -> int:
+    """CPU time of `root` and every process under it, in clock ticks: each one's own (utime, stime) and that of
+    its children already reaped (cutime, cstime), so a process that ends still counts, once."""
+    total, pending = 0, [root]
+    while pending:
+        pid = pending.pop()
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended since its parent listed it
+        total += sum(int(field) for field in fields[11:15])
+        pending += children(pid)
+    return total
+
+
+def waited_to_run_s(pid: int) -> float:
+    """Seconds the process's main thread has spent runnable but not running (its schedstat's second field)."""
+    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9
+
+
+def load_now(rank0: int) -> Load:
+    """The machine's CPU time, that of this watcher and everything under it (torchrun, the ranks, DCP's writer
+    processes: the run, with the watcher counted once), and rank 0's wait to run."""
+    tick = os.sysconf("SC_CLK_TCK")
+    busy, idle = machine_ticks()
+    return Load(busy / tick, idle / tick, process_tree_ticks(os.getpid()) / tick, waited_to_run_s(rank0))
 
 
 def peak_rss(pid: int) -> int | None:
@@ -90,9 +155,10 @@ def peak_rss(pid: int) -> int | None:
 def run_and_watch(
     repo: Path, args: list[str], log: Path, nproc: int, poll_s: float, metrics: Path | None = None
 ) -> dict:
-    """One run: every step record's arrival time (with `metrics`), each rank's highest VmHWM reading until
-    training starts (rank 0 logs "training steps ...") and over the whole run, read every `poll_s` seconds (the
-    run resets VmHWM at each epoch's start: the last reading would miss the load phase)."""
+    """One run: every step record's arrival time and the machine's load then (with `metrics`), each rank's
+    highest VmHWM reading until training starts (rank 0 logs "training steps ...") and over the whole run, read
+    every `poll_s` seconds (the run resets VmHWM at each epoch's start: the last reading would miss the load
+    phase)."""
     process = launch(repo, args, log, nproc)
     lines: list[str] = []
     training_seen = threading.Event()
@@ -106,14 +172,18 @@ def run_and_watch(
     reader = threading.Thread(target=read_output, daemon=True)
     reader.start()
     arrivals: dict[int, float] = {}
+    loads: dict[int, Load] = {}  # at each step's arrival
     unread = b""  # metrics.jsonl's last line, until it is complete
     load_peaks: dict[int, int] = {}
     run_peaks: dict[int, int] = {}
     pids: list[int] = []
+    rank0 = None
     with contextlib.ExitStack() as files:
         records = None  # metrics.jsonl, read from where the last poll stopped
         while process.poll() is None:
-            pids = pids if len(pids) == nproc else workers(process.pid)
+            pids = pids if len(pids) == nproc else children(process.pid)
+            if rank0 is None and len(pids) == nproc:
+                rank0 = rank_zero(pids)
             for pid in pids:
                 peak = peak_rss(pid)
                 if peak is not None:
@@ -125,10 +195,11 @@ def run_and_watch(
             if records is not None:
                 complete, _, unread = (unread + records.read()).rpartition(b"\n")
                 now = time.perf_counter()
-                for line in complete.decode().splitlines():
-                    record = json.loads(line)
-                    if record.get("type") == "step":
-                        arrivals.setdefault(record["step"], now)
+                read = [json.loads(line) for line in complete.decode().splitlines()]
+                arrived = [r["step"] for r in read if r.get("type") == "step" and r["step"] not in arrivals]
+                load = load_now(rank0) if arrived else None
+                for step in arrived:
+                    arrivals[step], loads[step] = now, load
             time.sleep(poll_s)
     reader.join(10)
     log.write_text("".join(lines))
@@ -136,6 +207,7 @@ def run_and_watch(
         raise SystemExit(f"run failed (exit {process.returncode}): see {log}")
     return {
         "arrivals": arrivals,
+        "loads": loads,
         "load_peaks": [load_peaks.get(pid) for pid in pids],
         "run_peaks": [run_peaks.get(pid) for pid in pids],
     }
@@ -183,19 +255,20 @@ def writer_worker(args) -> None:
     from policies.mixed_precision import Precision
     from utils.checkpoint.integrity import RecordingWriter
     from utils.checkpoint.state_dicts import model_and_optimizer_state, tensor_only_optimizer_state
-    from utils.fsdp.shard import shard_model
+    from utils.fsdp.parallelism import parallelism_for
     from utils.model.loading import load_model
 
     dist.init_process_group("gloo")
     version, kind, shared = WRITERS[args.case]
     cpu = torch.device("cpu")
     config = FSDPConfig(fsdp_version=version, mixed_precision=False, fsdp_activation_checkpointing=False)
-    model = shard_model(load_model(args.model), config, Precision("fp32_policy"), cpu)
+    parallelism = parallelism_for(config, dist.get_world_size())
+    model = parallelism.wrap(load_model(args.model), precision=Precision("fp32_policy"), device=cpu)
     optimizer = torch.optim.AdamW(model.parameters())
     ids = torch.randint(2, 1000, (2, 16))
     model(input_ids=ids, labels=ids[:, :8].clone()).loss.backward()
     optimizer.step()
-    model_state, optim_state = model_and_optimizer_state(model, optimizer, False, cpu)
+    model_state, optim_state = model_and_optimizer_state(model, optimizer, False, cpu, parallelism)
     payload = {"model": model_state, "optim": tensor_only_optimizer_state(optim_state)}
     group = dist.new_group(backend="gloo")
     stager = DefaultStager(StagingOptions(False, True, False, False)) if shared else BlockingAsyncStager()
@@ -243,9 +316,8 @@ def _children_cpu() -> float:
 def stall(args, work: Path) -> list[dict]:
     model = str(work / "model")
     make(args.model, model)
-    steps = args.steps
     base = ["--model_name", model, "--fsdp_version", str(args.fsdp_version or 2), "--epochs", "1",
-            "--num_train_samples", str(steps * BATCH * args.nproc), *COMMON]  # fmt: skip
+            "--num_train_samples", str(args.steps * BATCH * args.nproc), *COMMON]  # fmt: skip
     saving = ["--checkpoint_type", "SHARDED_STATE_DICT", "--save_every_n_steps", str(args.save_every),
               "--keep_last_n", "2"]  # fmt: skip
     cases = {
@@ -253,38 +325,64 @@ def stall(args, work: Path) -> list[dict]:
         "synchronous saves": saving,
         "--async_checkpoint true": [*saving, "--async_checkpoint", "true"],
     }
-    first = args.save_every  # from the step of the first save: the writer process's start is left out
+    chosen = {
+        case: flags for case, flags in cases.items()
+        if not args.cases or case in args.cases or case == "no checkpoints"
+    }  # fmt: skip
     results = []
-    for case, case_args in cases.items():
-        if args.cases and case not in args.cases and case != "no checkpoints":
-            continue
-        out = work / f"stall{len(results)}"
-        watched = run_and_watch(args.repo, [*base, *case_args, "--output_dir", str(out)], work / f"{out.name}.log",
-                                args.nproc, args.poll_s, out / "metrics.jsonl")  # fmt: skip
-        arrivals = watched["arrivals"]
-        shutil.rmtree(out)
-        gaps = [arrivals[step + 1] - arrivals[step] for step in range(first, steps)]
-        saves = len([step for step in range(first, steps) if step % args.save_every == 0]) if saving else 0
-        all_gaps = {step: arrivals[step] - arrivals[step - 1] for step in range(2, steps + 1)}
-        save_steps = [step for step in range(first, steps) if step % args.save_every == 0]
-        after = {step + k for step in save_steps for k in (1, 2)}
-        usual = statistics.median(gap for step, gap in all_gaps.items() if step > 2 and step not in after)
-        results.append({
-            "case": case,
-            "wall_s": arrivals[steps] - arrivals[first],
-            "median_gap_s": statistics.median(gaps),
-            "saves": saves if case != "no checkpoints" else 0,
-            "two_steps_after_a_save_s": statistics.mean(
-                all_gaps[step + 1] + all_gaps.get(step + 2, usual) - 2 * usual for step in save_steps
-            ),
-            "gaps": all_gaps,
-        })  # fmt: skip
-        print(f"{case}: {results[-1]['wall_s']:.2f} s from step {first} to {steps}", flush=True)
-    plain = results[0]["wall_s"]
+    # The cases in turn, A B C A B C: a load that drifts over the hour falls on each alike
+    for round_ in range(1, args.repeats + 1):
+        for case, case_args in chosen.items():
+            out = work / f"stall{len(results)}"
+            watched = run_and_watch(
+                args.repo, [*base, *case_args, "--output_dir", str(out)], work / f"{out.name}.log", args.nproc,
+                args.poll_s, metrics=out / "metrics.jsonl",
+            )  # fmt: skip
+            shutil.rmtree(out)
+            result = {"case": case, "round": round_, **stall_figures(case, watched, args)}
+            results.append(result)
+            print(f"{case}, round {round_}: {result['wall_s']:.2f} s from step {args.save_every} to {args.steps}; "
+                  f"cores: the run's {result['run_cores']:.2f}, others' {result['others_cores']:.2f}, idle "
+                  f"{result['idle_cores']:.2f}; rank 0 waited to run {seconds(result['rank0_waited_s'])} s in "
+                  "the two steps after each save", flush=True)  # fmt: skip
     for result in results:
-        result["lost_s"] = result["wall_s"] - plain
+        plain = next(r for r in results if r["round"] == result["round"] and r["case"] == "no checkpoints")
+        result["lost_s"] = result["wall_s"] - plain["wall_s"]
         result["lost_per_save_s"] = result["lost_s"] / result["saves"] if result["saves"] else 0.0
     return results
+
+
+def stall_figures(case: str, watched: dict, args) -> dict:
+    """One run's figures, from the step of the first save (the writer process's start is left out) to the last:
+    its time and step gaps, the two steps after each save over two of its usual ones, and meanwhile the cores
+    it took, those other processes took and those left idle, and rank 0's wait to run after each save."""
+    arrivals, loads, first, steps = watched["arrivals"], watched["loads"], args.save_every, args.steps
+    gaps = [arrivals[step + 1] - arrivals[step] for step in range(first, steps)]
+    all_gaps = {step: arrivals[step] - arrivals[step - 1] for step in range(2, steps + 1)}
+    save_steps = [step for step in range(first, steps) if step % args.save_every == 0]
+    after = {step + k for step in save_steps for k in (1, 2)}
+    usual = statistics.median(gap for step, gap in all_gaps.items() if step > 2 and step not in after)
+    wall = arrivals[steps] - arrivals[first]
+    start, end = loads[first], loads[steps]
+    run_cores = (end.run_s - start.run_s) / wall
+    others_cores = (end.busy_s - start.busy_s) / wall - run_cores
+    return {
+        "wall_s": wall,
+        "median_gap_s": statistics.median(gaps),
+        "saves": 0 if case == "no checkpoints" else len(save_steps),
+        "two_steps_after_a_save_s": statistics.mean(
+            all_gaps[step + 1] + all_gaps.get(step + 2, usual) - 2 * usual for step in save_steps
+        ),
+        "gaps": all_gaps,
+        "run_cores": run_cores,
+        "others_cores": others_cores,
+        "idle_cores": (end.idle_s - start.idle_s) / wall,
+        "rank0_waited_s": [
+            loads[min(step + 2, steps)].rank0_waited_s - loads[step].rank0_waited_s for step in save_steps
+        ],
+        # --nproc 1's premise: the background writer has a core of its own; with 2 ranks every core trains
+        "core_free_for_writer": others_cores <= FREE_CORE_MARGIN if args.nproc == 1 else None,
+    }
 
 
 def resume(args, work: Path) -> list[dict]:
@@ -322,17 +420,36 @@ def resume(args, work: Path) -> list[dict]:
 
 
 def stall_markdown(results: list[dict], args) -> str:
+    def case(r: dict) -> str:
+        return r["case"] if args.repeats == 1 else f"{r['case']}, round {r['round']}"
+
+    free = {True: "yes", False: "no", None: "-"}
     rows = [
-        f"| {r['case']} | {r['wall_s']:.2f} | {r['median_gap_s']:.3f} | {r['saves']} | {r['lost_s']:.2f} "
-        f"| {r['lost_per_save_s']:.2f} | {r['two_steps_after_a_save_s']:.2f} |"
+        f"| {case(r)} | {r['wall_s']:.2f} | {r['median_gap_s']:.3f} | {r['saves']} | {r['lost_s']:.2f} "
+        f"| {r['lost_per_save_s']:.2f} | {r['two_steps_after_a_save_s']:.2f} | {r['others_cores']:.2f} "
+        f"| {r['idle_cores']:.2f} | {seconds(r['rank0_waited_s'])} | {free[r['core_free_for_writer']]} |"
         for r in results
     ]
     header = (
         f"| {args.model}, FSDP{args.fsdp_version or 2}, steps {args.save_every}-{args.steps} | wall (s) | median "
         "step gap (s) | saves | lost to saves (s) | lost per save (s) | two steps after a save, over the run's "
-        "usual (s) |"
+        "usual (s) | cores other processes took | idle cores | rank 0 waited to run, two steps after each save "
+        "(s) | a core free for the writer |"
     )
-    return markdown_table(header, rows)
+    crowded = [r for r in results if r["core_free_for_writer"] is False]
+    if not crowded:
+        return markdown_table(header, rows)
+    cases = "; ".join(f"{case(r)} ({r['others_cores']:.2f})" for r in crowded)
+    return markdown_table(header, rows) + (
+        f"\nNo core free for the writer: other processes took more than {FREE_CORE_MARGIN} of a core during the "
+        f"steps of {cases}. The background save's cost against a synchronous one is then not that of a spare "
+        "core (--nproc 1's premise): discard it, or run again when the machine is quieter.\n"
+    )
+
+
+def seconds(values: list[float]) -> str:
+    """Several durations in one cell: "0.12, 3.40"."""
+    return ", ".join(f"{value:.2f}" for value in values)
 
 
 def resume_markdown(results: list[dict], args) -> str:
@@ -378,6 +495,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="stall: steps of each run")
     parser.add_argument("--save_every", type=int, default=4, help="stall: a checkpoint every N steps")
     parser.add_argument("--cases", nargs="+", help="stall: only these cases (besides the run without checkpoints)")
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="stall: rounds of the cases, run in turn (A B C A B C); each round's losses are against its own run "
+        "without checkpoints",
+    )  # fmt: skip
     parser.add_argument(
         "--poll_s", type=float, default=0.02,
         help="stall, resume: seconds between two readings of the run (metrics.jsonl's new records, /proc). The "

@@ -160,7 +160,7 @@ class CausalShape:
         from policies.private_api import FakeTensorMode
         from policies.wrapping import layer_classes
         from utils.observe.memory import SavedTensorCounter
-        from utils.task import CAUSAL
+        from utils.spec import CAUSAL
 
         dtype = {4: torch.float32, 2: torch.bfloat16}[w.compute_bytes]  # fp16 keeps what bf16 does
         # transformers takes fake position ids for packed rows (it cannot read them) and builds a block mask:
@@ -209,14 +209,14 @@ def load_shape(model: str) -> "T5Shape | CausalShape":
     from transformers import AutoConfig
 
     from configs.errors import ConfigError
-    from utils.task import CAUSAL, task_for
+    from utils.spec import CAUSAL, spec_for
 
     loaded = AutoConfig.from_pretrained(model)
     try:
-        task = task_for(loaded, model)
+        spec = spec_for(loaded, model)
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
-    if task is not CAUSAL:
+    if spec is not CAUSAL:
         raise SystemExit(
             f"error: {model!r} is a {config['model_type']} model; this planner knows the T5 family's layers "
             f"({', '.join(PLANNED_FAMILIES)}) and decoder-only models. Measure it instead: a short run (--epochs "

@@ -10,7 +10,7 @@ shape (scripts/make_random_t5.py) in fp32 and shards it with FSDP1 or FSDP2.
 
 - Export memory: each rank resets its RSS high-water mark (Linux: `/proc/self/clear_refs`), runs the export
   and reports the high-water mark over the RSS just before it. The control is the export this package did
-  before it wrote from the shards: gather the full state dict onto rank 0 (`gather_full_state_dict`, which
+  before it wrote from the shards: gather the full state dict onto rank 0 (`Parallelism.full_state_dict`, which
   --save_model still uses), then `save_pretrained` from it on rank 0; for LoRA (adapter and merged model),
   it also rebuilt the PEFT model from the gathered dict to save and merge it.
 - Checkpoints: AdamW state for every parameter (one step on zero gradients), one save of each type, its
@@ -47,12 +47,12 @@ from utils import layout  # noqa: E402
 from utils.checkpoint.manager import CheckpointManager  # noqa: E402
 from utils.checkpoint.progress import TrainProgress  # noqa: E402
 from utils.checkpoint.start import StartPoint  # noqa: E402
-from utils.checkpoint.state_dicts import gather_full_state_dict  # noqa: E402
 from utils.distributed.process_group import DistInfo  # noqa: E402
 from utils.files import disk_bytes  # noqa: E402
-from utils.fsdp.shard import shard_model  # noqa: E402
+from utils.fsdp.parallelism import parallelism_for  # noqa: E402
 from utils.model.loading import load_full_model_weights  # noqa: E402
 from utils.model.lora import apply_lora  # noqa: E402
+from utils.spec import SEQ2SEQ  # noqa: E402
 
 CPU = torch.device("cpu")
 FP32 = Precision("fp32_policy")
@@ -91,9 +91,10 @@ def sharded_setup(rank: int, world_size: int, model_dir: str, version: int, lora
     lora_config = MERGED_LORA if lora else LoraConfig()
     if lora:
         torch.manual_seed(0)  # the same adapters on every rank
-        model = apply_lora(model, lora_config, model_dir)
+        model = apply_lora(model, lora_config, model_dir, SEQ2SEQ)
     fsdp = FSDPConfig(fsdp_version=version, mixed_precision=False, fsdp_activation_checkpointing=False)
-    model = shard_model(model, fsdp, FP32, CPU)
+    parallelism = parallelism_for(fsdp, dist.get_world_size())
+    model = parallelism.wrap(model, precision=FP32, device=CPU)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
 
@@ -105,10 +106,12 @@ def sharded_setup(rank: int, world_size: int, model_dir: str, version: int, lora
             fsdp=typed,
             output_dir=out,
             model=model,
+            parallelism=parallelism,
             optimizer=optimizer,
             scheduler=scheduler,
             scaler=None,
             model_config=model_config,
+            spec=SEQ2SEQ,
             tokenizer=tokenizer,
             info=info,
             lora=lora_config,
@@ -122,13 +125,13 @@ def previous_export(model, manager: CheckpointManager, lora: bool) -> None:
     """The export before it was written from the shards (this package until the change that added it): the
     full state dict gathered on rank 0, then save_pretrained there; with LoRA, a PEFT model built from it
     to write the adapter and merge."""
-    state = gather_full_state_dict(model, CPU)
+    state = manager.parallelism.full_state_dict(model, CPU)
     if not manager.info.is_main:
         return
     config = copy.deepcopy(manager.model_config)
     if lora:
         with torch.device("meta"):
-            peft_model = apply_lora(T5ForConditionalGeneration(config), MERGED_LORA, manager.base_model)
+            peft_model = apply_lora(T5ForConditionalGeneration(config), MERGED_LORA, manager.base_model, SEQ2SEQ)
         peft_model.to_empty(device="cpu")
         peft_model.load_state_dict(state, strict=True)
         peft_model.save_pretrained(os.path.join(manager.output_dir, layout.HF_ADAPTER_DIR))

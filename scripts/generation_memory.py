@@ -35,8 +35,8 @@ from tests.dist_harness import run_ranks  # noqa: E402
 from utils.data.loaders import build_eval_set, move_batch  # noqa: E402
 from utils.distributed.process_group import DistInfo  # noqa: E402
 from utils.eval.generation import generate  # noqa: E402
-from utils.fsdp.shard import shard_model  # noqa: E402
-from utils.task import SEQ2SEQ  # noqa: E402
+from utils.fsdp.parallelism import parallelism_for  # noqa: E402
+from utils.spec import SEQ2SEQ  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -59,13 +59,14 @@ def measure(rank: int, world_size: int, model_dir: str, articles: int) -> dict:
     plain = T5ForConditionalGeneration.from_pretrained(model_dir, use_cache=False)
     whole = sum(p.numel() * p.element_size() for p in plain.parameters())
     fsdp_config = FSDPConfig(mixed_precision=False, fsdp_activation_checkpointing=False)
-    model = shard_model(plain, fsdp_config, Precision("fp32_policy"), CPU).eval()
+    parallelism = parallelism_for(fsdp_config, world_size)
+    model = parallelism.wrap(plain, precision=Precision("fp32_policy"), device=CPU).eval()
     peak = [0]
     for block in (m for m in model.modules() if isinstance(m, T5Block)):
         block.register_forward_pre_hook(lambda *_: peak.__setitem__(0, max(peak[0], unsharded_bytes(model))))
     settings = SEQ2SEQ.generation_kwargs(evaluation, data.max_target_length)
     for batch in eval_set.loader:
-        generate(model, SEQ2SEQ.prompts(move_batch(batch, CPU)), settings)
+        generate(model, parallelism, SEQ2SEQ.prompts(move_batch(batch, CPU)), settings)
     return {"peak_unsharded_bytes": peak[0], "whole_model_bytes": whole}
 
 

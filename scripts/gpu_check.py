@@ -39,11 +39,12 @@ from policies.mixed_precision import Precision, resolve_precision  # noqa: E402
 from policies.private_api import TorchDispatchMode  # noqa: E402
 from utils.distributed import process_group  # noqa: E402
 from utils.eval.generation import gathered_for_generation, generate  # noqa: E402
-from utils.fsdp.shard import forward_warnings_ignored, shard_model  # noqa: E402
+from utils.fsdp.parallelism import FSDP2, parallelism_for  # noqa: E402
+from utils.fsdp.shard import forward_warnings_ignored  # noqa: E402
 from utils.log import ProgressLines  # noqa: E402
 from utils.model import t5_attention  # noqa: E402
 from utils.model.loading import load_model_config  # noqa: E402
-from utils.task import SEQ2SEQ  # noqa: E402
+from utils.spec import SEQ2SEQ  # noqa: E402
 from utils.train.step import GRAD_NORM, StepSettings, train_step, validate  # noqa: E402
 
 FP32 = Precision("fp32_policy")
@@ -63,16 +64,19 @@ def random_batch(config, device: torch.device, rows: int = 4, seed: int = 0, len
     return {key: value.to(device) for key, value in batch.items()}
 
 
+FSDP2_RUN = FSDP2(FSDPConfig(fsdp_version=2))  # what the FSDP2 checks' step and generation ask of the backend
+
+
 def fresh_model(
     model_name: str, fsdp: FSDPConfig, precision: Precision, device: torch.device, kernel: str = "sdpa"
 ):
     torch.manual_seed(0)
     # checked, the KV cache off, as a run loads it
-    config = load_model_config(model_name, dropout_rate=0.0, attn_implementation=kernel)
+    config, _ = load_model_config(model_name, dropout_rate=0.0, attn_implementation=kernel)
     model = AutoModelForSeq2SeqLM.from_config(config)
     if kernel == t5_attention.NAME:
         t5_attention.fuse_norms(model)  # as a run loads it
-    return shard_model(model, fsdp, precision, device), config
+    return parallelism_for(fsdp, dist.get_world_size()).wrap(model, precision=precision, device=device), config
 
 
 def check_backends(device: torch.device) -> tuple[str, str]:
@@ -103,10 +107,11 @@ def check_cpu_offload(model_name: str, device: torch.device) -> tuple[str, str]:
     fsdp = FSDPConfig(fsdp_version=2, fsdp_cpu_offload=True, mixed_precision=False)
     model, config = fresh_model(model_name, fsdp, FP32, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    settings = StepSettings(FSDP2_RUN, max_grad_norm=1.0, spec=SEQ2SEQ)
     norms = []
     for step in range(2):
         batch = random_batch(config, device, seed=step)
-        stats = train_step(model, batch, optimizer, None, dist.get_world_size(), StepSettings(max_grad_norm=1.0))
+        stats = train_step(model, batch, optimizer, None, dist.get_world_size(), settings)
         norms.append(float(stats[GRAD_NORM]) * dist.get_world_size())
     finite = all(torch.isfinite(torch.tensor(norms)))
     return ("ok" if finite else "FAILED"), f"gradient norms {', '.join(f'{n:.3g}' for n in norms)}"
@@ -131,7 +136,7 @@ def check_syncs(model_name: str, device: torch.device, kernel: str) -> tuple[str
     precision = resolve_precision(FSDPConfig(), device)
     model, config = fresh_model(model_name, FSDPConfig(fsdp_version=2), precision, device, kernel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    settings = StepSettings(max_grad_norm=1.0, skip_nonfinite=True)
+    settings = StepSettings(FSDP2_RUN, max_grad_norm=1.0, skip_nonfinite=True, spec=SEQ2SEQ)
     lengths = (64, 24)  # t5_flex runs FlexAttention from 16 tokens on
     train_step(model, random_batch(config, device, lengths=lengths), optimizer, None, dist.get_world_size(),
                settings)  # fmt: skip  # warm-up (and FlexAttention's compile)
@@ -147,7 +152,7 @@ def check_syncs(model_name: str, device: torch.device, kernel: str) -> tuple[str
             else:
                 progress = ProgressLines(3, "validation", "batch")
                 validate(model, validation, device=device, num_real_samples=12, progress=progress,
-                         stop_requested=lambda: False)  # fmt: skip
+                         stop_requested=lambda: False, spec=SEQ2SEQ)  # fmt: skip
         found[phase] = places
     if kernel == "sdpa":
         good = all(len(found[phase]) >= CONTROL_SYNCS[phase] for phase in found)
@@ -291,7 +296,8 @@ def check_sharded_save(model_name: str, device: torch.device, folder: str) -> tu
     fsdp = FSDPConfig(fsdp_version=2, mixed_precision=False)
     model, config = fresh_model(model_name, fsdp, FP32, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train_step(model, random_batch(config, device), optimizer, None, dist.get_world_size())
+    settings = StepSettings(FSDP2_RUN, spec=SEQ2SEQ)
+    train_step(model, random_batch(config, device), optimizer, None, dist.get_world_size(), settings)
     started = time.perf_counter()
     dcp.save(get_model_state_dict(model), checkpoint_id=folder)
     saved = time.perf_counter() - started
@@ -330,8 +336,8 @@ def check_generation(model_name: str, device: torch.device) -> tuple[str, str]:
         model, config = fresh_model(model_name, FSDPConfig(fsdp_version=2, mixed_precision=False), FP32, device)
         model.eval()
         settings = {"num_beams": 1, "max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
-        with AllGatherCount() as gathers, gathered_for_generation(model, keep):
-            ids = generate(model, SEQ2SEQ.prompts(random_batch(config, device)), settings)
+        with AllGatherCount() as gathers, gathered_for_generation(model, FSDP2_RUN, keep):
+            ids = generate(model, FSDP2_RUN, SEQ2SEQ.prompts(random_batch(config, device)), settings)
         found[keep] = (gathers.count, ids.tolist())
     same = found[False][1] == found[True][1]
     per_token, kept = found[False][0], found[True][0]

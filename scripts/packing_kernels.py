@@ -59,7 +59,7 @@ def documents_alone(model, packed, plain, blocks: list[int], pad_id: int, device
 
     from causal_lm_dataset import causal_collate
     from utils.data.loaders import move_batch
-    from utils.task import CAUSAL
+    from utils.spec import CAUSAL
 
     reference = copy.deepcopy(model).to(device)
     reference.config._attn_implementation = "eager"
@@ -82,7 +82,7 @@ def exactness(model, packed, blocks: list[int], expected: list, pad_id: int, dev
 
     from causal_lm_dataset import causal_collate
     from utils.data.loaders import move_batch
-    from utils.task import CAUSAL
+    from utils.spec import CAUSAL
 
     batch = move_batch(causal_collate([packed[b] for b in blocks], pad_id), device)
     with torch.no_grad():
@@ -101,7 +101,7 @@ def speed(model, items: list[dict], pad_id: int, steps: int, device) -> dict:
 
     from causal_lm_dataset import causal_collate
     from utils.data.loaders import move_batch
-    from utils.task import CAUSAL
+    from utils.spec import CAUSAL
 
     batch = move_batch(causal_collate(items, pad_id), device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)

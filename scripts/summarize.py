@@ -21,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from transformers import AutoModelForSeq2SeqLM  # noqa: E402
 
 from configs.data import DataConfig  # noqa: E402
 from configs.errors import UserError  # noqa: E402
@@ -30,6 +29,7 @@ from utils.data import sources  # noqa: E402
 from utils.data.cache import CLEANINGS  # noqa: E402
 from utils.log import get_logger, setup_logging  # noqa: E402
 from utils.model import loading  # noqa: E402
+from utils.spec import SEQ2SEQ, ModelSpec  # noqa: E402
 
 # What a model saved without a run's settings is read and generated with: training's defaults.
 TRAINING_DEFAULTS = DataConfig()
@@ -85,9 +85,9 @@ def source_cleaning(params: dict) -> str:
     return params.get("cleaning", "wikihow" if "max_source_length" in params else "plain")
 
 
-def summarize(model, tokenizer, articles: list[str], batch_size: int) -> list[str]:
-    """Summaries of `articles`, prepared and generated as the model's training run did."""
-    params = summarization_settings(model.config)
+def summarize(model, spec: ModelSpec, tokenizer, articles: list[str], batch_size: int) -> list[str]:
+    """Summaries of `articles`, prepared and generated as the model's (of `spec`) training run did."""
+    params = summarization_settings(model.config, spec)
     cleaning = source_cleaning(params)
     if cleaning not in CLEANINGS:
         raise UserError(f"the model's cleaning {cleaning!r} is unknown to this version: update the package")
@@ -128,20 +128,21 @@ def main(argv: list[str] | None = None) -> int:
             "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
         )
         if loading.adapter_base_of(args.model) is None:
-            if not loading.run_model_config(args.model).is_encoder_decoder:
+            config, spec = loading.run_model_config(args.model)
+            if spec is not SEQ2SEQ:
                 raise UserError(
                     f"{args.model} is a decoder-only model: this script summarises with encoder-decoders. "
                     "Generate with transformers' pipeline('text-generation', model=...) (docs/causal.md)"
                 )
-            tokenizer = loading.load_tokenizer(args.model)
+            tokenizer = loading.load_tokenizer(args.model, config=config, spec=spec)
             articles = read_articles(args.input, args.text_column)
-            model = AutoModelForSeq2SeqLM.from_pretrained(loading.resolved_name(args.model))
+            model = spec.model_class.from_pretrained(loading.resolved_name(args.model))
         else:  # a --peft lora run's adapter folder: its base with the adapter merged in
             articles = read_articles(args.input, args.text_column)
-            model, tokenizer, base = loading.load_adapter_model(args.model)
+            model, tokenizer, base, spec = loading.load_adapter_model(args.model)
             get_logger().info("%s is a LoRA adapter: merged into its base model %s", args.model, base)
         model = model.to(device).eval()
-        for summary in summarize(model, tokenizer, articles, args.batch_size):
+        for summary in summarize(model, spec, tokenizer, articles, args.batch_size):
             print(summary)
     except (UserError, OSError) as err:
         get_logger().error("%s", err)

@@ -46,12 +46,12 @@ from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.run_lock import check_writable, claimed_output_dir
 from utils.checkpoint.start import resolve_start
-from utils.checkpoint.state_dicts import gather_full_state_dict, save_full_model, sharded_model_state
-from utils.data.loaders import build_loader, move_batch
+from utils.checkpoint.state_dicts import save_full_model, sharded_model_state
+from utils.data.loaders import IGNORED, build_loader, move_batch
 from utils.data.samplers import PaddedEvalSampler
 from utils.distributed.process_group import DistInfo, StopAgreed, StopCheck
 from utils.distributed.progress_bounded import PeerFailed, PeerStalled, progress_bounded
-from utils.fsdp.shard import shard_model
+from utils.fsdp.parallelism import Parallelism, parallelism_for
 from utils.log import ProgressLines
 from utils.model import t5_attention
 from utils.model.loading import load_full_model_state, load_model, load_tokenizer
@@ -59,9 +59,9 @@ from utils.model.lora import apply_lora, transposed_layers
 from utils.model.rank0_loading import UnitMaterializer
 from utils.observe.flops import Seq2SeqFlops
 from utils.observe.memory import optim_state_numel_local
-from utils.task import CAUSAL, IGNORED, SEQ2SEQ, Task, task_for
+from utils.spec import CAUSAL, SEQ2SEQ, ModelSpec, spec_for
 from utils.train import step as step_module
-from utils.train.step import train_step, validate
+from utils.train.step import StepSettings, train_step, validate
 from utils.train.step_log import StepLog
 
 CPU = torch.device("cpu")
@@ -131,7 +131,7 @@ def packed_causal_batch(seed: int, rows: int = 3, length: int = 14, vocab: int =
     return {**batch, "position_ids": positions, "attention_mask": mask}
 
 
-BATCHES = {SEQ2SEQ: make_batch, CAUSAL: causal_batch}  # a task's random batches
+BATCHES = {SEQ2SEQ: make_batch, CAUSAL: causal_batch}  # a model spec's random batches
 
 
 def batch_seed(step: int, rank: int) -> int:
@@ -139,16 +139,16 @@ def batch_seed(step: int, rank: int) -> int:
 
 
 def global_batch(
-    step: int, world_size: int, vocab: int = VOCAB, task: Task = SEQ2SEQ, packed: bool = False
+    step: int, world_size: int, vocab: int = VOCAB, spec: ModelSpec = SEQ2SEQ, packed: bool = False
 ) -> dict:
     """What all ranks see at `step`, as one batch (the unsharded reference's input)."""
-    batches = packed_causal_batch if packed else BATCHES[task]
+    batches = packed_causal_batch if packed else BATCHES[spec]
     parts = [batches(batch_seed(step, rank), vocab=vocab) for rank in range(world_size)]
     return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
 
 def reference_run(
-    steps: int, world_size: int, model: nn.Module | None = None, vocab: int = VOCAB, task: Task = SEQ2SEQ,
+    steps: int, world_size: int, model: nn.Module | None = None, vocab: int = VOCAB, spec: ModelSpec = SEQ2SEQ,
     packed: bool = False,
 ) -> tuple[list[float], dict]:  # fmt: skip
     """Unsharded model (tiny_t5 unless given), no process group: token-mean loss over the global batch,
@@ -157,7 +157,7 @@ def reference_run(
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(steps):
-        token_losses, labels = task.token_losses(model, global_batch(step, world_size, vocab, task, packed))
+        token_losses, labels = spec.token_losses(model, global_batch(step, world_size, vocab, spec, packed))
         loss = token_losses.sum() / (labels != -100).sum()
         loss.backward()
         optimizer.step()
@@ -183,28 +183,28 @@ def fsdp_run(
     """
     efficient = config.cpu_ram_efficient_loading
     skeleton = efficient and (config.fsdp_version == 1 or rank != 0)
-    model = shard_model(tiny_t5(on_meta=skeleton), config, precision, CPU, weights_source=weights_file)
+    model, parallelism = sharded(tiny_t5(on_meta=skeleton), config, precision, weights_source=weights_file)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = train_wrapped(model, optimizer, rank, world_size, steps)
+    losses = train_wrapped(model, parallelism, optimizer, rank, world_size, steps)
     if export_folder:
         tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
         model_config = tiny_t5(on_meta=True).config
-        write_model_folder(
-            sharded_model_state(model), model_config, tokenizer, export_folder, EXPORT_FILE_BYTES, rank == 0
-        )
-    return losses, gather_full_state_dict(model, CPU)
+        state = sharded_model_state(model)
+        write_model_folder(state, model_config, SEQ2SEQ, tokenizer, export_folder, EXPORT_FILE_BYTES, rank == 0)
+    return losses, parallelism.full_state_dict(model, CPU)
 
 
 def train_wrapped(
-    model: nn.Module, optimizer, rank: int, world_size: int, steps: int, vocab: int = VOCAB, first: int = 0,
-    task: Task = SEQ2SEQ, packed: bool = False,
+    model: nn.Module, parallelism: Parallelism, optimizer, rank: int, world_size: int, steps: int,
+    vocab: int = VOCAB, first: int = 0,
+    spec: ModelSpec = SEQ2SEQ, packed: bool = False,
 ) -> list[float]:  # fmt: skip
     """Steps `first` to `steps` - 1 of train_step on this rank's batches (`packed`: a decoder-only model's
     packed blocks); the reported (global token-mean) loss of each."""
     records: list[dict] = []
     step_log = StepLog(every=steps, on_flush=records.extend)
-    settings = step_module.StepSettings(task=task)
-    batches = packed_causal_batch if packed else BATCHES[task]
+    settings = step_module.StepSettings(parallelism, spec=spec)
+    batches = packed_causal_batch if packed else BATCHES[spec]
     for step in range(first, steps):
         batch = batches(batch_seed(step, rank), vocab=vocab)
         stats = train_step(model, batch, optimizer, None, world_size, settings)
@@ -277,6 +277,12 @@ def _fsdp_config(overrides: dict) -> FSDPConfig:
     return dataclasses.replace(base, **overrides)
 
 
+def sharded(model: nn.Module, fsdp: FSDPConfig, precision: Precision, **options) -> tuple[nn.Module, Parallelism]:
+    """`model` spread over the CPU group as a run with `fsdp` spreads it, and that parallelism."""
+    parallelism = parallelism_for(fsdp, dist.get_world_size())
+    return parallelism.wrap(model, precision=precision, device=CPU, **options), parallelism
+
+
 def parity_worker(
     rank: int,
     world_size: int,
@@ -318,10 +324,10 @@ def t5_flex_worker(rank: int, world_size: int, steps: int) -> dict:
     for version in (1, 2):
         for kernel in ("sdpa", t5_attention.NAME):
             config = _fsdp_config({"fsdp_version": version, "fsdp_activation_checkpointing": True})
-            model = shard_model(tiny_t5(attn_implementation=kernel), config, FP32, CPU)
+            model, parallelism = sharded(tiny_t5(attn_implementation=kernel), config, FP32)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-            losses = train_wrapped(model, optimizer, rank, world_size, steps)
-            out[(version, kernel)] = (losses, gather_full_state_dict(model, CPU))
+            losses = train_wrapped(model, parallelism, optimizer, rank, world_size, steps)
+            out[(version, kernel)] = (losses, parallelism.full_state_dict(model, CPU))
     return out
 
 
@@ -332,7 +338,7 @@ def structure_worker(rank: int, world_size: int) -> dict:
         config = dataclasses.replace(_fsdp_config({}), fsdp_activation_checkpointing=checkpointing)
         plain = tiny_t5()
         n_blocks = sum(isinstance(m, T5Block) for m in plain.modules())
-        model = shard_model(plain, config, FP32, CPU)
+        model, parallelism = sharded(plain, config, FP32)
         units = FSDP.fsdp_modules(model)
         out[checkpointing] = {
             "n_blocks": n_blocks,
@@ -350,7 +356,7 @@ def precision_worker(rank: int, world_size: int) -> dict:
     """The dtype that T5's attention projections compute in under each policy, and the master dtype."""
     out = {}
     for name in POLICIES:
-        model = shard_model(tiny_t5(), _fsdp_config({}), Precision(name), CPU)
+        model, parallelism = sharded(tiny_t5(), _fsdp_config({}), Precision(name))
         attention = next(m for m in model.modules() if isinstance(m, T5Attention))
         seen = {}
 
@@ -381,17 +387,18 @@ def checkpoint_worker(rank: int, world_size: int, path: str, fsdp_version: int =
     export the model from the shards to `path`.hf in files of at most EXPORT_FILE_BYTES; rank 0 returns the
     gathered state dict to compare it with."""
     config = _fsdp_config({"fsdp_activation_checkpointing": True, "fsdp_version": fsdp_version})
-    model = shard_model(tiny_t5(), config, FP32, CPU)
+    model, parallelism = sharded(tiny_t5(), config, FP32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    settings = StepSettings(parallelism, spec=SEQ2SEQ)
     for step in range(2):
-        train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
-    saved = save_full_model(model, CPU, rank == 0, path)
+        train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size, settings)
+    saved = save_full_model(model, parallelism, CPU, rank == 0, path)
     tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     model_config = tiny_t5(on_meta=True).config
     files = write_model_folder(
-        sharded_model_state(model), model_config, tokenizer, f"{path}.hf", EXPORT_FILE_BYTES, rank == 0
+        sharded_model_state(model), model_config, SEQ2SEQ, tokenizer, f"{path}.hf", EXPORT_FILE_BYTES, rank == 0
     )
-    gathered = gather_full_state_dict(model, CPU)
+    gathered = parallelism.full_state_dict(model, CPU)
     probe = make_batch(seed=777)
     model.eval()
     with torch.no_grad():
@@ -432,9 +439,9 @@ def self_closing_stager_worker(rank: int, world_size: int, output_root: str) -> 
     out = {}
     for stager_per_save in (True, False):
         output_dir = os.path.join(output_root, f"per_save_{stager_per_save}")
-        model = shard_model(tiny_t5(), fsdp, FP32, CPU)
-        manager = plain_manager(model, fsdp, checkpointing, output_dir, info, tokenizer)
-        optimizer = manager.optimizer
+        model, parallelism = sharded(tiny_t5(), fsdp, FP32)
+        manager = plain_manager(model, parallelism, fsdp, checkpointing, output_dir, info, tokenizer)
+        optimizer, settings = manager.optimizer, StepSettings(parallelism, spec=SEQ2SEQ)
         with (
             mock.patch.object(DefaultStager, "stage", stage_then_close),
             mock.patch.object(background_writing, "STAGER_SERVES_ONE_SAVE", stager_per_save),
@@ -442,7 +449,7 @@ def self_closing_stager_worker(rank: int, world_size: int, output_root: str) -> 
         ):
             try:
                 for step in (1, 2, 3):
-                    train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
+                    train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size, settings)
                     checkpoints.save(TrainProgress(epoch=1, samples_consumed=step, global_step=step))
                 checkpoints.finish_pending()
                 dist.barrier()  # rank 0 completes (renames) the last one
@@ -452,7 +459,9 @@ def self_closing_stager_worker(rank: int, world_size: int, output_root: str) -> 
     return out
 
 
-def plain_manager(model: nn.Module, fsdp, checkpointing, output_dir: str, info, tokenizer) -> CheckpointManager:
+def plain_manager(
+    model: nn.Module, parallelism: Parallelism, fsdp, checkpointing, output_dir: str, info, tokenizer
+) -> CheckpointManager:
     """The checkpoint manager of a sharded tiny model without LoRA, with AdamW at LR and a constant schedule
     (`manager.optimizer`)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -461,10 +470,12 @@ def plain_manager(model: nn.Module, fsdp, checkpointing, output_dir: str, info, 
         fsdp=fsdp,
         output_dir=output_dir,
         model=model,
+        parallelism=parallelism,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
         scaler=None,
         model_config=model.config,
+        spec=SEQ2SEQ,
         tokenizer=tokenizer,
         info=info,
         lora=LoraConfig(),
@@ -505,7 +516,7 @@ def validation_worker(rank: int, world_size: int, n_samples: int, batch_size: in
     """validate() over an uneven split vs a hand-computed token mean over the unique samples."""
     plain = tiny_t5()
     reference_model = copy.deepcopy(plain).eval()
-    model = shard_model(plain, _fsdp_config({}), FP32, CPU)
+    model, parallelism = sharded(plain, _fsdp_config({}), FP32)
     dataset = ItemsDataset(n_samples)
     sampler = PaddedEvalSampler(len(dataset), rank, world_size)
     collate = functools.partial(pad_collate, pad_token_id=0)
@@ -515,7 +526,9 @@ def validation_worker(rank: int, world_size: int, n_samples: int, batch_size: in
         def update(self, n):
             pass
 
-    loss = validate(model, loader, device=CPU, num_real_samples=sampler.num_real_samples, progress=NoBar())
+    loss = validate(
+        model, loader, device=CPU, num_real_samples=sampler.num_real_samples, progress=NoBar(), spec=SEQ2SEQ
+    )
     out = {"reported": loss, "indices": sampler.indices, "num_real": sampler.num_real_samples}
     if rank == 0:
         sums, counts = [], []
@@ -550,7 +563,7 @@ def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> d
     config = _fsdp_config({"fsdp_version": fsdp_version, "cpu_ram_efficient_loading": True})
     if fsdp_version == 2:
         reference = tiny_t5(seed=123)  # what rank 0 "loaded"
-        model = shard_model(tiny_t5(seed=123) if rank == 0 else tiny_t5(on_meta=True), config, FP32, CPU)
+        model, parallelism = sharded(tiny_t5(seed=123) if rank == 0 else tiny_t5(on_meta=True), config, FP32)
         held = None
     else:
         # Live host tensor bytes each time FSDP1 materialises a module, before the reference exists, over those
@@ -569,7 +582,9 @@ def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> d
 
         UnitMaterializer.__call__ = measured
         try:
-            model = shard_model(tiny_t5(on_meta=True), config, FP32, CPU, weights_source=str(EMBEDDED_MODEL_DIR))
+            model, parallelism = sharded(
+                tiny_t5(on_meta=True), config, FP32, weights_source=str(EMBEDDED_MODEL_DIR)
+            )
         finally:
             UnitMaterializer.__call__ = original
         held = max(held) - before
@@ -639,15 +654,15 @@ def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: in
         settings = settings_with(beams)
         assert settings["num_beams"] == beams and settings["max_new_tokens"] == 12
         for version in (1, 2):
-            model = shard_model(tiny_t5(seed=7), _fsdp_config({"fsdp_version": version}), FP32, CPU)
+            model, parallelism = sharded(tiny_t5(seed=7), _fsdp_config({"fsdp_version": version}), FP32)
             folder = f"{output_dir}/fsdp{version}-beams{beams}"
             where = functools.partial(layout.predictions_file, folder)
-            evaluator = Evaluator(eval_set=eval_set, task=SEQ2SEQ, generation=settings, metric="rouge",
-                                  predictions_file=where, info=info)  # fmt: skip
+            evaluator = Evaluator(eval_set=eval_set, parallelism=parallelism, spec=SEQ2SEQ, generation=settings,
+                                  metric="rouge", predictions_file=where, info=info)  # fmt: skip
             out["records"][(version, beams)] = evaluator.evaluate(model, 1, 5)
             # Lengths that differ by rank: rank r stops after 3 + 6 r new tokens, the others keep stepping.
             uneven = {**settings, "max_new_tokens": 3 + 6 * rank}
-            ids = generate(model, SEQ2SEQ.prompts(make_batch(rank, rows=2)), uneven)
+            ids = generate(model, parallelism, SEQ2SEQ.prompts(make_batch(rank, rows=2)), uneven)
             out["uneven"][(version, beams)] = ids.shape[1]
     if rank == 0:
         plain = tiny_t5(seed=7).eval()
@@ -694,7 +709,7 @@ def accumulation_reference(steps: int, world_size: int, max_norm: float) -> tupl
 def accumulation_worker(rank: int, world_size: int, steps: int) -> dict:
     """Per-step losses, gradient norms and final weights of 2 micro-batches of 2 rows accumulated, for each
     backend, gradient-sync mode and clipping setting; the unsharded references on rank 0."""
-    from utils.train.step import GRAD_NORM, StepSettings
+    from utils.train.step import GRAD_NORM
 
     out = {"runs": {}, "references": {}}
     for max_norm in (0.0, 0.05):
@@ -702,16 +717,18 @@ def accumulation_worker(rank: int, world_size: int, steps: int) -> dict:
             out["references"][max_norm] = accumulation_reference(steps, world_size, max_norm)
         for version in (1, 2):
             for sync in (True, False):
-                model = shard_model(tiny_t5(), _fsdp_config({"fsdp_version": version}), FP32, CPU)
+                model, parallelism = sharded(tiny_t5(), _fsdp_config({"fsdp_version": version}), FP32)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-                settings = StepSettings(max_norm, sync_each_micro_batch=sync)
+                settings = StepSettings(
+                    parallelism, max_grad_norm=max_norm, sync_each_micro_batch=sync, spec=SEQ2SEQ
+                )
                 records: list[dict] = []
                 step_log = StepLog(every=steps, on_flush=records.extend)
                 for step in range(steps):
                     micro = _split_rows(make_batch(batch_seed(step, rank), rows=4), 2)
                     step_log.add(step + 1, LR, train_step(model, micro, optimizer, None, world_size, settings))
                 step_log.flush()
-                state = gather_full_state_dict(model, CPU)
+                state = parallelism.full_state_dict(model, CPU)
                 out["runs"][(max_norm, version, sync)] = {
                     "losses": [r["loss"] for r in records],
                     "norms": [r["grad_norm"] for r in records],
@@ -729,7 +746,7 @@ def decay_groups_worker(rank: int, world_size: int) -> dict:
     out = {}
     train = TrainConfig(weight_decay=0.1)
     for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
-        model = shard_model(tiny_t5(), _fsdp_config(overrides), FP32, CPU)
+        model, parallelism = sharded(tiny_t5(), _fsdp_config(overrides), FP32)
         names = {id(p): n for n, p in model.named_parameters()}
         # As T5_training.fsdp_main builds it.
         optimizer = torch.optim.AdamW(optim.parameter_groups(model, train.weight_decay), lr=train.lr)
@@ -742,7 +759,7 @@ def _reduced_gradients(version: int, policy: str, batch: dict, all_tokens: torch
     """name -> full fp64 gradient after one backward of train_step's per-rank loss (the token sum over the
     all-ranks token count, x world size) and FSDP's gradient reduction. Collective."""
     config = _fsdp_config({"fsdp_version": version, "use_orig_params": version == 1})
-    model = shard_model(tiny_t5(), config, Precision(policy), CPU)
+    model, parallelism = sharded(tiny_t5(), config, Precision(policy))
     token_losses, _ = SEQ2SEQ.token_losses(model, batch)
     (token_losses.sum() * world_size / all_tokens).backward()
     if isinstance(model, FSDP):
@@ -788,9 +805,9 @@ def _nan_loss(enabled: bool):
 def _guarded_run(version: int, rank: int, world_size: int, steps: list[int], bad_step: int, stop: bool) -> dict:
     """train_step over `steps` with rank 1's loss NaN at `bad_step`: the step records, the final weights (rank
     0), and the error a stopping step log raised (None if none)."""
-    model = shard_model(tiny_t5(), _fsdp_config({"fsdp_version": version}), FP32, CPU)
+    model, parallelism = sharded(tiny_t5(), _fsdp_config({"fsdp_version": version}), FP32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    settings = step_module.StepSettings(skip_nonfinite=not stop)
+    settings = step_module.StepSettings(parallelism, skip_nonfinite=not stop, spec=SEQ2SEQ)
     records: list[dict] = []
     step_log = StepLog(every=len(steps), on_flush=records.extend, stop_on_nonfinite=stop)
     error = None
@@ -804,7 +821,7 @@ def _guarded_run(version: int, rank: int, world_size: int, steps: list[int], bad
         step_log.flush()
     except TrainingDivergedError as err:
         error = str(err)
-    return {"records": records, "state": gather_full_state_dict(model, CPU), "error": error}
+    return {"records": records, "state": parallelism.full_state_dict(model, CPU), "error": error}
 
 
 def nonfinite_worker(rank: int, world_size: int, steps: int = 4, bad_step: int = 1) -> dict:
@@ -823,22 +840,22 @@ def nonfinite_worker(rank: int, world_size: int, steps: int = 4, bad_step: int =
 
 @contextlib.contextmanager
 def layers_compiled_by(backend: str, on_graph):
-    """utils/fsdp/shard.py's compile_layers compiling with torch.compile `backend`, calling `on_graph()` for
-    each graph it compiles (recompiles and graph breaks included)."""
+    """The parallelism's compile_layers (utils/fsdp/shard.py) compiling with torch.compile `backend`, calling
+    `on_graph()` for each graph it compiles (recompiles and graph breaks included)."""
     import torch._dynamo
 
-    from utils.fsdp import shard as shard_module
+    from utils.fsdp import parallelism as parallelism_module
 
     def counting_backend(graph, example_inputs):
         on_graph()
         return torch._dynamo.lookup_backend(backend)(graph, example_inputs)
 
-    original = shard_module.compile_layers
-    shard_module.compile_layers = functools.partial(original, backend=counting_backend)
+    original = parallelism_module.compile_layers
+    parallelism_module.compile_layers = functools.partial(original, backend=counting_backend)
     try:
         yield
     finally:
-        shard_module.compile_layers = original
+        parallelism_module.compile_layers = original
 
 
 def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict:
@@ -858,13 +875,13 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
         for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
             torch._dynamo.reset()
             compiled_at.clear()
-            model = shard_model(tiny_t5(), _fsdp_config({**overrides, "compile": True}), FP32, CPU)
+            model, parallelism = sharded(tiny_t5(), _fsdp_config({**overrides, "compile": True}), FP32)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
             losses = []
             for step in range(steps):
                 phase[0] = step
-                losses += train_wrapped(model, optimizer, rank, world_size, step + 1, first=step)
-            state = gather_full_state_dict(model, CPU)
+                losses += train_wrapped(model, parallelism, optimizer, rank, world_size, step + 1, first=step)
+            state = parallelism.full_state_dict(model, CPU)
             if version == 2:  # the evaluation's graphs are the blocks', alike on both backends: counted once
                 model.eval()
                 for label in ("validation", "validation again"):
@@ -874,7 +891,7 @@ def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict
                 for label, new_tokens in (("generation", 6), ("generation, other lengths", 9)):
                     phase[0] = label
                     prompts = SEQ2SEQ.prompts(make_batch(batch_seed(steps, rank)))
-                    generate(model, prompts, {"max_new_tokens": new_tokens})
+                    generate(model, parallelism, prompts, {"max_new_tokens": new_tokens})
             out[version] = {"losses": losses, "state": state if rank == 0 else None, "compiled_at": compiled_at[:]}
     return out
 
@@ -891,7 +908,7 @@ def lora_t5() -> nn.Module:
     """tiny_t5 with LoRA on q and v; the adapters' random A drawn from one seed, as every rank does."""
     model = tiny_t5()
     torch.manual_seed(7)
-    return apply_lora(model, LORA, LORA_BASE)
+    return apply_lora(model, LORA, LORA_BASE, SEQ2SEQ)
 
 
 LORA_VARIANTS = {
@@ -915,12 +932,12 @@ def lora_worker(rank: int, world_size: int, steps: int, export_dir: str) -> dict
     out = {}
     tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     for name, overrides in LORA_VARIANTS.items():
-        model = shard_model(lora_t5(), _fsdp_config(overrides), FP32, CPU)
+        model, parallelism = sharded(lora_t5(), _fsdp_config(overrides), FP32)
         # As reference_run: AdamW (its default weight decay) over what trains. parameter_groups keeps the
         # same parameters (the torchrun LoRA runs of tests/test_lora.py use it).
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-        losses = train_wrapped(model, optimizer, rank, world_size, steps)
-        state = gather_full_state_dict(model, CPU)
+        losses = train_wrapped(model, parallelism, optimizer, rank, world_size, steps)
+        state = parallelism.full_state_dict(model, CPU)
         out[name] = {"losses": losses, "state": state, "optim": optim_state_numel_local(optimizer)}
         if name in LORA_EXPORTS:
             settings = dataclasses.replace(LORA, merge_lora=LORA_EXPORTS[name])
@@ -928,11 +945,11 @@ def lora_worker(rank: int, world_size: int, steps: int, export_dir: str) -> dict
             if rank == 0:
                 model_config = tiny_t5(on_meta=True).config
                 folder = f"{export_dir}/{name}/hf_adapter"
-                write_adapter_folder(adapters, model_config, settings, LORA_BASE, tokenizer, folder)
+                write_adapter_folder(adapters, model_config, SEQ2SEQ, settings, LORA_BASE, tokenizer, folder)
             if merged is not None:
                 model_config = tiny_t5(on_meta=True).config
                 write_model_folder(
-                    merged, model_config, tokenizer, f"{export_dir}/{name}/hf_model", 10**9, rank == 0
+                    merged, model_config, SEQ2SEQ, tokenizer, f"{export_dir}/{name}/hf_model", 10**9, rank == 0
                 )
     if rank == 0:
         out["reference"] = reference_run(steps, world_size, lora_t5())
@@ -962,12 +979,15 @@ def source_parity_worker(rank: int, world_size: int, sources: dict, steps: int) 
         batches = [batch for _, batch in zip(range(steps), loaders.train, strict=False)]
         out["batches"][name] = batches
         for version in (1, 2):
-            model = shard_model(tiny_t5(seed=3), _fsdp_config({"fsdp_version": version}), FP32, CPU)
+            model, parallelism = sharded(tiny_t5(seed=3), _fsdp_config({"fsdp_version": version}), FP32)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
             records: list[dict] = []
             step_log = StepLog(every=steps, on_flush=records.extend)
+            settings = StepSettings(parallelism, spec=SEQ2SEQ)
             for step, batch in enumerate(batches):
-                step_log.add(step + 1, LR, train_step(model, move_batch(batch, CPU), optimizer, None, world_size))
+                step_log.add(
+                    step + 1, LR, train_step(model, move_batch(batch, CPU), optimizer, None, world_size, settings)
+                )
             step_log.flush()
             out["losses"][(name, version)] = [record["loss"] for record in records]
     return out
@@ -986,12 +1006,12 @@ def family_worker(rank: int, world_size: int, folder: str, steps: int, output_ro
     state on rank 0."""
     reference = load_model(folder, dropout_rate=0.0)
     vocab = reference.config.vocab_size
-    task = task_for(reference.config)
+    spec = spec_for(reference.config)
     fresh_buffers = {name: buffer.clone() for name, buffer in reference.named_buffers()}
-    packed_reference = copy.deepcopy(reference) if task is CAUSAL else None
-    out = {"reference": reference_run(steps, world_size, reference, vocab, task) if rank == 0 else None}
+    packed_reference = copy.deepcopy(reference) if spec is CAUSAL else None
+    out = {"reference": reference_run(steps, world_size, reference, vocab, spec) if rank == 0 else None}
     if packed_reference is not None and rank == 0:  # packed blocks, documents kept apart by position ids
-        out["packed_reference"] = reference_run(steps, world_size, packed_reference, vocab, task, packed=True)
+        out["packed_reference"] = reference_run(steps, world_size, packed_reference, vocab, spec, packed=True)
     tokenizer = load_tokenizer(folder)
     info = DistInfo(rank, rank, world_size, CPU, "gloo")
 
@@ -999,7 +1019,7 @@ def family_worker(rank: int, world_size: int, folder: str, steps: int, output_ro
         model = load_model(folder, on_meta=on_meta, dropout_rate=0.0)
         fsdp = _fsdp_config({"fsdp_version": version, "checkpoint_type": FAMILY_CHECKPOINT_TYPES[version]})
         model_config = model.config
-        model = shard_model(model, fsdp, FP32, CPU, restores=on_meta)
+        model, parallelism = sharded(model, fsdp, FP32, restores=on_meta)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         return CheckpointManager(
@@ -1007,10 +1027,12 @@ def family_worker(rank: int, world_size: int, folder: str, steps: int, output_ro
             fsdp=fsdp,
             output_dir=f"{output_root}/fsdp{version}",
             model=model,
+            parallelism=parallelism,
             optimizer=optimizer,
             scheduler=scheduler,
             scaler=None,
             model_config=model_config,
+            spec=spec,
             tokenizer=tokenizer,
             info=info,
             lora=LoraConfig(),
@@ -1024,29 +1046,49 @@ def family_worker(rank: int, world_size: int, folder: str, steps: int, output_ro
     half = steps // 2
     for version in (1, 2):
         run = checkpointer(version, on_meta=False)
-        losses = train_wrapped(run.model, run.optimizer, rank, world_size, half, vocab, task=task)
+        losses = train_wrapped(run.model, run.parallelism, run.optimizer, rank, world_size, half, vocab, spec=spec)
         checkpoint = run.save(TrainProgress(epoch=1, samples_consumed=half, global_step=half))
-        losses += train_wrapped(run.model, run.optimizer, rank, world_size, steps, vocab, first=half, task=task)
+        losses += train_wrapped(
+            run.model, run.parallelism, run.optimizer, rank, world_size, steps, vocab, first=half, spec=spec
+        )
         run.export_hf()
         resumed = checkpointer(version, on_meta=True)
         resumed.load(resolve_start(checkpoint, f"{output_root}/fsdp{version}"))
         resumed_buffers = buffers_as_fresh(resumed.model)
         resumed_losses = train_wrapped(
-            resumed.model, resumed.optimizer, rank, world_size, steps, vocab, first=half, task=task
+            resumed.model,
+            resumed.parallelism,
+            resumed.optimizer,
+            rank,
+            world_size,
+            steps,
+            vocab,
+            first=half,
+            spec=spec,
         )
         fsdp = _fsdp_config({"fsdp_version": version, "cpu_ram_efficient_loading": True,
                              "fsdp_activation_checkpointing": True})  # fmt: skip
         skeleton = version == 1 or rank != 0
-        rank0_loaded = shard_model(load_model(folder, on_meta=skeleton, dropout_rate=0.0), fsdp, FP32, CPU,
-                                   weights_source=folder)  # fmt: skip
+        rank0_loaded, parallelism = sharded(load_model(folder, on_meta=skeleton, dropout_rate=0.0), fsdp, FP32,
+                                            weights_source=folder)  # fmt: skip
         rank0_buffers = buffers_as_fresh(rank0_loaded)
         optimizer = torch.optim.AdamW(rank0_loaded.parameters(), lr=LR)
-        rank0_loaded_losses = train_wrapped(rank0_loaded, optimizer, rank, world_size, steps, vocab, task=task)
+        rank0_loaded_losses = train_wrapped(
+            rank0_loaded, parallelism, optimizer, rank, world_size, steps, vocab, spec=spec
+        )
         packed_losses = None
-        if task is CAUSAL:
+        if spec is CAUSAL:
             packed = checkpointer(version, on_meta=False)
             packed_losses = train_wrapped(
-                packed.model, packed.optimizer, rank, world_size, steps, vocab, task=task, packed=True
+                packed.model,
+                packed.parallelism,
+                packed.optimizer,
+                rank,
+                world_size,
+                steps,
+                vocab,
+                spec=spec,
+                packed=True,
             )
         out[version] = {
             "losses": losses,
@@ -1056,8 +1098,8 @@ def family_worker(rank: int, world_size: int, folder: str, steps: int, output_ro
             "rank0_loaded_losses": rank0_loaded_losses,
             "packed_losses": packed_losses,
             "rank0_loaded_buffers_as_fresh": rank0_buffers,
-            "state": gather_full_state_dict(run.model, CPU),  # rank 0's, {} elsewhere
-            "resumed_state": gather_full_state_dict(resumed.model, CPU),
+            "state": run.parallelism.full_state_dict(run.model, CPU),  # rank 0's, {} elsewhere
+            "resumed_state": resumed.parallelism.full_state_dict(resumed.model, CPU),
         }
     return out
 
@@ -1124,7 +1166,7 @@ def long_rank0_work_worker(rank: int, world_size: int, output_dir: str, timeout_
         if rank == 0:
             busy_for(3 * timeout_s)  # a large from_pretrained
         model = tiny_t5(seed=5) if rank == 0 else tiny_t5(on_meta=True)
-    model = shard_model(model, fsdp, FP32, CPU)
+    model, parallelism = sharded(model, fsdp, FP32)
     seconds["loading"] = time.monotonic() - started
 
     tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
@@ -1137,9 +1179,9 @@ def long_rank0_work_worker(rank: int, world_size: int, output_dir: str, timeout_
         with real_hashed_file(*args, **kwargs) as stream:
             yield stream
 
-    manager = plain_manager(model, fsdp, checkpointing, output_dir, info, tokenizer)
-    optimizer = manager.optimizer
-    train_step(model, make_batch(batch_seed(1, rank)), optimizer, None, world_size)
+    manager = plain_manager(model, parallelism, fsdp, checkpointing, output_dir, info, tokenizer)
+    optimizer, settings = manager.optimizer, StepSettings(parallelism, spec=SEQ2SEQ)
+    train_step(model, make_batch(batch_seed(1, rank)), optimizer, None, world_size, settings)
     started = time.monotonic()
     with mock.patch.object(checkpoint_manager, "hashed_file", slow_hashed_file if rank == 0 else real_hashed_file):
         saved = manager.save(TrainProgress(epoch=1, samples_consumed=1, global_step=1))
@@ -1193,13 +1235,13 @@ def disk_full_worker(rank: int, world_size: int, output_root: str) -> dict:
     ):
         fsdp = _fsdp_config({"fsdp_version": 1, **overrides})
         output_dir = os.path.join(output_root, case)
-        model = shard_model(tiny_t5(), fsdp, FP32, CPU)
+        model, parallelism = sharded(tiny_t5(), fsdp, FP32)
         checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=2, async_checkpoint=background)
-        manager = plain_manager(model, fsdp, checkpointing, output_dir, info, tokenizer)
-        optimizer = manager.optimizer
+        manager = plain_manager(model, parallelism, fsdp, checkpointing, output_dir, info, tokenizer)
+        optimizer, settings = manager.optimizer, StepSettings(parallelism, spec=SEQ2SEQ)
         full["fail"] = False
         with manager, mock.patch.object(integrity.HashingFile, "write", write):
-            train_step(model, make_batch(batch_seed(1, rank)), optimizer, None, world_size)
+            train_step(model, make_batch(batch_seed(1, rank)), optimizer, None, world_size, settings)
             manager.save(TrainProgress(epoch=1, samples_consumed=1, global_step=1))
             manager.finish_pending()
             dist.barrier()
@@ -1228,9 +1270,9 @@ def checkpoint_size_worker(rank: int, world_size: int, output_root: str) -> dict
         ("FSDP2 NO_SHARD", {"fsdp_version": 2, "sharding_strategy": "NO_SHARD"}),
     ):
         fsdp = _fsdp_config(overrides)
-        model = shard_model(tiny_t5(), fsdp, FP32, CPU)
+        model, parallelism = sharded(tiny_t5(), fsdp, FP32)
         output_dir = os.path.join(output_root, name.replace(" ", "_"))
-        with plain_manager(model, fsdp, CheckpointConfig(), output_dir, info, tokenizer) as manager:
+        with plain_manager(model, parallelism, fsdp, CheckpointConfig(), output_dir, info, tokenizer) as manager:
             out[name] = manager._checkpoint_bytes()
     return out
 
@@ -1309,14 +1351,16 @@ def host_reads_worker(rank: int, world_size: int, kernel: str = "sdpa") -> dict:
     out = {}
     for version in (1, 2):
         config = _fsdp_config({"fsdp_version": version, "fsdp_activation_checkpointing": True})
-        model = shard_model(tiny_t5(attn_implementation=kernel), config, FP32, CPU)
+        model, parallelism = sharded(tiny_t5(attn_implementation=kernel), config, FP32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
         settings = step_module.StepSettings(
+            parallelism,
             max_grad_norm=1.0,
             sync_each_micro_batch=False,
             skip_nonfinite=True,
             flops=Seq2SeqFlops.from_config(tiny_t5(on_meta=True).config),
             recompute=True,
+            spec=SEQ2SEQ,
         )
         step_log = StepLog(every=100, on_flush=lambda records: None)
         steps = HostReads()
@@ -1330,7 +1374,8 @@ def host_reads_worker(rank: int, world_size: int, kernel: str = "sdpa") -> dict:
         validation = HostReads()
         with validation:
             validate(model, loader, device=CPU, num_real_samples=9,
-                     progress=ProgressLines(3, "validation", "batch"), stop_requested=lambda: False)  # fmt: skip
+                     progress=ProgressLines(3, "validation", "batch"), stop_requested=lambda: False,
+                     spec=SEQ2SEQ)  # fmt: skip
         out[version] = {"steps": steps.reads, "validation": validation.reads}
     return out
 
@@ -1353,20 +1398,20 @@ def generation_gathers_worker(rank: int, world_size: int) -> dict:
     and the loss of a training step after it."""
     from scripts.gpu_check import AllGatherCount
     from utils.eval.generation import gathered_for_generation, generate
-    from utils.observe.memory import param_numel_whole
 
     out = {}
     settings = {"num_beams": 1, "do_sample": False}
     for name, (overrides, precision) in GATHER_VARIANTS.items():
         for keep in (False, True):
-            model = shard_model(tiny_t5(seed=3), _fsdp_config(overrides), precision, CPU)
+            model, parallelism = sharded(tiny_t5(seed=3), _fsdp_config(overrides), precision)
             model.eval()
             counts, ids = {}, {}
             for tokens in GATHER_TOKENS:
                 counter = AllGatherCount()
-                with counter, gathered_for_generation(model, keep):
+                with counter, gathered_for_generation(model, parallelism, keep):
                     ids[tokens] = generate(
                         model,
+                        parallelism,
                         SEQ2SEQ.prompts(make_batch(rank, rows=2)),
                         {**settings, "max_new_tokens": tokens, "min_new_tokens": tokens},
                     ).tolist()
@@ -1374,11 +1419,11 @@ def generation_gathers_worker(rank: int, world_size: int) -> dict:
             model.train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
             out[(name, keep)] = {
-                "whole_numel": param_numel_whole(model),
+                "whole_numel": parallelism.param_numel_whole(model),
                 "all_gathers": counts,
                 "ids": ids,
                 "sharded_after": all_units_sharded(model),
-                "losses_after": train_wrapped(model, optimizer, rank, world_size, 1),
+                "losses_after": train_wrapped(model, parallelism, optimizer, rank, world_size, 1),
             }
     return out
 
@@ -1408,14 +1453,16 @@ def causal_lora_worker(rank: int, world_size: int, folder: str, targets: str, ex
     export_dir/hf_model; rank 0 returns the gathered trained PEFT model's state dict (PEFT's names)."""
     torch.manual_seed(0)
     lora = LoraConfig(peft="lora", lora_r=4, lora_alpha=8, lora_target_modules=targets, merge_lora=True)
-    model = apply_lora(load_model(folder, dropout_rate=0.0), lora, folder)
+    model = apply_lora(load_model(folder, dropout_rate=0.0), lora, folder, CAUSAL)
     model_config = model.config
-    model = shard_model(model, _fsdp_config({"fsdp_version": 2}), FP32, CPU)
+    model, parallelism = sharded(model, _fsdp_config({"fsdp_version": 2}), FP32)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    train_wrapped(model, optimizer, rank, world_size, 3, model_config.vocab_size, task=CAUSAL)
+    train_wrapped(model, parallelism, optimizer, rank, world_size, 3, model_config.vocab_size, spec=CAUSAL)
     _, merged = lora_exports(sharded_model_state(model), lora, CPU, transposed_layers(model))
-    write_model_folder(merged, model_config, load_tokenizer(folder), f"{export_dir}/hf_model", 10**9, rank == 0)
-    return {"state": gather_full_state_dict(model, CPU)}
+    write_model_folder(
+        merged, model_config, CAUSAL, load_tokenizer(folder), f"{export_dir}/hf_model", 10**9, rank == 0
+    )
+    return {"state": parallelism.full_state_dict(model, CPU)}
 
 
 def rope_precision_worker(rank: int, world_size: int, folder: str) -> dict:
@@ -1425,8 +1472,8 @@ def rope_precision_worker(rank: int, world_size: int, folder: str) -> dict:
     expected = {name: buffer.clone() for name, buffer in fresh.named_buffers() if name.endswith("inv_freq")}
     out = {}
     for version in (1, 2):
-        model = shard_model(load_model(folder, dropout_rate=0.0), _fsdp_config({"fsdp_version": version}),
-                            Precision("bfSixteen"), CPU)  # fmt: skip
+        model, parallelism = sharded(load_model(folder, dropout_rate=0.0), _fsdp_config({"fsdp_version": version}),
+                            Precision("bfSixteen"))  # fmt: skip
         batch = causal_batch(seed=rank, vocab=fresh.config.vocab_size)
         with torch.no_grad():
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -1444,8 +1491,8 @@ def unprefixed_rank0_loading_worker(rank: int, world_size: int, folder: str) -> 
     folder whose file stores names without the model's base prefix, as GPT-2's hub files do (wte.weight, not
     transformer.wte.weight): every rank's full state dict against the model transformers loads from it."""
     config = _fsdp_config({"fsdp_version": 1, "cpu_ram_efficient_loading": True})
-    model = shard_model(
-        load_model(folder, on_meta=True, dropout_rate=0.0), config, FP32, CPU, weights_source=folder
+    model, parallelism = sharded(
+        load_model(folder, on_meta=True, dropout_rate=0.0), config, FP32, weights_source=folder
     )
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -1475,10 +1522,12 @@ def causal_compile_worker(rank: int, world_size: int, folder: str, steps: int) -
             for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
                 torch._dynamo.reset()
                 graphs.clear()
-                model = shard_model(copy.deepcopy(fresh), _fsdp_config({**overrides, "compile": True}), FP32, CPU)
+                model, parallelism = sharded(
+                    copy.deepcopy(fresh), _fsdp_config({**overrides, "compile": True}), FP32
+                )
                 optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
                 losses = train_wrapped(
-                    model, optimizer, rank, world_size, steps, vocab, task=CAUSAL, packed=packed
+                    model, parallelism, optimizer, rank, world_size, steps, vocab, spec=CAUSAL, packed=packed
                 )
                 out[(version, packed)] = {"losses": losses, "graphs": len(graphs)}
     return out

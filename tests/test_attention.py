@@ -7,7 +7,7 @@ from configs.paths import EMBEDDED_MODEL_DIR
 from configs.recipe import RecipeConfig
 from tests.dist_workers import make_batch
 from utils.model.loading import load_model_for_run, load_tokenizer, model_config_overrides
-from utils.task import SEQ2SEQ
+from utils.spec import SEQ2SEQ
 
 KERNELS = ["eager", "sdpa"]  # flex_attention has no backward on CPU (refused there by configs/validate.py)
 

@@ -1,4 +1,4 @@
-"""Decoder-only models (utils/task.py: CausalTask; causal_lm_dataset.py): what the loader takes and refuses,
+"""Decoder-only models (utils/spec.py: CausalSpec; causal_lm_dataset.py): what the loader takes and refuses,
 the units, LoRA's targets and the weight decay of each family, the loss against the model's own, the FLOP count
 against torch's counter, the data's tokens and labels, and FSDP1/FSDP2 against the unsharded model with a
 resume and rank-0-only loading. Tiny random Llama (untied and tied) and GPT-2 models built offline by
@@ -38,10 +38,11 @@ from tests.dist_workers import (
     unprefixed_rank0_loading_worker,
 )
 from tests.hf_folders import parameter_ties
+from utils.data.loaders import IGNORED
 from utils.model.loading import load_model, load_tokenizer
 from utils.model.lora import target_modules
 from utils.observe.flops import CausalFlops
-from utils.task import CAUSAL, IGNORED, task_for
+from utils.spec import CAUSAL, spec_for
 from utils.train.optim import parameter_groups
 
 LAYERS = {"llama": "LlamaDecoderLayer", "llama-tied": "LlamaDecoderLayer", "gpt2": "GPT2Block"}
@@ -62,7 +63,7 @@ def test_each_decoder_only_family_loads_as_a_causal_model_with_its_units_tokeniz
 ):
     folder = causal_dirs[family]
     model = load_model(folder, dropout_rate=0.0)
-    assert task_for(model.config) is CAUSAL and type(model).__name__ in ("LlamaForCausalLM", "GPT2LMHeadModel")
+    assert spec_for(model.config) is CAUSAL and type(model).__name__ in ("LlamaForCausalLM", "GPT2LMHeadModel")
     assert {cls.__name__ for cls in layer_classes(model)} == {LAYERS[family]}
     assert len([m for m in model.modules() if type(m) in layer_classes(model)]) == 2
     assert model.config.use_cache is False
@@ -120,7 +121,7 @@ def test_weight_decay_spares_every_norm_and_bias_of_each_decoder_only_family(cau
 
 @pytest.mark.parametrize("family", CAUSAL_FAMILIES)
 def test_the_loss_is_the_models_own_next_token_loss(causal_dirs, family):
-    """CausalTask's per-token losses, summed over their count, equal transformers' own loss of the same labels
+    """CausalSpec's per-token losses, summed over their count, equal transformers' own loss of the same labels
     (it shifts them itself), with a prompt and padding left out."""
     model = AutoModelForCausalLM.from_pretrained(causal_dirs[family])
     batch = causal_batch(seed=1, rows=4, length=16, vocab=model.config.vocab_size)
@@ -310,7 +311,7 @@ def test_a_validation_split_with_no_scored_token_has_no_loss_and_no_best_model(c
     with one_process_group():
         losses = [
             validate(
-                model, [batch], device=torch.device("cpu"), num_real_samples=1, progress=progress, task=CAUSAL
+                model, [batch], device=torch.device("cpu"), num_real_samples=1, progress=progress, spec=CAUSAL
             )
             for batch in (unscored, causal_collate([item], tokenizer.pad_token_id))
         ]
@@ -346,7 +347,7 @@ def test_a_text_field_row_is_trained_on_whole_and_a_seq2seq_model_refuses_it(cau
     assert item["prompt_ids"].tolist() == [tokenizer.bos_token_id]
     assert item["input_ids"][-1] == tokenizer.eos_token_id and len(item["input_ids"]) <= 96 + 1
     assert torch.equal(item["labels"][1:], item["input_ids"][1:])
-    from utils.task import SEQ2SEQ
+    from utils.spec import SEQ2SEQ
 
     with pytest.raises(ConfigError, match="--dataset_text_field is for decoder-only models"):
         SEQ2SEQ.check_data(data, T5Config())
@@ -399,7 +400,9 @@ def test_a_decoder_only_lora_run_exports_the_model_peft_merges(causal_dirs, fami
     rank0, _ = run_ranks(causal_lora_worker, causal_dirs[family], targets, str(tmp_path), timeout_s=300)
     torch.manual_seed(0)
     settings = Settings(peft="lora", lora_r=4, lora_alpha=8, lora_target_modules=targets, merge_lora=True)
-    reference = apply_lora(load_model(causal_dirs[family], dropout_rate=0.0), settings, causal_dirs[family])
+    reference = apply_lora(
+        load_model(causal_dirs[family], dropout_rate=0.0), settings, causal_dirs[family], CAUSAL
+    )
     reference.load_state_dict(rank0["state"], strict=True)
     expected = reference.merge_and_unload().state_dict()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model").state_dict()

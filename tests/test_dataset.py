@@ -27,7 +27,7 @@ from summarization_dataset import FORMAT, ITEM_KEYS, SummarizationDataset, pad_c
 from utils.data.cache import load_wikihow, split_rows
 from utils.data.loaders import build_dataset
 from utils.data.wikihow import clean_text, hash_split
-from utils.task import labels_for_loss
+from utils.spec import labels_for_loss
 
 
 def data_options(**fields) -> DataConfig:

@@ -12,7 +12,7 @@ from scripts.estimate_memory import T5Shape, estimate, load_shape, main
 from scripts.make_random_t5 import SHAPES
 from tests.dist_workers import make_batch
 from utils.observe.memory import SavedTensorCounter
-from utils.task import CAUSAL, SEQ2SEQ
+from utils.spec import CAUSAL, SEQ2SEQ
 
 SETTINGS = dict(
     mixed_precision="bf16", activation_checkpointing=True, batch_size=4, max_source_length=64, max_target_length=16

@@ -18,6 +18,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5ForConditionalG
 
 from configs.data import DataConfig
 from configs.evaluation import EvalConfig
+from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
 from scripts.summarize import main as summarize_main
@@ -31,9 +32,10 @@ from utils.eval.evaluator import generated_lengths
 from utils.eval.generation import stop_token_ids
 from utils.eval.rouge import ROUGE_KEYS, rouge_scores
 from utils.eval.scores import mean_scores
+from utils.fsdp.parallelism import Unwrapped
 from utils.log import get_logger
 from utils.model.lora import adapter_base, apply_lora
-from utils.task import SEQ2SEQ
+from utils.spec import SEQ2SEQ
 
 N_SAMPLES = 7  # uneven over 2 ranks: 4 and 3 real samples, one padding repeat
 EVAL_KEYS = {"type", "epoch", "step", "split", *ROUGE_KEYS, "gen_len", "num_samples", "seconds", "baselines"}
@@ -104,8 +106,9 @@ def test_gen_len_counts_the_written_tokens_and_the_eos_also_when_it_pads():
     chat = torch.tensor([[5, 6, 7, 2, 2]])
     assert generated_lengths(chat, pad_id=2, stop_ids=[2, 7]) == [3]
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 2]))
-    assert stop_token_ids(model, SimpleNamespace(eos_token_id=2)) == [2, 7]
-    assert stop_token_ids(SimpleNamespace(), SimpleNamespace(eos_token_id=1)) == [1]
+    unwrapped = Unwrapped(FSDPConfig(single_rank_fsdp=False))
+    assert stop_token_ids(model, unwrapped, SimpleNamespace(eos_token_id=2)) == [2, 7]
+    assert stop_token_ids(SimpleNamespace(), unwrapped, SimpleNamespace(eos_token_id=1)) == [1]
 
 
 def test_generation_stops_at_the_tokenizers_eos_also_where_the_models_config_names_another(monkeypatch, tmp_path):
@@ -123,12 +126,14 @@ def test_generation_stops_at_the_tokenizers_eos_also_where_the_models_config_nam
     eval_set = one_rank_loaders(tokenizer, DataConfig(num_train_samples=4, num_val_samples=2)).evaluation
     asked = []
 
-    def recorded(model, prompts, settings):
+    def recorded(model, parallelism, prompts, settings):
         asked.append((prompts, settings))
-        return generate(model, prompts, settings)
+        return generate(model, parallelism, prompts, settings)
 
     monkeypatch.setattr(evaluation_module, "generate", recorded)
-    evaluator = Evaluator(eval_set=eval_set, task=SEQ2SEQ, generation={"max_new_tokens": 24, "num_beams": 1},
+    unwrapped = Unwrapped(FSDPConfig(single_rank_fsdp=False))
+    evaluator = Evaluator(eval_set=eval_set, parallelism=unwrapped, spec=SEQ2SEQ,
+                          generation={"max_new_tokens": 24, "num_beams": 1},
                           metric="rouge", predictions_file=lambda split, step: str(tmp_path / f"{split}-{step}"),
                           info=ONE_CPU_RANK, gather_for_generation="false",
                           compute_dtype=torch.float32)  # fmt: skip
@@ -137,10 +142,10 @@ def test_generation_stops_at_the_tokenizers_eos_also_where_the_models_config_nam
     assert [settings["eos_token_id"] for _, settings in asked] == [[1, 99]] and len(rows) == 2
     # The export generates as evaluated: its generation_config.json ends at both where the model's config names
     # another EOS than the tokenizer's; the embedded T5's (the same one) is left as it was.
-    assert run_generation_config(model.config, tokenizer).eos_token_id == 1
+    assert run_generation_config(model.config, SEQ2SEQ, tokenizer).eos_token_id == 1
     model.config.eos_token_id = 99
-    assert run_generation_config(model.config, tokenizer).eos_token_id == [1, 99]
-    assert run_generation_config(model.config).eos_token_id == 99  # the control: the config's alone
+    assert run_generation_config(model.config, SEQ2SEQ, tokenizer).eos_token_id == [1, 99]
+    assert run_generation_config(model.config, SEQ2SEQ).eos_token_id == 99  # the control: the config's alone
 
 
 def test_ranks_with_different_generated_lengths_finish(generated):
@@ -345,7 +350,9 @@ def adapter_folders(tmp_path) -> tuple[Path, Path]:
     tokenizer = AutoTokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
     base = str(EMBEDDED_MODEL_DIR)
     torch.manual_seed(0)
-    model = apply_lora(AutoModelForSeq2SeqLM.from_pretrained(base), LoraConfig(peft="lora"), adapter_base(base))
+    model = apply_lora(
+        AutoModelForSeq2SeqLM.from_pretrained(base), LoraConfig(peft="lora"), adapter_base(base), SEQ2SEQ
+    )
     adapters = {}
     for name, param in model.named_parameters():
         if "lora_" in name:
@@ -356,12 +363,12 @@ def adapter_folders(tmp_path) -> tuple[Path, Path]:
         "summarization": SEQ2SEQ.saved_params(DataConfig(source_prefix="summarize: "), settings, "wikihow")
     }
     folder = tmp_path / "hf_adapter"
-    write_adapter_folder(adapters, model.base_model.model.config, LoraConfig(peft="lora"), adapter_base(base),
-                         tokenizer, str(folder))  # fmt: skip
+    write_adapter_folder(adapters, model.base_model.model.config, SEQ2SEQ, LoraConfig(peft="lora"),
+                         adapter_base(base), tokenizer, str(folder))  # fmt: skip
     merged = PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained(base), folder).merge_and_unload()
     merged.config.task_specific_params = model.base_model.model.config.task_specific_params
     merged.save_pretrained(tmp_path / "merged")
-    run_generation_config(merged.config).save_pretrained(tmp_path / "merged")
+    run_generation_config(merged.config, SEQ2SEQ).save_pretrained(tmp_path / "merged")
     tokenizer.save_pretrained(tmp_path / "merged")
     return folder, tmp_path / "merged"
 

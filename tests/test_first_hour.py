@@ -23,6 +23,7 @@ from configs.paths import EMBEDDED_MODEL_DIR, REPO_ROOT
 from tests.launch import offline_env, program_tracebacks, torchrun_command
 from utils.distributed.process_group import free_port
 from utils.model import loading, source
+from utils.spec import SEQ2SEQ
 
 FAIL_FAST_S = 5  # in one process, the lookup alone (huggingface_hub's retries would take 23 s per file)
 RUN_FAIL_FAST_S = 60  # a whole run, imports included (about 15 s on 2 loaded cores)
@@ -207,15 +208,16 @@ def test_a_mistyped_folder_says_no_such_folder_and_what_was_meant(offline_hub, t
 
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused():
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
-    loading.check_tokenizer("tiny", tokenizer, AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR))  # the embedded pair
+    embedded = AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR)
+    loading.check_tokenizer("tiny", tokenizer, embedded, SEQ2SEQ)  # the embedded pair
     smaller = AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR, vocab_size=1000)
-    message = refusal(lambda config: loading.check_tokenizer("tiny", tokenizer, config), smaller)
+    message = refusal(lambda config: loading.check_tokenizer("tiny", tokenizer, config, SEQ2SEQ), smaller)
     assert message.startswith(
         "the tokenizer of 'tiny' (T5Tokenizer, 1100 tokens) does not fit the model (t5, "
         "vocab_size 1000): it has more tokens than the model has embeddings: ids 1000 to 1099"
     )
     other = AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR, eos_token_id=5, decoder_start_token_id=1100)
-    message = refusal(lambda config: loading.check_tokenizer("tiny", tokenizer, config), other)
+    message = refusal(lambda config: loading.check_tokenizer("tiny", tokenizer, config, SEQ2SEQ), other)
     assert (
         ": its end-of-sequence token is id 1, the model's eos_token_id is 5; the model's decoder_start_token_id "
         "1100 is not one of its ids. Put the tokenizer" in message

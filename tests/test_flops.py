@@ -17,7 +17,7 @@ from transformers import (
 from configs.paths import EMBEDDED_MODEL_DIR
 from scripts import make_tiny_family
 from utils.observe.flops import Seq2SeqFlops, Throughput, gpu_peak_flops
-from utils.task import SEQ2SEQ
+from utils.spec import SEQ2SEQ
 
 # The embedded T5 as it is and gated, make_tiny_family's folders, and mBART (BART's matmuls, pre-norm), which
 # has no folder of its own: built from BART's tiny shape.
@@ -156,7 +156,7 @@ def test_lora_training_flops_against_torchs_flop_counter():
 
     config = embedded_config(dropout_rate=0.0, attn_implementation="eager")
     torch.manual_seed(0)
-    model = apply_lora(T5ForConditionalGeneration(config), LORA, LORA_BASE)
+    model = apply_lora(T5ForConditionalGeneration(config), LORA, LORA_BASE, SEQ2SEQ)
     batch = unpadded_batch()
     counted = counted_training_flops(model, batch)
     lora_flops, _ = Seq2SeqFlops.from_config(config, frozen_weights=True).training(batch, recompute=False)

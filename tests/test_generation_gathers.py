@@ -6,8 +6,10 @@ mesh with original parameters, bf16."""
 import pytest
 import torch
 
+from configs.fsdp import FSDPConfig
 from tests.dist_harness import run_ranks
 from tests.dist_workers import GATHER_TOKENS, GATHER_VARIANTS, generation_gathers_worker, tiny_t5
+from utils.fsdp.parallelism import Unwrapped
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,7 @@ def test_auto_keeps_what_fits_in_half_the_free_memory(monkeypatch):
     from utils.eval import generation
 
     model = tiny_t5()
+    unwrapped = Unwrapped(FSDPConfig(single_rank_fsdp=False))  # counts the parameters as they are
     numel = sum(p.numel() for p in model.parameters())
     monkeypatch.setattr(generation.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(generation, "any_rank", lambda flag, device: flag)  # one rank standing for all
@@ -47,13 +50,14 @@ def test_auto_keeps_what_fits_in_half_the_free_memory(monkeypatch):
     cpu = torch.device("cpu")
     for free, keep in ((4 * numel * 2, True), (4 * numel * 2 - 2, False), (None, False)):
         monkeypatch.setattr(generation, "available_memory", lambda free=free: free)
-        assert generation.keep_gathered(model, "auto", torch.float32, cpu) is keep, free
+        assert generation.keep_gathered(model, unwrapped, "auto", torch.float32, cpu) is keep, free
     monkeypatch.setattr(generation, "available_memory", lambda: 2 * numel * 2)  # bf16 needs half
-    assert generation.keep_gathered(model, "auto", torch.bfloat16, cpu)
-    assert not generation.keep_gathered(model, "auto", torch.float32, cpu)
-    assert generation.keep_gathered(model, "true", torch.float32, cpu)
-    assert not generation.keep_gathered(model, "false", torch.bfloat16, cpu)
+    assert generation.keep_gathered(model, unwrapped, "auto", torch.bfloat16, cpu)
+    assert not generation.keep_gathered(model, unwrapped, "auto", torch.float32, cpu)
+    assert generation.keep_gathered(model, unwrapped, "true", torch.float32, cpu)
+    assert not generation.keep_gathered(model, unwrapped, "false", torch.bfloat16, cpu)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # the host's memory is shared by its ranks
-    assert not generation.keep_gathered(model, "auto", torch.bfloat16, cpu)
+    assert not generation.keep_gathered(model, unwrapped, "auto", torch.bfloat16, cpu)
     monkeypatch.setattr(generation.dist, "get_world_size", lambda: 1)
-    assert not generation.keep_gathered(model, "auto", torch.bfloat16, cpu)  # one rank: nothing to gather
+    # one rank: nothing to gather
+    assert not generation.keep_gathered(model, unwrapped, "auto", torch.bfloat16, cpu)

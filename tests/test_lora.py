@@ -32,6 +32,7 @@ from tests.launch import pooled
 from tests.reference_run import SMALL_RUN, complete_checkpoint_steps
 from utils.log import warnings_ignored
 from utils.model.lora import PEFT_ASKS_A_DEPRECATED_PROPERTY, adapter_base, apply_lora
+from utils.spec import SEQ2SEQ
 
 pytest.importorskip("peft")
 STEPS = 4
@@ -217,11 +218,12 @@ def test_target_names_that_adapt_nothing_are_refused():
             T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR),
             replace(LORA, lora_target_modules="q,zz"),
             LORA_BASE,
+            SEQ2SEQ,
         )
     gated = T5Config(vocab_size=1100, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1,
                      feed_forward_proj="gated-gelu", decoder_start_token_id=0)  # fmt: skip
     with pytest.raises(ConfigError, match="--lora_target_modules wi: .*wi_0,wi_1"):
-        apply_lora(T5ForConditionalGeneration(gated), replace(LORA, lora_target_modules="wi"), LORA_BASE)
+        apply_lora(T5ForConditionalGeneration(gated), replace(LORA, lora_target_modules="wi"), LORA_BASE, SEQ2SEQ)
 
 
 def test_a_full_state_file_says_whether_it_holds_adapters(tmp_path):
@@ -229,7 +231,9 @@ def test_a_full_state_file_says_whether_it_holds_adapters(tmp_path):
     from utils.model.lora import holds_adapters
 
     torch.manual_seed(7)
-    peft_model = apply_lora(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR), LORA, LORA_BASE)
+    peft_model = apply_lora(
+        T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR), LORA, LORA_BASE, SEQ2SEQ
+    )
     torch.save(peft_model.state_dict(), tmp_path / "lora.pt")
     torch.save(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR).state_dict(), tmp_path / "plain.pt")
     assert holds_adapters(str(tmp_path / "lora.pt"))

@@ -182,18 +182,19 @@ def assert_fsdp_collectives_in_each_step(events: list[dict], all_gather_op: str)
 
 def profiled_fsdp2_worker(rank: int, world_size: int, output_dir: str) -> str:
     from configs.fsdp import FSDPConfig
-    from tests.dist_workers import FP32, LR, batch_seed, make_batch, tiny_t5
-    from utils.fsdp.shard import shard_model
-    from utils.train.step import train_step
+    from tests.dist_workers import FP32, LR, batch_seed, make_batch, sharded, tiny_t5
+    from utils.spec import SEQ2SEQ
+    from utils.train.step import StepSettings, train_step
 
     config = FSDPConfig(fsdp_version=2, mixed_precision=False, fsdp_activation_checkpointing=False)
-    model = shard_model(tiny_t5(), config, FP32, CPU)
+    model, parallelism = sharded(tiny_t5(), config, FP32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     observe = ObserveConfig(profile_start_step=2, profile_num_steps=2)
+    settings = StepSettings(parallelism, spec=SEQ2SEQ)
     with StepProfiler(observe, output_dir, rank, CPU, steps_done=0, recompute=False) as profiler:
         for step in range(1, 4):
             with profiler.step(step):
-                train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size)
+                train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size, settings)
     return layout.trace_file(layout.profile_dir(output_dir, 2, 3), rank)
 
 

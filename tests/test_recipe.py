@@ -386,7 +386,7 @@ def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(t
      (5.0, math.nan, True)],
 )  # fmt: skip
 def test_a_non_finite_metric_is_never_the_best(value, best, better):
-    from utils.task import SEQ2SEQ
+    from utils.spec import SEQ2SEQ
 
     assert SEQ2SEQ.is_better("val_loss", value, best) is better
 

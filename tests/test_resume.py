@@ -64,10 +64,11 @@ from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.start import StartPoint, resolve_start
 from utils.distributed.process_group import DistInfo
-from utils.fsdp.shard import shard_model
+from utils.fsdp.parallelism import parallelism_for
 from utils.layout import MODEL_FILE
+from utils.spec import SEQ2SEQ
 from utils.train import optim
-from utils.train.step import train_step
+from utils.train.step import StepSettings, train_step
 
 RTOL = 1e-5
 RUN_TIMEOUT_S = 240
@@ -500,7 +501,8 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
         checkpoint fills, where `plain` is one), AdamW, its schedule, their manager."""
         fsdp = replace(fsdp_config, checkpoint_type=checkpoint_type, save_optimizer=save_optimizer)
         restores = plain.device.type == "meta"
-        model = shard_model(plain, fsdp, Precision("fp32_policy"), cpu, restores=restores)
+        parallelism = parallelism_for(fsdp, world_size)
+        model = parallelism.wrap(plain, precision=Precision("fp32_policy"), device=cpu, restores=restores)
         parameter_groups = optim.parameter_groups(model, train_config.weight_decay)
         optimizer = torch.optim.AdamW(parameter_groups, lr=train_config.lr)
         scheduler = optim.lr_scheduler(optimizer, train_config.gamma, RecipeConfig(), total_steps=10)
@@ -510,10 +512,12 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
             fsdp=fsdp,
             output_dir=folder,
             model=model,
+            parallelism=parallelism,
             optimizer=optimizer,
             scheduler=scheduler,
             scaler=None,
             model_config=plain.config,
+            spec=SEQ2SEQ,
             tokenizer=tokenizer,
             info=info,
             lora=LoraConfig(),
@@ -528,8 +532,9 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
     for checkpoint_type in (SHARDED, FULL):
         saver = checkpointer(_tiny_t5(seed=0), checkpoint_type)
         model, optimizer, scheduler = saver.model, saver.optimizer, saver.scheduler
+        settings = StepSettings(saver.parallelism, spec=SEQ2SEQ)
         for step in range(2):
-            train_step(model, _random_batch(100 * step + rank), optimizer, None, world_size)
+            train_step(model, _random_batch(100 * step + rank), optimizer, None, world_size, settings)
         scheduler.step()  # the saved learning rate differs from a fresh optimizer's
         progress = TrainProgress(epoch=2, samples_consumed=8, global_step=2, best_metric=3.25, best_epoch=1)
         path = saver.save(progress)
@@ -560,15 +565,16 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
         }
         # One more step on the same batch: equal moments give equal updates.
         batch = _random_batch(999 + rank)
-        train_step(model, batch, optimizer, None, world_size)
-        train_step(model2, batch, optimizer2, None, world_size)
+        train_step(model, batch, optimizer, None, world_size, settings)
+        train_step(model2, batch, optimizer2, None, world_size, StepSettings(loader.parallelism, spec=SEQ2SEQ))
         after, after2 = _full_states(model, optimizer)[0], _full_states(model2, optimizer2)[0]
         result["model_diff_after_next_step"] = max(_max_diffs(after, after2).values())
         result["next_step_changed_weights"] = max(_max_diffs(original_model, after).values()) > 0
 
         # Without optimizer state the weights come back and AdamW starts afresh: no state, not even a step.
         without = checkpointer(_tiny_t5(seed=0), checkpoint_type, save_optimizer=False)
-        train_step(without.model, _random_batch(rank), without.optimizer, None, world_size)
+        settings = StepSettings(without.parallelism, spec=SEQ2SEQ)
+        train_step(without.model, _random_batch(rank), without.optimizer, None, world_size, settings)
         path = without.save(progress)
         start = start_of(path)
         restored = checkpointer(_tiny_t5(seed=1, on_meta=True), checkpoint_type, save_optimizer=False)

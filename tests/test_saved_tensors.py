@@ -10,7 +10,7 @@ from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
 from policies.wrapping import layer_classes
 from tests.dist_workers import make_batch
 from utils.observe.memory import SavedTensorCounter
-from utils.task import SEQ2SEQ
+from utils.spec import SEQ2SEQ
 
 
 def test_hand_count_of_linear_relu_linear():
@@ -41,7 +41,7 @@ def test_activation_checkpointing_keeps_only_block_inputs_and_what_is_outside_th
 
 
 def test_decoder_inputs_are_t5s_own_shift_and_its_loss_is_not_kept():
-    """The task's token_losses passes decoder_input_ids (utils/task.py: shift_right) instead of labels: the
+    """The spec's token_losses passes decoder_input_ids (utils/spec.py: shift_right) instead of labels: the
     logits equal T5's own labels path exactly, and the bytes kept for backward are smaller by T5's unused
     loss, one batch x target x vocabulary log-softmax."""
     config = T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0, use_cache=False)

@@ -27,6 +27,7 @@ from tests.dist_workers import (
     layers_compiled_by,
     make_batch,
     reference_run,
+    sharded,
     tiny_t5,
     train_wrapped,
 )
@@ -34,8 +35,8 @@ from tests.launch import pooled
 from tests.reference_run import read_records
 from tests.run_configs import run_config
 from utils.eval.generation import generate
-from utils.fsdp.shard import fsdp_units, shard_model
-from utils.task import SEQ2SEQ
+from utils.fsdp.parallelism import FSDP1, Parallelism
+from utils.spec import SEQ2SEQ
 from utils.train.step import StepSettings, train_step
 from utils.train.step_log import StepLog
 
@@ -44,21 +45,21 @@ UNWRAPPED = {"single_rank_fsdp": False}
 BF16 = Precision("bfSixteen_fp32_reduce")
 
 
-def one_rank_model(precision: Precision = FP32, **overrides) -> torch.nn.Module:
-    return shard_model(tiny_t5(), _fsdp_config({**UNWRAPPED, **overrides}), precision, CPU)
+def one_rank_model(precision: Precision = FP32, **overrides) -> tuple[torch.nn.Module, Parallelism]:
+    return sharded(tiny_t5(), _fsdp_config({**UNWRAPPED, **overrides}), precision)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_unwrapped_model_trains_as_the_unsharded_reference(checkpointing):
     reference_losses, reference_state = reference_run(STEPS, world_size=1)
     with one_process_group():
-        model = one_rank_model(fsdp_activation_checkpointing=checkpointing)
+        model, parallelism = one_rank_model(fsdp_activation_checkpointing=checkpointing)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses = train_wrapped(model, optimizer, rank=0, world_size=1, steps=STEPS)
+        losses = train_wrapped(model, parallelism, optimizer, rank=0, world_size=1, steps=STEPS)
         # the control: the same settings but the flag wrap the model in FSDP1
-        wrapped = shard_model(tiny_t5(), _fsdp_config({"fsdp_activation_checkpointing": checkpointing}), FP32, CPU)
-    assert isinstance(model, T5ForConditionalGeneration) and fsdp_units(model) == []
-    assert len(fsdp_units(wrapped)) == 5  # the root and the 4 T5Blocks
+        wrapped, fsdp1 = sharded(tiny_t5(), _fsdp_config({"fsdp_activation_checkpointing": checkpointing}), FP32)
+    assert isinstance(model, T5ForConditionalGeneration) and parallelism.units(model) == []
+    assert isinstance(fsdp1, FSDP1) and len(fsdp1.units(wrapped)) == 5  # the root and the 4 T5Blocks
     # reported from float64 sums (the reference: a float32 mean)
     assert losses == pytest.approx(reference_losses, rel=1e-6)
     state = model.state_dict()
@@ -69,7 +70,7 @@ def test_bf16_runs_under_autocast_with_fp32_weights_and_generates_as_plain_gener
     batch = make_batch(seed=5)
     prompts = SEQ2SEQ.prompts(batch)
     with one_process_group():
-        model = one_rank_model(BF16)
+        model, parallelism = one_rank_model(BF16)
         model.eval()
         with torch.no_grad():
             logits = model(**prompts, decoder_input_ids=batch["target_ids"]).logits
@@ -77,10 +78,10 @@ def test_bf16_runs_under_autocast_with_fp32_weights_and_generates_as_plain_gener
         encoder_query = model.encoder.block[0].layer[0].SelfAttention.q
         dtypes = []
         hook = encoder_query.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
-        tokens = generate(model, prompts, {"max_new_tokens": 6})
+        tokens = generate(model, parallelism, prompts, {"max_new_tokens": 6})
         hook.remove()
         autocast_after = torch.is_autocast_enabled("cpu")
-        fp32_model = one_rank_model(FP32)  # the control: fp32 computes in fp32
+        fp32_model, _ = one_rank_model(FP32)  # the control: fp32 computes in fp32
         with torch.no_grad():
             fp32_logits = fp32_model(**prompts, decoder_input_ids=batch["target_ids"]).logits
     assert logits.dtype == torch.bfloat16 and fp32_logits.dtype == torch.float32
@@ -99,9 +100,10 @@ def test_accumulated_micro_batches_without_a_reduction_and_clipping_train_as_the
     records: list[dict] = []
     step_log = StepLog(every=STEPS, on_flush=records.extend)
     with one_process_group():
-        model = one_rank_model()
+        model, parallelism = one_rank_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        settings = StepSettings(max_grad_norm=0.05, sync_each_micro_batch=False)  # FSDP's no_sync: none here
+        # FSDP's no_sync: none here
+        settings = StepSettings(parallelism, max_grad_norm=0.05, sync_each_micro_batch=False, spec=SEQ2SEQ)
         for step in range(STEPS):
             micro_batches = _split_rows(make_batch(batch_seed(step, rank=0), rows=4), parts=2)
             step_log.add(step + 1, LR, train_step(model, micro_batches, optimizer, None, 1, settings))
@@ -118,11 +120,13 @@ def test_compiled_blocks_compile_in_the_first_step_only():
     step = [0]
     with one_process_group(), layers_compiled_by("aot_eager", lambda: compiled_at.append(step[0])):
         torch._dynamo.reset()
-        model = one_rank_model(compile=True)
+        model, parallelism = one_rank_model(compile=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         losses = []
         for step[0] in range(STEPS):
-            losses += train_wrapped(model, optimizer, rank=0, world_size=1, steps=step[0] + 1, first=step[0])
+            losses += train_wrapped(
+                model, parallelism, optimizer, rank=0, world_size=1, steps=step[0] + 1, first=step[0]
+            )
         torch._dynamo.reset()
     reference_losses, _ = reference_run(STEPS, world_size=1)
     assert losses == pytest.approx(reference_losses, rel=1e-6)
@@ -133,7 +137,7 @@ def test_compiled_blocks_compile_in_the_first_step_only():
 
 def test_the_skeleton_a_checkpoint_fills_keeps_its_tied_weights():
     with one_process_group():
-        model = shard_model(tiny_t5(on_meta=True), _fsdp_config(UNWRAPPED), FP32, CPU, restores=True)
+        model, _ = sharded(tiny_t5(on_meta=True), _fsdp_config(UNWRAPPED), FP32, restores=True)
     assert model.shared.weight.device == CPU
     assert model.encoder.embed_tokens.weight is model.shared.weight is model.lm_head.weight
     # the control: torch's to_empty alone unties them (an optimizer would then miss 'shared.weight')

@@ -18,7 +18,7 @@ from tests.dist_harness import run_ranks
 from tests.dist_workers import make_batch, t5_flex_worker, tiny_t5
 from utils.model import t5_attention
 from utils.model.loading import check_attention_fits
-from utils.task import SEQ2SEQ
+from utils.spec import SEQ2SEQ, spec_for
 
 STEPS = 3
 
@@ -130,14 +130,14 @@ def test_fsdp_backends_train_alike_with_t5_flex():
 )
 def test_kernels_that_do_not_fit_the_family_are_refused(config, kernel, message):
     with pytest.raises(ConfigError, match=message):
-        check_attention_fits(config, kernel)
+        check_attention_fits(config, spec_for(config), kernel)
 
 
 def test_kernels_that_fit_are_accepted():
     accepted = [(T5Config(), "t5_flex"), (BartConfig(), "flex_attention"), (T5Config(), "sdpa"),
                 (LlamaConfig(), "flex_attention"), (GPT2Config(), "sdpa")]  # fmt: skip
     for config, kernel in accepted:
-        check_attention_fits(config, kernel)
+        check_attention_fits(config, spec_for(config), kernel)
 
 
 @pytest.mark.parametrize("model_type", ["t5", "mt5"])

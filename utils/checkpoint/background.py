@@ -2,7 +2,7 @@
 and the writer that takes them to disk, both chosen by backend (utils/checkpoint/manager.py has why), and the
 checks made before training that the copies have room and the writes a core.
 
-    writer = BackgroundWriter(model, info, rank_bytes)   # collective: every rank makes its gloo group
+    writer = BackgroundWriter(parallelism, info, rank_bytes)   # collective: every rank makes its gloo group
     future = writer.write(payload, folder)               # returns once staged; the future ends with the write
     writer.close()
 
@@ -19,16 +19,15 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.fsdp import FSDPModule
 from torch.torch_version import TorchVersion
 
 from configs.errors import ConfigError
 from utils.checkpoint.integrity import RecordingWriter
 from utils.distributed.launcher import ranks_on_this_host
 from utils.distributed.process_group import DistInfo, usable_cpus
+from utils.fsdp.parallelism import Parallelism
 from utils.log import get_logger, size_text
 from utils.observe.memory import available_memory
 
@@ -38,13 +37,13 @@ class BackgroundWriter:
     rank reading shared memory, FSDP1 through a thread. Its own gloo group keeps the write's collectives
     apart from training's (DCP's writer process also agrees on its store's address over it)."""
 
-    def __init__(self, model: nn.Module, info: DistInfo, rank_bytes: int):
+    def __init__(self, parallelism: Parallelism, info: DistInfo, rank_bytes: int):
         if info.is_main:
             say_if_background_writes_have_no_core(info.device, info.world_size)
-        check_room_to_stage(rank_bytes, isinstance(model, FSDPModule))
+        check_room_to_stage(rank_bytes, parallelism.stages_in_shared_memory)
         self.info = info
         self.group = dist.new_group(backend="gloo")
-        self.make_stager, self.kind = _stager_and_writer(model, info.device)
+        self.make_stager, self.kind = _stager_and_writer(parallelism.stages_in_shared_memory, info.device)
         self.stager = self.make_stager()
 
     def write(self, payload: dict, folder: str) -> Future:
@@ -85,13 +84,13 @@ class BackgroundWriter:
 STAGER_SERVES_ONE_SAVE = (2, 11) <= TorchVersion(torch.__version__) < (2, 13)
 
 
-def _stager_and_writer(model: nn.Module, device: torch.device) -> tuple:
+def _stager_and_writer(shared_memory: bool, device: torch.device) -> tuple:
     """(what makes the stager that copies the shards to host memory, who writes them) for a background save.
-    FSDP2: into shared memory (pinned too on GPU) that DCP's writer process reads directly, kept for the next
-    save (except on torch 2.11 and 2.12). FSDP1: a plain copy (on GPU into pinned buffers kept for the next
-    save) that a thread writes."""
+    `shared_memory` (FSDP2): into shared memory (pinned too on GPU) that DCP's writer process reads directly,
+    kept for the next save (except on torch 2.11 and 2.12). Otherwise (FSDP1's ShardedTensors): a plain copy
+    (on GPU into pinned buffers kept for the next save) that a thread writes."""
     on_gpu = device.type == "cuda"
-    if isinstance(model, FSDPModule):
+    if shared_memory:
         options = StagingOptions(
             use_pinned_memory=on_gpu, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=on_gpu
         )

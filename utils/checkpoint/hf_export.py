@@ -54,7 +54,7 @@ from utils.files import atomic_path, tmp_path
 from utils.log import get_logger, progress_bar, warnings_ignored
 from utils.model.loading import saved_config, skeleton
 from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
-from utils.task import GENERATION_KEYS, task_for
+from utils.spec import GENERATION_KEYS, ModelSpec, spec_for
 
 # Each rank serializes its rows of a batch of tensors in memory before writing them (DCP's safetensors
 # writer; about twice the batch's bytes while it does): batches of about this many bytes per rank keep that
@@ -86,12 +86,12 @@ def tensor_bytes(shape, dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def tied_names(model_config) -> set[str]:
+def tied_names(model_config, spec: ModelSpec) -> set[str]:
     """The names save_pretrained leaves out because they are another parameter: T5's `embed_tokens` (and,
     with tie_word_embeddings, `lm_head`) are `shared.weight`, BART's `lm_head` is `model.shared.weight`, and
     from_pretrained ties them to it again."""
     seen, tied = set(), set()
-    for name, parameter in skeleton(model_config).named_parameters(remove_duplicate=False):
+    for name, parameter in skeleton(model_config, spec).named_parameters(remove_duplicate=False):
         if id(parameter) in seen:
             tied.add(name)
         seen.add(id(parameter))
@@ -134,12 +134,12 @@ def lora_exports(
 
 @fsdp1_state_dict_warnings_ignored()
 def write_model_folder(
-    state: dict, model_config, tokenizer, folder: str, max_file_bytes: int, is_main: bool
+    state: dict, model_config, spec: ModelSpec, tokenizer, folder: str, max_file_bytes: int, is_main: bool
 ) -> int:
     """Write the HF folder `folder` from every rank's shards of the model state dict (transformers names).
     Collective. The folder appears whole or not at all: an existing one is replaced once the new one is
     complete. Empties `state` once every rank's rows are written. Returns the number of weights files."""
-    tied = tied_names(model_config)
+    tied = tied_names(model_config, spec)
     parts_state = {name: tensor for name, tensor in state.items() if name not in tied}
     sizes = {name: tensor_bytes(tensor.size(), tensor.dtype) for name, tensor in parts_state.items()}
     dtype = next(iter(parts_state.values())).dtype
@@ -167,34 +167,34 @@ def write_model_folder(
                 stitched = os.path.join(tmp, "model-00001-of-00001.safetensors")  # DCP's name
                 os.replace(stitched, os.path.join(tmp, layout.hf_weights_file(1, 1)))
                 os.remove(os.path.join(tmp, layout.HF_WEIGHTS_INDEX))
-            write_model_description(model_config, tokenizer, dtype, tmp)
+            write_model_description(model_config, spec, tokenizer, dtype, tmp)
     return files
 
 
-def write_model_description(model_config, tokenizer, dtype: torch.dtype, folder: str) -> None:
+def write_model_description(model_config, spec: ModelSpec, tokenizer, dtype: torch.dtype, folder: str) -> None:
     """What save_pretrained writes besides the weights (config.json with the architecture and dtype,
     generation_config.json), and the tokenizer."""
     config = copy.deepcopy(model_config)
     # Training runs without the KV cache (activation checkpointing needs that); whoever loads the folder
     # generates, which wants it.
     config.use_cache = True
-    config.architectures = [task_for(config).architecture(config)]
+    config.architectures = [spec.architecture(config)]
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(folder)
-    run_generation_config(config, tokenizer).save_pretrained(folder)
+    run_generation_config(config, spec, tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
-def summarization_settings(config) -> dict:
+def summarization_settings(config, spec: ModelSpec) -> dict:
     """The run's summarization settings (cleaning, prefix, lengths, generation) its model config carries."""
-    return (getattr(config, "task_specific_params", None) or {}).get(task_for(config).params_key, {})
+    return (getattr(config, "task_specific_params", None) or {}).get(spec.params_key, {})
 
 
-def run_generation_config(config, tokenizer=None) -> GenerationConfig:
+def run_generation_config(config, spec: ModelSpec, tokenizer=None) -> GenerationConfig:
     """generation_config.json with the run's generation settings, so `generate()` summarises as evaluated: up
     to the run's lengths, and ending at every stop token evaluation ended at (the tokenizer's EOS too)."""
     generation_config = GenerationConfig.from_model_config(config)
-    summarization = summarization_settings(config)
+    summarization = summarization_settings(config, spec)
     generation = {key: summarization[key] for key in GENERATION_KEYS if key in summarization}
     if generation.get("num_beams", 1) == 1:
         generation.pop("length_penalty", None)  # a beam-search setting; transformers refuses it otherwise
@@ -206,7 +206,7 @@ def run_generation_config(config, tokenizer=None) -> GenerationConfig:
 
 
 def write_adapter_folder(
-    adapters: dict, model_config, lora: LoraConfig, base_model: str, tokenizer, folder: str
+    adapters: dict, model_config, spec: ModelSpec, lora: LoraConfig, base_model: str, tokenizer, folder: str
 ) -> None:
     """Rank 0: PEFT's adapter folder (adapter_config.json naming `base_model`, adapter_model.safetensors)
     from the gathered adapters, the tokenizer, and the run's generation and summarization settings. PEFT's
@@ -215,14 +215,14 @@ def write_adapter_folder(
     config = copy.deepcopy(model_config)
     config.use_cache = True
     with torch.device("meta"):
-        peft_skeleton = apply_lora(skeleton(config), lora, base_model)
+        peft_skeleton = apply_lora(skeleton(config, spec), lora, base_model, spec)
     with atomic_path(folder) as tmp:
         peft_skeleton.save_pretrained(tmp, state_dict=adapters, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         # What a whole model's config.json and generation_config.json carry, for scripts/summarize.py.
-        run_generation_config(config, tokenizer).save_pretrained(tmp)
+        run_generation_config(config, spec, tokenizer).save_pretrained(tmp)
         with open(os.path.join(tmp, layout.ADAPTER_SUMMARIZATION_FILE), "w", encoding="utf-8") as f:
-            json.dump(summarization_settings(config), f, indent=1)
+            json.dump(summarization_settings(config, spec), f, indent=1)
 
 
 def convert_checkpoint(checkpoint: str, output: str, max_file_bytes: int) -> str:
@@ -243,7 +243,8 @@ def convert_checkpoint(checkpoint: str, output: str, max_file_bytes: int) -> str
                 f"writes its adapter to output_dir/{layout.HF_ADAPTER_DIR}/ and, with --merge_lora true, the "
                 f"merged model to output_dir/{layout.HF_DIR}/ when it ends."
             )
-        tied = tied_names(config)
+        spec = spec_for(config)
+        tied = tied_names(config, spec)
         shapes = {name: shape for name, shape in shapes.items() if name not in tied}
         sizes = {name: tensor_bytes(shape, dtype) for name, (shape, dtype) in shapes.items()}
         plan = file_plan(sizes, max_file_bytes)
@@ -262,7 +263,7 @@ def convert_checkpoint(checkpoint: str, output: str, max_file_bytes: int) -> str
                 index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
                 with open(os.path.join(tmp, layout.HF_WEIGHTS_INDEX), "w", encoding="utf-8") as f:
                     json.dump(index, f, indent=2)
-            write_model_description(config, tokenizer, next(iter(shapes.values()))[1], tmp)
+            write_model_description(config, spec, tokenizer, next(iter(shapes.values()))[1], tmp)
     except UserError:
         raise
     except FAILURES as err:  # one message naming the checkpoint

@@ -10,7 +10,7 @@ checkpoints are pruned only after a newer one is complete, off the training thre
 Both checkpoint types are restored after sharding, into this run's shards: SHARDED_STATE_DICT through
 torch.distributed.checkpoint (each rank reads what its shards need), FULL_STATE_DICT from the memory-mapped
 model.pt and optimizer.pt (each rank copies its own rows). No rank holds the whole model or optimizer state,
-and the model they go into is an empty skeleton (utils/model/loading.py: builds_on_meta), not pretrained
+and the model they go into is an empty skeleton (utils/fsdp/parallelism.py: builds_on_meta), not pretrained
 weights read only to be overwritten.
 
 With --async_checkpoint the shards are written in the background by DCP's `async_save`
@@ -74,9 +74,11 @@ from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, rank0_decides
 from utils.distributed.progress_bounded import progress_bounded
 from utils.files import disk_bytes, free_bytes, is_disk_full, write_json
+from utils.fsdp.parallelism import Parallelism
 from utils.log import get_logger, size_text
 from utils.model.lora import trainable_share, transposed_layers
-from utils.observe.memory import param_numel_local, param_numel_whole, trim_host_heap
+from utils.observe.memory import param_numel_local, trim_host_heap
+from utils.spec import ModelSpec
 
 
 @dataclass
@@ -106,10 +108,12 @@ class CheckpointManager:
         fsdp: FSDPConfig,
         output_dir: str,
         model: nn.Module,
+        parallelism: Parallelism,
         optimizer: torch.optim.Optimizer,
         scheduler: LRScheduler,
         scaler: ShardedGradScaler | None,
         model_config,
+        spec: ModelSpec,
         tokenizer,
         info: DistInfo,
         lora: LoraConfig,
@@ -121,7 +125,9 @@ class CheckpointManager:
         self.save_optimizer = fsdp.save_optimizer
         self.output_dir = output_dir
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.parallelism = parallelism
         self.model_config = model_config
+        self.spec = spec  # the export's model class, architecture and saved settings (utils/spec.py)
         self.tokenizer = tokenizer
         self.info = info
         self.lora = lora if lora.peft == "lora" else None  # the export writes the adapter (and merged model)
@@ -138,9 +144,12 @@ class CheckpointManager:
         self.purged = 0  # folders handed to it
         rank_bytes = state_bytes(model, param_numel_local(model), self.save_optimizer)  # what a rank stages
         if info.is_main and self.checkpoint_type == layout.FULL and checkpointing.keep_last_n:
-            say_if_full_saves_are_large(state_bytes(model, param_numel_whole(model), self.save_optimizer))
+            whole = parallelism.param_numel_whole(model)
+            say_if_full_saves_are_large(state_bytes(model, whole, self.save_optimizer))
         # --async_checkpoint (collective: every rank makes the writer's group).
-        self.background = BackgroundWriter(model, info, rank_bytes) if checkpointing.async_checkpoint else None
+        self.background = None
+        if checkpointing.async_checkpoint:
+            self.background = BackgroundWriter(parallelism, info, rank_bytes)
 
     # ------------------------------------------------------------------------------------ resumable
 
@@ -181,7 +190,9 @@ class CheckpointManager:
         dist.barrier()
         train_state = self._train_state(progress)
         full = self.checkpoint_type == layout.FULL
-        model_state, optim_state = model_and_optimizer_state(self.model, self.optimizer, full, self.info.device)
+        model_state, optim_state = model_and_optimizer_state(
+            self.model, self.optimizer, full, self.info.device, self.parallelism
+        )
         self._write_small_files(tmp, optim_state)
         written = {}  # rank 0's files hashed as they were written (model.pt, optimizer.pt)
         if full:
@@ -270,7 +281,7 @@ class CheckpointManager:
         if kept:
             return disk_bytes(kept[-1]), "the size of the newest checkpoint"
         # replicas (NO_SHARD, the hybrid strategies' groups) are written once
-        whole = state_bytes(self.model, param_numel_whole(self.model), self.save_optimizer)
+        whole = state_bytes(self.model, self.parallelism.param_numel_whole(self.model), self.save_optimizer)
         return whole, "the model and optimizer in fp32"
 
     def _ran_out_of_space(self, err: BaseException) -> bool:
@@ -483,7 +494,7 @@ class CheckpointManager:
         name = layout.best_model_filename(self.run_id, epoch, val_loss)
         path = os.path.join(self.output_dir, name)
         with progress_bounded("the full model's save (rank 0 writes it)"):
-            return save_full_model(self.model, self.info.device, self.info.is_main, path)
+            return save_full_model(self.model, self.parallelism, self.info.device, self.info.is_main, path)
 
     @fsdp1_state_dict_warnings_ignored()
     def export_hf(self, last: bool = False) -> str | None:
@@ -501,12 +512,16 @@ class CheckpointManager:
             adapter_folder = os.path.join(self.output_dir, layout.HF_ADAPTER_DIR + ("_last" if last else ""))
             if is_main:
                 lora, config = self.lora, self.model_config
-                write_adapter_folder(adapters, config, lora, self.base_model, self.tokenizer, adapter_folder)
+                write_adapter_folder(
+                    adapters, config, self.spec, lora, self.base_model, self.tokenizer, adapter_folder
+                )
                 get_logger().info("LoRA adapter written: %s (PeftModel.from_pretrained-loadable)", adapter_folder)
             if state is None:
                 return adapter_folder if is_main else None
         max_file_bytes = int(self.checkpointing.export_max_file_gb * 1e9)
-        files = write_model_folder(state, self.model_config, self.tokenizer, folder, max_file_bytes, is_main)
+        files = write_model_folder(
+            state, self.model_config, self.spec, self.tokenizer, folder, max_file_bytes, is_main
+        )
         get_logger().info(
             "model written from the shards: %s (%d safetensors file(s), %.1f s; from_pretrained-loadable)",
             folder,

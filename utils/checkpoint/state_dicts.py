@@ -14,8 +14,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 from configs.errors import CheckpointError
@@ -28,41 +26,22 @@ from policies.private_api import (
     state_dict_name,
 )
 from utils.files import atomic_path, disk_bytes
-from utils.log import get_logger, warnings_ignored
-
-# FSDP1's state dicts warn at every use, about torch internals nobody here can act on: its optimizer-state and
-# sharding utilities ask the process group for its device through a deprecated helper (on a gloo group that
-# helper also warns that it has to guess), its sharded state dicts are ShardedTensors, deprecated in favour of
-# FSDP2's DTensors, and FSDP.state_dict_type is deprecated in favour of get_state_dict (the tutorial's FSDP1
-# full-state path uses it on purpose; --fsdp_version 2 is the replacement). The checkpoint manager's saves,
-# loads and exports, and the entry points here and in hf_export.py that build or load such state dicts, ignore
-# exactly these (`fsdp1_state_dict_warnings_ignored`), and nothing else; the per-tensor helpers they call
-# (local_rows, fill_from_full, ...) run inside them, so they do not enter the block again for every tensor.
-FSDP1_STATE_DICT_WARNINGS = (
-    (UserWarning, "`_get_pg_default_device` will be deprecated"),
-    (UserWarning, "Multiple backends are registered with this ProcessGroup"),
-    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor"),
-    (FutureWarning, "FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated"),
-    # NO_SHARD (asked for, or FSDP1's choice at world size 1): a sharded state dict holds whole tensors,
-    # which local_rows and fill_from_full take as they are
-    # ("will be returned" when saving, "willbe returned" when loading)
-    (UserWarning, "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"),
-)
-
-
-def fsdp1_state_dict_warnings_ignored():
-    return warnings_ignored(*FSDP1_STATE_DICT_WARNINGS)
+from utils.fsdp.parallelism import Parallelism
+from utils.fsdp.shard import fsdp1_state_dict_warnings_ignored
+from utils.log import get_logger
 
 
 @fsdp1_state_dict_warnings_ignored()
-def model_and_optimizer_state(model: nn.Module, optimizer, full: bool, device: torch.device) -> tuple[dict, dict]:
+def model_and_optimizer_state(
+    model: nn.Module, optimizer, full: bool, device: torch.device, parallelism: Parallelism
+) -> tuple[dict, dict]:
     """Model and optimizer state dicts: full (gathered on rank 0) or this rank's shards. Collective.
 
-    Full state is gathered unit by unit and kept on rank 0 only (cpu_offload: copied to its host memory on
-    GPU; the other ranks drop each unit once gathered). Except FSDP1 on a CPU group, where cpu_offload crashes
-    (docs/pitfalls.md #1): there every rank holds the whole state until the save is written.
+    Full state is gathered unit by unit and kept on rank 0 only (cpu_offload: copied to its host memory; the
+    other ranks drop each unit once gathered), where the parallelism can (FSDP1 on a CPU group cannot:
+    Parallelism.offloads_full_state).
     """
-    offload = full and (device.type == "cuda" or not isinstance(model, FSDP))
+    offload = full and parallelism.offloads_full_state(device)
     options = StateDictOptions(full_state_dict=full, cpu_offload=offload)
     return get_state_dict(model, optimizer, options=options)
 
@@ -193,30 +172,11 @@ def param_groups_from_json(groups: list[dict]) -> list[dict]:
     return [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in groups]
 
 
-@fsdp1_state_dict_warnings_ignored()
-def gather_full_state_dict(model: nn.Module, device: torch.device) -> dict:
-    """The unsharded model state dict on rank 0, for either backend. Collective."""
-    if isinstance(model, FSDP):
-        return _gather_full_state_dict_fsdp1(model, device)
-    # FSDP2: streamed to rank 0's host memory unit by unit (no CPU-group bug here).
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def _gather_full_state_dict_fsdp1(model: FSDP, device: torch.device) -> dict:
-    """The unsharded model state dict on rank 0 (an empty dict on every other rank: never index it there).
-
-    Each unit's full parameters are gathered in turn and, on GPU, copied to host memory one by one
-    (`offload_to_cpu`), so rank 0 needs about the model's size in RAM and only one unit on the GPU. On a
-    CPU group offload_to_cpu=True crashes FSDP1 (docs/pitfalls.md #1), so it is used on GPU only.
-    """
-    policy = FullStateDictConfig(offload_to_cpu=device.type == "cuda", rank0_only=True)
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, policy):
-        return model.state_dict()
-
-
-def save_full_model(model: nn.Module, device: torch.device, is_main: bool, path: str) -> str | None:
+def save_full_model(
+    model: nn.Module, parallelism: Parallelism, device: torch.device, is_main: bool, path: str
+) -> str | None:
     """Gather the full state dict (collective) and save it atomically on rank 0. Returns the path there."""
-    state = gather_full_state_dict(model, device)
+    state = parallelism.full_state_dict(model, device)
     if not is_main:
         return None
     with atomic_path(path) as tmp:

@@ -388,9 +388,23 @@ def _earlier_replies(
     return marked, missed
 
 
-# How a row becomes token ids, by the name a Dataset class gives (its `encoding`): an encoder-decoder's source
-# and target apart, or a decoder-only model's prompt and completion.
-ENCODINGS: dict[str, Callable] = {"seq2seq": _encode_batch, "causal": _encode_causal_batch}
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """How a row becomes token ids (a Dataset class's `encoding`), and what its token cache's key says of it."""
+
+    name: str
+    encode: Callable  # a batch of rows -> their token ids
+    version: int | str  # the key's "encoding"
+    adds_special_ids: bool = False  # the tokenizer's start and end ids, added by the encoding itself
+    renders_chat: bool = False  # conversations, rendered by the tokenizer's chat template (_encode_chat_batch)
+
+
+# An encoder-decoder's source and target apart (its caches keep the key they had before a second encoding
+# existed), or a decoder-only model's prompt and completion.
+SEQ2SEQ_ENCODING = Encoding("seq2seq", _encode_batch, ENCODING_VERSION)
+CAUSAL_ENCODING = Encoding(
+    "causal", _encode_causal_batch, f"{ENCODING_VERSION}-causal", adds_special_ids=True, renders_chat=True
+)
 
 
 def _tokenising_processes(rows: int) -> int | None:
@@ -446,7 +460,7 @@ def unknown_token_counts(ids: datasets.Dataset, unk_id: int | None) -> dict:
 
 def _cached_token_ids(
     rows: datasets.Dataset, cached: CachedSplit, split: str, tokenizer, data: DataConfig, input_length: int,
-    output_length: int, encoding: str,
+    output_length: int, encoding: Encoding,
 ) -> datasets.Dataset:  # fmt: skip
     """Token ids (unpadded, int32) of `rows`, the first rows of a split, from the token cache: tokenised once
     per machine, and reused by every epoch, every rank and every later run with the same text cache (the
@@ -461,10 +475,9 @@ def _cached_token_ids(
         "source_prefix": data.source_prefix,
         "input_length": input_length,
         "output_length": output_length,
-        # The encoder-decoders' caches keep the key they had before a second encoding existed.
-        "encoding": ENCODING_VERSION if encoding == "seq2seq" else f"{ENCODING_VERSION}-{encoding}",
+        "encoding": encoding.version,
     }
-    if encoding == "causal":  # the ids the encoding adds itself, which the tokenizer's definition may not name
+    if encoding.adds_special_ids:  # the ids it adds itself, which the tokenizer's definition may not name
         key["special_ids"] = [tokenizer.bos_token_id, tokenizer.eos_token_id]
     if cached.cleaning == "chat":  # conversations are rendered by it (_encode_chat_batch)
         key["chat_template"] = getattr(tokenizer, "chat_template", None)
@@ -486,7 +499,7 @@ def _cached_token_ids(
         )
 
     encode = functools.partial(
-        ENCODINGS[encoding], tokenizer=tokenizer, clean=CLEANINGS[cached.cleaning],
+        encoding.encode, tokenizer=tokenizer, clean=CLEANINGS[cached.cleaning],
         source_prefix=data.source_prefix, input_length=input_length, output_length=output_length,
         **({"chat": True} if cached.cleaning == "chat" else {}),
     )  # fmt: skip
@@ -506,7 +519,7 @@ class SplitRows:
 
     split: str
     lengths: tuple[int, int]  # the input and output lengths the ids are truncated to
-    encoding: str  # how they were tokenised (ENCODINGS)
+    encoding: Encoding  # how they were tokenised
     rows: datasets.Dataset  # id, source, target
     token_ids: datasets.Dataset  # source_ids, target_ids: unpadded, int32 (conversations: source_replies)
     split_rows: int  # the whole split's, before the selection
@@ -516,10 +529,10 @@ class SplitRows:
 
 def split_rows(
     tokenizer, split: str, num_samples: int | None, input_length: int, output_length: int, data: DataConfig,
-    encoding: str = "seq2seq",
+    encoding: Encoding = SEQ2SEQ_ENCODING,
 ) -> SplitRows:  # fmt: skip
     """The first `num_samples` rows of `split` (None, or more than it has: all) of the run's source, with
-    their token ids tokenised as `encoding` says (ENCODINGS): each cache built first where it is missing."""
+    their token ids tokenised as `encoding` says: each cache built first where it is missing."""
     if num_samples is not None and num_samples < 1:
         raise ConfigError(f"num_samples must be None (all) or at least 1, got {num_samples}.")
     for name, length in (("input_length", input_length), ("output_length", output_length)):
@@ -531,7 +544,7 @@ def split_rows(
             f"--source_prefix {data.source_prefix!r}: {cached.what} holds conversations, which the tokenizer's "
             "chat template renders whole; put what the prefix says in a system message, or drop it"
         )
-    if cached.cleaning == "chat" and encoding != "causal":
+    if cached.cleaning == "chat" and not encoding.renders_chat:
         raise ConfigError(
             f"{cached.what} holds conversations (a messages column), which a decoder-only model's chat template "
             "renders; an encoder-decoder reads a source and a target: give --text_column and --summary_column"

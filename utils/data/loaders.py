@@ -1,5 +1,5 @@
 """Each rank's loaders: the training loader (shuffled, resumable), the validation loader (in order, padded) and
-generation's rows, built from a data format (a task's Dataset and collate: summarization_dataset.FORMAT) over
+generation's rows, built from a data format (a spec's Dataset and collate: summarization_dataset.FORMAT) over
 the run's source, whose rows come from the data cache (utils/data/cache.py):
 
     loaders = build_loaders(
@@ -36,22 +36,24 @@ from utils.data.samplers import (
 from utils.distributed.process_group import DistInfo, is_rank0
 from utils.log import bars_shown, get_logger
 
+IGNORED = -100  # the label of a token the loss leaves out (padding): cross_entropy's ignore_index
+
 
 @dataclass(frozen=True)
 class DataFormat:
-    """How a split's rows become items and items a batch: a task's Dataset class, built as
+    """How a split's rows become items and items a batch: a model spec's Dataset class, built as
     ``dataset_type(tokenizer, split, num_samples, input_length, output_length, data, rows=split_rows(...))``,
     and its collate, called as ``collate(items, pad_token_id=...)``. What the loaders, the run record and
     evaluation read of a Dataset (summarization_dataset.SummarizationDataset has it): ``encoding`` (how its rows
-    are tokenised: utils/data/cache.py's ENCODINGS), ``split``,
+    are tokenised: utils/data/cache.py's Encoding), ``packed`` (whether its items are blocks of rows), ``split``,
     ``split_rows``, ``source_description``, ``cleaning``, ``source_prefix``, ``tokenizer``, ``unknown_tokens``,
     ``row_id(i)``, ``article(i)``, ``reference(i)``, ``source_lengths()`` and ``target_lengths()``; and of its
     class, ``lengths(data)``, the input and output lengths the settings give. ``packed_type``: the Dataset of
-    --packing's blocks, built alike (and with ``packing_note()``), where the task packs."""
+    --packing's blocks, built alike (and with ``packing_note()``), where the model spec packs."""
 
     dataset_type: type[Dataset]
     collate: Callable
-    packed_type: type[Dataset] | None = None  # the Dataset of --packing's blocks, where the task packs
+    packed_type: type[Dataset] | None = None  # the Dataset of --packing's blocks, where the model spec packs
 
 
 @dataclass
@@ -143,9 +145,8 @@ def build_dataset(
         for note in dataset.notes():
             warn_once(Path(dataset.source_description), note, "%s", note)
     if len(dataset) < world_size:
-        packed = hasattr(dataset, "packing_note")
-        what = "packed block" if packed else "usable sample"
-        fix = "more data, a shorter --max_seq_len," if packed else "more data"
+        what = "packed block" if dataset.packed else "usable sample"
+        fix = "more data, a shorter --max_seq_len," if dataset.packed else "more data"
         raise DataError(
             f"the {split} split of {dataset.source_description} has {len(dataset)} {what}"
             f"{'s' if len(dataset) != 1 else ''}, fewer than the {world_size} ranks: every rank needs at least "
@@ -194,7 +195,7 @@ def rows_phrase(dataset: Dataset, asked: int | None, flag: str) -> str:
     """How many rows of its split a dataset reads and why, for the start line (`asked`: the value of `flag`,
     the setting that chose them)."""
     split, rows = dataset.split, len(dataset.dataset)
-    packed = f", {dataset.packing_note()}" if hasattr(dataset, "packing_note") else ""
+    packed = f", {dataset.packing_note()}" if dataset.packed else ""
     if rows == dataset.split_rows:
         return f"{split} {rows} (all{packed})"
     why = flag if asked is not None else f"the tutorial's subset of WikiHow; {flag} 0 for all"

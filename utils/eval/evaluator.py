@@ -2,7 +2,7 @@
 them with --eval_metric (ROUGE, or exact-match accuracy), and rank 0 gathers the scores in split order, writes
 the eval record and the predictions.
 
-    evaluator = Evaluator(eval_set=eval_set, task=task, generation=task.generation_kwargs(evaluation, length),
+    evaluator = Evaluator(eval_set=eval_set, spec=spec, generation=spec.generation_kwargs(evaluation, length),
                           metric=metric, predictions_file=where, info=info)
     record = evaluator.evaluate(model, epoch, step)   # collective; the record on every rank
 
@@ -29,8 +29,9 @@ from utils.eval.generation import gathered_for_generation, generate, keep_gather
 from utils.eval.rouge import lead_sentences, lead_steps, rouge_scores
 from utils.eval.scores import SCORERS, mean_scores
 from utils.files import atomic_path
+from utils.fsdp.parallelism import Parallelism
 from utils.log import get_logger, progress_bar
-from utils.task import Task
+from utils.spec import ModelSpec
 
 EXAMPLES_LOGGED = 3
 # ROUGE's extractive baselines, beside the model's: the first sentence of every line (WikiHow's steps, a
@@ -63,7 +64,8 @@ class Evaluator:
         self,
         *,
         eval_set: EvalSet,
-        task: Task,
+        parallelism: Parallelism,
+        spec: ModelSpec,
         generation: dict,
         metric: str,
         predictions_file: Callable[[str, int], str],
@@ -72,8 +74,9 @@ class Evaluator:
         compute_dtype: torch.dtype = torch.float32,
     ):
         self.eval_set = eval_set
-        self.task = task  # what generation reads of a batch (its prompts), and which of its outputs are new
-        self.generation = generation  # generate's settings (utils/task.py: generation_kwargs)
+        self.parallelism = parallelism  # how generation gathers the sharded model
+        self.spec = spec  # what generation reads of a batch (its prompts), and which of its outputs are new
+        self.generation = generation  # generate's settings (utils/spec.py: generation_kwargs)
         self.metric = metric  # --eval_metric: a key of utils/eval/scores.py's SCORERS
         self.predictions_file = predictions_file  # (split, step) -> where its predictions go (utils/layout.py)
         self.info = info
@@ -113,21 +116,23 @@ class Evaluator:
         score = SCORERS[self.metric]
         with_baselines = self.scores_baselines and self.baselines is None
         desc = f"{METRIC_NAMES[self.metric]} evaluation"
-        keep = keep_gathered(model, self.gather_for_generation, self.compute_dtype, self.info.device)
-        stops = stop_token_ids(model, dataset.tokenizer)
+        keep = keep_gathered(
+            model, self.parallelism, self.gather_for_generation, self.compute_dtype, self.info.device
+        )
+        stops = stop_token_ids(model, self.parallelism, dataset.tokenizer)
         # The tokenizer's padding token: a decoder-only model's config may name none (Llama's). Every stop token:
         # the tokenizer's EOS, which each trained row ends with, also where the model's config names another.
         settings = {**self.generation, "pad_token_id": pad_id, "eos_token_id": stops}
         with (
             progress_bar(len(self.eval_set.loader), desc, unit="batch", colour="magenta") as bar,
-            gathered_for_generation(model, keep),
+            gathered_for_generation(model, self.parallelism, keep),
         ):
             check_stop = StopCheck(stop_requested, self.info.device)
             for batch in self.eval_set.loader:
                 check_stop()
-                prompts = self.task.prompts(move_batch(batch, self.info.device))
-                outputs = generate(model, prompts, settings)
-                ids = self.task.completions(outputs, prompts).cpu()
+                prompts = self.spec.prompts(move_batch(batch, self.info.device))
+                outputs = generate(model, self.parallelism, prompts, settings)
+                ids = self.spec.completions(outputs, prompts).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
                 lengths = generated_lengths(ids, pad_id, stops)
                 for text, length in zip(texts, lengths, strict=True):

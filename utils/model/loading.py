@@ -1,7 +1,7 @@
 """The model and tokenizer of a run, from a hub name (t5-small ... t5-11b, google/mt5-base,
 facebook/bart-large-cnn, meta-llama/Llama-2-7b-hf) or a local folder: any encoder-decoder that
-AutoModelForSeq2SeqLM, or decoder-only model that AutoModelForCausalLM, loads with AutoTokenizer (the task,
-utils/task.py, says which; docs/models.md).
+AutoModelForSeq2SeqLM, or decoder-only model that AutoModelForCausalLM, loads with AutoTokenizer (the model
+spec, utils/spec.py, says which; docs/models.md).
 
 Where the model comes from is decided before anything is read (resolved_name): a folder that exists; a path
 that cannot be a hub id (absolute, ./, ../, ~, two or more '/', a trailing '/'), which must exist; else a
@@ -58,7 +58,7 @@ from utils.model.source import (
     looks_like_local_path,
 )
 from utils.observe.memory import MemoryBaseline, current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from utils.task import task_for
+from utils.spec import ModelSpec, spec_for
 
 PROBE_TEXT = "hello world how are you"  # any vocabulary of a text model has these words (or their letters)
 MAX_KEYS_NAMED = 8  # a message names this many weights, then counts the rest
@@ -81,13 +81,6 @@ class LoadedModel:
         alone, because transformers 5 memory-maps safetensors and the weights become resident only when FSDP
         copies and shards them."""
         return MemoryBaseline(peak_rss_bytes() - self.rss_before, self.param_numel_total)
-
-
-def builds_on_meta(cpu_ram_efficient_loading: bool, fsdp_version: int, is_main: bool, restores: bool) -> bool:
-    """Whether this rank builds only a skeleton: every rank when a checkpoint will fill the shards
-    (`restores`); with rank-0-only loading, FSDP2's ranks but 0 (rank 0's model is broadcast after sharding)
-    and every FSDP1 rank (each unit is filled as it is wrapped)."""
-    return restores or (cpu_ram_efficient_loading and (fsdp_version == 1 or not is_main))
 
 
 def model_config_overrides(recipe: RecipeConfig) -> dict:
@@ -191,9 +184,9 @@ def evaluated_model(model_name: str, evaluating: bool) -> tuple[str, str | None]
     return (model_name, None) if base is None else (base, model_name)
 
 
-def base_config(folder: str, base: str) -> PretrainedConfig:
-    """The config of the base an adapter folder names (load_model_config), or a ConfigError that says where
-    the name comes from."""
+def base_config(folder: str, base: str) -> tuple[PretrainedConfig, ModelSpec]:
+    """The config and spec of the base an adapter folder names (load_model_config), or a ConfigError that says
+    where the name comes from."""
     try:
         return load_model_config(base)
     except ConfigError as err:
@@ -203,45 +196,48 @@ def base_config(folder: str, base: str) -> PretrainedConfig:
         ) from None
 
 
-def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase, str]:
+def load_adapter_model(folder: str) -> tuple[nn.Module, PreTrainedTokenizerBase, str, ModelSpec]:
     """A --peft lora run's adapter folder as a model for generation: its base (checked as --model_name is)
     with the adapter merged in through PEFT, the run's generation and summarization settings, and the
-    tokenizer saved with it (checked against the base); and the base's name."""
+    tokenizer saved with it (checked against the base); and the base's name and spec."""
     from peft import PeftModel
 
     base = adapter_base_of(folder)
     local = os.path.expanduser(folder)
-    config = base_config(folder, base)
+    config, spec = base_config(folder, base)
     tokenizer = AutoTokenizer.from_pretrained(local)
-    check_tokenizer(folder, tokenizer, config)
-    task = task_for(config, base)
-    check_weights_fit(resolved_name(base), skeleton(config))
-    model = task.model_class.from_pretrained(resolved_name(base), dtype=torch.float32)
+    check_tokenizer(folder, tokenizer, config, spec)
+    check_weights_fit(resolved_name(base), skeleton(config, spec))
+    model = spec.model_class.from_pretrained(resolved_name(base), dtype=torch.float32)
     model = PeftModel.from_pretrained(model, local).merge_and_unload()
     settings = os.path.join(local, layout.ADAPTER_SUMMARIZATION_FILE)
     if os.path.isfile(settings):
         with open(settings, encoding="utf-8") as f:
             params = getattr(model.config, "task_specific_params", None) or {}
-            model.config.task_specific_params = {**params, task.params_key: json.load(f)}
+            model.config.task_specific_params = {**params, spec.params_key: json.load(f)}
         model.generation_config = GenerationConfig.from_pretrained(local)
     else:  # written by an earlier version, which kept the run's settings in the merged model alone
         get_logger().warning(
             "%s holds no %s: summarising with the base model's own settings, not the run's", folder,
             layout.ADAPTER_SUMMARIZATION_FILE,
         )  # fmt: skip
-    return model, tokenizer, base
+    return model, tokenizer, base, spec
 
 
 def load_tokenizer(
-    model_name: str, evaluating: bool = False, config: PretrainedConfig | None = None
+    model_name: str,
+    evaluating: bool = False,
+    config: PretrainedConfig | None = None,
+    spec: ModelSpec | None = None,
 ) -> PreTrainedTokenizerBase:
     """The model's tokenizer alone (seconds), so the data can be read and checked before the model loads. The
     model's config is checked first (load_model_config), and the tokenizer against it (check_tokenizer): a
     model this package cannot train, or a tokenizer that does not fit it, stops the run before any data is
     read or cached. Collective for a hub name the first time (rank 0 looks it up: hub_source). `evaluating`:
-    an adapter folder's own tokenizer, checked against its base's config (evaluated_model). `config`: that
-    checked config (run_model_config), where the caller has read it already."""
-    config = config if config is not None else run_model_config(model_name, evaluating)
+    an adapter folder's own tokenizer, checked against its base's config (evaluated_model). `config`, `spec`:
+    that checked config and its spec (run_model_config), where the caller has them already."""
+    if config is None:
+        config, spec = run_model_config(model_name, evaluating)
     _, adapter = evaluated_model(model_name, evaluating)
     model_name = os.path.expanduser(adapter) if adapter else resolved_name(model_name)
     try:
@@ -250,23 +246,25 @@ def load_tokenizer(
         raise ConfigError(
             f"could not load the tokenizer of {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}"
         ) from None
-    if not config.is_encoder_decoder and tokenizer.pad_token is None and tokenizer.eos_token is not None:
+    if spec.pads_by_length and tokenizer.pad_token is None and tokenizer.eos_token is not None:
         # Llama's and GPT-2's tokenizers have no padding token. Padding is masked by length everywhere
         # (causal_lm_dataset.py), so the EOS token serves, and a completion's own EOS stays in its labels.
         tokenizer.pad_token = tokenizer.eos_token
         get_logger().info("the tokenizer has no padding token: padding with its EOS token %r", tokenizer.eos_token)
-    check_tokenizer(model_name, tokenizer, config)
+    check_tokenizer(model_name, tokenizer, config, spec)
     return tokenizer
 
 
-def run_model_config(model_name: str, evaluating: bool = False) -> PretrainedConfig:
-    """The checked config (load_model_config) of the model a run trains, or with `evaluating` evaluates (an
-    adapter folder: its base's, evaluated_model)."""
+def run_model_config(model_name: str, evaluating: bool = False) -> tuple[PretrainedConfig, ModelSpec]:
+    """The checked config and the spec (load_model_config) of the model a run trains, or with `evaluating`
+    evaluates (an adapter folder: its base's, evaluated_model)."""
     base, adapter = evaluated_model(model_name, evaluating)
     return base_config(adapter, base) if adapter else load_model_config(model_name)
 
 
-def check_tokenizer(model_name: str, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
+def check_tokenizer(
+    model_name: str, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, spec: ModelSpec
+) -> None:
     """ConfigError unless the tokenizer fits the model: no more tokens than the embedding has rows (T5's
     embedding is padded beyond its tokenizer, so fewer is fine), the padding and end-of-sequence tokens the
     model's config names, the decoder's start token among its tokens, and a vocabulary that knows plain words.
@@ -282,13 +280,13 @@ def check_tokenizer(model_name: str, tokenizer: PreTrainedTokenizerBase, config:
         )
     for role, what in (("pad", "padding"), ("eos", "end-of-sequence")):
         own, models = getattr(tokenizer, f"{role}_token_id"), getattr(config, f"{role}_token_id", None)
-        if role == "pad" and not config.is_encoder_decoder:
+        if role == "pad" and spec.pads_by_length:
             models = None  # a decoder-only model never reads padding: it is masked by length (EOS may pad)
         if own is None:
             problems.append(f"it has no {what} token")
         elif isinstance(models, int) and own != models:
             problems.append(f"its {what} token is id {own}, the model's {role}_token_id is {models}")
-    start = config.decoder_start_token_id if config.is_encoder_decoder else None
+    start = config.decoder_start_token_id if spec.reads_decoder_start else None
     if start is not None and start >= size:
         problems.append(f"the model's decoder_start_token_id {start} is not one of its ids")
     ids = tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
@@ -305,9 +303,9 @@ def check_tokenizer(model_name: str, tokenizer: PreTrainedTokenizerBase, config:
         )
 
 
-def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
-    """The model's config, checked to be of a kind this package trains (utils/task.py: task_for) and of an
-    architecture that is its model_type's, with
+def load_model_config(model_name: str, **config_overrides) -> tuple[PretrainedConfig, ModelSpec]:
+    """The model's config, checked to be of a kind this package trains (its spec, utils/spec.py: spec_for) and
+    of an architecture that is its model_type's, with
     `config_overrides` (model_config_overrides) set. The KV cache is off: it only serves generation, and with
     activation checkpointing it breaks recomputation ("a different number of tensors was saved",
     docs/pitfalls.md #4). It must be off at load time: the encoder and decoder stacks keep their own copies of
@@ -317,9 +315,9 @@ def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(model_name)
     except (OSError, ValueError) as err:
         raise ConfigError(f"could not load model {model_name!r}: {str(err).rstrip('.')}. {HUB_HINT}") from None
-    task_for(config, model_name)  # a model of another kind is refused here
-    check_attention_fits(config, config_overrides.get("attn_implementation"))
-    if config.is_encoder_decoder and config.decoder_start_token_id is None:
+    spec = spec_for(config, model_name)  # a model of another kind is refused here
+    check_attention_fits(config, spec, config_overrides.get("attn_implementation"))
+    if spec.reads_decoder_start and config.decoder_start_token_id is None:
         raise ConfigError(
             f"model {model_name!r} ({config.model_type}) has no decoder_start_token_id in its config.json: "
             "training needs the token its decoder starts from (mBART: the target language's id). Set it there."
@@ -331,19 +329,19 @@ def load_model_config(model_name: str, **config_overrides) -> PretrainedConfig:
             "no attention dropout); --dropout_rate 0 runs FlexAttention on GPUs",
             t5_attention.NAME, config.dropout_rate,
         )  # fmt: skip
-    return config
+    return config, spec
 
 
 # The class attribute by which transformers says a model class has the kernel (it raises at load otherwise)
 KERNEL_SUPPORT = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
 
 
-def check_attention_fits(config: PretrainedConfig, attn_implementation: str | None) -> None:
+def check_attention_fits(config: PretrainedConfig, spec: ModelSpec, attn_implementation: str | None) -> None:
     """ConfigError where the kernel does not fit the family; `t5_flex` made a name transformers knows."""
     if attn_implementation is None:
         return
     t5_attention.validate_family(config.model_type, attn_implementation)
-    model_class = task_for(config).model_mapping[type(config)]
+    model_class = spec.model_mapping[type(config)]
     flag = KERNEL_SUPPORT.get(attn_implementation)
     if flag is not None and not getattr(model_class, flag, False):
         instead = "sdpa (the default)" if getattr(model_class, KERNEL_SUPPORT["sdpa"], False) else "eager"
@@ -356,14 +354,14 @@ def check_attention_fits(config: PretrainedConfig, attn_implementation: str | No
 
 
 def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn.Module:
-    """The pretrained model (its task's class: AutoModelForSeq2SeqLM, AutoModelForCausalLM) in host memory, or
+    """The pretrained model (its spec's class: AutoModelForSeq2SeqLM, AutoModelForCausalLM) in host memory, or
     (on_meta) only its skeleton
     on the meta device; `config_overrides` replace fields of its config (dropout, attn_implementation).
     ConfigError when the checkpoint lacks weights of the model: it would train partly from random ones."""
-    config = load_model_config(model_name, **config_overrides)
+    config, spec = load_model_config(model_name, **config_overrides)
     model_name = resolved_name(model_name)
     if on_meta:
-        model = skeleton(config)
+        model = skeleton(config, spec)
         if forces_tie(config) and holds_own_head(model_name, model):
             config.tie_word_embeddings = False  # as skeleton() builds it from now on (the export's tied names)
             untie_head(model)
@@ -372,12 +370,12 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
         # adapters (policies/wrapping.py), so a restored run would have other units than the one it continues.
         model.requires_grad_(True)
         return model
-    check_weights_fit(model_name, skeleton(config))  # transformers' own check ends in a traceback on every rank
+    # transformers' own check ends in a traceback on every rank
+    check_weights_fit(model_name, skeleton(config, spec))
     try:
-        model_class = task_for(config, model_name).model_class
         # In fp32 whatever the config's dtype says (Llama's bf16, Llama 2's fp16: transformers 5 loads in it):
         # FSDP shards and AdamW updates fp32 master weights; --mixed_precision computes in bf16.
-        model, info = model_class.from_pretrained(
+        model, info = spec.model_class.from_pretrained(
             model_name, config=config, output_loading_info=True, dtype=torch.float32
         )
     except OSError as err:
@@ -400,19 +398,19 @@ def load_model(model_name: str, on_meta: bool = False, **config_overrides) -> nn
     return model
 
 
-def skeleton(config: PretrainedConfig) -> nn.Module:
-    """The model of `config` on the meta device: its parameters' names, shapes and ties, no memory, as
-    from_pretrained would build it. For the T5 family (whose config class forces the tie, docs/pitfalls.md
-    #32) tie_word_embeddings False unties the lm_head only: built so, T5 would also untie its embed_tokens
-    from `shared`, which no T5 checkpoint does. Its non-persistent buffers (RoPE's inv_freq) are computed, in
-    host memory: no checkpoint or weights file holds them, so nothing would fill them (computed_buffers)."""
-    model_class = task_for(config).model_class
+def skeleton(config: PretrainedConfig, spec: ModelSpec) -> nn.Module:
+    """The model of `config` (`spec`'s class of it) on the meta device: its parameters' names, shapes and ties,
+    no memory, as from_pretrained would build it. For the T5 family (whose config class forces the tie,
+    docs/pitfalls.md #32) tie_word_embeddings False unties the lm_head only: built so, T5 would also untie its
+    embed_tokens from `shared`, which no T5 checkpoint does. Its non-persistent buffers (RoPE's inv_freq) are
+    computed, in host memory: no checkpoint or weights file holds them, so nothing would fill them
+    (computed_buffers)."""
     untie = forces_tie(config) and not config.tie_word_embeddings
     if untie:
         config = copy.deepcopy(config)
         config.tie_word_embeddings = True
     with weights_on_meta():
-        model = model_class.from_config(config, dtype=torch.float32)  # as load_model's
+        model = spec.model_class.from_config(config, dtype=torch.float32)  # as load_model's
     if untie:
         untie_head(model)
     return model

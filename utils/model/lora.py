@@ -20,7 +20,7 @@ from configs.errors import ConfigError
 from configs.lora import LoraConfig
 from utils.log import warnings_ignored
 from utils.model.source import looks_like_local_path
-from utils.task import task_for
+from utils.spec import ModelSpec
 
 # get_peft_model reads transformers' `is_gradient_checkpointing`, which transformers 5 deprecates (for
 # `is_activation_checkpointing`): a warning about the two libraries' internals, per rank and per call.
@@ -73,10 +73,10 @@ def adapter_base(model_name: str) -> str:
     return os.path.abspath(model_name) if looks_like_local_path(model_name) else model_name
 
 
-def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str) -> nn.Module:
-    """The PEFT model: `model` frozen, adapters (B zero-initialised, so training starts from the model) on
-    the target layers; `base_model` (adapter_base) is what the adapter's config names as its base. Seeded by
-    the caller's RNG state, the same on every rank."""
+def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str, spec: ModelSpec) -> nn.Module:
+    """The PEFT model: `model` (of `spec`) frozen, adapters (B zero-initialised, so training starts from the
+    model) on the target layers; `base_model` (adapter_base) is what the adapter's config names as its base.
+    Seeded by the caller's RNG state, the same on every rank."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -85,7 +85,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str) -> nn.Module
     targets = target_modules(lora, model)
     targeted = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in targets]
     peft_config = PeftLoraConfig(
-        task_type=TaskType(task_for(model.config).lora_task_type),
+        task_type=TaskType(spec.lora_task_type),
         r=lora.lora_r,
         lora_alpha=lora.lora_alpha,
         lora_dropout=lora.lora_dropout,

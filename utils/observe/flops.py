@@ -52,7 +52,7 @@ GPT2_STYLE_MODELS = ("gpt2",)
 
 
 class FlopCounter(Protocol):
-    """What the step and the rates ask of a task's FLOP count (utils/task.py: flop_counter)."""
+    """What the step and the rates ask of a model spec's FLOP count (utils/spec.py: flop_counter)."""
 
     def training(self, batch: dict, recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(model, hardware) FLOPs of one forward+backward of `batch`, on its device, without a host sync."""

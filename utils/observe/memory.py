@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
-from policies.private_api import fsdp1_unsharded_numel, storage_identity, view_base
+from policies.private_api import storage_identity, view_base
 from utils.distributed.process_group import gather_ints
 
 PROC_STATUS = "/proc/self/status"
@@ -126,14 +125,6 @@ def _local_numel(tensor: torch.Tensor) -> int:
 
 def param_numel_local(model: nn.Module) -> int:
     return sum(_local_numel(p) for p in model.parameters())
-
-
-def param_numel_whole(model: nn.Module) -> int:
-    """Elements of the sharded model's parameters, whole, counted once however many ranks replicate them: FSDP2's
-    DTensors count the whole parameter, FSDP1's flat parameters their unpadded unsharded size."""
-    if isinstance(model, FullyShardedDataParallel):
-        return fsdp1_unsharded_numel(model)
-    return sum(p.numel() for p in model.parameters())
 
 
 def optim_state_numel_local(optimizer: torch.optim.Optimizer) -> int:

@@ -3,31 +3,29 @@
 The tutorial summed per-batch mean losses and divided by `len(batch)`, the number of keys of the batch
 dict (4), and trained on padding (docs/pitfalls.md #7, #8). Here each rank sums the cross-entropy of its
 non-padding target tokens and counts them; the sums and counts are all-reduced, and the loss is their
-ratio. The gradient is that of the same global token mean. How a batch becomes token losses is the task's
-(utils/task.py).
+ratio. The gradient is that of the same global token mean. How a batch becomes token losses is the model
+spec's (utils/spec.py).
 """
 
 import contextlib
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from policies.private_api import skip_next_step_if
-from utils.data.loaders import move_batch
+from utils.data.loaders import IGNORED, move_batch
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import StopCheck
+from utils.fsdp.parallelism import Parallelism
 from utils.log import ProgressLines
 from utils.observe.flops import FlopCounter
 from utils.observe.memory import SavedTensorCounter
-from utils.task import IGNORED, SEQ2SEQ, Task
+from utils.spec import ModelSpec
 
 # Columns of the per-step statistics kept on the device until the next flush. GRAD_NORM holds the global
 # norm divided by the world size: the flush sums over ranks, and every rank has the same global norm.
@@ -39,13 +37,14 @@ STAT_DTYPE = torch.float64  # exact token counts and accurate loss sums for long
 
 @dataclass(frozen=True)
 class StepSettings:
+    parallelism: Parallelism  # how the model is spread: gradient sync under accumulation, clipping
     max_grad_norm: float = 0.0  # 0: no clipping (the norm is still measured)
     sync_each_micro_batch: bool = True  # False: reduce gradients after the last micro-batch only
     skip_nonfinite: bool = False  # skip the update when the global gradient norm is NaN/Inf (fused AdamW)
     flops: FlopCounter | None = None  # counts each batch's training FLOPs (None: zeros)
     recompute: bool = False  # activation checkpointing: hardware FLOPs include the blocks' second forward
     saved_counter: SavedTensorCounter | None = None  # counts what the first micro-batch saves for backward
-    task: Task = SEQ2SEQ  # how a batch becomes token losses (utils/task.py)
+    spec: ModelSpec = field(kw_only=True)  # how a batch becomes token losses (utils/spec.py)
 
 
 def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict, settings: StepSettings):
@@ -57,7 +56,7 @@ def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict, s
         [
             token_losses.detach().sum(dtype=STAT_DTYPE),
             (labels != IGNORED).sum().to(STAT_DTYPE),
-            settings.task.read_tokens(batch).to(STAT_DTYPE),
+            settings.spec.read_tokens(batch).to(STAT_DTYPE),
             torch.full((), labels.shape[0], dtype=STAT_DTYPE, device=labels.device),  # not torch.tensor: a copy
             zero,
             *flops,
@@ -72,7 +71,7 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     scaler,
     world_size: int,
-    settings: StepSettings = StepSettings(),  # noqa: B008 - frozen, never mutated
+    settings: StepSettings,
 ) -> torch.Tensor:
     """One optimizer step on the global token-mean loss of one batch or of several accumulated micro-batches.
     Returns this rank's statistics (see batch_stats), with the step's pre-clip global gradient norm.
@@ -83,21 +82,21 @@ def train_step(
     all-reduced once per step (one scalar, no host sync), before the first forward.
     """
     micro_batches = micro_batches if isinstance(micro_batches, list) else [micro_batches]
-    global_tokens = sum(settings.task.trained_tokens(batch) for batch in micro_batches).to(torch.float32)
+    global_tokens = sum(settings.spec.trained_tokens(batch) for batch in micro_batches).to(torch.float32)
     dist.all_reduce(global_tokens)
     stats = []
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         counting = settings.saved_counter if index == 0 and settings.saved_counter else contextlib.nullcontext()
-        with gradient_sync(model, last or settings.sync_each_micro_batch), counting:
+        with settings.parallelism.gradient_sync(model, last or settings.sync_each_micro_batch), counting:
             WHERE.enter("forward")  # where a hang report says the rank was (utils/distributed/hang_report.py)
-            token_losses, labels = settings.task.token_losses(model, batch)
+            token_losses, labels = settings.spec.token_losses(model, batch)
             loss = token_losses.sum() * world_size / global_tokens.clamp(min=1)
             WHERE.enter("backward")
             (scaler.scale(loss) if scaler is not None else loss).backward()
         stats.append(batch_stats(token_losses, labels, batch, settings))
     WHERE.enter("gradient norm and clipping")
-    grad_norm = clip_gradients(model, optimizer, scaler, settings.max_grad_norm)
+    grad_norm = clip_gradients(model, optimizer, scaler, settings.max_grad_norm, settings.parallelism)
     if settings.skip_nonfinite and scaler is None:
         flag_nonfinite_step(optimizer, grad_norm)
     WHERE.enter("optimizer step")
@@ -122,34 +121,13 @@ def flag_nonfinite_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tenso
     skip_next_step_if(optimizer, (~torch.isfinite(grad_norm)).to(torch.float32))
 
 
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool):
-    """Skip the gradient reduction of this backward (FSDP1 no_sync, FSDP2 set_requires_gradient_sync):
-    gradients then stay unsharded on every rank until a backward with the reduction. The unwrapped model of one
-    rank (--single_rank_fsdp false) reduces nothing either way."""
-    if enabled or not isinstance(model, FSDP | FSDPModule):
-        yield
-    elif isinstance(model, FSDP):
-        with model.no_sync():
-            yield
-    else:
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-
-
-def clip_gradients(model: nn.Module, optimizer, scaler, max_norm: float) -> torch.Tensor:
+def clip_gradients(model: nn.Module, optimizer, scaler, max_norm: float, parallelism: Parallelism) -> torch.Tensor:
     """The global gradient norm over every shard, before clipping; clips to max_norm when it is set.
     Collective. With fp16 the gradients are unscaled first, so the norm is the true one."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     limit = max_norm if max_norm > 0 else math.inf  # inf: measure only (grads x 1.0, bit for bit unchanged)
-    if isinstance(model, FSDP):
-        return model.clip_grad_norm_(limit).detach()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
+    return parallelism.clip_grad_norm(model, limit)
 
 
 @torch.no_grad()
@@ -161,7 +139,7 @@ def validate(
     num_real_samples: int,
     progress: "tqdm | ProgressLines",
     stop_requested: Callable[[], bool] | None = None,
-    task: Task = SEQ2SEQ,
+    spec: ModelSpec,
 ):
     """Token-mean validation loss over the real samples of every rank.
 
@@ -170,7 +148,7 @@ def validate(
     `num_real_samples` are those repeats: they run, but are masked out of the sums, so the loss is not
     biased by duplicates (docs/pitfalls.md #14). One all-reduce and one host sync at the end. With
     `stop_requested`, every rank abandons the pass within two batches once it is true on any (StopAgreed;
-    the flag is read a batch late, so the host never waits for the batch it just queued). `task`: how a
+    the flag is read a batch late, so the host never waits for the batch it just queued). `spec`: how a
     batch becomes token losses.
     """
     WHERE.enter("validation")
@@ -181,7 +159,7 @@ def validate(
     for batch in loader:
         check_stop()
         batch = move_batch(batch, device)
-        token_losses, labels = task.token_losses(model, batch)
+        token_losses, labels = spec.token_losses(model, batch)
         rows = labels.shape[0]
         is_real = (torch.arange(position, position + rows, device=device) < num_real_samples).to(STAT_DTYPE)
         position += rows

@@ -1,6 +1,6 @@
 """The training loop: epochs of steps, validation, ROUGE, the LR schedule, the epoch record and checkpoints.
 
-    trainer = Trainer(model=model, optimizer=optimizer, ..., task=task)
+    trainer = Trainer(model=model, optimizer=optimizer, ..., spec=spec)
     trainer.lay_out(progress)                           # where it ends; the LR schedule over the steps left
     finished = trainer.train(progress, resumed, stop)   # False: stopped early (SIGTERM, Ctrl-C), saved first
 
@@ -35,6 +35,7 @@ from utils.data.loaders import Loaders, move_batch
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, StopAgreed, any_rank, rank0_decides
 from utils.eval.evaluator import Evaluator
+from utils.fsdp.parallelism import Parallelism
 from utils.fsdp.shard import forward_warnings_ignored
 from utils.log import format_duration, get_logger, progress_bar
 from utils.observe.flops import Throughput
@@ -47,7 +48,7 @@ from utils.observe.memory import (
 )
 from utils.observe.metrics import MetricsWriter, open_metrics
 from utils.observe.profiler import StepProfiler
-from utils.task import Task
+from utils.spec import ModelSpec
 from utils.train import optim
 from utils.train.preemption import StopRequest, StopVote
 from utils.train.step import (
@@ -72,6 +73,7 @@ class Trainer:
         self,
         *,
         model: nn.Module,
+        parallelism: Parallelism,
         optimizer: torch.optim.Optimizer,
         scheduler: LRScheduler,
         scaler: ShardedGradScaler | None,
@@ -85,7 +87,7 @@ class Trainer:
         observe: ObserveConfig,
         throughput: Throughput,
         memory_baseline: MemoryBaseline,
-        task: Task,
+        spec: ModelSpec,
     ):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.loaders = loaders
@@ -95,14 +97,15 @@ class Trainer:
         self.train_config, self.recipe, self.evaluation, self.observe = train, recipe, evaluation, observe
         self.throughput = throughput
         self.memory_baseline = memory_baseline
-        self.task = task
+        self.spec = spec
         self.step_settings = StepSettings(
-            recipe.max_grad_norm,
+            parallelism,
+            max_grad_norm=recipe.max_grad_norm,
             sync_each_micro_batch=recipe.accumulate_grad_sync,
             skip_nonfinite=recipe.on_nonfinite == "skip",
             flops=throughput.flops,
             recompute=throughput.recompute,
-            task=task,
+            spec=spec,
         )
         batches_per_epoch = len(loaders.train) if loaders.train is not None else 0
         unreached = optim.unreached_step_budget(recipe, train.epochs, batches_per_epoch)
@@ -378,7 +381,7 @@ class Trainer:
         _log_epoch(record, peaks)
         metric_name = self.evaluation.metric_for_best
         metric = val_loss if metric_name == "val_loss" else (scores or {}).get(metric_name)
-        improved = metric is not None and self.task.is_better(metric_name, metric, progress.best_metric)
+        improved = metric is not None and self.spec.is_better(metric_name, metric, progress.best_metric)
         # Without a metric there is no "best": every epoch's .pt is saved, under its own name.
         if self.train_config.save_model and (improved or metric is None):
             self.checkpoints.save_full_model(epoch, val_loss)
@@ -485,7 +488,7 @@ class Trainer:
                 num_real_samples=self.loaders.val_num_real_samples,
                 progress=bar,
                 stop_requested=lambda: stop.requested,
-                task=self.task,
+                spec=self.spec,
             )
 
     def _evaluate(self, epoch: int, step: int, stop: StopRequest) -> dict | None:
@@ -509,7 +512,7 @@ class Trainer:
         self._evaluate(epoch, step, stop)
         if val_loss is not None:
             record = {"type": "validation", "epoch": epoch, "step": step, "val_loss": val_loss,
-                      **self.task.loss_metrics(val_loss)}  # fmt: skip
+                      **self.spec.loss_metrics(val_loss)}  # fmt: skip
             get_logger().info("step %d: val_loss %s", step, _val_loss_text(record))
             self.metrics.write(record)
         self.model.train()
@@ -517,7 +520,7 @@ class Trainer:
     def _write_memory_account(self, step: int, first_batch: dict, saved_activation_bytes: int) -> None:
         """The memory records (utils/observe/memory.py) after this process's first optimizer step, `step`: a
         run's start, and each resume's (whose load restored a checkpoint)."""
-        counted = self.task.batch_shape(first_batch)
+        counted = self.spec.batch_shape(first_batch)
         for record in memory_records(
             self.model, self.optimizer, self.info.device, self.memory_baseline, saved_activation_bytes, counted
         ):
@@ -541,7 +544,7 @@ class Trainer:
             "epoch": epoch,
             "train_loss": float(totals[LOSS_SUM]) / trained_tokens if trained_tokens else None,
             "val_loss": val_loss,
-            **self.task.loss_metrics(val_loss),
+            **self.spec.loss_metrics(val_loss),
             "epoch_seconds": epoch_seconds,
             "samples_per_s": int(totals[SAMPLES]) / train_seconds,
             "tokens_per_s": int(totals[INPUT_TOKENS]) / train_seconds,
@@ -619,7 +622,7 @@ def _log_epoch(record: dict, peaks: list[int] | None) -> None:
 
 
 def _val_loss_text(record: dict) -> str:
-    """A record's validation loss as the log says it, with the perplexity where the task gives one."""
+    """A record's validation loss as the log says it, with the perplexity where the spec gives one."""
     perplexity = f" (perplexity {record['val_perplexity']:.2f})" if "val_perplexity" in record else ""
     return f"{record['val_loss']:.4f}{perplexity}"
 

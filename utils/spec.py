@@ -1,14 +1,15 @@
-"""The task: what a kind of model trains on and is scored by, chosen once from the model's config.
+"""The model spec: what differs between an encoder-decoder and a decoder-only model, chosen once from the
+model's config and handed to whatever needs it.
 
-    task = task_for(config, model_name)   # SEQ2SEQ for an encoder-decoder, CAUSAL for a decoder-only model
+    spec = spec_for(config, model_name)   # SEQ2SEQ for an encoder-decoder, CAUSAL for a decoder-only model
 
-It names the model class loading builds, how a batch becomes per-token losses (the step and validation), the
-tokens a batch trains on and reads (the loss's mean, the rates), how its FLOPs are counted (MFU), which way
-each metric improves (the best model), what generation reads of a batch, the generation settings and the
-parameters saved with the model (evaluation, hf_model/), and the LoRA task type; the entry point maps it to its
-Dataset (T5_training.DATA_FORMATS). Loading, the data, the step, the trainer and evaluation ask it
-instead of assuming an encoder-decoder: a decoder-only model is the second class here (CausalTask), not
-branches through them.
+It names the model class loading builds, how the tokenizer's padding and the decoder's start token are read,
+the Dataset and collate the data is read with (data_format), how a batch becomes per-token losses (the step
+and validation), the tokens a batch trains on and reads (the loss's mean, the rates), how its FLOPs are
+counted (MFU), which way each metric improves (the best model), what generation reads of a batch, the
+generation settings and the parameters saved with the model (evaluation, hf_model/), and the LoRA task type.
+Loading, the data, the step, the trainer, evaluation and the export are handed it instead of assuming an
+encoder-decoder: a decoder-only model is the second class here (CausalSpec), not branches through them.
 """
 
 import inspect
@@ -25,27 +26,32 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
 )
 
+import causal_lm_dataset
+import summarization_dataset
 from configs.data import DataConfig
 from configs.errors import ConfigError
 from configs.evaluation import EvalConfig
+from utils.data.loaders import IGNORED, DataFormat
 from utils.observe.flops import CausalFlops, FlopCounter, Seq2SeqFlops
 
 GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
-IGNORED = -100  # the label of a token the loss leaves out (padding): cross_entropy's ignore_index
 LOWER_IS_BETTER = frozenset({"val_loss"})  # every other metric (the ROUGE scores, accuracy) is higher-better
 
 
-class Task:
-    """What every task shares: the generation settings, the parameters saved with the model, and which way each
-    metric improves. A task class names the rest (Seq2SeqTask, CausalTask)."""
+class ModelSpec:
+    """What every spec shares: the generation settings, the parameters saved with the model, and which way each
+    metric improves. A spec class names the rest (Seq2SeqSpec, CausalSpec)."""
 
     model_class: type  # the transformers auto class loading builds
     model_mapping: dict  # that auto class's mapping: config class -> model class
+    data_format: DataFormat  # the Dataset and collate its data is read with
+    pads_by_length: bool  # padding is masked by length, never read: EOS may pad, the model's pad id is not checked
+    reads_decoder_start: bool  # the decoder starts from config.decoder_start_token_id, which must be given
     lora_task_type: str  # peft's TaskType
     params_key: str  # the model config's task_specific_params entry the run's settings go in
 
     def check_model(self, model_name: str, config: PretrainedConfig) -> None:
-        """ConfigError unless the task's auto class has a class for this config, and the architecture
+        """ConfigError unless the spec's auto class has a class for this config, and the architecture
         config.json names (if any) belongs to its model_type: a folder of one family is never loaded into
         another's class."""
         if type(config) not in self.model_mapping:
@@ -104,7 +110,7 @@ class Task:
         return value < best if metric_name in LOWER_IS_BETTER else value > best
 
 
-class Seq2SeqTask(Task):
+class Seq2SeqSpec(ModelSpec):
     """An encoder-decoder (T5, flan-t5, mT5, UMT5, BART, PEGASUS, ...) writing a target from a source: the
     tutorial's summarization. Its batches hold source_ids / source_mask and target_ids / target_mask
     (summarization_dataset.py); the decoder reads the targets shifted right, and every real target token is
@@ -112,10 +118,13 @@ class Seq2SeqTask(Task):
 
     model_class = AutoModelForSeq2SeqLM
     model_mapping = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
+    data_format = summarization_dataset.FORMAT  # the tutorial's Dataset
+    pads_by_length = False  # the model's padding token is the tokenizer's (T5's decoder starts from it)
+    reads_decoder_start = True
     lora_task_type = "SEQ_2_SEQ_LM"  # peft's TaskType
     params_key = "summarization"  # the model config's task_specific_params entry the run's settings go in
 
-    def check_data(self, data: DataConfig, config: PretrainedConfig) -> None:  # noqa: ARG002 - CausalTask's
+    def check_data(self, data: DataConfig, config: PretrainedConfig) -> None:  # noqa: ARG002 - CausalSpec's
         """ConfigError for the data settings only a decoder-only model reads."""
         for given, flag in ((data.packing, "--packing true"), (data.dataset_text_field, "--dataset_text_field")):
             if given:
@@ -124,12 +133,12 @@ class Seq2SeqTask(Task):
                     "source and writes its target: drop it, or train a decoder-only model (docs/causal.md)"
                 )
 
-    def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:  # noqa: ARG002 - CausalTask's
+    def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:  # noqa: ARG002 - CausalSpec's
         """What `generate` wrote for `prompts`: an encoder-decoder's outputs after the decoder's start token,
         which it was given (T5's is the padding token, BART's its EOS)."""
         return outputs[:, 1:]
 
-    def loss_metrics(self, val_loss: float | None) -> dict:  # noqa: ARG002 - CausalTask's reads it
+    def loss_metrics(self, val_loss: float | None) -> dict:  # noqa: ARG002 - CausalSpec's reads it
         """What the records add to a validation loss: nothing here (a summary's loss is read as it is)."""
         return {}
 
@@ -171,7 +180,7 @@ class Seq2SeqTask(Task):
         return {"input_ids": batch["source_ids"], "attention_mask": batch["source_mask"]}
 
 
-class CausalTask(Task):
+class CausalSpec(ModelSpec):
     """A decoder-only model (Llama, Mistral, Qwen, GPT-2, ...) continuing a prompt: the source is the prompt and
     the target its completion, read as one sequence. Its batches hold input_ids / attention_mask (prompt then
     completion, right-padded), labels (IGNORED where no loss is taken: padding, and the prompt unless
@@ -180,13 +189,16 @@ class CausalTask(Task):
 
     model_class = AutoModelForCausalLM
     model_mapping = MODEL_FOR_CAUSAL_LM_MAPPING
+    data_format = causal_lm_dataset.FORMAT  # prompt and completion as one sequence
+    pads_by_length = True
+    reads_decoder_start = False
     lora_task_type = "CAUSAL_LM"
     params_key = "fsdp_fine_tune"  # the run's settings, beside the model's own task_specific_params entries
 
     def token_losses(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token cross-entropy of each next token (float32, 0 where no loss is taken) and its labels: the
         logits at position t score the token at t + 1. `labels` are not passed to the model, for the reason
-        Seq2SeqTask.token_losses gives."""
+        Seq2SeqSpec.token_losses gives."""
         if "position_ids" in batch:
             # Packed blocks: given position ids and neither a padding mask nor a KV cache (with one, transformers
             # takes them for a continuation), attention keeps each row to itself.
@@ -244,12 +256,12 @@ class CausalTask(Task):
         return {"val_perplexity": math.inf if val_loss > 700 else math.exp(val_loss)}  # exp overflows past 709
 
 
-SEQ2SEQ = Seq2SeqTask()
-CAUSAL = CausalTask()
+SEQ2SEQ = Seq2SeqSpec()
+CAUSAL = CausalSpec()
 
 
-def task_for(config: PretrainedConfig, model_name: str = "") -> Task:
-    """The task of the model `config` describes (`model_name` names it in a refusal), checked to fit it: an
+def spec_for(config: PretrainedConfig, model_name: str = "") -> ModelSpec:
+    """The spec of the model `config` describes (`model_name` names it in a refusal), checked to fit it: an
     encoder-decoder (config.is_encoder_decoder; BART and PEGASUS also register causal-LM classes) is SEQ2SEQ, a
     decoder-only model CAUSAL; an encoder-only model (BERT, RoBERTa: a masked-LM family that is no decoder) is
     refused."""
