@@ -286,7 +286,7 @@ def test_a_layer_class_named_for_another_family_is_said_with_the_ones_taken(monk
     model's are the named ones: nothing to say)."""
     from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
-    import T5_training
+    from utils.train.build import log_layer_classes_of_accelerate
 
     environ = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_FSDP": "true",
                "FSDP_TRANSFORMER_CLS_TO_WRAP": "T5Block"}  # fmt: skip
@@ -294,8 +294,8 @@ def test_a_layer_class_named_for_another_family_is_said_with_the_ones_taken(monk
         monkeypatch.setenv(name, value)
     tiny = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=16, decoder_ffn_dim=16,
                 encoder_attention_heads=2, decoder_attention_heads=2, vocab_size=64)  # fmt: skip
-    T5_training.log_layer_classes_of_accelerate(BartForConditionalGeneration(BartConfig(**tiny)))
-    T5_training.log_layer_classes_of_accelerate(
+    log_layer_classes_of_accelerate(BartForConditionalGeneration(BartConfig(**tiny)))
+    log_layer_classes_of_accelerate(
         T5ForConditionalGeneration(T5Config(d_model=16, d_ff=16, d_kv=8, num_heads=2, num_layers=1, vocab_size=64))
     )
     said = [record.getMessage() for record in log_records]

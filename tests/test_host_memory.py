@@ -67,7 +67,7 @@ def test_the_programs_modules_are_frozen_out_of_collections_and_the_collector_is
     import T5_training
 
     walked = {id(obj) for obj in gc.get_objects()}  # what a collection walks: every tracked object but the frozen
-    for kept in (T5_training.Trainer, T5_training.build_loaders, torch.nn.Module, transformers.PreTrainedModel):
+    for kept in (T5_training.build_run, T5_training.StopRequest, torch.nn.Module, transformers.PreTrainedModel):
         assert id(kept) not in walked, kept
     assert gc.isenabled()
 
