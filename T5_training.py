@@ -26,10 +26,10 @@ import time
 from configs import cli, validate
 from configs.errors import ConfigError, UserError
 from configs.run import RunConfig
+from utils.base.log import get_logger, setup_logging
 from utils.checkpoint.record import recorded_run, records_inputs
 from utils.data import sources
 from utils.distributed.launcher import launcher_ranks, point_launcher_to_the_log, tell_the_launcher
-from utils.log import get_logger, setup_logging
 from utils.model.source import check_local_model_dir, hub_model_source, looks_like_local_path
 
 RANK0_MESSAGE_GRACE_S = 2.0
@@ -132,13 +132,12 @@ with kept_for_the_whole_process():
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from configs.errors import FAILURES, error_summary
-    from utils import layout
+    from configs.errors import FAILURES, error_summary, is_disk_full
+    from utils.base import layout
+    from utils.base.log import quiet_helper_process
     from utils.checkpoint.run_lock import claimed_output_dir
     from utils.distributed import hang_report, process_group
-    from utils.files import is_disk_full
     from utils.fsdp.shard import forward_warnings_ignored
-    from utils.log import quiet_helper_process
     from utils.observe import memory, metrics, run_record, tensorboard
     from utils.train.build import Run, build_run
     from utils.train.preemption import StopRequest

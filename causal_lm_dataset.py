@@ -22,9 +22,9 @@ from torch.nn.utils.rnn import pad_sequence
 
 from configs.data import DataConfig
 from summarization_dataset import SummarizationDataset
+from utils.base.log import get_logger
 from utils.data.cache import CAUSAL_ENCODING, KNOWN_ROLES, SplitRows
 from utils.data.loaders import IGNORED, DataFormat
-from utils.log import get_logger
 
 
 class CausalLMDataset(SummarizationDataset):

@@ -17,9 +17,9 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
 from configs.data import DataConfig
+from utils.base.log import get_logger
 from utils.data.cache import CLEANINGS, SEQ2SEQ_ENCODING, SplitRows, split_rows, unknown_token_counts
 from utils.data.loaders import DataFormat
-from utils.log import get_logger
 
 ITEM_KEYS = ("source_ids", "source_mask", "target_ids", "target_mask")
 

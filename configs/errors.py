@@ -4,6 +4,9 @@ Every message says what is wrong and how to fix it. Anything else that escapes i
 traceback.
 """
 
+import errno
+import re
+
 
 class UserError(Exception):
     """A problem with the user's input: configuration, data, model path or checkpoint."""
@@ -61,3 +64,20 @@ def error_summary(err: BaseException, limit: int = 400) -> str:
         return inner if inner.startswith(type(cause).__name__) else f"{type(cause).__name__}: {inner}"
     text = text or type(err).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# How a full disk or an exhausted quota is worded by Python (OSError), Rust libraries (tokenizers, safetensors:
+# "os error 28") and torch's C++ writers, which keep only the text.
+DISK_FULL = re.compile(
+    r"No space left on device|Disk quota exceeded|os error (28|122)|errno (28|122)", re.IGNORECASE
+)
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """Whether `err`, or an error it was raised from or while handling, says the disk (or the quota) is full."""
+    for link in error_chain(err):
+        if isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if DISK_FULL.search(error_summary(link)):
+            return True
+    return False

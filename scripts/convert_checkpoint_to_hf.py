@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.checkpointing import CheckpointConfig  # noqa: E402
 from configs.errors import UserError  # noqa: E402
+from utils.base.log import get_logger, setup_logging  # noqa: E402
 from utils.checkpoint.hf_export import convert_checkpoint  # noqa: E402
-from utils.log import get_logger, setup_logging  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,10 +24,10 @@ from typing import BinaryIO
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from configs.errors import UserError  # noqa: E402
+from utils.base.files import atomic_path  # noqa: E402
+from utils.base.log import get_logger, progress_bar, setup_logging  # noqa: E402
 from utils.data.sources import WIKIHOW_CSV, WIKIHOW_CSV_URL  # noqa: E402
 from utils.data.wikihow import SPLIT_FILES, check_csv_header  # noqa: E402
-from utils.files import atomic_path  # noqa: E402
-from utils.log import get_logger, progress_bar, setup_logging  # noqa: E402
 
 SPLIT_LIST_BASE_URL = "https://raw.githubusercontent.com/mahnazkoupaee/WikiHow-Dataset/master/"
 _CHUNK_BYTES = 1 << 20
@@ -89,7 +89,7 @@ def download(
     the complete temporary file before the rename; if it raises, nothing is left under ``dest``.
     """
     try:
-        # utils.files.atomic_path: a temporary sibling (same file system, so the rename is atomic), removed
+        # utils.base.files.atomic_path: a temporary sibling (same file system, so the rename is atomic), removed
         # on any failure, Ctrl-C included.
         with atomic_path(dest) as tmp:
             with open(tmp, "wb") as out:

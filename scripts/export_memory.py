@@ -43,12 +43,12 @@ from configs.lora import LoraConfig  # noqa: E402
 from policies.mixed_precision import Precision  # noqa: E402
 from scripts.make_random_t5 import make  # noqa: E402
 from tests.dist_harness import run_ranks  # noqa: E402
-from utils import layout  # noqa: E402
+from utils.base import layout  # noqa: E402
+from utils.base.files import disk_bytes  # noqa: E402
 from utils.checkpoint.manager import CheckpointManager  # noqa: E402
 from utils.checkpoint.progress import TrainProgress  # noqa: E402
 from utils.checkpoint.start import StartPoint  # noqa: E402
 from utils.distributed.process_group import DistInfo  # noqa: E402
-from utils.files import disk_bytes  # noqa: E402
 from utils.fsdp.parallelism import parallelism_for  # noqa: E402
 from utils.model.loading import load_full_model_weights  # noqa: E402
 from utils.model.lora import apply_lora  # noqa: E402

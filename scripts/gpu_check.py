@@ -37,11 +37,11 @@ from configs.fsdp import FSDPConfig  # noqa: E402
 from configs.paths import EMBEDDED_MODEL_DIR  # noqa: E402
 from policies.mixed_precision import Precision, resolve_precision  # noqa: E402
 from policies.private_api import TorchDispatchMode  # noqa: E402
+from utils.base.log import ProgressLines  # noqa: E402
 from utils.distributed import process_group  # noqa: E402
 from utils.eval.generation import gathered_for_generation, generate  # noqa: E402
 from utils.fsdp.parallelism import FSDP2, parallelism_for  # noqa: E402
 from utils.fsdp.shard import forward_warnings_ignored  # noqa: E402
-from utils.log import ProgressLines  # noqa: E402
 from utils.model import t5_attention  # noqa: E402
 from utils.model.loading import load_model_config  # noqa: E402
 from utils.spec import SEQ2SEQ  # noqa: E402

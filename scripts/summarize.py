@@ -24,10 +24,10 @@ import torch  # noqa: E402
 
 from configs.data import DataConfig  # noqa: E402
 from configs.errors import UserError  # noqa: E402
+from utils.base.log import get_logger, setup_logging  # noqa: E402
 from utils.checkpoint.hf_export import summarization_settings  # noqa: E402
 from utils.data import sources  # noqa: E402
 from utils.data.cache import CLEANINGS  # noqa: E402
-from utils.log import get_logger, setup_logging  # noqa: E402
 from utils.model import loading  # noqa: E402
 from utils.spec import SEQ2SEQ, ModelSpec  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest
 from tests import rank_pool
 from tests.launch import Background
 from tests.reference_run import train_reference
-from utils.log import get_logger
+from utils.base.log import get_logger
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,8 @@ from configs.paths import EMBEDDED_MODEL_DIR, REPO_ROOT
 from policies.mixed_precision import POLICIES, Precision
 from policies.private_api import TorchDispatchMode, default_store, fsdp1_unsharded_flat_parameter
 from summarization_dataset import FORMAT, pad_collate
-from utils import layout
+from utils.base import layout
+from utils.base.log import ProgressLines
 from utils.checkpoint import background as background_writing
 from utils.checkpoint import integrity
 from utils.checkpoint import manager as checkpoint_manager
@@ -52,7 +53,6 @@ from utils.data.samplers import PaddedEvalSampler
 from utils.distributed.process_group import DistInfo, StopAgreed, StopCheck
 from utils.distributed.progress_bounded import PeerFailed, PeerStalled, progress_bounded
 from utils.fsdp.parallelism import Parallelism, parallelism_for
-from utils.log import ProgressLines
 from utils.model import t5_attention
 from utils.model.loading import load_full_model_state, load_model, load_tokenizer
 from utils.model.lora import apply_lora, transposed_layers

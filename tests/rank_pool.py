@@ -297,7 +297,7 @@ def _logging_state() -> dict:
 
     from transformers.utils import logging as hf_logging
 
-    from utils.log import get_logger
+    from utils.base.log import get_logger
 
     package, root = get_logger(), logging.getLogger()
     return {
@@ -314,7 +314,7 @@ def _set_logging_state(state: dict) -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from utils.log import get_logger
+    from utils.base.log import get_logger
 
     package, root = get_logger(), logging.getLogger()
     handlers, level, package.propagate, package.disabled = state["package"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from configs.errors import DataError
-from utils.log import get_logger
+from utils.base.log import get_logger
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "download_wikihow.py"
 GOOD_CSV = b'headline,title,text\nMix.,How to Mix,"Put everything in a bowl and stir."\n'

@@ -26,6 +26,7 @@ from tests.dist_harness import one_process_group, run_ranks
 from tests.dist_workers import generation_worker
 from tests.launch import pooled
 from tests.test_sources import ONE_CPU_RANK, one_rank_loaders
+from utils.base.log import get_logger
 from utils.checkpoint.hf_export import run_generation_config, write_adapter_folder
 from utils.data.cache import load_wikihow
 from utils.eval.evaluator import generated_lengths
@@ -33,7 +34,6 @@ from utils.eval.generation import stop_token_ids
 from utils.eval.rouge import ROUGE_KEYS, rouge_scores
 from utils.eval.scores import mean_scores
 from utils.fsdp.parallelism import Unwrapped
-from utils.log import get_logger
 from utils.model.lora import adapter_base, apply_lora
 from utils.spec import SEQ2SEQ
 

@@ -1,4 +1,4 @@
-"""utils/files.py: a file or folder appears complete under its final name, or not at all."""
+"""utils/base/files.py: a file or folder appears complete under its final name, or not at all."""
 
 import errno
 import json
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.test_sources import read_only_folder
-from utils.files import atomic_path, disk_bytes, write_json, write_problem
+from utils.base.files import atomic_path, disk_bytes, write_json, write_problem
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-from configs.errors import CheckpointError
+from configs.errors import CheckpointError, is_disk_full
 from tests.dist_harness import run_ranks
 from tests.dist_workers import (
     checkpoint_size_worker,
@@ -24,7 +24,6 @@ from utils.checkpoint import integrity
 from utils.checkpoint.background import staging_problem
 from utils.checkpoint.integrity import Piece, dealt, file_record, find_damage, hashed_file, pieces_of
 from utils.checkpoint.manager import say_if_full_saves_are_large
-from utils.files import is_disk_full
 
 TIMEOUT_S = 2  # the collectives' and the store's in these scenarios; every injected delay is 3x or more
 

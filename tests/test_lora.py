@@ -30,7 +30,7 @@ from tests.dist_workers import (
 from tests.hf_folders import assert_folder_is_save_pretrained_of
 from tests.launch import pooled
 from tests.reference_run import SMALL_RUN, complete_checkpoint_steps
-from utils.log import warnings_ignored
+from utils.base.log import warnings_ignored
 from utils.model.lora import PEFT_ASKS_A_DEPRECATED_PROPERTY, adapter_base, apply_lora
 from utils.spec import SEQ2SEQ
 

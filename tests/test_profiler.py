@@ -19,7 +19,7 @@ from scripts.summarize_trace import self_times, step_spans, summarize, time_in_f
 from tests.dist_harness import run_ranks
 from tests.launch import pooled
 from tests.run_configs import run_config
-from utils import layout
+from utils.base import layout
 from utils.observe import profiler as profiler_module
 from utils.observe.profiler import StepProfiler
 

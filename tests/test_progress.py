@@ -1,11 +1,11 @@
-"""Progress bars on a terminal, plain lines in a log (utils/log.py: progress_bar, ProgressLines)."""
+"""Progress bars on a terminal, plain lines in a log (utils/base/log.py: progress_bar, ProgressLines)."""
 
 import logging
 import sys
 
 import pytest
 
-from utils.log import ProgressLines, get_logger, progress_bar
+from utils.base.log import ProgressLines, get_logger, progress_bar
 
 
 def test_a_log_gets_a_line_when_work_starts_then_at_most_one_per_interval(log_records):

@@ -25,9 +25,9 @@ from tests.rank_pool import pool
 def changes_what_a_process_has(rank: int, world_size: int) -> tuple[int, list]:
     """Changes each kind of state the pool puts back; returns the worker's pid and its first random numbers."""
     from configs import run
-    from utils import layout
+    from utils.base import layout
+    from utils.base.log import get_logger
     from utils.distributed import hang_report
-    from utils.log import get_logger
 
     os.environ["RANK_POOL_PROBE"] = "left over"
     os.chdir("/")
@@ -50,9 +50,9 @@ def changes_what_a_process_has(rank: int, world_size: int) -> tuple[int, list]:
 
 def what_a_process_has(rank: int, world_size: int) -> dict:
     from configs import run
-    from utils import layout
+    from utils.base import layout
+    from utils.base.log import get_logger
     from utils.distributed import hang_report
-    from utils.log import get_logger
 
     return {
         "pid": os.getpid(),
@@ -108,7 +108,7 @@ def test_a_scenario_finds_what_a_fresh_process_has_whatever_the_one_before_chang
             "threads": 1,
             "dtype": "torch.float32",
             "grad": True,
-            "package logger level": logging.NOTSET,  # set up by each run (utils/log.py: setup_logging)
+            "package logger level": logging.NOTSET,  # set up by each run (utils/base/log.py: setup_logging)
             "logging disabled": logging.NOTSET,
             "SIGUSR1 handler is the default": True,
             "an ignore-everything filter": False,

@@ -60,12 +60,12 @@ from tests.reference_run import (
     restart_run,
     step_lrs,
 )
+from utils.base.layout import MODEL_FILE
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.start import StartPoint, resolve_start
 from utils.distributed.process_group import DistInfo
 from utils.fsdp.parallelism import parallelism_for
-from utils.layout import MODEL_FILE
 from utils.spec import SEQ2SEQ
 from utils.train import optim
 from utils.train.step import StepSettings, train_step

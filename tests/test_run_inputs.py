@@ -20,7 +20,7 @@ from tests.launch import pooled, program_tracebacks
 from tests.reference_run import checkpoint_dir, complete_checkpoint_steps, step_lrs
 from tests.run_configs import run_config
 from tests.test_resume import copy_run, resumed_from, snapshot
-from utils import layout
+from utils.base import layout
 from utils.checkpoint.inputs import checked_inputs, data_differences, model_differences, model_fingerprint
 from utils.checkpoint.start import StartPoint
 

@@ -19,7 +19,7 @@ from configs.cli import continue_run, parse_args
 from configs.errors import CheckpointError, ConfigError
 from configs.paths import REPO_ROOT
 from tests.launch import pooled
-from utils import layout
+from utils.base import layout
 from utils.checkpoint.integrity import HashingFile, checkpoint_files, file_record, find_damage, hashed_file
 from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.record import recorded_run

@@ -8,7 +8,7 @@ from configs.errors import ConfigError
 from configs.lora import LoraConfig
 from configs.observability import ObserveConfig
 from configs.validate import TENSORBOARD_HINT, check_optional_packages
-from utils.layout import TENSORBOARD_DIR
+from utils.base.layout import TENSORBOARD_DIR
 from utils.observe.metrics import open_metrics
 from utils.observe.scalars import scalars_of
 

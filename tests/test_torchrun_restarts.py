@@ -11,7 +11,7 @@ import torch
 
 from configs.errors import CheckpointError, ConfigError
 from tests.dist_harness import run_ranks
-from utils import layout
+from utils.base import layout
 from utils.checkpoint.start import resolve_start
 from utils.distributed.process_group import agent_process, check_local_rank, check_restarts, torchrun_attempt
 

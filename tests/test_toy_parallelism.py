@@ -14,9 +14,9 @@ from transformers import AutoModelForSeq2SeqLM
 from tests.dist_harness import run_ranks
 from tests.reference_run import read_records
 from tests.run_configs import run_config
+from utils.base.log import get_logger
 from utils.distributed.process_group import DistInfo
 from utils.fsdp.parallelism import Parallelism
-from utils.log import get_logger
 
 CPU = torch.device("cpu")
 STEPS = 4  # 16 rows, 2 ranks of 2 rows: 4 steps in the one epoch

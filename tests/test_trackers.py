@@ -15,7 +15,7 @@ import pytest
 from configs.observability import ObserveConfig
 from tests.launch import pooled
 from tests.reference_run import read_records
-from utils.layout import CONFIG_FILE, TRACKERS_FILE
+from utils.base.layout import CONFIG_FILE, TRACKERS_FILE
 from utils.observe.metrics import open_metrics
 from utils.observe.scalars import scalars_of
 

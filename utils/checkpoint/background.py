@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.torch_version import TorchVersion
 
 from configs.errors import ConfigError
+from utils.base.log import get_logger, size_text
 from utils.checkpoint.integrity import RecordingWriter
 from utils.distributed.launcher import ranks_on_this_host
 from utils.distributed.process_group import DistInfo, usable_cpus
 from utils.fsdp.parallelism import Parallelism
-from utils.log import get_logger, size_text
 from utils.observe.memory import available_memory
 
 

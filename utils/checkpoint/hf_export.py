@@ -39,7 +39,9 @@ from transformers import AutoTokenizer, GenerationConfig
 from configs.errors import FAILURES, CheckpointError, UserError, error_summary
 from configs.lora import LoraConfig
 from policies.private_api import consolidate_safetensors_files_on_every_rank
-from utils import layout
+from utils.base import layout
+from utils.base.files import atomic_path, tmp_path
+from utils.base.log import get_logger, progress_bar, warnings_ignored
 from utils.checkpoint.integrity import find_damage
 from utils.checkpoint.safe_dcp import SafeFileSystemReader
 from utils.checkpoint.start import read_train_state
@@ -50,8 +52,6 @@ from utils.checkpoint.state_dicts import (
     with_local_rows,
 )
 from utils.eval.generation import stops_of
-from utils.files import atomic_path, tmp_path
-from utils.log import get_logger, progress_bar, warnings_ignored
 from utils.model.loading import saved_config, skeleton
 from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
 from utils.spec import GENERATION_KEYS, ModelSpec, spec_for

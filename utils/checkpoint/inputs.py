@@ -28,11 +28,11 @@ import xxhash
 
 from configs.data import DataConfig
 from configs.errors import ConfigError
+from utils.base.log import get_logger
 from utils.checkpoint.start import StartPoint, read_train_state
 from utils.data.cache import text_source
 from utils.distributed.process_group import is_rank0, rank0_decides
 from utils.distributed.progress_bounded import progress_bounded
-from utils.log import get_logger
 
 DIGEST = "xxh3_128"  # of a file's every byte
 HEADER_DIGEST = "header_xxh3_128"  # of a safetensors file's header (its tensors' names, dtypes, shapes, offsets)

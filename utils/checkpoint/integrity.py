@@ -28,9 +28,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from configs.errors import CheckpointError
-from utils import layout
+from utils.base import layout
+from utils.base.files import write_json
 from utils.distributed.progress_bounded import progress_bounded
-from utils.files import write_json
 
 READ_BYTES = 16 * 2**20  # read in blocks when checking: a rank's memory stays small whatever the file
 PIECE_BYTES = 256 * 2**20  # the unit of the check that ranks share: a 90 GB file is 344 of them

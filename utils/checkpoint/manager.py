@@ -1,6 +1,6 @@
 """Resumable checkpoints (model, optimizer, LR scheduler, grad scaler, progress, RNG) and the final saves.
 
-The layout of a checkpoint folder is in utils/layout.py. A checkpoint is written under
+The layout of a checkpoint folder is in utils/base/layout.py. A checkpoint is written under
 `checkpoints/.tmp_step_...` and renamed when every rank has finished, so a crash during a save leaves only
 a temporary folder (removed when the next run starts), and the previous checkpoints stay loadable. Its
 train_state.json, written last, lists every other file with its size and CRC-32, recorded as it was written
@@ -49,10 +49,12 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim.lr_scheduler import LRScheduler
 
 from configs.checkpointing import CheckpointConfig
-from configs.errors import FAILURES, CheckpointError, UserError, error_summary
+from configs.errors import FAILURES, CheckpointError, UserError, error_summary, is_disk_full
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
-from utils import layout
+from utils.base import layout
+from utils.base.files import disk_bytes, free_bytes, write_json
+from utils.base.log import get_logger, size_text
 from utils.checkpoint.background import BackgroundWriter
 from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
 from utils.checkpoint.integrity import RecordingWriter, checkpoint_files, hashed_file
@@ -73,9 +75,7 @@ from utils.checkpoint.state_dicts import (
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, rank0_decides
 from utils.distributed.progress_bounded import progress_bounded
-from utils.files import disk_bytes, free_bytes, is_disk_full, write_json
 from utils.fsdp.parallelism import Parallelism
-from utils.log import get_logger, size_text
 from utils.model.lora import trainable_share, transposed_layers
 from utils.observe.memory import param_numel_local, trim_host_heap
 from utils.spec import ModelSpec
@@ -285,8 +285,9 @@ class CheckpointManager:
         return whole, "the model and optimizer in fp32"
 
     def _ran_out_of_space(self, err: BaseException) -> bool:
-        """Whether a failed save failed for a full disk: said so (utils/files.py), or said otherwise while less
-        than a checkpoint is free (torch's zip writer reports a short write as "unexpected pos")."""
+        """Whether a failed save failed for a full disk: said so (configs/errors.py: is_disk_full), or said
+        otherwise while less than a checkpoint is free (torch's zip writer reports a short write as "unexpected
+        pos")."""
         free = free_bytes(layout.checkpoint_root(self.output_dir))
         return is_disk_full(err) or (free is not None and free < self._checkpoint_bytes()[0])
 

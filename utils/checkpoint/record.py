@@ -6,8 +6,8 @@ imported: the settings are checked with it.
 import json
 import os
 
-from utils import layout
-from utils.log import get_logger
+from utils.base import layout
+from utils.base.log import get_logger
 
 
 def resumed_checkpoint(resume: str, output_dir: str) -> str | None:

@@ -26,11 +26,11 @@ from datetime import datetime, timezone
 import torch.distributed as dist
 
 from configs.errors import ConfigError
-from utils import layout
+from utils.base import layout
+from utils.base.files import nearest_existing, write_problem
+from utils.base.log import get_logger
 from utils.checkpoint.start import OUTPUT_DIR_USE, prepare_output_dir, unwritable_folder
 from utils.distributed.process_group import rank0_decides
-from utils.files import nearest_existing, write_problem
-from utils.log import get_logger
 
 try:
     import fcntl
@@ -150,8 +150,8 @@ def check_writable(output_dir: str, *, evaluating: bool, saves_checkpoints: bool
     existing exports, which training adds to and replaces; evaluate_only/ for --evaluate_only), or every rank
     stops with one message naming the folder, the rank and host that cannot, and the fix: before anything is
     read, trained or replaced, not at the first save after training. Each rank probes for itself (a node-local
-    disk or a mount can differ by node) by a real write (utils/files.py: write_problem); a folder that does not
-    exist yet is probed where it will be created. Collective (one small all-gather)."""
+    disk or a mount can differ by node) by a real write (utils/base/files.py: write_problem); a folder that does
+    not exist yet is probed where it will be created. Collective (one small all-gather)."""
     folders = {output_dir: OUTPUT_DIR}
     if evaluating:
         folders[os.path.join(output_dir, layout.EVALUATE_ONLY_DIR)] = EVALUATE_ONLY

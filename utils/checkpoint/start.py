@@ -20,12 +20,12 @@ import shutil
 from dataclasses import dataclass
 
 from configs.errors import CheckpointError, ConfigError
-from utils import layout
+from utils.base import layout
+from utils.base.files import nearest_existing, write_problem
+from utils.base.log import get_logger
 from utils.checkpoint.integrity import find_damage
 from utils.checkpoint.progress import TrainProgress
 from utils.distributed.process_group import is_rank0, rank0_decides
-from utils.files import nearest_existing, write_problem
-from utils.log import get_logger
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ OUTPUT_DIR_USE = "the run writes its record, metrics and checkpoints there"
 
 
 def prepare_output_dir(output_dir: str) -> None:
-    """Create output_dir, once a real write where it goes has worked (utils/files.py: write_problem)."""
+    """Create output_dir, once a real write where it goes has worked (utils/base/files.py: write_problem)."""
     where = nearest_existing(output_dir)
     problem = write_problem(where)
     if problem is None:

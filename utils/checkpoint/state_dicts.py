@@ -25,10 +25,10 @@ from policies.private_api import (
     sharded_tensor_like,
     state_dict_name,
 )
-from utils.files import atomic_path, disk_bytes
+from utils.base.files import atomic_path, disk_bytes
+from utils.base.log import get_logger
 from utils.fsdp.parallelism import Parallelism
 from utils.fsdp.shard import fsdp1_state_dict_warnings_ignored
-from utils.log import get_logger
 
 
 @fsdp1_state_dict_warnings_ignored()

@@ -29,13 +29,13 @@ from jinja2 import TemplateError
 
 from configs.data import DataConfig
 from configs.errors import ConfigError, DataError
+from utils.base.files import writable
+from utils.base.log import get_logger
 from utils.data import sources
 from utils.data.shared_cache import checked_manifest, complete_folders, folder_for, shared_folder
 from utils.data.sources import SPLITS, WIKIHOW_CSV, TextSource
 from utils.data.wikihow import clean_text, wikihow_source
 from utils.distributed.process_group import is_rank0, usable_cpus
-from utils.files import writable
-from utils.log import get_logger
 
 # Bump when clean_text or the encoding of a row changes: the token cache is rebuilt.
 ENCODING_VERSION = 2

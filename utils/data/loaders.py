@@ -25,6 +25,7 @@ from configs.data import DataConfig, rows_to_read
 from configs.errors import DataError
 from configs.evaluation import EvalConfig, generation_rows
 from configs.training import TrainConfig
+from utils.base.log import bars_shown, get_logger
 from utils.data.cache import evaluation_split, split_rows, text_source, warn_once
 from utils.data.samplers import (
     LengthGrouping,
@@ -34,7 +35,6 @@ from utils.data.samplers import (
     train_sampler_for,
 )
 from utils.distributed.process_group import DistInfo, is_rank0
-from utils.log import bars_shown, get_logger
 
 IGNORED = -100  # the label of a token the loss leaves out (padding): cross_entropy's ignore_index
 

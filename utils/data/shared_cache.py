@@ -44,8 +44,8 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from configs.errors import DataError
-from utils.files import write_json, write_problem
-from utils.log import get_logger
+from utils.base.files import write_json, write_problem
+from utils.base.log import get_logger
 
 MANIFEST = "manifest.json"
 # Bump when the layout of a cache folder changes: it is in every folder's name, so older folders are left

@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from configs.data import DataConfig
 from configs.errors import DataError, DataFileNotFoundError, UserError
-from utils.files import WRITE_PROBE_PREFIX, closest_folder
+from utils.base.files import WRITE_PROBE_PREFIX, closest_folder
 
 SPLITS = ("train", "validation", "test")
 TEXT_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("target", pa.string())])
@@ -573,7 +573,7 @@ def is_saved_dataset(folder: Path) -> bool:
 
 def _dataset_files(folder: Path) -> dict[str, Path]:
     """Every file of a dataset folder (its cache/ folder aside, and the write probes another rank may be making
-    there: utils/files.py write_problem), by its path inside the folder."""
+    there: utils/base/files.py write_problem), by its path inside the folder."""
     return {
         str(path.relative_to(folder)): path
         for path in sorted(folder.rglob("*"))

@@ -37,8 +37,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from configs.errors import DataError, DataFileNotFoundError
+from utils.base.log import ProgressLines, get_logger, progress_bar
 from utils.data.sources import WIKIHOW_CSV, SplitWriter, TextSource, file_fingerprint, how_to_get_wikihow, not_utf8
-from utils.log import ProgressLines, get_logger, progress_bar
 
 EXPECTED_HEADER = ["headline", "title", "text"]
 # Split name -> the authors' list of titles for it (names as the builder and the tutorial use them).

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from configs.errors import FAILURES, error_chain, error_summary
 from policies.private_api import flight_recorder_dump
-from utils import files, layout
+from utils.base import files, layout
 from utils.distributed.progress_bounded import PeerStalled
 
 # How a wait that outlived the process group's timeout is worded: gloo's send and recv ("Timed out waiting

@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from configs.errors import ConfigError, UserError
 from policies.private_api import default_store
+from utils.base.log import get_logger
 from utils.distributed import hang_report
 from utils.distributed.launcher import launcher_ranks
 from utils.distributed.progress_bounded import PeerFailed
-from utils.log import get_logger
 
 # Phrases of the errors a rank gets when a peer died mid-collective: a consequence, not the cause.
 PEER_FAILURE_PHRASES = ("Connection closed by peer", "Connection reset by peer", "remote worker crash")

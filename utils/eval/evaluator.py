@@ -6,7 +6,7 @@ the eval record and the predictions.
                           metric=metric, predictions_file=where, info=info)
     record = evaluator.evaluate(model, epoch, step)   # collective; the record on every rank
 
-`where(split, step)` names the predictions file (utils/layout.py: training's, or --evaluate_only's own).
+`where(split, step)` names the predictions file (utils/base/layout.py: training's, or --evaluate_only's own).
 
 Each row is scored exactly once: the evaluation sampler's padding repeats are generated (every rank
 must join every collective) but never scored.
@@ -22,15 +22,15 @@ import torch.distributed as dist
 from torch import nn
 
 from configs.evaluation import METRIC_NAMES
+from utils.base.files import atomic_path
+from utils.base.log import get_logger, progress_bar
 from utils.data.loaders import EvalSet, move_batch
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, StopCheck
 from utils.eval.generation import gathered_for_generation, generate, keep_gathered, stop_token_ids
 from utils.eval.rouge import lead_sentences, lead_steps, rouge_scores
 from utils.eval.scores import SCORERS, mean_scores
-from utils.files import atomic_path
 from utils.fsdp.parallelism import Parallelism
-from utils.log import get_logger, progress_bar
 from utils.spec import ModelSpec
 
 EXAMPLES_LOGGED = 3
@@ -78,7 +78,9 @@ class Evaluator:
         self.spec = spec  # what generation reads of a batch (its prompts), and which of its outputs are new
         self.generation = generation  # generate's settings (utils/spec.py: generation_kwargs)
         self.metric = metric  # --eval_metric: a key of utils/eval/scores.py's SCORERS
-        self.predictions_file = predictions_file  # (split, step) -> where its predictions go (utils/layout.py)
+        self.predictions_file = (
+            predictions_file  # (split, step) -> where its predictions go (utils/base/layout.py)
+        )
         self.info = info
         # --gather_for_generation, and the dtype the gathered parameters take (generation.keep_gathered)
         self.gather_for_generation, self.compute_dtype = gather_for_generation, compute_dtype

@@ -62,6 +62,7 @@ from policies.activation_checkpointing_functions import apply_fsdp_checkpointing
 from policies.mixed_precision import Precision
 from policies.private_api import fsdp1_units_kept_unsharded, fsdp1_unsharded_numel, fsdp2_units_kept_unsharded
 from policies.wrapping import get_wrap_policy, layer_classes
+from utils.base.log import get_logger, warnings_ignored
 from utils.distributed.mesh import fsdp1_mesh, fsdp2_mesh
 from utils.fsdp.shard import (
     FSDP1_NO_SHARD_WARNING,
@@ -73,7 +74,6 @@ from utils.fsdp.shard import (
     layer_units,
     unit_class_name,
 )
-from utils.log import get_logger, warnings_ignored
 from utils.model.rank0_loading import UnitMaterializer, broadcast_rank0_weights, to_empty, weight_reader
 
 

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecision
 
 from configs.fsdp import TESTED_LAYER_CLASSES
 from policies.private_api import wrapped_module
-from utils.log import warnings_ignored
+from utils.base.log import warnings_ignored
 from utils.model.loading import computed_buffers
 
 # FSDP2 warns, on every forward of every layer unit (checkpointed or not), that the unit returned a view

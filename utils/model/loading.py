@@ -46,9 +46,9 @@ from transformers.utils import cached_file
 
 from configs.errors import FAILURES, CheckpointError, ConfigError, error_summary
 from configs.recipe import RecipeConfig
-from utils import layout
+from utils.base import layout
+from utils.base.log import get_logger
 from utils.distributed.process_group import is_rank0, rank0_decides
-from utils.log import get_logger
 from utils.model import t5_attention
 from utils.model.source import (
     HUB_HINT,

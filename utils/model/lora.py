@@ -18,7 +18,7 @@ from transformers.pytorch_utils import Conv1D
 
 from configs.errors import ConfigError
 from configs.lora import LoraConfig
-from utils.log import warnings_ignored
+from utils.base.log import warnings_ignored
 from utils.model.source import looks_like_local_path
 from utils.spec import ModelSpec
 

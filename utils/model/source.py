@@ -13,9 +13,9 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from configs.errors import ConfigError
-from utils import layout
-from utils.files import closest_folder
-from utils.log import get_logger
+from utils.base import layout
+from utils.base.files import closest_folder
+from utils.base.log import get_logger
 
 HUB_HINT = (
     "Pass a local folder made by save_pretrained (e.g. the embedded data/tiny-t5), or a hub name such as "

@@ -7,8 +7,8 @@ import math
 import os
 
 from configs.observability import ObserveConfig
-from utils.files import atomic_path
-from utils.log import get_logger
+from utils.base.files import atomic_path
+from utils.base.log import get_logger
 from utils.observe.tensorboard import tensorboard_sink
 from utils.observe.trackers import open_trackers
 

@@ -1,6 +1,6 @@
 """--profile_start_step: a torch.profiler trace of chosen optimizer steps on every rank and, on CUDA, a memory
 snapshot of the same steps; on CUDA an out-of-memory error also leaves the allocator's state behind
-(utils/layout.py names the files).
+(utils/base/layout.py names the files).
 
     with StepProfiler(observe, output_dir, rank, device, steps_done) as profiler:   # around training
         ...
@@ -27,9 +27,9 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 
 from configs.observability import ObserveConfig
 from policies.private_api import dump_memory_snapshot, record_memory_history, stop_memory_history
-from utils import layout
-from utils.files import atomic_path
-from utils.log import get_logger
+from utils.base import layout
+from utils.base.files import atomic_path
+from utils.base.log import get_logger
 
 # Allocation events a memory snapshot keeps (the newest), the value of torch's guide to CUDA memory: a few
 # steps of a large model, in some tens of MB of host memory.

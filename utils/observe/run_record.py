@@ -11,8 +11,8 @@ from configs.cli import config_to_dict
 from configs.fsdp import wraps_in_fsdp
 from configs.run import RunConfig
 from policies.mixed_precision import Precision
+from utils.base.files import write_json
 from utils.distributed.process_group import DistInfo
-from utils.files import write_json
 from utils.observe.flops import Throughput
 
 

@@ -6,7 +6,7 @@ The tags and their axes: utils/observe/scalars.py.
 
 import os
 
-from utils import layout
+from utils.base import layout
 from utils.observe.scalars import scalars_of
 
 

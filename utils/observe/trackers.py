@@ -13,9 +13,9 @@ import time
 
 from configs.errors import UserError
 from configs.observability import ObserveConfig
-from utils import layout
-from utils.files import write_json
-from utils.log import get_logger
+from utils.base import layout
+from utils.base.files import write_json
+from utils.base.log import get_logger
 from utils.observe.scalars import AXIS_OF_TYPE, scalars_of
 
 MLFLOW_BATCH = 100  # MLflow's log_batch takes at most 100 parameters per call

@@ -23,7 +23,8 @@ from configs.evaluation import METRIC_NAMES
 from configs.run import RunConfig
 from policies.mixed_precision import Precision, resolve_precision
 from policies.wrapping import layer_classes
-from utils import layout
+from utils.base import layout
+from utils.base.log import get_logger
 from utils.checkpoint.inputs import checked_inputs
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.run_lock import check_writable
@@ -33,7 +34,6 @@ from utils.distributed import process_group
 from utils.distributed.progress_bounded import progress_bounded
 from utils.eval.evaluator import Evaluator
 from utils.fsdp.parallelism import Parallelism, parallelism_for
-from utils.log import get_logger
 from utils.model import loading, lora
 from utils.observe import flops
 from utils.observe.memory import MemoryBaseline

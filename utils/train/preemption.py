@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from policies.private_api import default_store
-from utils.log import get_logger
+from utils.base.log import get_logger
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SAID_IN_TRAINING = "received %s: saving a checkpoint %s, then stop%s"

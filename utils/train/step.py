@@ -18,11 +18,11 @@ from torch import nn
 from tqdm import tqdm
 
 from policies.private_api import skip_next_step_if
+from utils.base.log import ProgressLines
 from utils.data.loaders import IGNORED, move_batch
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import StopCheck
 from utils.fsdp.parallelism import Parallelism
-from utils.log import ProgressLines
 from utils.observe.flops import FlopCounter
 from utils.observe.memory import SavedTensorCounter
 from utils.spec import ModelSpec

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from configs.errors import TrainingDivergedError
+from utils.base.log import get_logger
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import is_rank0
-from utils.log import get_logger
 from utils.observe.flops import Throughput
 from utils.train.step import (
     GRAD_NORM,

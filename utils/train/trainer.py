@@ -28,7 +28,8 @@ from configs.evaluation import EvalConfig
 from configs.observability import ObserveConfig
 from configs.recipe import RecipeConfig
 from configs.training import TrainConfig
-from utils import layout
+from utils.base import layout
+from utils.base.log import format_duration, get_logger, progress_bar
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.progress import TrainProgress
 from utils.data.loaders import Loaders, move_batch
@@ -37,7 +38,6 @@ from utils.distributed.process_group import DistInfo, StopAgreed, any_rank, rank
 from utils.eval.evaluator import Evaluator
 from utils.fsdp.parallelism import Parallelism
 from utils.fsdp.shard import forward_warnings_ignored
-from utils.log import format_duration, get_logger, progress_bar
 from utils.observe.flops import Throughput
 from utils.observe.memory import (
     MemoryBaseline,

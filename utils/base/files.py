@@ -10,22 +10,13 @@ utils/checkpoint/manager.py.
 
 import contextlib
 import difflib
-import errno
 import json
 import os
-import re
 import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from configs.errors import error_chain, error_summary
-
-# How a full disk or an exhausted quota is worded by Python (OSError), Rust libraries (tokenizers, safetensors:
-# "os error 28") and torch's C++ writers, which keep only the text.
-DISK_FULL = re.compile(
-    r"No space left on device|Disk quota exceeded|os error (28|122)|errno (28|122)", re.IGNORECASE
-)
 WRITE_PROBE_PREFIX = ".write_probe_"  # write_problem's test file, removed at once
 
 
@@ -105,16 +96,6 @@ def closest_folder(path: str | os.PathLike, holding: str | None = None) -> str |
     if candidate == path or (holding and not os.path.isfile(os.path.join(candidate, holding))):
         return None
     return candidate
-
-
-def is_disk_full(err: BaseException | None) -> bool:
-    """Whether `err`, or an error it was raised from or while handling, says the disk (or the quota) is full."""
-    for link in error_chain(err):
-        if isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if DISK_FULL.search(error_summary(link)):
-            return True
-    return False
 
 
 def nearest_existing(path: str | os.PathLike) -> str:
