@@ -175,7 +175,7 @@ def train(run: Run, progress, stop: StopRequest, throughput, memory_baseline, fr
     """The tutorial's epoch loop (utils/train/trainer.py), from where the run starts; a resume of a finished run
     changes nothing."""
     trainer = run.trainer(throughput, memory_baseline)
-    if run.start.is_checkpoint and trainer.done(progress):
+    if run.start.is_checkpoint and trainer.end.done(progress):
         trainer.finish_finished_run(progress)
         return
     trainer.lay_out(progress)  # where it ends; a resume in another shape re-lays the schedule's rest

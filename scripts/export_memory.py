@@ -45,6 +45,7 @@ from scripts.make_random_t5 import make  # noqa: E402
 from tests.dist_harness import run_ranks  # noqa: E402
 from utils.base import layout  # noqa: E402
 from utils.base.files import disk_bytes  # noqa: E402
+from utils.checkpoint.final_models import FinalModels  # noqa: E402
 from utils.checkpoint.manager import CheckpointManager  # noqa: E402
 from utils.checkpoint.progress import TrainProgress  # noqa: E402
 from utils.checkpoint.start import StartPoint  # noqa: E402
@@ -111,17 +112,14 @@ def sharded_setup(rank: int, world_size: int, model_dir: str, version: int, lora
             scheduler=scheduler,
             scaler=None,
             model_config=model_config,
-            spec=SEQ2SEQ,
             tokenizer=tokenizer,
             info=info,
-            lora=lora_config,
-            base_model=model_dir,
         )
 
     return model, optimizer, model_bytes, manager
 
 
-def previous_export(model, manager: CheckpointManager, lora: bool) -> None:
+def previous_export(model, manager: CheckpointManager, lora: bool, model_dir: str) -> None:
     """The export before it was written from the shards (this package until the change that added it): the
     full state dict gathered on rank 0, then save_pretrained there; with LoRA, a PEFT model built from it
     to write the adapter and merge."""
@@ -131,7 +129,7 @@ def previous_export(model, manager: CheckpointManager, lora: bool) -> None:
     config = copy.deepcopy(manager.model_config)
     if lora:
         with torch.device("meta"):
-            peft_model = apply_lora(T5ForConditionalGeneration(config), MERGED_LORA, manager.base_model, SEQ2SEQ)
+            peft_model = apply_lora(T5ForConditionalGeneration(config), MERGED_LORA, model_dir, SEQ2SEQ)
         peft_model.to_empty(device="cpu")
         peft_model.load_state_dict(state, strict=True)
         peft_model.save_pretrained(os.path.join(manager.output_dir, layout.HF_ADAPTER_DIR))
@@ -151,9 +149,10 @@ def export_worker(rank: int, world_size: int, model_dir: str, version: int, how:
     reset_high_water_mark()
     started = time.perf_counter()
     if how.startswith("gather"):
-        previous_export(model, manager, lora)
+        previous_export(model, manager, lora, model_dir)
     else:
-        manager.export_hf()
+        lora_config = MERGED_LORA if lora else LoraConfig()
+        FinalModels(manager, spec=SEQ2SEQ, lora=lora_config, base_model=model_dir).export_hf()
     dist.barrier()
     seconds = time.perf_counter() - started
     peak = rss_bytes("VmHWM") - before

@@ -353,7 +353,7 @@ def set_up_as_a_rank(environ: dict) -> None:
 
 def preload() -> None:
     """Import what every scenario needs, once: the package (every module, so that its globals are saved before
-    any scenario runs) and the tests' rank functions."""
+    any scenario runs) and the rank functions tests share (a test module's own come with it, on first use)."""
     import importlib
 
     for name in own_module_names():

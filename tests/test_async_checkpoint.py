@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import os
 import shutil
+from unittest import mock
 
 import pytest
+import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager
+from transformers import T5Tokenizer
 
+from configs.checkpointing import CheckpointConfig
+from configs.paths import EMBEDDED_MODEL_DIR
 from scripts.compare_step_losses import step_losses
+from tests.dist_workers import CPU, FP32, _fsdp_config, batch_seed, make_batch, plain_manager, sharded, tiny_t5
 from tests.launch import Background, pooled
 from tests.reference_run import (
     SHARDED,
@@ -18,7 +25,12 @@ from tests.reference_run import (
     complete_checkpoint_steps,
     logged_steps,
 )
-from utils.distributed.process_group import usable_cpus
+from utils.base import layout
+from utils.checkpoint import background as background_writing
+from utils.checkpoint.progress import TrainProgress
+from utils.distributed.process_group import DistInfo, usable_cpus
+from utils.spec import SEQ2SEQ
+from utils.train.step import StepSettings, train_step
 
 ASYNC = ["--checkpoint_type", SHARDED, "--async_checkpoint", "true"]
 SLOW_STEP = 10  # its write stalls (tests/slow_write_entry.py); the complete checkpoint before it is step 5
@@ -73,13 +85,51 @@ def test_async_checkpoint_needs_sharded_checkpoints():
     check_settings(parse_args(ASYNC), 2, "cpu")
 
 
+def self_closing_stager_worker(rank: int, world_size: int, output_root: str) -> dict:
+    """FSDP2 background saves (--async_checkpoint) under the DefaultStager of torch 2.11 and 2.12, which closes
+    itself at the end of every stage: emulated here by its public `close` after each `stage`. Three saves
+    through the checkpoint manager, with a stager per save (what the manager does before torch 2.13) and with
+    one stager for the run (the control, which those versions break). The checkpoints completed, or the error."""
+    original_stage = DefaultStager.stage
+
+    def stage_then_close(stager, state_dict, **kwargs):
+        staged = original_stage(stager, state_dict, **kwargs)
+        stager.close()
+        return staged
+
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    fsdp = _fsdp_config({"fsdp_version": 2, "checkpoint_type": layout.SHARDED})
+    checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=3, async_checkpoint=True)
+    out = {}
+    for stager_per_save in (True, False):
+        output_dir = os.path.join(output_root, f"per_save_{stager_per_save}")
+        model, parallelism = sharded(tiny_t5(), fsdp, FP32)
+        manager = plain_manager(model, parallelism, fsdp, checkpointing, output_dir, info, tokenizer)
+        optimizer, settings = manager.optimizer, StepSettings(parallelism, spec=SEQ2SEQ)
+        with (
+            mock.patch.object(DefaultStager, "stage", stage_then_close),
+            mock.patch.object(background_writing, "STAGER_SERVES_ONE_SAVE", stager_per_save),
+            manager as checkpoints,
+        ):
+            try:
+                for step in (1, 2, 3):
+                    train_step(model, make_batch(batch_seed(step, rank)), optimizer, None, world_size, settings)
+                    checkpoints.save(TrainProgress(epoch=1, samples_consumed=step, global_step=step))
+                checkpoints.finish_pending()
+                dist.barrier()  # rank 0 completes (renames) the last one
+                out[stager_per_save] = sorted(os.listdir(layout.checkpoint_root(output_dir)))
+            except Exception as err:  # the control's failure, returned to be asserted
+                out[stager_per_save] = f"{type(err).__name__}: {err}"
+    return out
+
+
 @pytest.mark.slow  # two DCP writer processes (about 15 s)
 def test_background_saves_survive_a_stager_that_closes_itself_after_each_save(tmp_path):
     """torch 2.11 and 2.12's DefaultStager closes itself after each stage (the GPU machine's torch 2.11 failed
     at the second FSDP2 background save with "KeyError: <class 'type'>"): the manager gives each save a stager
     of its own there. The control, one stager for the run, fails as those versions did."""
     from tests.dist_harness import run_ranks
-    from tests.dist_workers import self_closing_stager_worker
 
     results = run_ranks(self_closing_stager_worker, str(tmp_path), world_size=2)
     for out in results:
@@ -95,9 +145,7 @@ def test_a_periodic_save_that_waits_for_the_previous_write_says_so_once(log_reco
     from concurrent.futures import Future
     from threading import Timer
 
-    from configs.checkpointing import CheckpointConfig
     from utils.checkpoint.manager import BackgroundSave, CheckpointManager
-    from utils.distributed.process_group import DistInfo
 
     def writing(step: int, seconds: float) -> BackgroundSave:
         future = Future()

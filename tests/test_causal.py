@@ -4,6 +4,7 @@ against torch's counter, the data's tokens and labels, and FSDP1/FSDP2 against t
 resume and rank-0-only loading. Tiny random Llama (untied and tied) and GPT-2 models built offline by
 scripts/make_tiny_family.py, once per session."""
 
+import copy
 import dataclasses
 import json
 import logging
@@ -27,20 +28,29 @@ from configs.data import DataConfig
 from configs.errors import ConfigError
 from configs.lora import LoraConfig
 from configs.paths import REPO_ROOT
+from policies.mixed_precision import Precision
 from policies.wrapping import layer_classes
 from scripts.make_tiny_family import CAUSAL_FAMILIES, make
 from tests.dist_harness import one_process_group, run_ranks
 from tests.dist_workers import (
+    CPU,
+    FP32,
+    LR,
+    _fsdp_config,
     causal_batch,
-    causal_compile_worker,
     family_worker,
-    rope_precision_worker,
-    unprefixed_rank0_loading_worker,
+    full_state_against,
+    layers_compiled_by,
+    reference_run,
+    sharded,
+    train_wrapped,
 )
 from tests.hf_folders import parameter_ties
+from utils.checkpoint.hf_export import lora_exports, write_model_folder
+from utils.checkpoint.state_dicts import sharded_model_state
 from utils.data.loaders import IGNORED
 from utils.model.loading import load_model, load_tokenizer
-from utils.model.lora import target_modules
+from utils.model.lora import apply_lora, target_modules, transposed_layers
 from utils.observe.flops import CausalFlops
 from utils.spec import CAUSAL, spec_for
 from utils.train.optim import parameter_groups
@@ -384,6 +394,23 @@ def test_documents_packing_is_refused_for_a_model_that_takes_no_position_ids():
         CAUSAL.check_data(documents, config)
 
 
+def causal_lora_worker(rank: int, world_size: int, folder: str, targets: str, export_dir: str) -> dict:
+    """LoRA on a decoder-only model under FSDP2: 3 steps, then the merged model written from the shards to
+    export_dir/hf_model; rank 0 returns the gathered trained PEFT model's state dict (PEFT's names)."""
+    torch.manual_seed(0)
+    lora = LoraConfig(peft="lora", lora_r=4, lora_alpha=8, lora_target_modules=targets, merge_lora=True)
+    model = apply_lora(load_model(folder, dropout_rate=0.0), lora, folder, CAUSAL)
+    model_config = model.config
+    model, parallelism = sharded(model, _fsdp_config({"fsdp_version": 2}), FP32)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    train_wrapped(model, parallelism, optimizer, rank, world_size, 3, model_config.vocab_size, spec=CAUSAL)
+    _, merged = lora_exports(sharded_model_state(model), lora, CPU, transposed_layers(model))
+    write_model_folder(
+        merged, model_config, CAUSAL, load_tokenizer(folder), f"{export_dir}/hf_model", 10**9, rank == 0
+    )
+    return {"state": parallelism.full_state_dict(model, CPU)}
+
+
 @pytest.mark.slow  # two ranks and an export each
 @pytest.mark.parametrize(("family", "targets"), [("gpt2", "c_attn,c_proj"), ("llama", "auto")])
 def test_a_decoder_only_lora_run_exports_the_model_peft_merges(causal_dirs, family, targets, tmp_path):
@@ -394,8 +421,6 @@ def test_a_decoder_only_lora_run_exports_the_model_peft_merges(causal_dirs, fami
     from peft import PeftModel  # noqa: F401 - PEFT present, as apply_lora needs
 
     from configs.lora import LoraConfig as Settings
-    from tests.dist_workers import causal_lora_worker
-    from utils.model.lora import apply_lora
 
     rank0, _ = run_ranks(causal_lora_worker, causal_dirs[family], targets, str(tmp_path), timeout_s=300)
     torch.manual_seed(0)
@@ -709,6 +734,27 @@ def test_a_cut_reply_keeps_the_whole_end_of_turn_of_a_chatml_shaped_template(cau
     assert cut == whole[:6] + closing
 
 
+def rope_precision_worker(rank: int, world_size: int, folder: str) -> dict:
+    """A decoder-only model's RoPE frequencies (inv_freq, a computed buffer) after a bf16 forward under each
+    backend: their dtype, and whether they equal a fresh model's. The weights compute in bf16 either way."""
+    fresh = load_model(folder, dropout_rate=0.0)
+    expected = {name: buffer.clone() for name, buffer in fresh.named_buffers() if name.endswith("inv_freq")}
+    out = {}
+    for version in (1, 2):
+        model, parallelism = sharded(load_model(folder, dropout_rate=0.0), _fsdp_config({"fsdp_version": version}),
+                            Precision("bfSixteen"))  # fmt: skip
+        batch = causal_batch(seed=rank, vocab=fresh.config.vocab_size)
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        buffers = {name.replace("_fsdp_wrapped_module.", ""): buffer for name, buffer in model.named_buffers()}
+        out[version] = {
+            "compute": str(logits.dtype),
+            "dtypes": sorted({str(buffers[name].dtype) for name in expected}),
+            "as_fresh": all(torch.equal(buffers[name].cpu(), value) for name, value in expected.items()),
+        }
+    return out
+
+
 def test_rope_frequencies_stay_fp32_and_exact_under_bf16_mixed_precision(causal_dirs):
     """FSDP1 casts a unit's buffers to the policy's buffer dtype: for a model that computes some (RoPE's
     inv_freq) the policy leaves buffers alone, so the rotary angles come from the fp32 frequencies a fresh model
@@ -718,6 +764,17 @@ def test_rope_frequencies_stay_fp32_and_exact_under_bf16_mixed_precision(causal_
     for rank in got:
         for version in (1, 2):
             assert rank[version] == {"compute": "torch.bfloat16", "dtypes": ["torch.float32"], "as_fresh": True}
+
+
+def unprefixed_rank0_loading_worker(rank: int, world_size: int, folder: str) -> dict:
+    """FSDP1's rank-0-only loading (every rank on meta, each unit read by name from the safetensors file) of a
+    folder whose file stores names without the model's base prefix, as GPT-2's hub files do (wte.weight, not
+    transformer.wte.weight): every rank's full state dict against the model transformers loads from it."""
+    config = _fsdp_config({"fsdp_version": 1, "cpu_ram_efficient_loading": True})
+    model, parallelism = sharded(
+        load_model(folder, on_meta=True, dropout_rate=0.0), config, FP32, weights_source=folder
+    )
+    return full_state_against(model, load_model(folder, dropout_rate=0.0).state_dict())
 
 
 def test_rank0_loading_reads_weights_stored_without_the_base_prefix(causal_dirs, tmp_path):
@@ -741,6 +798,35 @@ def test_rank0_loading_reads_weights_stored_without_the_base_prefix(causal_dirs,
     assert all(torch.equal(loaded[name], original[name]) for name in original)  # the same model, other names
     for rank in run_ranks(unprefixed_rank0_loading_worker, str(folder)):
         assert rank == {"keys_equal": True, "max_diff": 0.0}
+
+
+def causal_compile_worker(rank: int, world_size: int, folder: str, steps: int) -> dict:
+    """fp32 per-step losses of a decoder-only model with every decoder layer compiled (aot_eager, through
+    utils/fsdp/shard.py's compile_layers), for FSDP1 (original parameters) and FSDP2, on plain rows and on
+    packed blocks, and the graphs compiled for each; the unsharded, uncompiled reference's on rank 0."""
+    import torch._dynamo
+
+    fresh = load_model(folder, dropout_rate=0.0)
+    vocab = fresh.config.vocab_size
+    out: dict = {}
+    graphs: list = []
+    with layers_compiled_by("aot_eager", lambda: graphs.append(1)):
+        for packed in (False, True):
+            if rank == 0:
+                out[("reference", packed)] = reference_run(steps, world_size, copy.deepcopy(fresh), vocab, CAUSAL,
+                                                           packed=packed)[0]  # fmt: skip
+            for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
+                torch._dynamo.reset()
+                graphs.clear()
+                model, parallelism = sharded(
+                    copy.deepcopy(fresh), _fsdp_config({**overrides, "compile": True}), FP32
+                )
+                optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+                losses = train_wrapped(
+                    model, parallelism, optimizer, rank, world_size, steps, vocab, spec=CAUSAL, packed=packed
+                )
+                out[(version, packed)] = {"losses": losses, "graphs": len(graphs)}
+    return out
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 rouge-score's, every article is scored once; and, through torchrun, the eval records, predictions files,
 best-by-ROUGE model, --evaluate_only and scripts/summarize.py."""
 
+import dataclasses
+import functools
 import json
 import shutil
 import subprocess
@@ -22,10 +24,12 @@ from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT
 from scripts.summarize import main as summarize_main
+from summarization_dataset import FORMAT
 from tests.dist_harness import one_process_group, run_ranks
-from tests.dist_workers import generation_worker
+from tests.dist_workers import CPU, FP32, _fsdp_config, make_batch, sharded, tiny_t5
 from tests.launch import pooled
 from tests.test_sources import ONE_CPU_RANK, one_rank_loaders
+from utils.base import layout
 from utils.base.log import get_logger
 from utils.checkpoint.hf_export import run_generation_config, write_adapter_folder
 from utils.data.cache import load_wikihow
@@ -46,6 +50,60 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------------- 2-rank gloo group, direct
+
+
+def generation_worker(rank: int, world_size: int, output_dir: str, n_samples: int, batch_size: int) -> dict:
+    """ROUGE evaluation of one fp32 model under FSDP1 and FSDP2 (greedy and 2 beams), plus direct generate
+    calls whose lengths differ by rank. Rank 0 also returns plain single-process generate on the same model."""
+    from transformers import T5Tokenizer
+
+    from configs.training import TrainConfig
+    from utils.data.loaders import build_eval_set
+    from utils.distributed.process_group import DistInfo
+    from utils.eval.evaluator import Evaluator
+    from utils.eval.generation import generate
+
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
+    data, train = DataConfig(), TrainConfig(val_batch_size=batch_size)
+    evaluation = EvalConfig(eval_num_samples=n_samples, max_new_tokens=12)
+    eval_set = build_eval_set(tokenizer, FORMAT, data, train, evaluation, info, "validation")
+
+    def settings_with(beams: int) -> dict:
+        return SEQ2SEQ.generation_kwargs(dataclasses.replace(evaluation, num_beams=beams), data.max_target_length)
+
+    out = {"records": {}, "uneven": {}}
+    for beams in (1, 2):
+        settings = settings_with(beams)
+        assert settings["num_beams"] == beams and settings["max_new_tokens"] == 12
+        for version in (1, 2):
+            model, parallelism = sharded(tiny_t5(seed=7), _fsdp_config({"fsdp_version": version}), FP32)
+            folder = f"{output_dir}/fsdp{version}-beams{beams}"
+            where = functools.partial(layout.predictions_file, folder)
+            evaluator = Evaluator(eval_set=eval_set, parallelism=parallelism, spec=SEQ2SEQ, generation=settings,
+                                  metric="rouge", predictions_file=where, info=info)  # fmt: skip
+            out["records"][(version, beams)] = evaluator.evaluate(model, 1, 5)
+            # Lengths that differ by rank: rank r stops after 3 + 6 r new tokens, the others keep stepping.
+            uneven = {**settings, "max_new_tokens": 3 + 6 * rank}
+            ids = generate(model, parallelism, SEQ2SEQ.prompts(make_batch(rank, rows=2)), uneven)
+            out["uneven"][(version, beams)] = ids.shape[1]
+    if rank == 0:
+        plain = tiny_t5(seed=7).eval()
+        dataset = eval_set.dataset
+        out["plain"] = {}
+        for beams in (1, 2):
+            settings = settings_with(beams)
+            texts = []
+            for index in range(len(dataset)):
+                item = dataset[index]
+                source, mask = item["source_ids"][None], item["source_mask"][None]
+                with torch.no_grad():
+                    ids = plain.generate(input_ids=source, attention_mask=mask, use_cache=True,
+                                         **settings)  # fmt: skip
+                texts.append(tokenizer.decode(ids[0], skip_special_tokens=True).strip())
+            out["plain"][beams] = texts
+        out["references"] = [dataset.reference(i) for i in range(len(dataset))]
+    return out
 
 
 @pytest.fixture(scope="module")

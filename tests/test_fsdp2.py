@@ -1,19 +1,36 @@
 """FSDP2 (fully_shard) against the unsharded reference and against FSDP1, on a 2-process gloo CPU group."""
 
+import gc
 import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from transformers import T5ForConditionalGeneration
 
+from configs.paths import EMBEDDED_MODEL_DIR
+from policies.mixed_precision import Precision
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
 from tests.dist_workers import (
+    CPU,
+    FP32,
     FSDP2_VARIANTS,
-    bf16_worker,
+    LR,
+    _fsdp_config,
+    batch_seed,
     checkpoint_worker,
+    fsdp_run,
+    full_state_against,
+    layers_compiled_by,
+    make_batch,
     parity_worker,
-    rank0_loading_worker,
+    reference_run,
+    sharded,
+    tiny_t5,
+    train_wrapped,
 )
 from tests.hf_folders import assert_folder_is_save_pretrained_of
 from tests.launch import pooled, torchrun
@@ -27,6 +44,8 @@ from tests.reference_run import (
     step_lrs,
 )
 from utils.fsdp.shard import COMPILE_RECOMPILE_LIMIT
+from utils.model.rank0_loading import UnitMaterializer
+from utils.spec import SEQ2SEQ
 
 STEPS = 4
 
@@ -56,6 +75,16 @@ def test_fsdp2_loses_no_gradient(parity):
         assert diff < 1e-5, f"{name}: weights differ from the reference by {diff}"
 
 
+def bf16_worker(rank: int, world_size: int, steps: int) -> dict:
+    """bf16 (bfSixteen) per-step losses of both backends."""
+    return {
+        version: fsdp_run(
+            _fsdp_config({"fsdp_version": version}), rank, world_size, steps, Precision("bfSixteen")
+        )[0]
+        for version in (1, 2)
+    }
+
+
 def test_bf16_losses_of_both_backends_agree_within_bf16_tolerance():
     losses = run_ranks(bf16_worker, STEPS)[0]
     for step, (fsdp1, fsdp2) in enumerate(zip(losses[1], losses[2], strict=True)):
@@ -72,6 +101,72 @@ def test_fsdp2_full_state_checkpoint_and_the_shard_written_export_hold_the_train
     # The export written from the shards: several files (EXPORT_FILE_BYTES), equal to the gathered model.
     assert rank0["export_files"] == rank1["export_files"] > 1
     assert_folder_is_save_pretrained_of(Path(f"{path}.hf"), rank0["gathered"], tmp_path / "save_pretrained")
+
+
+def rank0_loading_worker(rank: int, world_size: int, fsdp_version: int = 2) -> dict:
+    """Only rank 0 has the weights (FSDP2: in its model; FSDP1: in the embedded model's safetensors file,
+    every rank on meta); after wrapping, every rank's full state dict must equal them."""
+    config = _fsdp_config({"fsdp_version": fsdp_version, "cpu_ram_efficient_loading": True})
+    if fsdp_version == 2:
+        reference = tiny_t5(seed=123)  # what rank 0 "loaded"
+        model, parallelism = sharded(tiny_t5(seed=123) if rank == 0 else tiny_t5(on_meta=True), config, FP32)
+        held = None
+    else:
+        # Live host tensor bytes each time FSDP1 materialises a module, before the reference exists, over those
+        # live before loading (a process that ran other work may hold some: only what loading holds counts).
+        before = _live_host_tensor_bytes()
+        held = []
+        original = UnitMaterializer.__call__
+
+        calls = []
+
+        def measured(materializer, module):
+            calls.append(module)
+            if len(calls) % 8 == 0:  # every 8th module (a gc walk each): the growth a leak makes shows
+                held.append(_live_host_tensor_bytes())
+            original(materializer, module)
+
+        UnitMaterializer.__call__ = measured
+        try:
+            model, parallelism = sharded(
+                tiny_t5(on_meta=True), config, FP32, weights_source=str(EMBEDDED_MODEL_DIR)
+            )
+        finally:
+            UnitMaterializer.__call__ = original
+        held = max(held) - before
+        reference = T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR)
+    return {
+        **full_state_against(model, reference.state_dict()),
+        "tied": _lm_head_is_shared(model),
+        "any_meta": any(p.is_meta for p in model.parameters()),
+        "held_bytes": held,
+        "model_bytes": 4 * sum(p.numel() for p in reference.parameters()),
+    }
+
+
+def _live_host_tensor_bytes() -> int:
+    """Bytes of every live CPU tensor's storage in this process that a collection sees (those frozen with the
+    imports aside: T5_training.kept_for_the_whole_process), each storage once."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            try:
+                storages[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a fake tensor that an earlier scenario's torch.compile keeps: no memory
+                continue
+    return sum(storages.values())
+
+
+def _lm_head_is_shared(model) -> bool:
+    """One parameter behind lm_head and shared: FSDP2 keeps the modules, FSDP1 flattens them (one view
+    each, of the same flat-parameter slice when the tie survived)."""
+    inner = getattr(model, "module", model)
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model):
+            return inner.lm_head.weight.data_ptr() == inner.shared.weight.data_ptr()
+    return inner.lm_head.weight is inner.shared.weight
 
 
 @pytest.mark.slow
@@ -116,6 +211,44 @@ def test_sharded_checkpoint_crosses_backends_with_identical_continued_losses(tmp
     assert step_lrs(crossed) == {step: lr for step, lr in step_lrs(reference).items() if step > 20}
 
 
+def compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict:
+    """fp32 per-step losses and final weights with every T5Block compiled (torch.compile `backend`, through
+    utils/fsdp/shard.py's own compile_layers), for FSDP1 (original parameters) and FSDP2; then, on FSDP2, an
+    evaluation: a no-grad forward twice, generation at two lengths. Where each graph was compiled (the step, or the
+    evaluation's phase; counted by the backend's calls, recompiles and graph breaks included); the unsharded,
+    uncompiled reference on rank 0."""
+    import torch._dynamo
+
+    from utils.eval.generation import generate
+
+    phase: list = [0]
+    compiled_at: list = []
+    out = {"reference": reference_run(steps, world_size) if rank == 0 else None}
+    with layers_compiled_by(backend, lambda: compiled_at.append(phase[0])):
+        for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
+            torch._dynamo.reset()
+            compiled_at.clear()
+            model, parallelism = sharded(tiny_t5(), _fsdp_config({**overrides, "compile": True}), FP32)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = []
+            for step in range(steps):
+                phase[0] = step
+                losses += train_wrapped(model, parallelism, optimizer, rank, world_size, step + 1, first=step)
+            state = parallelism.full_state_dict(model, CPU)
+            if version == 2:  # the evaluation's graphs are the blocks', alike on both backends: counted once
+                model.eval()
+                for label in ("validation", "validation again"):
+                    phase[0] = label
+                    with torch.no_grad():
+                        SEQ2SEQ.token_losses(model, make_batch(batch_seed(steps, rank)))
+                for label, new_tokens in (("generation", 6), ("generation, other lengths", 9)):
+                    phase[0] = label
+                    prompts = SEQ2SEQ.prompts(make_batch(batch_seed(steps, rank)))
+                    generate(model, parallelism, prompts, {"max_new_tokens": new_tokens})
+            out[version] = {"losses": losses, "state": state if rank == 0 else None, "compiled_at": compiled_at[:]}
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager"])
 def test_compiled_blocks_train_like_the_reference_on_both_backends(backend):
@@ -123,7 +256,6 @@ def test_compiled_blocks_train_like_the_reference_on_both_backends(backend):
     the unsharded model. CI uses the aot_eager backend (tracing, FSDP's hooks, activation checkpointing
     and the backward graph as inductor sees them, without minutes of C++ compilation); inductor itself is
     measured by scripts/benchmark.py."""
-    from tests.dist_workers import compile_worker
 
     rank0 = run_ranks(compile_worker, STEPS, backend, timeout_s=600)[0]
     reference_losses, reference_state = rank0["reference"]

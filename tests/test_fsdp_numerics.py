@@ -1,27 +1,49 @@
 """FSDP numerics on a 2-process gloo CPU group: parity with an unsharded model, wrapping, precision,
 checkpoint round trip, and the reported losses. fp32, dropout off, so differences come from FSDP alone."""
 
+import copy
+import dataclasses
+import functools
 import math
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.utils.data import Dataset
+from transformers import T5ForConditionalGeneration
+from transformers.models.t5.modeling_t5 import T5Attention, T5Block
 
 from configs.fsdp import FSDPConfig
 from policies import private_api
-from policies.mixed_precision import bf16_problem, cpu_computes_bf16, resolve_precision, select_policy_name
+from policies.mixed_precision import (
+    POLICIES,
+    Precision,
+    bf16_problem,
+    cpu_computes_bf16,
+    resolve_precision,
+    select_policy_name,
+)
+from summarization_dataset import pad_collate
 from tests.dist_harness import run_ranks
 from tests.dist_workers import (
+    CPU,
+    FP32,
     PARITY_VARIANTS,
+    _fsdp_config,
+    batch_seed,
     checkpoint_worker,
+    make_batch,
     parity_worker,
-    precision_worker,
-    reduction_worker,
-    structure_worker,
+    sharded,
     tiny_t5,
-    validation_worker,
 )
 from tests.hf_folders import assert_folder_is_save_pretrained_of
+from utils.data.loaders import build_loader
+from utils.data.samplers import PaddedEvalSampler
+from utils.spec import SEQ2SEQ
+from utils.train.step import validate
 
 STEPS = 4
 RTOL = 1e-5  # the acceptance bound is 1e-4 relative; fp32 on CPU does much better
@@ -69,6 +91,27 @@ def test_reported_step_loss_is_the_token_mean_over_both_ranks(parity):
     assert relative_diff(first, parity[0]["reference_losses"][0]) < 1e-6
 
 
+def structure_worker(rank: int, world_size: int) -> dict:
+    """Which modules are FSDP units, and which parameters each unit's flat parameter holds."""
+    out = {}
+    for checkpointing in (False, True):
+        config = dataclasses.replace(_fsdp_config({}), fsdp_activation_checkpointing=checkpointing)
+        plain = tiny_t5()
+        n_blocks = sum(isinstance(m, T5Block) for m in plain.modules())
+        model, parallelism = sharded(plain, config, FP32)
+        units = FSDP.fsdp_modules(model)
+        out[checkpointing] = {
+            "n_blocks": n_blocks,
+            "root_is_model": units[0] is model and isinstance(model.module, T5ForConditionalGeneration),
+            "unit_module_types": [type(unit.module).__name__ for unit in units[1:]],
+            # FQNs of the original parameters inside each unit's flat parameter (private FSDP1 attribute:
+            # the only record of which unit owns a parameter when use_orig_params=False).
+            "root_fqns": list(units[0]._handle.flat_param._fqns),
+            "block_fqns": [list(unit._handle.flat_param._fqns) for unit in units[1:]],
+        }
+    return out
+
+
 @pytest.fixture(scope="module")
 def structure():
     return run_ranks(structure_worker)[0]
@@ -84,6 +127,36 @@ def test_every_t5block_is_its_own_unit_and_the_embedding_is_in_the_root(structur
     for fqns in layout["block_fqns"]:
         assert fqns and all("layer." in fqn for fqn in fqns)
         assert not any("shared" in fqn or "embed_tokens" in fqn for fqn in fqns)
+
+
+def precision_worker(rank: int, world_size: int) -> dict:
+    """The dtype that T5's attention projections compute in under each policy, and the master dtype."""
+    out = {}
+    for name in POLICIES:
+        model, parallelism = sharded(tiny_t5(), _fsdp_config({}), Precision(name))
+        attention = next(m for m in model.modules() if isinstance(m, T5Attention))
+        seen = {}
+
+        def hook(module, inputs, output, seen=seen):
+            seen["weight"] = module.weight.dtype
+            seen["output"] = output.dtype
+
+        handle = attention.q.register_forward_hook(hook)
+        batch = make_batch(rank)
+        with torch.no_grad():
+            model(
+                input_ids=batch["source_ids"],
+                attention_mask=batch["source_mask"],
+                labels=batch["target_ids"].masked_fill(batch["target_mask"] == 0, -100),
+            )
+        handle.remove()
+        out[name] = {
+            "compute_weight": str(seen["weight"]),
+            "compute_output": str(seen["output"]),
+            "sharded_master": str(next(model.parameters()).dtype),
+            "reduce": str(POLICIES[name].reduce_dtype),
+        }
+    return out
 
 
 def test_each_policy_computes_in_its_dtype():
@@ -209,6 +282,65 @@ def test_full_state_checkpoint_and_the_shard_written_export_hold_the_trained_mod
     assert_folder_is_save_pretrained_of(Path(f"{path}.hf"), rank0["gathered"], tmp_path / "save_pretrained")
 
 
+class ItemsDataset(Dataset):
+    """Unpadded items of different lengths, as SummarizationDataset returns them with dynamic padding."""
+
+    def __init__(self, n: int):
+        self.items = []
+        for i in range(n):
+            batch = make_batch(seed=500 + i, rows=1)
+            src_len, tgt_len = int(batch["source_mask"].sum()), int(batch["target_mask"].sum())
+            self.items.append(
+                {
+                    "source_ids": batch["source_ids"][0, :src_len],
+                    "source_mask": batch["source_mask"][0, :src_len],
+                    "target_ids": batch["target_ids"][0, :tgt_len],
+                    "target_mask": batch["target_mask"][0, :tgt_len],
+                }
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def validation_worker(rank: int, world_size: int, n_samples: int, batch_size: int) -> dict:
+    """validate() over an uneven split vs a hand-computed token mean over the unique samples."""
+    plain = tiny_t5()
+    reference_model = copy.deepcopy(plain).eval()
+    model, parallelism = sharded(plain, _fsdp_config({}), FP32)
+    dataset = ItemsDataset(n_samples)
+    sampler = PaddedEvalSampler(len(dataset), rank, world_size)
+    collate = functools.partial(pad_collate, pad_token_id=0)
+    loader = build_loader(dataset, sampler, batch_size, collate_fn=collate, num_workers=0, device=CPU)
+
+    class NoBar:
+        def update(self, n):
+            pass
+
+    loss = validate(
+        model, loader, device=CPU, num_real_samples=sampler.num_real_samples, progress=NoBar(), spec=SEQ2SEQ
+    )
+    out = {"reported": loss, "indices": sampler.indices, "num_real": sampler.num_real_samples}
+    if rank == 0:
+        sums, counts = [], []
+        with torch.no_grad():
+            for item in dataset.items:
+                batch = {key: value.unsqueeze(0) for key, value in item.items()}
+                token_losses, labels = SEQ2SEQ.token_losses(reference_model, batch)
+                sums.append(token_losses.sum().item())
+                counts.append((labels != -100).sum().item())
+        out["hand_token_mean"] = sum(sums) / sum(counts)
+        out["mean_of_sample_means"] = sum(s / c for s, c in zip(sums, counts, strict=True)) / len(sums)
+        # What a padded DistributedSampler would report: the repeated samples counted again.
+        repeated = [i for r in range(world_size) for i in PaddedEvalSampler(n_samples, r, world_size).indices]
+        out["with_duplicates"] = sum(sums[i] for i in repeated) / sum(counts[i] for i in repeated)
+    dist.barrier()
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n_samples, batch_size", [(5, 2), (7, 3)])
 def test_validation_loss_is_the_unbiased_token_mean(n_samples, batch_size):
@@ -226,7 +358,6 @@ def test_validation_loss_is_the_unbiased_token_mean(n_samples, batch_size):
 
 def test_size_based_policy_never_separates_tied_weights():
     from policies.wrapping import modules_holding_tied_parameters
-    from tests.dist_workers import tiny_t5
 
     model = tiny_t5()
     held = modules_holding_tied_parameters(model)
@@ -239,6 +370,40 @@ def test_size_based_policy_never_separates_tied_weights():
     held = modules_holding_tied_parameters(model)
     assert id(model.lm_head) not in held
     assert {id(model.shared), id(model.encoder.embed_tokens), id(model.decoder)} <= held
+
+
+def _reduced_gradients(version: int, policy: str, batch: dict, all_tokens: torch.Tensor, world_size: int) -> dict:
+    """name -> full fp64 gradient after one backward of train_step's per-rank loss (the token sum over the
+    all-ranks token count, x world size) and FSDP's gradient reduction. Collective."""
+    config = _fsdp_config({"fsdp_version": version, "use_orig_params": version == 1})
+    model, parallelism = sharded(tiny_t5(), config, Precision(policy))
+    token_losses, _ = SEQ2SEQ.token_losses(model, batch)
+    (token_losses.sum() * world_size / all_tokens).backward()
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model, with_grads=True):
+            named = model.named_parameters()
+            return {n.replace("_fsdp_wrapped_module.", ""): p.grad.double().clone() for n, p in named}
+    return {name: p.grad.full_tensor().double() for name, p in model.named_parameters()}
+
+
+def reduction_worker(rank: int, world_size: int) -> dict:
+    """Relative error of FSDP's reduced gradients under bf16 compute, with the reduction in bf16 (bfSixteen)
+    and in fp32 (bfSixteen_fp32_reduce), for both backends. The exact value is the fp64 average of each
+    rank's own bf16 gradient, each taken from a run where every rank sees the same batch (the average of
+    equal values is exact in any dtype), so it is FSDP's own computation with the rounding of the sum only."""
+    batches = [make_batch(batch_seed(0, r)) for r in range(world_size)]
+    all_tokens = sum(batch["target_mask"].sum() for batch in batches).float()
+    out = {}
+    for version in (1, 2):
+        exact_policy = "bfSixteen_fp32_reduce"
+        singles = [_reduced_gradients(version, exact_policy, b, all_tokens, world_size) for b in batches]
+        exact = {name: sum(grads[name] for grads in singles) / world_size for name in singles[0]}
+        norm = math.sqrt(sum((value**2).sum() for value in exact.values()))
+        for policy in ("bfSixteen", "bfSixteen_fp32_reduce"):
+            grads = _reduced_gradients(version, policy, batches[rank], all_tokens, world_size)
+            error = math.sqrt(sum(((grads[name] - value) ** 2).sum() for name, value in exact.items()))
+            out[(version, policy)] = error / norm
+    return out
 
 
 def test_fp32_gradient_reduction_is_closer_to_the_exact_sum_than_bf16():

@@ -5,11 +5,74 @@ mesh with original parameters, bf16."""
 
 import pytest
 import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
 
 from configs.fsdp import FSDPConfig
+from policies.mixed_precision import Precision
+from policies.private_api import fsdp1_unsharded_flat_parameter
 from tests.dist_harness import run_ranks
-from tests.dist_workers import GATHER_TOKENS, GATHER_VARIANTS, generation_gathers_worker, tiny_t5
+from tests.dist_workers import FP32, LR, _fsdp_config, make_batch, sharded, tiny_t5, train_wrapped
 from utils.fsdp.parallelism import Unwrapped
+from utils.spec import SEQ2SEQ
+
+GATHER_TOKENS = (2, 4)  # new tokens of two generations: their difference in all-gathers is per token
+
+
+GATHER_VARIANTS = {  # name: (FSDP overrides, precision)
+    "FSDP1": ({"fsdp_version": 1}, FP32),
+    "FSDP2": ({"fsdp_version": 2}, FP32),
+    "FSDP1 HYBRID_SHARD, original parameters": (
+        {"sharding_strategy": "HYBRID_SHARD", "use_orig_params": True},
+        FP32,
+    ),
+    "FSDP2 bf16": ({"fsdp_version": 2}, Precision("bfSixteen_fp32_reduce")),
+}
+
+
+def generation_gathers_worker(rank: int, world_size: int) -> dict:
+    """For each of GATHER_VARIANTS, with and without --gather_for_generation: the all-gathers of a greedy
+    generation of each of GATHER_TOKENS new tokens, its token ids, whether every unit is sharded again after it,
+    and the loss of a training step after it."""
+    from scripts.gpu_check import AllGatherCount
+    from utils.eval.generation import gathered_for_generation, generate
+
+    out = {}
+    settings = {"num_beams": 1, "do_sample": False}
+    for name, (overrides, precision) in GATHER_VARIANTS.items():
+        for keep in (False, True):
+            model, parallelism = sharded(tiny_t5(seed=3), _fsdp_config(overrides), precision)
+            model.eval()
+            counts, ids = {}, {}
+            for tokens in GATHER_TOKENS:
+                counter = AllGatherCount()
+                with counter, gathered_for_generation(model, parallelism, keep):
+                    ids[tokens] = generate(
+                        model,
+                        parallelism,
+                        SEQ2SEQ.prompts(make_batch(rank, rows=2)),
+                        {**settings, "max_new_tokens": tokens, "min_new_tokens": tokens},
+                    ).tolist()
+                counts[tokens] = counter.count
+            model.train()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            out[(name, keep)] = {
+                "whole_numel": parallelism.param_numel_whole(model),
+                "all_gathers": counts,
+                "ids": ids,
+                "sharded_after": all_units_sharded(model),
+                "losses_after": train_wrapped(model, parallelism, optimizer, rank, world_size, 1),
+            }
+    return out
+
+
+def all_units_sharded(model: nn.Module) -> bool:
+    """No unit holds its gathered parameters: FSDP1's unsharded buffers freed, FSDP2's parameters DTensors."""
+    if isinstance(model, FSDP):
+        buffers = [fsdp1_unsharded_flat_parameter(unit) for unit in FSDP.fsdp_modules(model)]
+        return all(b is None or b.untyped_storage().size() == 0 for b in buffers)
+    return all(isinstance(p, DTensor) for p in model.parameters())
 
 
 @pytest.fixture(scope="module")

@@ -1,34 +1,92 @@
 """What a large run on a cluster meets: long work on one rank while the others wait, checkpoints checked by every
 rank at once, a full disk, too little shared memory, an output_dir that is not shared by every node."""
 
+import contextlib
+import datetime
 import errno
 import json
 import logging
 import os
 import re
+import time
 import zlib
+from unittest import mock
 
 import pytest
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
+from transformers import T5Tokenizer
 
-from configs.errors import CheckpointError, is_disk_full
+from configs.checkpointing import CheckpointConfig
+from configs.errors import CheckpointError, ConfigError, is_disk_full
+from configs.paths import EMBEDDED_MODEL_DIR
+from policies.private_api import default_store
 from tests.dist_harness import run_ranks
-from tests.dist_workers import (
-    checkpoint_size_worker,
-    disk_full_worker,
-    long_rank0_work_worker,
-    progress_bounded_worker,
-    start_checks_worker,
-    tiny_t5,
-)
+from tests.dist_workers import CPU, FP32, _fsdp_config, batch_seed, make_batch, plain_manager, sharded, tiny_t5
+from utils.base import layout
+from utils.checkpoint import background as background_writing
 from utils.checkpoint import integrity
+from utils.checkpoint import manager as checkpoint_manager
 from utils.checkpoint.background import staging_problem
 from utils.checkpoint.integrity import Piece, dealt, file_record, find_damage, hashed_file, pieces_of
 from utils.checkpoint.manager import say_if_full_saves_are_large
+from utils.checkpoint.progress import TrainProgress
+from utils.checkpoint.run_lock import claimed_output_dir
+from utils.checkpoint.start import resolve_start
+from utils.distributed.process_group import DistInfo
+from utils.distributed.progress_bounded import PeerFailed, PeerStalled, progress_bounded
+from utils.spec import SEQ2SEQ
+from utils.train.step import StepSettings, train_step
 
 TIMEOUT_S = 2  # the collectives' and the store's in these scenarios; every injected delay is 3x or more
 
 
 # ------------------------------------------------------------------------------------ long work on one rank
+
+
+def busy_for(seconds: float) -> None:
+    """Legitimate work that takes `seconds`: the CPU kept busy (a long write or read shows progress alike)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(1000))
+
+
+def short_timeouts(seconds: float) -> None:
+    """This group's collectives and its store give up after `seconds` (as --dist_timeout_s would set them)."""
+    _set_pg_timeout(datetime.timedelta(seconds=seconds))
+    default_store().set_timeout(datetime.timedelta(seconds=seconds))
+
+
+def progress_bounded_worker(rank: int, world_size: int, timeout_s: float) -> dict:
+    """Rank 0's part of a progress-bounded block, while rank 1 waits: busy for 3x the timeout; asleep (no progress)
+    for 3x; failing; refusing an input of its own (a UserError). What each rank saw and how long it waited."""
+    from configs.errors import DataError
+
+    def refuse():
+        raise DataError("data/train.csv is not on this node: copy it there")
+
+    short_timeouts(timeout_s)
+    seen = {}
+    for case, part in (
+        ("busy", lambda: busy_for(3 * timeout_s)),
+        ("asleep", lambda: time.sleep(3 * timeout_s)),
+        ("failing", lambda: 1 / 0),
+        ("refusing", refuse),
+    ):
+        started = time.monotonic()
+        try:
+            with progress_bounded(f"the {case} case"):
+                if rank == 0:
+                    part()
+            seen[case] = "done"
+        except (PeerStalled, PeerFailed, ZeroDivisionError, DataError) as err:
+            seen[case] = f"{type(err).__name__}: {err}"
+            seen[f"{case}_refusal"] = getattr(err, "refusal", None)
+        seen[f"{case}_s"] = time.monotonic() - started
+        _set_pg_timeout(datetime.timedelta(seconds=60))  # the next case starts together (rank 0 may still sleep)
+        dist.barrier()
+        short_timeouts(timeout_s)
+    return seen
 
 
 @pytest.mark.slow
@@ -45,6 +103,67 @@ def test_a_wait_on_a_rank_that_works_outlasts_the_timeout_one_that_does_not_is_n
     # that a waiting rank 0 says another rank's (a crash, the control, prints its own traceback: none carried)
     assert waiter["refusing_refusal"] == "rank 0: data/train.csv is not on this node: copy it there", waiter
     assert waiter["failing_refusal"] is None and waiter["refusing_s"] < TIMEOUT_S, waiter
+
+
+def long_rank0_work_worker(rank: int, world_size: int, output_dir: str, timeout_s: float) -> dict:
+    """With collectives that give up after `timeout_s`: rank 0 reads the model alone (FSDP2 rank-0-only
+    loading), writes a FULL checkpoint and checks its share of it on resume, each taking 3x the timeout, while
+    rank 1 waits. Then the control: the same wait in a plain barrier."""
+    short_timeouts(timeout_s)
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    fsdp = _fsdp_config({"fsdp_version": 2, "cpu_ram_efficient_loading": True, "checkpoint_type": layout.FULL})
+    seconds = {}
+
+    started = time.monotonic()
+    with progress_bounded("model loading"):  # as T5_training.fsdp_main loads the model
+        if rank == 0:
+            busy_for(3 * timeout_s)  # a large from_pretrained
+        model = tiny_t5(seed=5) if rank == 0 else tiny_t5(on_meta=True)
+    model, parallelism = sharded(model, fsdp, FP32)
+    seconds["loading"] = time.monotonic() - started
+
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=2)
+    real_hashed_file = checkpoint_manager.hashed_file
+
+    @contextlib.contextmanager
+    def slow_hashed_file(*args, **kwargs):
+        busy_for(3 * timeout_s / 2)  # model.pt and optimizer.pt: 3x the timeout in all
+        with real_hashed_file(*args, **kwargs) as stream:
+            yield stream
+
+    manager = plain_manager(model, parallelism, fsdp, checkpointing, output_dir, info, tokenizer)
+    optimizer, settings = manager.optimizer, StepSettings(parallelism, spec=SEQ2SEQ)
+    train_step(model, make_batch(batch_seed(1, rank)), optimizer, None, world_size, settings)
+    started = time.monotonic()
+    with mock.patch.object(checkpoint_manager, "hashed_file", slow_hashed_file if rank == 0 else real_hashed_file):
+        saved = manager.save(TrainProgress(epoch=1, samples_consumed=1, global_step=1))
+    seconds["save"] = time.monotonic() - started
+
+    real_problem_with = integrity.problem_with
+    checked = []
+
+    def slow_problem_with(*args, **kwargs):
+        if not checked:
+            busy_for(3 * timeout_s)  # the first piece: a large file on slow storage
+        checked.append(args[1])
+        return real_problem_with(*args, **kwargs)
+
+    started = time.monotonic()
+    with mock.patch.object(integrity, "problem_with", slow_problem_with if rank == 0 else real_problem_with):
+        start = resolve_start("true", output_dir)
+    seconds["check"] = time.monotonic() - started
+
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            busy_for(3 * timeout_s)
+        dist.barrier()
+        control = "done"
+    except RuntimeError as err:
+        control = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    seconds["control"] = time.monotonic() - started
+    return {"seconds": seconds, "saved": saved, "start": start.path, "control": control}
 
 
 @pytest.mark.slow
@@ -105,6 +224,51 @@ def test_pieces_are_recorded_as_written_dealt_evenly_and_damage_is_named_by_its_
 # ---------------------------------------------------------------------------------------------- a full disk
 
 
+def disk_full_worker(rank: int, world_size: int, output_root: str) -> dict:
+    """A disk that fills up during a checkpoint save, after a first complete one: a FULL save (rank 0 writes),
+    a SHARDED one (rank 1's shard fails), and an FSDP1 background one (written by a thread). Each rank's error,
+    and what checkpoints are left."""
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    real_write = integrity.HashingFile.write
+    full = {"fail": False}
+
+    def write(stream, data):
+        if full["fail"] and (rank == 1 or stream.hashes.bytes > 1000):  # a part written before the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(stream, data)
+
+    out = {}
+    for case, overrides, background in (
+        ("FULL", {"checkpoint_type": layout.FULL}, False),
+        ("SHARDED", {"checkpoint_type": layout.SHARDED}, False),
+        ("background", {"checkpoint_type": layout.SHARDED}, True),
+    ):
+        fsdp = _fsdp_config({"fsdp_version": 1, **overrides})
+        output_dir = os.path.join(output_root, case)
+        model, parallelism = sharded(tiny_t5(), fsdp, FP32)
+        checkpointing = CheckpointConfig(save_every_n_steps=0, keep_last_n=2, async_checkpoint=background)
+        manager = plain_manager(model, parallelism, fsdp, checkpointing, output_dir, info, tokenizer)
+        optimizer, settings = manager.optimizer, StepSettings(parallelism, spec=SEQ2SEQ)
+        full["fail"] = False
+        with manager, mock.patch.object(integrity.HashingFile, "write", write):
+            train_step(model, make_batch(batch_seed(1, rank)), optimizer, None, world_size, settings)
+            manager.save(TrainProgress(epoch=1, samples_consumed=1, global_step=1))
+            manager.finish_pending()
+            dist.barrier()
+            full["fail"] = rank == 0 if case == "FULL" else rank == 1
+            try:
+                manager.save(TrainProgress(epoch=1, samples_consumed=2, global_step=2))
+                manager.finish_pending()
+                out[case] = "saved"
+            except Exception as err:  # what the run would end with
+                out[case] = f"{type(err).__name__}: {err}"
+            full["fail"] = False
+        dist.barrier()
+        out[f"{case}_left"] = sorted(os.listdir(layout.checkpoint_root(output_dir)))
+    return out
+
+
 @pytest.mark.slow
 def test_a_full_disk_ends_each_save_with_one_message_keeping_the_previous_checkpoint(tmp_path):
     ranks = run_ranks(disk_full_worker, str(tmp_path))
@@ -136,6 +300,25 @@ def test_a_full_disk_ends_each_save_with_one_message_keeping_the_previous_checkp
             ranks[1][case].split(" are free there")[0].rsplit(", ", 1)[0]
             == ranks[0][case].split(" are free there")[0].rsplit(", ", 1)[0]
         ), (ranks[0][case], ranks[1][case])
+
+
+def checkpoint_size_worker(rank: int, world_size: int, output_root: str) -> dict:
+    """The checkpoint manager's size of a checkpoint before any is written (the one a full disk's message gives),
+    for sharded and replicated models."""
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    out = {}
+    for name, overrides in (
+        ("FSDP1 FULL_SHARD", {}),
+        ("FSDP1 NO_SHARD", {"sharding_strategy": "NO_SHARD"}),
+        ("FSDP2 NO_SHARD", {"fsdp_version": 2, "sharding_strategy": "NO_SHARD"}),
+    ):
+        fsdp = _fsdp_config(overrides)
+        model, parallelism = sharded(tiny_t5(), fsdp, FP32)
+        output_dir = os.path.join(output_root, name.replace(" ", "_"))
+        with plain_manager(model, parallelism, fsdp, CheckpointConfig(), output_dir, info, tokenizer) as manager:
+            out[name] = manager._checkpoint_bytes()
+    return out
 
 
 def test_the_size_a_full_disks_message_gives_counts_replicas_once(tmp_path):
@@ -187,6 +370,30 @@ def test_background_saves_that_would_not_fit_are_refused_with_the_fix():
 
 
 # ------------------------------------------------------------------------------ output_dir on several nodes
+
+
+def start_checks_worker(rank: int, world_size: int, root: str) -> dict:
+    """The checks a multi-node run makes at start. The run lock's, that every rank sees output_dir: each rank in
+    a working directory of its own, as a node is, given a relative --output_dir (each its own folder) and then
+    an absolute one (shared). The background saves' room: rank 1's host reads 1 MB free in /dev/shm (faked)."""
+    seen = {}
+    with mock.patch.object(background_writing, "free_shared_memory", lambda: 2**20 if rank == 1 else 10**12):
+        try:
+            background_writing.check_room_to_stage(50 * 10**6, shared=True)
+            seen["room"] = "enough"
+        except ConfigError as err:
+            seen["room"] = str(err)
+    here = os.path.join(root, f"node_{rank}")
+    os.makedirs(here)
+    os.chdir(here)  # put back by the rank pool after the scenario
+    for case, output_dir in (("relative", "out"), ("absolute", os.path.join(root, "shared_out"))):
+        try:
+            with claimed_output_dir(output_dir):
+                seen[case] = "claimed"
+        except ConfigError as err:
+            seen[case] = str(err)
+        dist.barrier()
+    return seen
 
 
 def test_an_output_dir_that_not_every_node_sees_and_a_host_without_room_are_refused_at_the_start(tmp_path):

@@ -1,6 +1,7 @@
 """--peft lora: LoRA adapters through PEFT under FSDP1 (use_orig_params) and FSDP2, against the unsharded
 PEFT model; the adapter and merged exports; the run through torchrun, killed and resumed."""
 
+import dataclasses
 import json
 import os
 from dataclasses import replace
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import T5ForConditionalGeneration
+from torch import nn
+from transformers import T5ForConditionalGeneration, T5Tokenizer
 
 from configs.errors import ConfigError
 from configs.fsdp import FSDPConfig
@@ -18,20 +20,26 @@ from configs.paths import EMBEDDED_MODEL_DIR
 from configs.validate import check_lora
 from tests.dist_harness import run_ranks
 from tests.dist_workers import (
+    CPU,
+    FP32,
     LORA,
     LORA_BASE,
-    LORA_EXPORTS,
-    LORA_VARIANTS,
-    lora_t5,
-    lora_worker,
+    LR,
+    _fsdp_config,
     make_batch,
+    reference_run,
+    sharded,
     tiny_t5,
+    train_wrapped,
 )
 from tests.hf_folders import assert_folder_is_save_pretrained_of
 from tests.launch import pooled
 from tests.reference_run import SMALL_RUN, complete_checkpoint_steps
 from utils.base.log import warnings_ignored
+from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
+from utils.checkpoint.state_dicts import sharded_model_state
 from utils.model.lora import PEFT_ASKS_A_DEPRECATED_PROPERTY, adapter_base, apply_lora
+from utils.observe.memory import optim_state_numel_local
 from utils.spec import SEQ2SEQ
 
 pytest.importorskip("peft")
@@ -41,6 +49,59 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def lora_export_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("lora_exports")
+
+
+def lora_t5() -> nn.Module:
+    """tiny_t5 with LoRA on q and v; the adapters' random A drawn from one seed, as every rank does."""
+    model = tiny_t5()
+    torch.manual_seed(7)
+    return apply_lora(model, LORA, LORA_BASE, SEQ2SEQ)
+
+
+LORA_VARIANTS = {
+    "FSDP1": {},
+    "FSDP1 + checkpointing": {"fsdp_activation_checkpointing": True},
+    "FSDP1 use_orig_params": {"use_orig_params": True},
+    "FSDP1 NO_SHARD": {"sharding_strategy": "NO_SHARD"},
+    "FSDP2": {"fsdp_version": 2},
+    "FSDP2 + checkpointing": {"fsdp_version": 2, "fsdp_activation_checkpointing": True},
+}
+
+
+# The exports lora_worker writes: {variant: merged too}. NO_SHARD's state dict holds plain tensors.
+LORA_EXPORTS = {"FSDP1": True, "FSDP2": True, "FSDP1 use_orig_params": False, "FSDP1 NO_SHARD": True}
+
+
+def lora_worker(rank: int, world_size: int, steps: int, export_dir: str) -> dict:
+    """LoRA under each backend: per-step losses, the full state dict (rank 0), and the AdamW state elements
+    this rank holds; for LORA_EXPORTS, the adapter (and merged model) exported from the shards to
+    export_dir/<variant>/. Rank 0 also returns the unsharded reference and the initial weights."""
+    out = {}
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    for name, overrides in LORA_VARIANTS.items():
+        model, parallelism = sharded(lora_t5(), _fsdp_config(overrides), FP32)
+        # As reference_run: AdamW (its default weight decay) over what trains. parameter_groups keeps the
+        # same parameters (the torchrun LoRA runs of tests/test_lora.py use it).
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+        losses = train_wrapped(model, parallelism, optimizer, rank, world_size, steps)
+        state = parallelism.full_state_dict(model, CPU)
+        out[name] = {"losses": losses, "state": state, "optim": optim_state_numel_local(optimizer)}
+        if name in LORA_EXPORTS:
+            settings = dataclasses.replace(LORA, merge_lora=LORA_EXPORTS[name])
+            adapters, merged = lora_exports(sharded_model_state(model), settings, CPU)
+            if rank == 0:
+                model_config = tiny_t5(on_meta=True).config
+                folder = f"{export_dir}/{name}/hf_adapter"
+                write_adapter_folder(adapters, model_config, SEQ2SEQ, settings, LORA_BASE, tokenizer, folder)
+            if merged is not None:
+                model_config = tiny_t5(on_meta=True).config
+                write_model_folder(
+                    merged, model_config, SEQ2SEQ, tokenizer, f"{export_dir}/{name}/hf_model", 10**9, rank == 0
+                )
+    if rank == 0:
+        out["reference"] = reference_run(steps, world_size, lora_t5())
+        out["initial"] = {k: v.clone() for k, v in lora_t5().state_dict().items()}
+    return out
 
 
 @pytest.fixture(scope="module")

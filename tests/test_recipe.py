@@ -1,23 +1,73 @@
 """The training recipe of the other seeds: gradient accumulation, clipping, LR schedules, step budgets and
 dropout override, against unsharded references and through torchrun."""
 
+import contextlib
 import json
 import math
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
+from configs.errors import TrainingDivergedError
 from configs.evaluation import EvalConfig
 from configs.recipe import RecipeConfig
 from configs.training import TrainConfig
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import run_ranks
-from tests.dist_workers import LR, accumulation_worker
+from tests.dist_workers import (
+    CPU,
+    FP32,
+    LR,
+    _fsdp_config,
+    _split_rows,
+    accumulation_reference,
+    batch_seed,
+    make_batch,
+    sharded,
+    tiny_t5,
+)
 from tests.launch import RESTARTING, pooled, torchrun
+from utils.spec import SEQ2SEQ
+from utils.train import step as step_module
 from utils.train.optim import lr_factor, lr_scheduler
+from utils.train.step import StepSettings, train_step
+from utils.train.step_log import StepLog
 
 STEPS = 3
+
+
+def accumulation_worker(rank: int, world_size: int, steps: int) -> dict:
+    """Per-step losses, gradient norms and final weights of 2 micro-batches of 2 rows accumulated, for each
+    backend, gradient-sync mode and clipping setting; the unsharded references on rank 0."""
+    from utils.train.step import GRAD_NORM
+
+    out = {"runs": {}, "references": {}}
+    for max_norm in (0.0, 0.05):
+        if rank == 0:
+            out["references"][max_norm] = accumulation_reference(steps, world_size, max_norm)
+        for version in (1, 2):
+            for sync in (True, False):
+                model, parallelism = sharded(tiny_t5(), _fsdp_config({"fsdp_version": version}), FP32)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+                settings = StepSettings(
+                    parallelism, max_grad_norm=max_norm, sync_each_micro_batch=sync, spec=SEQ2SEQ
+                )
+                records: list[dict] = []
+                step_log = StepLog(every=steps, on_flush=records.extend)
+                for step in range(steps):
+                    micro = _split_rows(make_batch(batch_seed(step, rank), rows=4), 2)
+                    step_log.add(step + 1, LR, train_step(model, micro, optimizer, None, world_size, settings))
+                step_log.flush()
+                state = parallelism.full_state_dict(model, CPU)
+                out["runs"][(max_norm, version, sync)] = {
+                    "losses": [r["loss"] for r in records],
+                    "norms": [r["grad_norm"] for r in records],
+                    "state": state if rank == 0 else None,
+                }
+                assert GRAD_NORM == 4
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +129,7 @@ def test_each_schedule_follows_its_formula(schedule):
 
 def test_the_schedule_spans_the_steps_the_run_trains():
     """--max_steps within the epochs sizes the decay and the warmup share to it; a larger one does not add
-    epochs (Trainer.done ends the run with them), so the schedule ends with them too: a linear decay reaches
+    epochs (RunEnd.done ends the run with them), so the schedule ends with them too: a linear decay reaches
     0 at the run's last step, not at a step it never trains (0.61 of the rate left at 100 of 40 steps)."""
     from utils.train.optim import total_optimizer_steps, unreached_step_budget
 
@@ -243,39 +293,32 @@ def assert_epoch_flops_count_every_real_token(output_dir: Path, num_samples: int
 def test_early_stopping_counts_the_epochs_since_the_best(next_epoch, best_epoch, patience, stops):
     """The rule reads only the checkpointed progress (next epoch, best epoch): a resumed run counts the same."""
     from utils.checkpoint.progress import TrainProgress
-    from utils.train.trainer import Trainer
+    from utils.train.policies import RunEnd
 
-    trainer = Trainer.__new__(Trainer)  # the rule needs no model, loaders or process group
-    trainer.recipe, trainer.evaluation = RecipeConfig(early_stopping_patience=patience), EvalConfig()
-    trainer.train_config = TrainConfig(epochs=20)
+    end = RunEnd(TrainConfig(epochs=20), RecipeConfig(early_stopping_patience=patience), EvalConfig())
     progress = TrainProgress(epoch=next_epoch, global_step=100, best_epoch=best_epoch)
-    reason = trainer.done(progress)
+    reason = end.done(progress)
     assert (reason is not None) is stops
     assert reason is None or reason.startswith(f"early stopping: {patience} epochs without a better val_loss")
     # A finished run's resume names the setting that would train on: not --epochs, which changes nothing here
-    assert (
-        not stops
-        or trainer.ending(progress)[1] == f"a higher --early_stopping_patience than {patience} (0: never)"
-    )
+    assert not stops or end.ending(progress)[1] == f"a higher --early_stopping_patience than {patience} (0: never)"
 
 
 @pytest.mark.parametrize("global_step, stops", [(4, False), (5, True), (6, True)])
 def test_max_steps_ends_the_run_before_the_next_epoch_whatever_epochs_says(global_step, stops):
     """The step budget at an epoch boundary (tests/test_fsdp2.py's cross-backend run stops inside one)."""
     from utils.checkpoint.progress import TrainProgress
-    from utils.train.trainer import Trainer
+    from utils.train.policies import RunEnd
 
-    trainer = Trainer.__new__(Trainer)
-    trainer.recipe, trainer.evaluation = RecipeConfig(max_steps=5), EvalConfig()
-    trainer.train_config = TrainConfig(epochs=20)
-    ending = trainer.ending(TrainProgress(epoch=2, global_step=global_step))
+    end = RunEnd(TrainConfig(epochs=20), RecipeConfig(max_steps=5), EvalConfig())
+    ending = end.ending(TrainProgress(epoch=2, global_step=global_step))
     assert ending == (("--max_steps 5 reached", "a higher --max_steps than 5 (0: none)") if stops else None)
-    assert trainer.ending(TrainProgress(epoch=21, global_step=3)) == (
+    assert end.ending(TrainProgress(epoch=21, global_step=3)) == (
         "all 20 epochs trained",
         "more --epochs than 20",
     )
     # Both ended it: both are named (more epochs alone would stop at --max_steps again)
-    assert trainer.ending(TrainProgress(epoch=21, global_step=5))[1] == (
+    assert end.ending(TrainProgress(epoch=21, global_step=5))[1] == (
         "more --epochs than 20 and a higher --max_steps than 5 (0: none)"
     )
 
@@ -296,8 +339,23 @@ def test_early_stopping_ends_a_run_that_got_worse_and_keeps_the_best(tmp_path):
     assert (output_dir / "hf_model").is_dir() and (output_dir / "hf_model_last").is_dir()
 
 
+def decay_groups_worker(rank: int, world_size: int) -> dict:
+    """Names of the parameters in each AdamW group, with weight decay, for FSDP2 and FSDP1 (orig params)."""
+    from utils.train import optim
+
+    out = {}
+    train = TrainConfig(weight_decay=0.1)
+    for version, overrides in ((1, {"use_orig_params": True}), (2, {"fsdp_version": 2})):
+        model, parallelism = sharded(tiny_t5(), _fsdp_config(overrides), FP32)
+        names = {id(p): n for n, p in model.named_parameters()}
+        # As T5_training.fsdp_main builds it.
+        optimizer = torch.optim.AdamW(optim.parameter_groups(model, train.weight_decay), lr=train.lr)
+        out[version] = [(group["weight_decay"], sorted(names[id(p)] for p in group["params"]))
+                        for group in optimizer.param_groups]  # fmt: skip
+    return out
+
+
 def test_weight_decay_skips_the_layer_norms_for_both_backends():
-    from tests.dist_workers import decay_groups_worker
 
     for version, groups in run_ranks(decay_groups_worker, timeout_s=120)[0].items():
         (decay, decayed), (no_decay, kept) = groups
@@ -307,9 +365,57 @@ def test_weight_decay_skips_the_layer_norms_for_both_backends():
         assert any("shared" in name for name in decayed) and any("DenseReluDense.wi" in name for name in decayed)
 
 
+@contextlib.contextmanager
+def _nan_loss(enabled: bool):
+    """This rank's token losses (and so its gradients) become NaN while the context is open."""
+    original = SEQ2SEQ.token_losses
+
+    def poisoned(model, batch):
+        token_losses, labels = original(model, batch)
+        return token_losses * float("nan"), labels
+
+    with mock.patch.object(SEQ2SEQ, "token_losses", poisoned if enabled else original):
+        yield
+
+
+def _guarded_run(version: int, rank: int, world_size: int, steps: list[int], bad_step: int, stop: bool) -> dict:
+    """train_step over `steps` with rank 1's loss NaN at `bad_step`: the step records, the final weights (rank
+    0), and the error a stopping step log raised (None if none)."""
+    model, parallelism = sharded(tiny_t5(), _fsdp_config({"fsdp_version": version}), FP32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    settings = step_module.StepSettings(parallelism, skip_nonfinite=not stop, spec=SEQ2SEQ)
+    records: list[dict] = []
+    step_log = StepLog(every=len(steps), on_flush=records.extend, stop_on_nonfinite=stop)
+    error = None
+    try:
+        for step in steps:
+            with _nan_loss(step == bad_step and rank == 1):
+                stats = train_step(
+                    model, make_batch(batch_seed(step, rank)), optimizer, None, world_size, settings
+                )
+            step_log.add(step + 1, LR, stats)
+        step_log.flush()
+    except TrainingDivergedError as err:
+        error = str(err)
+    return {"records": records, "state": parallelism.full_state_dict(model, CPU), "error": error}
+
+
+def nonfinite_worker(rank: int, world_size: int, steps: int = 4, bad_step: int = 1) -> dict:
+    """For each backend: a run whose step `bad_step` is NaN on rank 1 only, skipped; the same run without
+    that step at all; the same run with a step log that stops."""
+    out = {}
+    for version in (1, 2):
+        every = list(range(steps))
+        out[version] = {
+            "skipped": _guarded_run(version, rank, world_size, every, bad_step, stop=False),
+            "left_out": _guarded_run(version, rank, world_size, [s for s in every if s != bad_step], -1, False),
+            "stopped": _guarded_run(version, rank, world_size, every, bad_step, stop=True),
+        }
+    return out
+
+
 @pytest.fixture(scope="module")
 def nonfinite():
-    from tests.dist_workers import nonfinite_worker
 
     return run_ranks(nonfinite_worker, timeout_s=180)
 
@@ -386,8 +492,6 @@ def test_a_diverging_run_stops_keeping_its_checkpoints_or_skips_every_bad_step(t
      (5.0, math.nan, True)],
 )  # fmt: skip
 def test_a_non_finite_metric_is_never_the_best(value, best, better):
-    from utils.spec import SEQ2SEQ
-
     assert SEQ2SEQ.is_better("val_loss", value, best) is better
 
 

@@ -32,7 +32,6 @@ from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration, T5
 
 from configs.checkpointing import CheckpointConfig
 from configs.fsdp import FSDPConfig
-from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR as EMBEDDED_MODEL
 from configs.recipe import RecipeConfig
 from configs.training import TrainConfig
@@ -517,11 +516,8 @@ def optimizer_round_trip_worker(rank: int, world_size: int, output_root: str) ->
             scheduler=scheduler,
             scaler=None,
             model_config=plain.config,
-            spec=SEQ2SEQ,
             tokenizer=tokenizer,
             info=info,
-            lora=LoraConfig(),
-            base_model=str(EMBEDDED_MODEL),
         )
 
     def start_of(path: str) -> StartPoint:

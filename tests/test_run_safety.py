@@ -2,6 +2,7 @@
 checkpoints that verify themselves, damaged ones set aside, rollbacks that stick, one run per output_dir,
 Ctrl-C, and a resume that continues the run that was saved."""
 
+import errno
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from utils.base import layout
 from utils.checkpoint.integrity import HashingFile, checkpoint_files, file_record, find_damage, hashed_file
 from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.record import recorded_run
-from utils.checkpoint.run_lock import RunLock
+from utils.checkpoint.run_lock import RunLock, check_writable
 from utils.checkpoint.start import StartPoint, resolve_start, set_aside_newer
 from utils.train.preemption import STOP_SIGNALS, StopRequest
 
@@ -281,15 +282,32 @@ def test_a_checkpoints_folder_that_cannot_be_written_is_said_at_start_before_any
     ]  # fmt: skip
 
 
+def unwritable_on_one_rank_worker(rank: int, world_size: int, output_dir: str, failing_rank: int) -> str | None:
+    """check_writable on every rank, where `failing_rank`'s probe (-1: none) meets a full quota, injected at its
+    fsync as a quota of that node's disk would: each rank's ConfigError message, or None."""
+    fsync = os.fsync
+
+    def quota_exceeded(descriptor: int) -> None:
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    if rank == failing_rank:
+        os.fsync = quota_exceeded
+    try:
+        check_writable(output_dir, evaluating=False, saves_checkpoints=True)
+    except ConfigError as err:
+        return str(err)
+    finally:
+        os.fsync = fsync
+    return None
+
+
 def test_the_folders_probed_are_those_the_run_writes_on_every_rank(tmp_path):
     """A full quota on rank 1 alone (a node-local disk) stops both ranks with one message naming the rank, its
     host and the folder; without it both pass. --evaluate_only, which writes no checkpoint, and --keep_last_n 0
     are not stopped by a read-only checkpoints/, a training run is; a folder not there yet is probed where it
     will be created, and not created."""
     from tests.dist_harness import run_ranks
-    from tests.dist_workers import unwritable_on_one_rank_worker
     from tests.test_sources import read_only_folder
-    from utils.checkpoint.run_lock import check_writable
 
     assert run_ranks(unwritable_on_one_rank_worker, str(tmp_path), -1) == [None, None]  # control
     said = run_ranks(unwritable_on_one_rank_worker, str(tmp_path), 1)

@@ -34,14 +34,17 @@ from configs.training import TrainConfig
 from configs.validate import check_data_source, check_evaluation
 from summarization_dataset import FORMAT, SummarizationDataset
 from tests.dist_harness import run_ranks
-from tests.dist_workers import source_parity_worker
+from tests.dist_workers import CPU, FP32, LR, _fsdp_config, sharded, tiny_t5
 from tests.test_dataset import CountingTokenizer
 from utils.data import sources
 from utils.data.cache import cached_split, load_wikihow
-from utils.data.loaders import build_loaders
+from utils.data.loaders import build_loaders, move_batch
 from utils.data.wikihow import clean_text
 from utils.distributed.process_group import DistInfo
 from utils.eval.scores import accuracy_scores
+from utils.spec import SEQ2SEQ
+from utils.train.step import StepSettings, train_step
+from utils.train.step_log import StepLog
 
 FORMATS = ("csv", "jsonl", "json", "parquet")
 ONE_CPU_RANK = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
@@ -104,6 +107,36 @@ def sample_as_files(tmp_path_factory) -> dict[str, Path]:
 # ---------------------------------------------------------------------------------------------------
 # Parity: the same rows in any format train exactly as WikiHow does
 # ---------------------------------------------------------------------------------------------------
+
+
+def source_parity_worker(rank: int, world_size: int, sources: dict, steps: int) -> dict:
+    """For FSDP1 and FSDP2: the first `steps` training batches of each source (`name -> DataConfig fields`),
+    built by utils/data/loaders.py: build_loaders, and the per-step reported losses of tiny_t5 trained on them.
+    Every source builds its caches on this process group (LOCAL_RANK 0 builds, the other rank waits)."""
+    info = DistInfo(rank, rank, world_size, CPU, "gloo")
+    tokenizer = T5Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    train = TrainConfig(batch_size_training=4, run_validation=False)
+    out = {"batches": {}, "losses": {}}
+    for name, fields in sources.items():
+        data = DataConfig(num_train_samples=32, max_source_length=64, max_target_length=16, **fields)
+        loaders = build_loaders(
+            tokenizer=tokenizer, data_format=FORMAT, data=data, train=train, evaluation=EvalConfig(), info=info
+        )
+        batches = [batch for _, batch in zip(range(steps), loaders.train, strict=False)]
+        out["batches"][name] = batches
+        for version in (1, 2):
+            model, parallelism = sharded(tiny_t5(seed=3), _fsdp_config({"fsdp_version": version}), FP32)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            records: list[dict] = []
+            step_log = StepLog(every=steps, on_flush=records.extend)
+            settings = StepSettings(parallelism, spec=SEQ2SEQ)
+            for step, batch in enumerate(batches):
+                step_log.add(
+                    step + 1, LR, train_step(model, move_batch(batch, CPU), optimizer, None, world_size, settings)
+                )
+            step_log.flush()
+            out["losses"][(name, version)] = [record["loss"] for record in records]
+    return out
 
 
 def test_every_format_trains_exactly_as_the_wikihow_path(sample_as_files):

@@ -15,7 +15,7 @@ from transformers import BartConfig, GPT2Config, LlamaConfig, T5Config, UMT5Conf
 
 from configs.errors import ConfigError
 from tests.dist_harness import run_ranks
-from tests.dist_workers import make_batch, t5_flex_worker, tiny_t5
+from tests.dist_workers import CPU, FP32, LR, _fsdp_config, make_batch, sharded, tiny_t5, train_wrapped
 from utils.model import t5_attention
 from utils.model.loading import check_attention_fits
 from utils.spec import SEQ2SEQ, spec_for
@@ -103,6 +103,21 @@ def test_flexattention_forward_matches_the_stock_model(monkeypatch):
         assert (got - want).abs().max().item() < 1e-5
         tokens = [generated(model, batch, new_tokens=6) for model in (stock, flex)]
     assert torch.equal(*tokens)
+
+
+def t5_flex_worker(rank: int, world_size: int, steps: int) -> dict:
+    """Per-step losses and final full weights (rank 0) of transformers' sdpa and of t5_flex, under FSDP1 and
+    FSDP2 with activation checkpointing (the mask object passes through the checkpointed blocks)."""
+    t5_attention.register()
+    out = {}
+    for version in (1, 2):
+        for kernel in ("sdpa", t5_attention.NAME):
+            config = _fsdp_config({"fsdp_version": version, "fsdp_activation_checkpointing": True})
+            model, parallelism = sharded(tiny_t5(attn_implementation=kernel), config, FP32)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = train_wrapped(model, parallelism, optimizer, rank, world_size, steps)
+            out[(version, kernel)] = (losses, parallelism.full_state_dict(model, CPU))
+    return out
 
 
 @pytest.mark.slow  # 12 s: four sharded runs

@@ -1,4 +1,5 @@
-"""Resumable checkpoints (model, optimizer, LR scheduler, grad scaler, progress, RNG) and the final saves.
+"""Resumable checkpoints (model, optimizer, LR scheduler, grad scaler, progress, RNG); the final models are
+utils/checkpoint/final_models.py's.
 
 The layout of a checkpoint folder is in utils/base/layout.py. A checkpoint is written under
 `checkpoints/.tmp_step_...` and renamed when every rank has finished, so a crash during a save leaves only
@@ -51,12 +52,10 @@ from torch.optim.lr_scheduler import LRScheduler
 from configs.checkpointing import CheckpointConfig
 from configs.errors import FAILURES, CheckpointError, UserError, error_summary, is_disk_full
 from configs.fsdp import FSDPConfig
-from configs.lora import LoraConfig
 from utils.base import layout
 from utils.base.files import disk_bytes, free_bytes, write_json
 from utils.base.log import get_logger, size_text
 from utils.checkpoint.background import BackgroundWriter
-from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
 from utils.checkpoint.integrity import RecordingWriter, checkpoint_files, hashed_file
 from utils.checkpoint.progress import TrainProgress
 from utils.checkpoint.safe_dcp import SafeFileSystemReader
@@ -66,7 +65,6 @@ from utils.checkpoint.state_dicts import (
     fsdp1_state_dict_warnings_ignored,
     model_and_optimizer_state,
     param_groups_from_json,
-    save_full_model,
     set_optimizer_state,
     sharded_model_state,
     sharded_optimizer_template,
@@ -76,9 +74,8 @@ from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, rank0_decides
 from utils.distributed.progress_bounded import progress_bounded
 from utils.fsdp.parallelism import Parallelism
-from utils.model.lora import trainable_share, transposed_layers
+from utils.model.lora import trainable_share
 from utils.observe.memory import param_numel_local, trim_host_heap
-from utils.spec import ModelSpec
 
 
 @dataclass
@@ -94,9 +91,9 @@ class BackgroundSave:
 
 
 class CheckpointManager:
-    """Owns output_dir's checkpoints/, the --save_model .pt files and hf_model/ for one run: handed the
-    model, optimizer, scheduler and scaler once, it decides when to save (`due`), saves, prunes, loads where
-    the run starts from, exports, and is closed at the end (`close`, in a `finally`).
+    """Owns output_dir's checkpoints/ for one run: handed the model, optimizer, scheduler and scaler once, it
+    decides when to save (`due`), saves, prunes, loads where the run starts from, and is closed at the end
+    (`close`, in a `finally`).
 
     Every saving or loading method is collective: every rank calls it, rank 0 writes the shared files.
     """
@@ -113,29 +110,18 @@ class CheckpointManager:
         scheduler: LRScheduler,
         scaler: ShardedGradScaler | None,
         model_config,
-        spec: ModelSpec,
         tokenizer,
         info: DistInfo,
-        lora: LoraConfig,
-        base_model: str,
         inputs: dict | None = None,
     ):
-        self.checkpointing = checkpointing
-        self.checkpoint_type = fsdp.checkpoint_type  # the tutorial's fsdp_config fields
-        self.save_optimizer = fsdp.save_optimizer
-        self.output_dir = output_dir
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.checkpointing, self.output_dir, self.info = checkpointing, output_dir, info
         self.parallelism = parallelism
-        self.model_config = model_config
-        self.spec = spec  # the export's model class, architecture and saved settings (utils/spec.py)
-        self.tokenizer = tokenizer
-        self.info = info
-        self.lora = lora if lora.peft == "lora" else None  # the export writes the adapter (and merged model)
-        self.base_model = base_model  # what the adapter names as its base (utils/model/lora.py: adapter_base)
+        self.checkpoint_type, self.save_optimizer = fsdp.checkpoint_type, fsdp.save_optimizer  # fsdp_config's
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.model_config, self.tokenizer = model_config, tokenizer  # saved in each checkpoint
         # What the run reads, fingerprinted (utils/checkpoint/inputs.py), recorded in every checkpoint for a resume
         # to check; None where a script or test builds a manager of its own.
         self.inputs = inputs
-        self.run_id = layout.time_stamp()  # names this run's .pt files
         self.pending: BackgroundSave | None = None
         self.said_saves_wait = False  # a save waited for the previous one's write (warned once)
         # Rank 0 deletes pruned checkpoints in a thread: an rmtree of gigabytes between two steps would hold up
@@ -150,8 +136,6 @@ class CheckpointManager:
         self.background = None
         if checkpointing.async_checkpoint:
             self.background = BackgroundWriter(parallelism, info, rank_bytes)
-
-    # ------------------------------------------------------------------------------------ resumable
 
     def due(self, step: int, stop_requested: bool) -> bool:
         """Whether a checkpoint is to be written after `step` inside an epoch (epoch ends always save)."""
@@ -476,66 +460,13 @@ class CheckpointManager:
         if saved_world_size != self.info.world_size:
             get_logger().warning(
                 "checkpoint was written by %d ranks, this run has %d: dropout's random stream restarts, so "
-                "losses continue statistically, not bit for bit",
-                saved_world_size,
-                self.info.world_size,
-            )
+                "losses continue statistically, not bit for bit", saved_world_size, self.info.world_size,
+            )  # fmt: skip
             return
         rng = torch.load(layout.rng_file(checkpoint, self.info.rank), map_location="cpu", weights_only=True)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and self.info.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.info.device)
-
-    # ------------------------------------------------------------------------------ final models
-
-    @fsdp1_state_dict_warnings_ignored()
-    def save_full_model(self, epoch: int, val_loss: float | None) -> str | None:
-        """The tutorial's full state dict .pt, named by run, epoch and loss (rank 0 writes it)."""
-        self.finish_pending()
-        name = layout.best_model_filename(self.run_id, epoch, val_loss)
-        path = os.path.join(self.output_dir, name)
-        with progress_bounded("the full model's save (rank 0 writes it)"):
-            return save_full_model(self.model, self.parallelism, self.info.device, self.info.is_main, path)
-
-    @fsdp1_state_dict_warnings_ignored()
-    def export_hf(self, last: bool = False) -> str | None:
-        """Write output_dir/hf_model (or, `last`, hf_model_last) from the shards: every rank writes its own
-        rows, no rank gathers the model (utils/checkpoint/hf_export.py). With --peft lora, the adapter folder
-        (and with --merge_lora the merged model). Collective. Returns the folder on rank 0."""
-        WHERE.enter("export")
-        self.finish_pending()
-        started = time.perf_counter()
-        is_main = self.info.is_main
-        folder = os.path.join(self.output_dir, layout.HF_LAST_DIR if last else layout.HF_DIR)
-        state = sharded_model_state(self.model)
-        if self.lora is not None:  # the adapter beside where the model goes, and the merged model if asked for
-            adapters, state = lora_exports(state, self.lora, self.info.device, transposed_layers(self.model))
-            adapter_folder = os.path.join(self.output_dir, layout.HF_ADAPTER_DIR + ("_last" if last else ""))
-            if is_main:
-                lora, config = self.lora, self.model_config
-                write_adapter_folder(
-                    adapters, config, self.spec, lora, self.base_model, self.tokenizer, adapter_folder
-                )
-                get_logger().info("LoRA adapter written: %s (PeftModel.from_pretrained-loadable)", adapter_folder)
-            if state is None:
-                return adapter_folder if is_main else None
-        max_file_bytes = int(self.checkpointing.export_max_file_gb * 1e9)
-        files = write_model_folder(
-            state, self.model_config, self.spec, self.tokenizer, folder, max_file_bytes, is_main
-        )
-        get_logger().info(
-            "model written from the shards: %s (%d safetensors file(s), %.1f s; from_pretrained-loadable)",
-            folder,
-            files,
-            time.perf_counter() - started,
-        )
-        return folder if is_main else None
-
-    def final_folder(self, last: bool) -> str:
-        """The export's folder name: hf_model (hf_model_last), or with LoRA and no merge the adapter's."""
-        if self.lora is not None and not self.lora.merge_lora:
-            return layout.HF_ADAPTER_DIR + ("_last" if last else "")
-        return layout.HF_LAST_DIR if last else layout.HF_DIR
 
 
 def state_bytes(model: nn.Module, numel: int, save_optimizer: bool) -> int:

@@ -1,7 +1,7 @@
 """One run's parts, made in the tutorial's order from its settings: the one place a run is wired.
 
     run = build_run(config, info)        # start -> precision -> parallelism -> spec -> data -> model -> FSDP
-                                         #   -> AdamW and the LR scheduler -> the checkpoint manager
+                                         #   -> AdamW and the LR scheduler -> the checkpoints, final models
     progress = run.checkpoints.load(run.start)
     trainer = run.trainer(run.throughput(), memory_baseline)
 
@@ -25,6 +25,7 @@ from policies.mixed_precision import Precision, resolve_precision
 from policies.wrapping import layer_classes
 from utils.base import layout
 from utils.base.log import get_logger
+from utils.checkpoint.final_models import FinalModels
 from utils.checkpoint.inputs import checked_inputs
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.run_lock import check_writable
@@ -61,6 +62,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: ShardedGradScaler | None
     checkpoints: CheckpointManager
+    final_models: FinalModels
 
     def throughput(self) -> flops.Throughput:
         """How steps are counted in FLOPs and rated against the device's peak in the compute dtype (a GEMM probe
@@ -102,9 +104,10 @@ class Run:
             evaluator = self.evaluator(functools.partial(layout.predictions_file, config.train.output_dir))
         return Trainer(
             model=self.model, parallelism=self.parallelism, optimizer=self.optimizer, scheduler=self.scheduler,
-            scaler=self.scaler, loaders=self.loaders, checkpoints=self.checkpoints, evaluator=evaluator,
-            info=self.info, train=config.train, recipe=config.recipe, evaluation=config.evaluation,
-            observe=config.observe, throughput=throughput, memory_baseline=memory_baseline, spec=self.spec,
+            scaler=self.scaler, loaders=self.loaders, checkpoints=self.checkpoints, final_models=self.final_models,
+            evaluator=evaluator, info=self.info, train=config.train, recipe=config.recipe,
+            evaluation=config.evaluation, observe=config.observe, throughput=throughput,
+            memory_baseline=memory_baseline, spec=self.spec,
         )  # fmt: skip
 
 
@@ -200,18 +203,20 @@ def build_run(
     total_steps = optim.total_optimizer_steps(recipe, train.epochs, batches_per_epoch)
     scheduler = optim.lr_scheduler(optimizer, train.gamma, recipe, total_steps)
 
-    # The checkpoint manager owns every save and load; it restores where the run starts from, and is closed
-    # however the run ends (a background save still being written is finished, or said to be abandoned).
+    # The checkpoint manager owns every resumable save and load; it restores where the run starts from, and is
+    # closed however the run ends (a background save still being written is finished, or said to be abandoned).
+    # The final models (the --save_model .pt, hf_model/) are written from the same model.
     checkpoints = CheckpointManager(
         checkpointing=config.checkpointing, fsdp=config.fsdp, output_dir=train.output_dir, model=model,
         parallelism=parallelism, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-        model_config=model_config, tokenizer=tokenizer, info=info, lora=config.lora,
-        base_model=lora.adapter_base(train.model_name), inputs=inputs, spec=spec,
+        model_config=model_config, tokenizer=tokenizer, info=info, inputs=inputs,
     )  # fmt: skip
+    base_model = lora.adapter_base(train.model_name)  # what a LoRA adapter names as its base
+    final_models = FinalModels(checkpoints, spec=spec, lora=config.lora, base_model=base_model)
     return Run(
         config=config, info=info, start=start, torchrun_job=job, precision=precision, parallelism=parallelism,
         spec=spec, tokenizer=tokenizer, loaders=loaders, loaded=loaded, model=model, optimizer=optimizer,
-        scheduler=scheduler, scaler=scaler, checkpoints=checkpoints,
+        scheduler=scheduler, scaler=scaler, checkpoints=checkpoints, final_models=final_models,
     )  # fmt: skip
 
 
