@@ -120,11 +120,13 @@ class Parallelism:
     def _wrap(self, model, layers, precision, device, weights_source, restores) -> nn.Module:
         raise NotImplementedError
 
-    @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool):  # noqa: ARG002 - the backends' own
+    def gradient_sync(self, model: nn.Module, enabled: bool):
         """Inside, unless `enabled`: this backward's gradient reduction is skipped, and gradients stay unsharded
-        on every rank until a backward with the reduction. One rank's unwrapped model reduces nothing."""
-        yield
+        on every rank until a backward with the reduction."""
+        return contextlib.nullcontext() if enabled else self._reduction_skipped(model)
+
+    def _reduction_skipped(self, model: nn.Module):  # noqa: ARG002 - the backends' own
+        return contextlib.nullcontext()  # one rank's unwrapped model reduces nothing
 
     def clip_grad_norm(self, model: nn.Module, limit: float) -> torch.Tensor:
         """The global gradient norm over every shard, before clipping to `limit`. Collective."""
@@ -233,13 +235,8 @@ class FSDP1(Parallelism):
             apply_fsdp_checkpointing(model, layers)
         return model
 
-    @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool):
-        if enabled:
-            yield
-            return
-        with model.no_sync():
-            yield
+    def _reduction_skipped(self, model: nn.Module):
+        return model.no_sync()
 
     def clip_grad_norm(self, model: nn.Module, limit: float) -> torch.Tensor:
         return model.clip_grad_norm_(limit).detach()
@@ -341,10 +338,7 @@ class FSDP2(Parallelism):
         return model
 
     @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool):
-        if enabled:
-            yield
-            return
+    def _reduction_skipped(self, model: nn.Module):
         model.set_requires_gradient_sync(False)
         try:
             yield
