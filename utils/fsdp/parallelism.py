@@ -36,6 +36,7 @@ by configs/validate.py before anything loads):
 | sync_module_states            | set_model_state_dict(..., broadcast_from_rank0=True) (rank-0-only loading)   |
 """
 
+import abc
 import contextlib
 from collections import Counter
 
@@ -77,7 +78,7 @@ from utils.fsdp.shard import (
 from utils.model.rank0_loading import UnitMaterializer, broadcast_rank0_weights, to_empty, weight_reader
 
 
-class Parallelism:
+class Parallelism(abc.ABC):
     """What every way of spreading the model shares; a subclass names the rest (FSDP1, FSDP2, Unwrapped)."""
 
     version = 0  # the FSDP version it wraps in (0: none), as the layout line names it
@@ -117,8 +118,9 @@ class Parallelism:
             compile_layers(model, layers)
         return self._wrap(model, layers, precision, device, weights_source, restores)
 
+    @abc.abstractmethod
     def _wrap(self, model, layers, precision, device, weights_source, restores) -> nn.Module:
-        raise NotImplementedError
+        """The backend's own wrapping of `model` (its stack `layers` found, compiled where asked)."""
 
     def gradient_sync(self, model: nn.Module, enabled: bool):
         """Inside, unless `enabled`: this backward's gradient reduction is skipped, and gradients stay unsharded
@@ -178,16 +180,16 @@ class Parallelism:
             precision.name,
             tf32,
         )
-        # LoRA's lora_A and lora_B, units of their own under FSDP1 in a partly frozen model
-        adapters = by_class.get("Linear", 0) if any(not p.requires_grad for p in model.parameters()) else 0
-        self._note_adapter_units(adapters)
+        units_note = self._units_note(model, by_class)
+        if units_note:
+            get_logger().info("%s", units_note)
         get_logger().debug("FSDP model:\n%s", model)
 
     def _strategy_note(self, model: nn.Module) -> str:  # noqa: ARG002 - FSDP1's reads it
         return ""
 
-    def _note_adapter_units(self, adapters: int) -> None:
-        pass
+    def _units_note(self, model: nn.Module, by_class: Counter) -> str:  # noqa: ARG002 - FSDP1's reads them
+        return ""
 
 
 class FSDP1(Parallelism):
@@ -281,14 +283,16 @@ class FSDP1(Parallelism):
         # the strategy as it runs (NO_SHARD at world size 1, whatever was asked)
         return f", {model.sharding_strategy.name}"
 
-    def _note_adapter_units(self, adapters: int) -> None:
-        if adapters:
-            get_logger().info(
-                "FSDP1: %d of the units are LoRA adapters, each with its own all-gathers and reduce-scatters "
-                "every step (a flat parameter cannot mix frozen and trained weights); --fsdp_version 2 keeps the "
-                "adapters in their layers' units (docs/ecosystem.md: LoRA)",
-                adapters,
-            )
+    def _units_note(self, model: nn.Module, by_class: Counter) -> str:
+        # LoRA's lora_A and lora_B, units of their own under FSDP1 in a partly frozen model
+        adapters = by_class.get("Linear", 0) if any(not p.requires_grad for p in model.parameters()) else 0
+        if not adapters:
+            return ""
+        return (
+            f"FSDP1: {adapters} of the units are LoRA adapters, each with its own all-gathers and reduce-scatters "
+            "every step (a flat parameter cannot mix frozen and trained weights); --fsdp_version 2 keeps the "
+            "adapters in their layers' units (docs/ecosystem.md: LoRA)"
+        )
 
 
 class FSDP2(Parallelism):
