@@ -55,7 +55,8 @@ CHECKPOINTS_DIR = "checkpoints"
 HF_DIR = "hf_model"
 HF_LAST_DIR = "hf_model_last"  # the final model, when an earlier epoch was the best
 HF_ADAPTER_DIR = "hf_adapter"  # --peft lora: the adapter (hf_adapter, hf_adapter_last)
-EXPORT_DIRS = (HF_DIR, HF_LAST_DIR, HF_ADAPTER_DIR, HF_ADAPTER_DIR + "_last")  # what a run's exports are named
+HF_ADAPTER_LAST_DIR = HF_ADAPTER_DIR + "_last"  # the final adapter, when an earlier epoch was the best
+EXPORT_DIRS = (HF_DIR, HF_LAST_DIR, HF_ADAPTER_DIR, HF_ADAPTER_LAST_DIR)  # what a run's exports are named
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # PEFT's: what makes a folder an adapter, naming its base
 # In an adapter folder: the run's summarization settings (a whole model keeps them in config.json)
 ADAPTER_SUMMARIZATION_FILE = "summarization.json"

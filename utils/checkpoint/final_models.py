@@ -55,7 +55,9 @@ class FinalModels:
         state = sharded_model_state(self.model)
         if self.lora is not None:  # the adapter beside where the model goes, and the merged model if asked for
             adapters, state = lora_exports(state, self.lora, self.info.device, transposed_layers(self.model))
-            adapter_folder = os.path.join(self.output_dir, layout.HF_ADAPTER_DIR + ("_last" if last else ""))
+            adapter_folder = os.path.join(
+                self.output_dir, layout.HF_ADAPTER_LAST_DIR if last else layout.HF_ADAPTER_DIR
+            )
             if is_main:
                 write_adapter_folder(adapters, self.model_config, self.spec, self.lora, self.base_model,
                                      self.tokenizer, adapter_folder)  # fmt: skip
@@ -75,5 +77,5 @@ class FinalModels:
     def final_folder(self, last: bool) -> str:
         """The export's folder name: hf_model (hf_model_last), or with LoRA and no merge the adapter's."""
         if self.lora is not None and not self.lora.merge_lora:
-            return layout.HF_ADAPTER_DIR + ("_last" if last else "")
+            return layout.HF_ADAPTER_LAST_DIR if last else layout.HF_ADAPTER_DIR
         return layout.HF_LAST_DIR if last else layout.HF_DIR
