@@ -1,9 +1,7 @@
 """Activation checkpointing of the stack layers (T5Blocks for T5) inside their FSDP units.
 
-Non-reentrant checkpointing (torch.utils.checkpoint with use_reentrant=False) works with FSDP's hooks and
-with inputs that do not require grad. The old `offload_to_cpu` keyword of checkpoint_wrapper is not accepted
-any more and would be forwarded to the layer's forward (docs/pitfalls.md #4), so it is not passed. The model must
-run with `use_cache=False`, or the recomputed forward saves a different number of tensors and backward fails.
+Non-reentrant checkpointing works with FSDP's hooks and with inputs that do not require grad; the model must run
+with `use_cache=False`, and the wrapper takes no `offload_to_cpu` (docs/pitfalls.md #4).
 """
 
 import functools

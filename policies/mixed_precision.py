@@ -45,16 +45,10 @@ POLICIES = {
 
 
 def bf16_problem(device: torch.device, allow_emulated: bool = False) -> str | None:
-    """Why bf16 training is not used on `device` (one line for the log), or None where it is.
-
-    Replaces the tutorial's check, which imported pkg_resources (gone from recent setuptools) and read
-    torch.version.cuda (None on CPU builds; docs/pitfalls.md #6). bf16 needs the device to compute it and the
-    backend to reduce it; by default it needs bf16 kernels too, because emulated bf16 is slower than fp32 (the
-    tutorial's fallback promise). On CUDA: compute capability 8.0 (Ampere) or newer (torch's
-    `is_bf16_supported` counts emulation unless told not to, so a V100 or T4 would train in slow emulated bf16)
-    and NCCL 2.10+, the first with bf16 reductions. On CPU: oneDNN's bf16 kernels (AVX512 or AMX, ARM's bf16
-    extension); torch emulates bf16 on other CPUs, which a tiny bf16 matmul tests, and gloo reduces bf16.
-    """
+    """Why bf16 training is not used on `device` (one line for the log), or None where it is (the tutorial's
+    check, docs/pitfalls.md #6). bf16 needs the device to compute it and the backend to reduce it (NCCL 2.10+;
+    gloo reduces bf16); by default bf16 kernels too, because emulated bf16 is slower than fp32 (the tutorial's
+    fallback promise): on CUDA compute capability 8.0 (Ampere), on CPU oneDNN's (AVX512, AMX, ARM's bf16)."""
     if device.type == "cuda":
         if not (dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)):
             return "bf16 needs NCCL 2.10 or newer for its reductions: training in fp32 instead"

@@ -61,14 +61,6 @@ def _size_based_keeping_ties(module, recurse, nonwrapped_numel, *, min_num_param
     return size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params=min_num_params)
 
 
-def get_size_based_wrap_policy(model: nn.Module, min_num_params: int):
-    return functools.partial(
-        _size_based_keeping_ties,
-        min_num_params=min_num_params,
-        tied_modules=modules_holding_tied_parameters(model),
-    )
-
-
 def _adapters_apart(module, recurse, nonwrapped_numel, *, policy):
     # A module whose own parameters all train, in a model that is otherwise frozen (LoRA's lora_A and
     # lora_B), becomes a unit of its own: a FlatParameter must not mix frozen and trained weights.
@@ -86,7 +78,8 @@ def get_wrap_policy(name: str, model: nn.Module, min_num_params: int):
     if name == "transformer":
         policy = get_transformer_wrap_policy(model)
     elif name == "size_based":
-        policy = get_size_based_wrap_policy(model, min_num_params)
+        ties = modules_holding_tied_parameters(model)
+        policy = functools.partial(_size_based_keeping_ties, min_num_params=min_num_params, tied_modules=ties)
     else:
         raise ValueError(f"wrap policy must be transformer or size_based, not {name!r}")
     trains = {p.requires_grad for p in model.parameters()}

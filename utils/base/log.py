@@ -28,9 +28,8 @@ def get_logger() -> logging.Logger:
 @contextlib.contextmanager
 def warnings_ignored(*warned: tuple[type[Warning], str]):
     """Ignore, inside the block only, the warnings of each (category, message start): the ones a call is known
-    to raise about library internals nobody here can act on. Everything else still warns. (Leaving the block
-    makes Python forget which warnings it has shown once per location, so keep blocks to calls that are not
-    in the step loop's every iteration, or wrap the loop as a whole.)"""
+    to raise about library internals nobody here can act on. Everything else still warns. Keep blocks off the
+    step loop's every iteration (docs/pitfalls.md #40)."""
     with warnings.catch_warnings():
         for category, message in warned:
             warnings.filterwarnings("ignore", message=re.escape(message), category=category)

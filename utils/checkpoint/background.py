@@ -1,12 +1,10 @@
 """--async_checkpoint's writer: DCP's `async_save`, with the stager that copies this rank's shards to host memory
-and the writer that takes them to disk, both chosen by backend (utils/checkpoint/manager.py has why), and the
-checks made before training that the copies have room and the writes a core.
+and the writer that takes them to disk, both chosen by backend, and the checks made before training that the
+copies have room and the writes a core. The manager keeps the save in flight and completes its folder.
 
     writer = BackgroundWriter(parallelism, info, rank_bytes)   # collective: every rank makes its gloo group
     future = writer.write(payload, folder)               # returns once staged; the future ends with the write
     writer.close()
-
-The manager keeps the save in flight (`BackgroundSave`) and completes its folder; this object only writes.
 """
 
 import math
@@ -34,7 +32,8 @@ from utils.observe.memory import available_memory
 
 class BackgroundWriter:
     """Writes checkpoints' shards in the background, one save at a time: FSDP2 through a writer process per
-    rank reading shared memory, FSDP1 through a thread. Its own gloo group keeps the write's collectives
+    rank reading shared memory (off training's GIL and threads), FSDP1 through a thread (its ShardedTensors
+    cannot be staged into shared memory: docs/checkpoints.md). Its own gloo group keeps the write's collectives
     apart from training's (DCP's writer process also agrees on its store's address over it)."""
 
     def __init__(self, parallelism: Parallelism, info: DistInfo, rank_bytes: int):
@@ -61,9 +60,8 @@ class BackgroundWriter:
         )
 
     def start_process(self, scratch: str) -> None:
-        """DCP starts its writer process at the first background save: a Python that imports torch and this
-        package (about 5 s of a core here), which would slow the steps around that save. A save of one number
-        into `scratch` starts it now; a writer thread needs no start. Collective."""
+        """DCP starts its writer process (seconds of a core) at the first background save, slowing the steps
+        around it: a save of one number into `scratch` starts it now (a writer thread needs none). Collective."""
         if self.kind != AsyncCheckpointerType.PROCESS:
             return
         started = time.perf_counter()
@@ -77,18 +75,15 @@ class BackgroundWriter:
         self.stager.close()
 
 
-# torch 2.11 and 2.12's DefaultStager clears its copy tables at the end of every stage (to break a reference
-# cycle), so a second save through it fails with "KeyError: <class 'type'>" (docs/pitfalls.md #45); 2.10 and
-# 2.13 on keep them, and the stager's buffers, for the next save. On 2.11 and 2.12 each background save gets a
-# DefaultStager of its own (those versions freed the buffers after each save anyway: this costs nothing there).
+# torch 2.11 and 2.12's DefaultStager fails a second save ("KeyError: <class 'type'>", docs/pitfalls.md #45):
+# there each background save gets a stager of its own (those versions free the buffers after each save anyway).
 STAGER_SERVES_ONE_SAVE = (2, 11) <= TorchVersion(torch.__version__) < (2, 13)
 
 
 def _stager_and_writer(shared_memory: bool, device: torch.device) -> tuple:
-    """(what makes the stager that copies the shards to host memory, who writes them) for a background save.
-    `shared_memory` (FSDP2): into shared memory (pinned too on GPU) that DCP's writer process reads directly,
-    kept for the next save (except on torch 2.11 and 2.12). Otherwise (FSDP1's ShardedTensors): a plain copy
-    (on GPU into pinned buffers kept for the next save) that a thread writes."""
+    """(what makes the stager, who writes) of a background save. FSDP2 (`shared_memory`): shared memory (pinned on
+    GPU) that DCP's writer process reads, kept for the next save; FSDP1: a plain copy (on GPU into pinned buffers
+    kept for the next save) that a thread writes."""
     on_gpu = device.type == "cuda"
     if shared_memory:
         options = StagingOptions(
@@ -99,9 +94,8 @@ def _stager_and_writer(shared_memory: bool, device: torch.device) -> tuple:
 
 
 def check_room_to_stage(rank_bytes: int, shared: bool) -> None:
-    """Before training, with --async_checkpoint: the copies a background save stages on this host must fit, or
-    every rank stops with one message naming the fix (`staging_problem`); staging that does not fit ends in
-    SIGBUS (shared memory) or the OOM killer at the first save. Collective."""
+    """Before training: the copies a background save stages on this host must fit, or every rank stops with one
+    message (`staging_problem`), not with SIGBUS or the OOM killer at the first save. Collective."""
     ranks_here = ranks_on_this_host(dist.get_world_size())
     problem = staging_problem(rank_bytes, ranks_here, shared, free_shared_memory(), available_memory())
     problems: list = [None] * dist.get_world_size()
@@ -114,10 +108,9 @@ def check_room_to_stage(rank_bytes: int, shared: bool) -> None:
 def staging_problem(
     rank_bytes: int, ranks_here: int, shared: bool, free_shared: int | None, available: int | None
 ) -> str | None:
-    """Why `ranks_here` ranks' background saves of `rank_bytes` each cannot be staged on this host, or None.
-    `shared`: FSDP2's writer process reads the copies from shared memory (/dev/shm, which Docker and Kubernetes
-    give 64 MB by default); FSDP1's writer thread reads them from host memory. A reading that is None (not
-    Linux) refuses nothing."""
+    """Why `ranks_here` ranks' background saves of `rank_bytes` each cannot be staged on this host, or None:
+    `shared` (FSDP2) in shared memory, which Docker and Kubernetes give 64 MB by default, else in host memory.
+    A reading that is None (not Linux) refuses nothing."""
     needed = rank_bytes * ranks_here
     copies = f"{ranks_here} rank(s) x {size_text(rank_bytes)} (each rank's model and optimizer shards)"
     if shared and free_shared is not None and needed > free_shared:
@@ -149,11 +142,9 @@ def free_shared_memory() -> int | None:
 
 
 def say_if_background_writes_have_no_core(device: torch.device, world_size: int) -> None:
-    """A background write needs CPU of its own: on a CPU run whose ranks' threads take every core of the host,
-    it takes that CPU from training, and seen from outside a background save costs training as much as a
-    synchronous one, or more (docs/checkpoints.md: 2 ranks on 2 cores; with 1 rank on them, 0.13-0.43 of one).
-    Rank 0 calls it once, when the manager is made, and it says so with the fix. GPU ranks leave their cores
-    mostly free."""
+    """Rank 0, once: on a CPU run whose ranks' threads take every core of the host, a background write takes its
+    CPU from training and costs it as much as a synchronous save, or more (docs/checkpoints.md). GPU ranks leave
+    their cores mostly free."""
     if device.type != "cpu":
         return
     cores, threads = usable_cpus(), torch.get_num_threads()

@@ -1,24 +1,11 @@
-"""What a run reads, fingerprinted, so that a resume reads what its checkpoint was trained on.
+"""What a run reads, fingerprinted, so that a resume reads what its checkpoint was trained on (docs/checkpoints.md:
+a resume reads what the run trained on).
 
     inputs = checked_inputs(start, data=..., model_name=..., lora=..., accept_changed=...)   # collective
 
-An input's fingerprint is its content: its path is recorded for messages but does not count, nor does its
-modification time, so that a copied or moved file is the same file. A data file: its size and the XXH3-128
-digest of all its bytes, read once per start by rank 0 (a WikiHow-size 616 MB CSV: 0.1-0.2 s from the page
-cache, 2.9 s read cold from this machine's disk; XXH3 runs at memory speed, where sha256 took 0.6-0.8 s warm
-here, on a CPU with SHA instructions). A model folder: what a resume reads from it, config.json,
-generation_config.json and the tokenizer's files, whole; with LoRA, whose adapter names the folder as its base,
-also each weight file's size and safetensors header (tensor names, dtypes, shapes, offsets): a 140 GB folder
-costs a few header reads, never a pass over its weights. A model or dataset from the hub is its name (a setting
-a resume holds fixed), not fingerprinted.
-
-Every checkpoint records the fingerprints of the inputs its run read (train_state.json's "inputs", written by
-utils/checkpoint/manager.py). A resume compares its own with its checkpoint's, on rank 0, before the model is
-loaded: a changed input (another size or content, a file gone or new) is refused with one message naming each
-file and what changed, unless --accept_changed_inputs true continues on it deliberately, with one line (the
-checkpoints written from then on record the new inputs). The same content under another path (a folder moved
-and named anew, a file copied) is the run's, said in one line. A checkpoint written before checkpoints recorded
-their inputs resumes with one line saying that its inputs were not checked.
+A fingerprint is content, not a path or a modification time, so that a copied or moved file is the same file:
+a data file's size and XXH3-128 digest (at memory speed; sha256 is several times slower); of a model folder,
+what a resume reads from it, and with LoRA each weight file's size and safetensors header, never its weights.
 """
 
 import os
@@ -37,8 +24,7 @@ from utils.distributed.progress_bounded import progress_bounded
 DIGEST = "xxh3_128"  # of a file's every byte
 HEADER_DIGEST = "header_xxh3_128"  # of a safetensors file's header (its tensors' names, dtypes, shapes, offsets)
 READ_BYTES = 16 * 2**20
-# What a resume reads of a model folder, by suffix: the config and generation config, and the tokenizer's files
-# (JSON, sentencepiece models, vocabularies and merges, chat templates, tiktoken ranks).
+# What a resume reads of a model folder: its configs and the tokenizer's files (vocabularies, merges, templates).
 READ_SUFFIXES = (".json", ".model", ".spm", ".txt", ".jinja", ".tiktoken")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")  # the weights' files, which LoRA's adapter takes from its base
 
@@ -46,11 +32,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin")  # the weights' files, which LoRA's a
 def checked_inputs(
     start: StartPoint, *, data: DataConfig, model_name: str, lora: bool, accept_changed: bool
 ) -> dict:
-    """The fingerprints of the run's inputs (the data `data` names, the model `model_name` names, with LoRA its
-    weights' headers), for its checkpoints to record; at a resume from a checkpoint, checked against what that
-    checkpoint recorded (a change refused unless `accept_changed`). Collective: rank 0 reads, while the others
-    wait for as long as it progresses (a large dataset on cold storage takes what it takes), then every rank
-    gets its answer or its refusal."""
+    """The fingerprints of the run's inputs, for its checkpoints to record; at a resume from a checkpoint, checked
+    against what that checkpoint recorded (a change refused unless `accept_changed`). Collective: rank 0 reads,
+    while the others wait for as long as it progresses (a large dataset on cold storage takes what it takes)."""
     with progress_bounded("the fingerprints of the run's inputs"):
         current = (
             {"data": data_fingerprint(data), "model": model_fingerprint(model_name, lora)} if is_rank0() else None
@@ -119,8 +103,7 @@ def model_fingerprint(model_name: str, lora: bool) -> dict:
 
 
 def content_fingerprint(path: Path) -> dict:
-    """A file's size and the digest of its every byte (where the text cache's key, utils/data/sources.py
-    file_fingerprint, reads its first and last MiB and its mtime)."""
+    """A file's size and the digest of its every byte (the text cache's key reads less: utils/data/sources.py)."""
     hasher = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while block := f.read(READ_BYTES):
@@ -140,8 +123,7 @@ def weights_fingerprint(path: Path) -> dict:
 
 
 def data_differences(then: dict, now: dict) -> tuple[list[str], list[str]]:
-    """(each data file that changed and how; each with the same content at another path) between the data a
-    checkpoint recorded (data_fingerprint) and the data read now."""
+    """(each data file that changed and how; each with the same content at another path) from `then` to `now`."""
     moved = [
         f"{new['path']} (the run read {old['path']})"
         for name, new in now.items()
@@ -151,14 +133,12 @@ def data_differences(then: dict, now: dict) -> tuple[list[str], list[str]]:
 
 
 def model_differences(then: dict, now: dict) -> tuple[list[str], list[str]]:
-    """(how the model changed; the model folder, if it has the same content at another path) between the model a
-    checkpoint recorded (model_fingerprint) and the one read now."""
+    """(how the model changed; the model folder, if the same content is at another path) from `then` to `now`."""
     if "files" not in then or "files" not in now:
         changed = then != now
         return [f"the model: {_model_named(now)}, the run's was {_model_named(then)}"] if changed else [], []
-    folder, moved_from = now["path"], ""
-    if not _same_path(folder, then["path"]):
-        moved_from = f" (the run's was {then['path']})"
+    folder = now["path"]
+    moved_from = "" if _same_path(folder, then["path"]) else f" (the run's was {then['path']})"
     changes = _file_changes(then["files"], now["files"])
     if changes:
         return [f"the model folder {folder}{moved_from}: {', '.join(changes)}"], []

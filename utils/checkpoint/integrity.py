@@ -1,18 +1,12 @@
 """Checkpoints that verify themselves: every file's size and CRC-32s, recorded as it is written, checked on resume.
 
-A checkpoint's train_state.json (written last: its presence marks the checkpoint complete) lists every other
-file of the checkpoint with its size and the CRC-32 of each of its pieces of PIECE_BYTES. The large files are
-hashed while they are written, as the bytes pass through (`HashingFile`): rank 0's model.pt and optimizer.pt,
-and each rank's DCP shards (`RecordingWriter`, which leaves its records in written/rank_<r>.json for rank 0 to
-merge). The small ones (JSON, the tokenizer, the RNG states, DCP's .metadata) are read once more when the
-checkpoint is completed. CRC-32 runs at about 3 GB/s here (zlib; sha256 about 1.6 GB/s): it finds a truncated,
-overwritten or missing file, not a forgery.
+A checkpoint's train_state.json (written last) lists every other file with its size and the CRC-32 of each of
+its pieces of PIECE_BYTES. The large files are hashed as their bytes are written (`HashingFile`: rank 0's
+model.pt and optimizer.pt, each rank's DCP shards through `RecordingWriter`); the small ones are read once more
+when the checkpoint is completed. CRC-32 finds a truncated, overwritten or missing file, not a forgery.
 
 On resume, `find_damage` checks a checkpoint before anything is loaded from it, the pieces dealt to the ranks so
-that each reads about as many bytes (collective): a FULL checkpoint's 90 GB optimizer.pt is read by every rank
-in parallel, not by one while the others wait. Checkpoints written before pieces (one CRC-32 per file) are
-checked file by file; those written before the file list (format 1) get the checks their train_state.json
-allows: every rank's RNG file and the main files exist.
+that each reads about as many bytes (collective). Older checkpoints get the checks their record allows.
 """
 
 import contextlib
@@ -94,8 +88,7 @@ class HashingFile:
 
 @contextlib.contextmanager
 def hashed_file(folder: str, name: str, records: dict):
-    """Open folder/name for writing through a HashingFile; once closed (and fsynced), records[name] is its
-    record."""
+    """Open folder/name for writing through a HashingFile; once fsynced and closed, records[name] is its record."""
     with open(os.path.join(folder, name), "wb") as raw:
         stream = HashingFile(raw)
         yield stream
@@ -113,21 +106,19 @@ class RecordingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
         with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
             stream = HashingFile(raw)
             yield stream
         self.written[Path(path).name] = stream.record()
 
 
 class RecordingWriter(FileSystemWriter):
-    """DCP's file writer, which also leaves the size and CRC-32 of every shard it wrote in
-    written/rank_<r>.json. The records are written once the shards are (inside write_data, before DCP's last
-    step gathers every rank's result on rank 0), so when a save is done every rank's record is on disk: rank 0
-    can complete the checkpoint without another collective (a background save)."""
+    """DCP's file writer, which also leaves the record of every shard it wrote in written/rank_<r>.json, inside
+    write_data (before DCP's last step gathers every rank's result on rank 0): when a save is done every rank's
+    record is on disk, and rank 0 can complete the checkpoint without another collective."""
 
     def __init__(self, path, **kwargs) -> None:
         super().__init__(path, **kwargs)
@@ -154,9 +145,8 @@ def file_record(path: str) -> dict:
 
 
 def checkpoint_files(folder: str, recorded: dict[str, dict]) -> dict[str, dict]:
-    """{path relative to folder: {"bytes", "crc32"}} for every file of a checkpoint being completed. A file's
-    record is the one made while it was written (`recorded`, by name relative to folder, and the ranks'
-    written/ records of their shards, merged here and then removed), else it is read now (the small files)."""
+    """{path relative to folder: its record} for every file of a checkpoint being completed: the one made while
+    it was written (`recorded`, and the ranks' written/ records of their shards, merged and removed), else read."""
     recorded = dict(recorded)
     written = os.path.join(folder, layout.WRITTEN_DIR)
     if os.path.isdir(written):
@@ -195,13 +185,11 @@ def pieces_of(name: str, record: dict) -> list[Piece]:
     """The pieces a file's record lets ranks check apart: one per recorded piece, or the whole file where one
     CRC-32 was recorded for it (checkpoints written before pieces), or none but its size."""
     size = record["bytes"]
-    if PIECE_HASHES in record:
-        step = record["piece_bytes"]
-        hashes = record[PIECE_HASHES]
-        return [Piece(name, i * step, min(step, size - i * step), crc) for i, crc in enumerate(hashes)] or [
-            Piece(name, 0, 0, None)
-        ]
-    return [Piece(name, 0, size, record.get(HASH))]
+    if PIECE_HASHES not in record:
+        return [Piece(name, 0, size, record.get(HASH))]
+    step = record["piece_bytes"]
+    pieces = [Piece(name, i * step, min(step, size - i * step), crc) for i, crc in enumerate(record[PIECE_HASHES])]
+    return pieces or [Piece(name, 0, 0, None)]
 
 
 def dealt(pieces: list[Piece], world_size: int) -> list[list[Piece]]:
@@ -253,8 +241,7 @@ def legacy_problems(checkpoint: str, state: dict) -> list[str]:
 
 def find_damage(checkpoint: str, state: dict) -> str | None:
     """What is wrong with a complete checkpoint's files (up to three things), or None. Collective: each rank
-    checks its share of the files' pieces (`dealt`), every rank gets the answer. A share that takes longer than
-    --dist_timeout_s on slow storage is waited for while it progresses (utils/distributed/progress_bounded.py)."""
+    checks its share of the pieces (`dealt`), waited for while it progresses; every rank gets the answer."""
     distributed = dist.is_available() and dist.is_initialized()  # else one process checks every file
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     files = state.get("files")

@@ -1,36 +1,17 @@
 """Resumable checkpoints (model, optimizer, LR scheduler, grad scaler, progress, RNG); the final models are
-utils/checkpoint/final_models.py's.
+utils/checkpoint/final_models.py's. docs/checkpoints.md has the design and its measurements.
 
-The layout of a checkpoint folder is in utils/base/layout.py. A checkpoint is written under
-`checkpoints/.tmp_step_...` and renamed when every rank has finished, so a crash during a save leaves only
-a temporary folder (removed when the next run starts), and the previous checkpoints stay loadable. Its
-train_state.json, written last, lists every other file with its size and CRC-32, recorded as it was written
-(utils/checkpoint/integrity.py), so a resume can tell a damaged checkpoint (utils/checkpoint/start.py). Old
-checkpoints are pruned only after a newer one is complete, off the training thread.
+A checkpoint is written under `checkpoints/.tmp_step_...` (utils/base/layout.py) and renamed when every rank
+has finished, so a crash during a save leaves the previous checkpoints loadable. Its train_state.json, written
+last, lists every other file with its size and CRC-32 (utils/checkpoint/integrity.py). Old checkpoints are
+pruned only after a newer one is complete, off the training thread.
 
-Both checkpoint types are restored after sharding, into this run's shards: SHARDED_STATE_DICT through
-torch.distributed.checkpoint (each rank reads what its shards need), FULL_STATE_DICT from the memory-mapped
-model.pt and optimizer.pt (each rank copies its own rows). No rank holds the whole model or optimizer state,
-and the model they go into is an empty skeleton (utils/fsdp/parallelism.py: builds_on_meta), not pretrained
-weights read only to be overwritten.
+With --async_checkpoint the shards are written in the background (utils/checkpoint/background.py); rank 0
+completes the checkpoint between two steps once its own write has finished, which DCP ends only after every
+rank's. At most one save is in flight; `close` (in the run's `finally`) finishes it, or says it was abandoned.
 
-With --async_checkpoint the shards are written in the background by DCP's `async_save`
-(utils/checkpoint/background.py: `BackgroundWriter`). With FSDP2 a writer
-process per rank writes them (`AsyncCheckpointerType.PROCESS`): training stops only while they are copied
-into shared memory, which that process reads; the write shares neither the training process's GIL nor its
-threads. The writer process is started before the first step (`begin_training`), so no step waits for it.
-FSDP1's ShardedTensors cannot be staged into shared memory by DCP, and sending them to a process costs the
-training process more than writing them from a thread (scripts/checkpoint_costs.py writer), so FSDP1 keeps a
-writer thread, on a gloo group of its own so that its collectives never interleave with training's. DCP's
-last save step gathers every rank's write result on rank 0 before rank 0 writes `.metadata`, so when rank
-0's write has finished every rank's has; rank 0 then completes the checkpoint (train_state.json, rename,
-prune) without another collective, as soon as it sees that between two steps. At most one save is in flight:
-the next save, the exports and the end of the run wait for it, and `close` (in the run's `finally`) finishes
-it, or says it was abandoned.
-
-Nothing here unpickles arbitrary objects: .pt files load with weights_only=True, the DCP payload holds
-tensors only (the optimizer's non-tensor hyper-parameters are JSON), and DCP's `.metadata` file, a pickle,
-is read by utils/checkpoint/safe_dcp.py.
+Nothing here unpickles arbitrary objects: .pt files load with weights_only=True, the DCP payload holds tensors
+only (the optimizer's hyper-parameters are JSON), and DCP's `.metadata` is read by utils/checkpoint/safe_dcp.py.
 """
 
 import copy
@@ -91,12 +72,9 @@ class BackgroundSave:
 
 
 class CheckpointManager:
-    """Owns output_dir's checkpoints/ for one run: handed the model, optimizer, scheduler and scaler once, it
-    decides when to save (`due`), saves, prunes, loads where the run starts from, and is closed at the end
-    (`close`, in a `finally`).
-
-    Every saving or loading method is collective: every rank calls it, rank 0 writes the shared files.
-    """
+    """Owns output_dir's checkpoints/ for one run: decides when to save (`due`), saves, prunes, loads where the
+    run starts from, and is closed at the end (`close`, in a `finally`). Every saving or loading method is
+    collective: every rank calls it, rank 0 writes the shared files."""
 
     def __init__(
         self,
@@ -119,22 +97,18 @@ class CheckpointManager:
         self.checkpoint_type, self.save_optimizer = fsdp.checkpoint_type, fsdp.save_optimizer  # fsdp_config's
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.model_config, self.tokenizer = model_config, tokenizer  # saved in each checkpoint
-        # What the run reads, fingerprinted (utils/checkpoint/inputs.py), recorded in every checkpoint for a resume
-        # to check; None where a script or test builds a manager of its own.
-        self.inputs = inputs
+        self.inputs = inputs  # what the run reads, fingerprinted (utils/checkpoint/inputs.py)
         self.pending: BackgroundSave | None = None
         self.said_saves_wait = False  # a save waited for the previous one's write (warned once)
-        # Rank 0 deletes pruned checkpoints in a thread: an rmtree of gigabytes between two steps would hold up
-        # every rank at the next collective.
+        # Rank 0 deletes pruned checkpoints in a thread, not between two steps that every rank waits on.
         self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if info.is_main else None
         self.purged = 0  # folders handed to it
-        rank_bytes = state_bytes(model, param_numel_local(model), self.save_optimizer)  # what a rank stages
         if info.is_main and self.checkpoint_type == layout.FULL and checkpointing.keep_last_n:
             whole = parallelism.param_numel_whole(model)
             say_if_full_saves_are_large(state_bytes(model, whole, self.save_optimizer))
-        # --async_checkpoint (collective: every rank makes the writer's group).
         self.background = None
-        if checkpointing.async_checkpoint:
+        if checkpointing.async_checkpoint:  # collective: every rank makes the writer's group
+            rank_bytes = state_bytes(model, param_numel_local(model), self.save_optimizer)  # what a rank stages
             self.background = BackgroundWriter(parallelism, info, rank_bytes)
 
     def due(self, step: int, stop_requested: bool) -> bool:
@@ -144,10 +118,9 @@ class CheckpointManager:
 
     @fsdp1_state_dict_warnings_ignored()
     def save(self, progress: TrainProgress, blocking: bool = False) -> str | None:
-        """Write a checkpoint of the current state (nothing with --keep_last_n 0). Returns its folder.
-
-        With --async_checkpoint and not `blocking` (a stop's save is), it returns once the shards are staged
-        in host memory; the folder appears when their background write has finished (see `poll`)."""
+        """Write a checkpoint of the current state (nothing with --keep_last_n 0). Returns its folder. With
+        --async_checkpoint and not `blocking` (a stop's save is), it returns once the shards are staged in host
+        memory; the folder appears when their background write has finished (`poll`)."""
         if self.checkpointing.keep_last_n == 0:
             return None
         WHERE.enter("checkpoint save")
@@ -161,8 +134,7 @@ class CheckpointManager:
 
     def _save(self, progress: TrainProgress, blocking: bool) -> str:
         """`save`'s work, where a full disk surfaces."""
-        # glibc keeps the freed activations of the last steps resident in its heaps, laid out as the process's
-        # history left them: given back first, the save's peak is what it holds (a resumed run's included).
+        # The freed activations of the last steps go back to the OS first: the save's peak is what it holds.
         trim_host_heap()
         started = time.perf_counter()
         final = os.path.join(layout.checkpoint_root(self.output_dir), layout.step_dir_name(progress.global_step))
@@ -194,7 +166,13 @@ class CheckpointManager:
             if self.save_optimizer:
                 payload[layout.OPTIMIZER_SECTION] = tensor_only_optimizer_state(optim_state)
             if self.background is not None and not blocking:
-                self._save_in_background(payload, tmp, final, train_state, started)
+                dist.barrier()  # every rank's small files are on disk before rank 0 may complete the folder
+                future = self.background.write(payload, tmp)
+                stalled = time.perf_counter() - started
+                self.pending = BackgroundSave(future, tmp, final, train_state, started, stalled)
+                get_logger().info(
+                    "checkpoint %s: training resumes after %.2f s; written in the background", final, stalled
+                )
                 return final
             dcp.save(payload, storage_writer=RecordingWriter(tmp))  # collective; each rank writes its shards
             dist.barrier()  # every rank's files are on disk
@@ -203,19 +181,9 @@ class CheckpointManager:
                 self._complete(tmp, final, train_state, written, f"in {time.perf_counter() - started:.2f} s")
         return final
 
-    def _save_in_background(self, payload: dict, tmp: str, final: str, train_state: dict, started: float) -> None:
-        dist.barrier()  # every rank's small files are on disk before rank 0 may complete the folder
-        future = self.background.write(payload, tmp)
-        stalled = time.perf_counter() - started
-        self.pending = BackgroundSave(future, tmp, final, train_state, started, stalled)
-        get_logger().info(
-            "checkpoint %s: training resumes after %.2f s; written in the background", final, stalled
-        )
-
     def _wait_for_the_previous_write(self, step: int, periodic: bool) -> None:
-        """Finish the background save in flight before the next one. Where a periodic save had to wait for the
-        previous periodic one, the steps between two saves took less time than a write, and training waits
-        for every write: said once, with the fix."""
+        """Finish the background save in flight before the next one. A periodic save that waited for the previous
+        one means every write holds training up: said once, with the fix."""
         pending = self.pending
         if pending is None:
             return
@@ -269,15 +237,13 @@ class CheckpointManager:
         return whole, "the model and optimizer in fp32"
 
     def _ran_out_of_space(self, err: BaseException) -> bool:
-        """Whether a failed save failed for a full disk: said so (configs/errors.py: is_disk_full), or said
-        otherwise while less than a checkpoint is free (torch's zip writer reports a short write as "unexpected
-        pos")."""
+        """Whether a failed save failed for a full disk: said so (configs/errors.py), or said otherwise while less
+        than a checkpoint is free (torch's zip writer reports a short write as "unexpected pos")."""
         free = free_bytes(layout.checkpoint_root(self.output_dir))
         return is_disk_full(err) or (free is not None and free < self._checkpoint_bytes()[0])
 
     def _out_of_space(self, step: int, err: BaseException) -> CheckpointError:
-        """The one message of a save that found its disk (or quota) full: the folder, the space a checkpoint
-        takes and what is free there, what was kept. Rank 0 removes the partial write, giving its space back."""
+        """The one message of a save that found its disk (or quota) full; rank 0 removes the partial write."""
         if self.info.is_main:
             shutil.rmtree(layout.tmp_checkpoint_dir(self.output_dir, step), ignore_errors=True)
         root = layout.checkpoint_root(self.output_dir)
@@ -304,9 +270,8 @@ class CheckpointManager:
         self.close(failed=exc is not None, at_once=isinstance(exc, KeyboardInterrupt))
 
     def close(self, failed: bool = False, at_once: bool = False) -> None:
-        """The end of the run, in its `finally`, before the process group goes down: a background save still in
-        flight is finished and completed, or abandoned when the run stops at once (a second Ctrl-C) or its
-        write fails, with one line saying which; then the background workers stop."""
+        """The end of the run, before the process group goes down: a background save in flight is completed, or
+        abandoned when the run stops at once or its write fails (one line says which); the workers stop."""
         # Said once: rank 0 warns, the other ranks' lines stay below their log level.
         pending, say = self.pending, get_logger().warning if self.info.is_main else get_logger().info
         if pending is not None:
@@ -329,7 +294,10 @@ class CheckpointManager:
 
     def _write_small_files(self, folder: str, optim_state: dict) -> None:
         """Every rank's RNG state; on rank 0 the optimizer's parameter groups, the model config, the tokenizer."""
-        torch.save(_rng_state(self.info.device), layout.rng_file(folder, self.info.rank))
+        rng = {"torch": torch.get_rng_state()}
+        if self.info.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.info.device)
+        torch.save(rng, layout.rng_file(folder, self.info.rank))
         if self.info.is_main:
             if self.save_optimizer:
                 write_json(os.path.join(folder, layout.PARAM_GROUPS_FILE), optim_state["param_groups"])
@@ -338,7 +306,6 @@ class CheckpointManager:
 
     def _train_state(self, progress: TrainProgress) -> dict:
         """What train_state.json holds, as of now (a copy: a background save writes it steps later)."""
-        scaler = self.scaler
         return copy.deepcopy({
             "format_version": layout.FORMAT_VERSION,
             "checkpoint_type": self.checkpoint_type,
@@ -346,7 +313,7 @@ class CheckpointManager:
             "world_size": self.info.world_size,
             "progress": asdict(progress),
             "scheduler": self.scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "inputs": self.inputs,
         })  # fmt: skip
 
@@ -365,19 +332,17 @@ class CheckpointManager:
             get_logger().info("removed old checkpoint %s (keep_last_n=%d)", old, self.checkpointing.keep_last_n)
 
     def _purge(self, checkpoint: str) -> None:
-        """Rank 0: a folder (an old checkpoint, a save that never completed) is renamed out of the way at once
-        (a temporary name, which a crash leaves for the next run to remove; no later save of the same step can
-        meet it), and its files are deleted in the background."""
+        """Rank 0: a folder is renamed out of the way at once (a temporary name, which a crash leaves for the next
+        run to remove), and its files are deleted in the background."""
         self.purged += 1
         doomed = layout.purged_dir(checkpoint, self.purged)
         os.replace(checkpoint, doomed)
         self.purger.submit(shutil.rmtree, doomed, ignore_errors=True)
 
     def begin_training(self, start: StartPoint, progress: TrainProgress) -> TrainProgress:
-        """Before a run's first step (collective; rank 0 acts, under the run lock): a rollback's abandoned
-        newer checkpoints are set aside (utils/checkpoint/start.py), temporary folders of saves that never
-        completed are removed, and a background writer process is started. Returns the progress to train
-        from: without a best epoch where the exported best model was the abandoned branch's."""
+        """Before a run's first step (collective; rank 0 acts, under the run lock): a rollback's abandoned newer
+        checkpoints are set aside, temporary folders of unfinished saves removed, a background writer started.
+        The progress to train from: without a best epoch where the exported best was the abandoned branch's."""
 
         def prepare() -> bool:
             exports_abandoned = set_aside_newer(self.output_dir, start, progress)
@@ -394,9 +359,8 @@ class CheckpointManager:
 
     @fsdp1_state_dict_warnings_ignored()
     def load(self, start: StartPoint) -> TrainProgress:
-        """Continue from where the run starts: a checkpoint folder's model, optimizer, scheduler, scaler, RNG
-        and progress, restored into this run's shards (a .pt's weights went into the unwrapped model before
-        sharding: StartPoint.weights_file). The progress to train from. Collective."""
+        """Restore where the run starts from: a checkpoint folder's model, optimizer, scheduler, scaler, RNG and
+        progress (a .pt's weights went in before sharding). The progress to train from. Collective."""
         if not start.is_checkpoint:
             if start.path:
                 get_logger().info("started from the weights of %s (new optimizer, epoch 1)", start.path)
@@ -424,18 +388,15 @@ class CheckpointManager:
         return progress
 
     def _restore_model_and_optimizer(self, checkpoint: str, state: dict) -> None:
-        """The checkpoint's weights and optimizer state into this run's shards (templates with this run's
-        sharding, filled in place: any number of ranks, either backend). One template at a time, the model's
-        first: FSDP1's are copies of the shards, and held together with the optimizer's load they took the
-        restore 1.0-1.2 models above the training steps' peak (t5-base, 2 ranks: docs/checkpoints.md)."""
+        """The checkpoint's weights and optimizer state into templates of this run's shards, filled in place, one
+        at a time, the model's first: FSDP1's are copies of the shards (docs/checkpoints.md)."""
         model, optimizer = self.model, self.optimizer
         model_state = sharded_model_state(model)
         self._fill(checkpoint, state, model_state, layout.MODEL_SECTION, layout.MODEL_FILE)
         set_model_state_dict(model, model_state)
         del model_state
         trim_host_heap()  # what the model's load freed (FSDP1 gathers each unit) goes back before the optimizer's
-        # The optimizer's template only when there is a state to load: asking for it makes torch initialise
-        # AdamW's state with a zero step, and an optimizer that "starts afresh" must not have taken one.
+        # No template without a state to load: making one gives AdamW a state with a zero step, taken by nothing.
         if not state["has_optimizer"]:
             get_logger().warning("checkpoint %s has no optimizer state: AdamW starts afresh", checkpoint)
             return
@@ -447,9 +408,8 @@ class CheckpointManager:
 
     @staticmethod
     def _fill(checkpoint: str, state: dict, template: dict, section: str, file_name: str) -> None:
-        """Fill a template of this rank's shards from the checkpoint: SHARDED_STATE_DICT's `section` through
-        DCP (each rank reads what its shards need; collective), FULL_STATE_DICT's `file_name` memory-mapped
-        (each rank pages in its own rows, not the file)."""
+        """Fill a template of this rank's shards from the checkpoint: SHARDED's `section` through DCP (collective),
+        FULL's `file_name` memory-mapped (each rank pages in its own rows, not the file)."""
         if state["checkpoint_type"] == layout.FULL:
             file = os.path.join(checkpoint, file_name)
             fill_from_full(template, torch.load(file, map_location="cpu", weights_only=True, mmap=True), file)
@@ -470,9 +430,8 @@ class CheckpointManager:
 
 
 def state_bytes(model: nn.Module, numel: int, save_optimizer: bool) -> int:
-    """The checkpoint bytes of `numel` of the model's parameter elements (a rank's shards, or the whole model),
-    about: in fp32 (the sharded parameters' dtype) and, with the optimizer, AdamW's two moments of the trainable
-    share."""
+    """About the checkpoint bytes of `numel` parameter elements: fp32, with the optimizer AdamW's two moments of
+    the trainable share."""
     trainable, total = trainable_share(model)  # LoRA: the optimizer holds moments of the adapters only
     return int(numel * 4 * (1 + (2 * trainable / max(1, total) if save_optimizer else 0)))
 
@@ -481,9 +440,7 @@ FULL_SAVE_WARNING_BYTES = 10**10  # t5-3b's model and AdamW in fp32 are 34 GB; t
 
 
 def say_if_full_saves_are_large(checkpoint_bytes: int) -> None:
-    """Rank 0, once: FULL saves of a large model are gathered into rank 0's host memory and written by rank 0
-    alone (the others wait on its progress), at one disk's speed; a preemption's save must fit in torchrun's
-    grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT). Said with the fix, SHARDED_STATE_DICT."""
+    """Rank 0, once: the warning that a large model's FULL saves are gathered and written by rank 0 alone."""
     if checkpoint_bytes > FULL_SAVE_WARNING_BYTES:
         get_logger().warning(
             "--checkpoint_type FULL_STATE_DICT: each checkpoint, about %.0f GB (model and optimizer in fp32), is "
@@ -494,21 +451,12 @@ def say_if_full_saves_are_large(checkpoint_bytes: int) -> None:
         )
 
 
-def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
 def restore_schedule(
     scheduler: LRScheduler, optimizer: torch.optim.Optimizer, state: dict, this_runs_lrs: list
 ) -> None:
-    """The schedule's position from a checkpoint's train state, with this run's settings. A checkpoint without
-    optimizer state leaves this run's fresh groups: they take the learning rate the schedule had reached. StepLR's
-    saved state would put the saved run's --gamma back: this run's stays. The checkpoint's optimizer groups and
-    scheduler carry the learning rate of the run that saved them; a resume given another --lr scales the
-    schedule to it from here on."""
+    """The schedule's position from a checkpoint's train state, with this run's settings: this run's --gamma
+    (StepLR's saved state would put the saved run's back), and a resume given another --lr scales the schedule to
+    it from here on. A checkpoint without optimizer state leaves fresh groups at the rate the schedule reached."""
     gamma = getattr(scheduler, "gamma", None)
     scheduler.load_state_dict(state["scheduler"])
     if gamma is not None:

@@ -1,6 +1,5 @@
-"""The record (config.json) of the run that a resume continues: its settings are the resume's defaults
-(configs/cli.py: continue_run). Read by every rank before the process group exists, and before torch is
-imported: the settings are checked with it.
+"""The record (config.json) of the run that a resume continues, whose settings are its defaults (configs/cli.py:
+continue_run). Read by every rank before the process group exists and before torch is imported.
 """
 
 import json
@@ -11,9 +10,8 @@ from utils.base.log import get_logger
 
 
 def resumed_checkpoint(resume: str, output_dir: str) -> str | None:
-    """The checkpoint folder a resume names, before its files are checked (utils/checkpoint/start.py checks
-    them): output_dir's newest complete one for --resume true, the folder --resume names; None for a new run, a
-    .pt, or an output_dir without a checkpoint."""
+    """The checkpoint folder a resume names, unchecked: output_dir's newest complete one for --resume true, the
+    folder --resume names; None for a new run, a .pt, or an output_dir without a checkpoint."""
     if resume.lower() == "true":
         kept = layout.complete_checkpoints(output_dir)
         return kept[-1] if kept else None
@@ -21,11 +19,9 @@ def resumed_checkpoint(resume: str, output_dir: str) -> str | None:
 
 
 def recorded_run(resume: str, output_dir: str) -> tuple[str, dict] | None:
-    """(path, contents) of the run record (config.json) of the run a resume continues, whose settings are its
-    defaults (configs/cli.py: continue_run): output_dir's for --resume true when it holds a checkpoint; for a
-    checkpoint folder, the record of the output_dir it is in (set-aside checkpoints included). None for a new
-    run (or a .pt), or where no record is found. Read by every rank before the process group exists
-    (output_dir is shared storage)."""
+    """(path, contents) of the run record of the run a resume continues: output_dir's for --resume true when it
+    holds a checkpoint; for a checkpoint folder, the record of the output_dir it is in (set-aside checkpoints
+    included). None for a new run (or a .pt), or where no record is found."""
     checkpoint = resumed_checkpoint(resume, output_dir)
     if checkpoint is None:
         return None
@@ -45,9 +41,8 @@ def recorded_run(resume: str, output_dir: str) -> tuple[str, dict] | None:
 
 
 def records_inputs(resume: str, output_dir: str) -> bool:
-    """Whether the checkpoint a resume starts from (resumed_checkpoint) records what its run read
-    (train_state.json's "inputs": utils/checkpoint/inputs.py), so that an input named at another path can be
-    checked by its content."""
+    """Whether the checkpoint a resume starts from records what its run read (utils/checkpoint/inputs.py), so
+    that an input named at another path can be checked by its content."""
     checkpoint = resumed_checkpoint(resume, output_dir)
     if checkpoint is None:
         return False

@@ -1,18 +1,12 @@
-"""One run per output_dir: rank 0 holds an exclusive lock on output_dir/run.lock for the run's whole life.
+"""One run per output_dir: rank 0 holds an exclusive lock on output_dir/run.lock for the run's whole life
+(docs/checkpoints.md: one run per output_dir).
 
     with claimed_output_dir(output_dir):   # collective; a second run into the folder stops here
         ...
 
-The lock is the operating system's (`flock`), so it is released when its process ends, however it ends: a
-run killed with SIGKILL (or its node lost) leaves the file but not the lock, and the next run takes it over
-with a warning. Linux's NFS client maps flock onto NFS locks, so two hosts that share the folder see each
-other's locks; a file system without working locks (some FUSE mounts; Lustre without `-o flock`) makes the
-check fall back to the holder's record, which can tell a live run only on the same host (a warning says so).
-While held, the file records who holds it (host, pid, start time, command), for the message a second run
-gets. A run that ends empties it.
-
-Then every rank probes every folder of output_dir the run will write (`check_writable`): a read-only mount,
-a full quota or a squashed root is said at start, with the folder and the rank, not at the first save.
+The lock is the operating system's (`flock`), released when its process ends however it ends; without working
+locks the check falls back to the holder's record, which can tell a live run only on the same host. Then every
+rank probes each folder of output_dir the run will write (`check_writable`), at start, not at the first save.
 """
 
 import contextlib
@@ -53,11 +47,7 @@ class RunLock:
         self.created_folder = not os.path.exists(self.output_dir)
         prepare_output_dir(self.output_dir)
         file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held until release()
-        try:
-            locked = _try_flock(file)
-        except BaseException:
-            file.close()
-            raise
+        locked = _try_flock(file)
         previous = _read_holder(file)
         if locked is False or (locked is None and previous and _alive_here(previous)):
             file.close()
@@ -79,7 +69,12 @@ class RunLock:
             )
         file.seek(0)
         file.truncate()
-        self.record = holder_record()
+        self.record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": sys.argv,
+        }
         json.dump(self.record, file)
         file.flush()
         os.fsync(file.fileno())  # on a network file system, what another node reads (check_shared)
@@ -113,9 +108,8 @@ def claimed_output_dir(output_dir: str):
 
 def check_shared(lock: RunLock) -> None:
     """Every rank sees the lock file rank 0 has just written, or every rank stops with one message naming those
-    that do not: on several nodes, output_dir must be one folder that every node sees (checkpoints are written
-    into it by every rank), and a node-local path would otherwise fail only at the first save, hours in.
-    Collective (two small collectives); nothing on one rank."""
+    that do not: every rank writes into output_dir, and a node-local path would fail only at the first save.
+    Collective; nothing on one rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     written = [lock.record]
@@ -146,12 +140,9 @@ EVALUATE_ONLY = "--evaluate_only's folder", "--evaluate_only writes its scores t
 
 
 def check_writable(output_dir: str, *, evaluating: bool, saves_checkpoints: bool) -> None:
-    """Every rank can write every folder of output_dir the run will write (output_dir; checkpoints/ and the
-    existing exports, which training adds to and replaces; evaluate_only/ for --evaluate_only), or every rank
-    stops with one message naming the folder, the rank and host that cannot, and the fix: before anything is
-    read, trained or replaced, not at the first save after training. Each rank probes for itself (a node-local
-    disk or a mount can differ by node) by a real write (utils/base/files.py: write_problem); a folder that does
-    not exist yet is probed where it will be created. Collective (one small all-gather)."""
+    """Every rank can write every folder of output_dir the run will write, or every rank stops with one message
+    naming the folder, the rank and host that cannot, and the fix. Each rank probes for itself (a node's disk or
+    mount can differ) by a real write, where the folder is or will be created. Collective."""
     folders = {output_dir: OUTPUT_DIR}
     if evaluating:
         folders[os.path.join(output_dir, layout.EVALUATE_ONLY_DIR)] = EVALUATE_ONLY
@@ -192,15 +183,6 @@ def _try_flock(file) -> bool | None:
         if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return False
         return None  # ENOLCK, EOPNOTSUPP: no locks here
-
-
-def holder_record() -> dict:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-    }
 
 
 def _read_holder(file) -> dict | None:

@@ -1,9 +1,7 @@
-"""Reading torch.distributed.checkpoint (DCP) folders without unpickling arbitrary objects.
-
-DCP keeps its `.metadata` file as a pickle and reads it with a plain `pickle.load`: a checkpoint from an
-untrusted source could run code. SafeFileSystemReader reads it with an unpickler that admits only DCP's own
-metadata classes, and refuses checkpoints whose payload holds pickled (non-tensor) objects. This package
-writes tensor-only payloads (the optimizer's hyper-parameters go to JSON), so it never needs more.
+"""Reading torch.distributed.checkpoint (DCP) folders without unpickling arbitrary objects: DCP reads its
+`.metadata` pickle with a plain `pickle.load`, so a checkpoint from an untrusted source could run code. Only DCP's
+metadata classes are admitted, and a payload of pickled (non-tensor) objects is refused: this package writes
+tensor-only payloads (the optimizer's hyper-parameters go to JSON), so it never needs more.
 """
 
 import os
@@ -38,8 +36,7 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's reader, with the .metadata pickle read by DcpMetadataUnpickler."""
 
     def read_metadata(self, *args, **kwargs):  # noqa: ARG002 - DCP's signature; this package writes one .metadata
-        path = os.path.join(self.path, ".metadata")
-        with open(path, "rb") as f:
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = DcpMetadataUnpickler(f).load()
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id

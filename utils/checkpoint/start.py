@@ -1,17 +1,12 @@
 """Where a run starts from, decided once: afresh, from the weights of a full-model .pt, or from a checkpoint
-folder (training continues exactly where it stopped).
+folder (training continues exactly where it stopped; docs/checkpoints.md).
 
     start = resolve_start(config.checkpointing.resume, output_dir, job, attempt)   # collective
 
-Rank 0 looks at output_dir and lists the candidates; every rank then checks the chosen checkpoint's files
-(utils/checkpoint/integrity.py, each rank its share). A damaged checkpoint met on the way to the newest intact
-one (`--resume true`, a torchrun restart) is set aside, never deleted, and the run continues from the next
-older one; one named with `--resume PATH` is refused. `set_aside_newer` then makes a rollback stick: a run
-that starts from an older checkpoint than the newest moves the newer ones out of the way, so that the next
-`--resume true` continues its branch, not the abandoned one.
-
-The checkpoint manager (utils/checkpoint/manager.py) restores a checkpoint after sharding; a --resume file.pt
-(`weights_file`) goes into the unwrapped model before sharding, as the tutorial's .pt did.
+Rank 0 lists the candidates; every rank then checks the chosen checkpoint's files (utils/checkpoint/integrity.py).
+A damaged checkpoint met on the way to the newest intact one is set aside, never deleted; one named with
+`--resume PATH` is refused. `set_aside_newer` makes a rollback stick: the checkpoints newer than the start move
+out of the way, so that the next `--resume true` continues this branch.
 """
 
 import json
@@ -40,8 +35,7 @@ class StartPoint:
 
     @property
     def weights_file(self) -> str | None:
-        """A --resume file.pt, whose weights go into the unwrapped model before sharding. None for a new run
-        or a checkpoint (restored after sharding by the checkpoint manager)."""
+        """A --resume file.pt, whose weights go into the unwrapped model before sharding (a checkpoint: after)."""
         return None if self.is_checkpoint else self.path
 
 
@@ -93,13 +87,9 @@ def resolve_start(
     checkpoint (a new run if there is none); otherwise a checkpoint folder or a full-model .pt file, which must
     exist (a .pt starts a new run: refused where output_dir holds one). Collective.
 
-    A torchrun restart (`attempt` > 0) of the torchrun job `job` (utils/distributed/process_group.py:
-    torchrun_attempt) whose earlier attempt started the run in output_dir continues it, as 'true' would,
-    whatever --resume says: the restarted attempt has the first attempt's arguments. An attempt whose
-    earlier attempts never started (a refusal, a crash before the run record) decides as the first did.
-
-    `set_aside` False (--evaluate_only, which changes nothing of a run): a damaged checkpoint is refused,
-    not moved."""
+    A torchrun restart (`attempt` > 0) of the job that started the run in output_dir continues it, as 'true'
+    would; one whose earlier attempts never started the run decides as the first did. `set_aside` False
+    (--evaluate_only): a damaged checkpoint is refused, not moved."""
     choice = rank0_decides(lambda: _choose(resume, output_dir, job, attempt))
     if choice.start is not None:
         return choice.start
@@ -142,8 +132,7 @@ class Choice:
 def _choose(resume: str, output_dir: str, job: str | None, attempt: int) -> Choice:
     """Rank 0: where the run may start from."""
     prepare_output_dir(output_dir)
-    # A torchrun restart of this run (its first attempt recorded the job) continues from its newest checkpoint;
-    # before one exists it starts where the first attempt did (--resume's .pt or checkpoint, or afresh).
+    # A torchrun restart of this run continues from its newest checkpoint, or starts as its first attempt did.
     restarted = attempt > 0 and job is not None and recorded_job(output_dir) == job
     if restarted:
         found = _complete_candidates(output_dir)
@@ -192,8 +181,7 @@ def _complete_candidates(output_dir: str) -> tuple[Candidate, ...]:
 
 def refuse_over_a_run(output_dir: str, what: str) -> None:
     """A new run must not write over the run output_dir already holds."""
-    metrics_file = os.path.join(output_dir, layout.METRICS_FILE)
-    if os.path.isfile(metrics_file) or layout.complete_checkpoints(output_dir):
+    if os.path.isfile(os.path.join(output_dir, layout.METRICS_FILE)) or layout.complete_checkpoints(output_dir):
         raise ConfigError(
             f"{what}: output_dir {output_dir!r} already holds a run ({layout.METRICS_FILE}, "
             f"{layout.CHECKPOINTS_DIR}/): continue it with --resume true, or choose a new --output_dir. "
@@ -213,13 +201,9 @@ def _set_aside_damaged(output_dir: str, checkpoint: str, problem: str, continuin
 
 
 def set_aside_newer(output_dir: str, start: StartPoint, progress: TrainProgress) -> bool:
-    """Rank 0, when a run starts training from a checkpoint (its restored `progress`) older than output_dir's
-    newest (a rollback): the newer checkpoints (and one of the same step that is not the start) belong to the
-    abandoned branch. They move, together, to checkpoints/abandoned/, so that --resume true and torchrun
-    restarts continue this branch; one line says so. Where that branch found a newer best epoch than
-    `progress` holds, the exports (hf_model/ and its kin) hold its model, not this branch's: they move with
-    it, and True says that this branch's best is to be chosen again (the restored best's model was
-    overwritten there)."""
+    """Rank 0, at a rollback (a start from a checkpoint older than output_dir's newest): the newer checkpoints (and
+    one of the same step that is not the start) move, together, to checkpoints/abandoned/. Where that branch found
+    a newer best epoch, the exports move with it, and True says that this branch's best is to be chosen again."""
     if not start.is_checkpoint:
         return False  # a new run: refused over an existing one (refuse_over_a_run), so there is nothing newer
     branch_point, start_path = progress.global_step, os.path.realpath(start.path)

@@ -1,7 +1,5 @@
 """State dicts of the sharded model and optimizer, for both FSDP backends: gathering, loading, the
-tutorial's full-model .pt.
-
-Every gather here is a collective: every rank must call it (docs/pitfalls.md #3).
+tutorial's full-model .pt. Every gather here is a collective: every rank must call it (docs/pitfalls.md #3).
 """
 
 import torch
@@ -35,14 +33,9 @@ from utils.fsdp.shard import fsdp1_state_dict_warnings_ignored
 def model_and_optimizer_state(
     model: nn.Module, optimizer, full: bool, device: torch.device, parallelism: Parallelism
 ) -> tuple[dict, dict]:
-    """Model and optimizer state dicts: full (gathered on rank 0) or this rank's shards. Collective.
-
-    Full state is gathered unit by unit and kept on rank 0 only (cpu_offload: copied to its host memory; the
-    other ranks drop each unit once gathered), where the parallelism can (FSDP1 on a CPU group cannot:
-    Parallelism.offloads_full_state).
-    """
-    offload = full and parallelism.offloads_full_state(device)
-    options = StateDictOptions(full_state_dict=full, cpu_offload=offload)
+    """Model and optimizer state dicts: full or this rank's shards. Collective. Full state is gathered unit by unit
+    and, where the parallelism can (Parallelism.offloads_full_state), kept in rank 0's host memory only."""
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full and parallelism.offloads_full_state(device))
     return get_state_dict(model, optimizer, options=options)
 
 
@@ -55,10 +48,8 @@ def sharded_model_state(model: nn.Module) -> dict:
 @fsdp1_state_dict_warnings_ignored()
 def sharded_optimizer_template(model: nn.Module, optimizer) -> dict:
     """{param name: {state name: tensor}}: this rank's shards of the optimizer state, for a load to fill.
-    Collective. Torch initialises the optimizer's state to make it, and the load replaces that state whole,
-    so the optimizer's tensors are let go here: FSDP1's template is a converted copy (FSDP2's is that state,
-    which the template keeps), and held beside it and the load's own conversion they cost a model of AdamW
-    state more (t5-base, 2 ranks)."""
+    Collective. The load replaces the optimizer's state whole, so its tensors are let go here: beside FSDP1's
+    template (a converted copy) they would cost a model of AdamW state more."""
     template = tensor_only_optimizer_state(get_optimizer_state_dict(model, optimizer))
     for values in optimizer.state.values():
         for name, value in values.items():
@@ -68,10 +59,9 @@ def sharded_optimizer_template(model: nn.Module, optimizer) -> dict:
 
 
 def local_rows(tensor) -> tuple[torch.Tensor | None, int]:
-    """This rank's part of a sharded state-dict tensor (FSDP1's ShardedTensor, FSDP2's DTensor), and the
-    index of its first row in the full tensor. Both backends cut parameters into blocks of whole rows (dim
-    0). Where this rank holds no rows (a small tensor on many ranks): None for a ShardedTensor, an empty
-    tensor for a DTensor. A plain tensor (FSDP1's NO_SHARD) is all its rows."""
+    """This rank's block of rows of a sharded state-dict tensor (FSDP1's ShardedTensor, FSDP2's DTensor), and the
+    index of its first row. Where this rank holds no rows: None for a ShardedTensor, an empty tensor for a
+    DTensor. A plain tensor (FSDP1's NO_SHARD) is all its rows."""
     if isinstance(tensor, DTensor):
         if any(placement.is_shard() and placement.dim != 0 for placement in tensor.placements):
             # FSDP2 shards every parameter by rows (Shard(0)); a column block is not a row block to merge into.
@@ -115,10 +105,9 @@ def full_tensor_everywhere(tensor, device: torch.device) -> torch.Tensor:
 
 
 def fill_from_full(template: dict, full: dict, file: str, prefix: str = "") -> None:
-    """Copy into each sharded tensor of `template` (a state dict of this rank's shards, nested dicts allowed)
-    its own rows of the same-named full tensor of `full`. With `full` memory-mapped (a FULL_STATE_DICT .pt),
-    each rank reads only its rows from the file: the whole state never lands in any rank's memory. No
-    communication. CheckpointError naming `file` when a name or a shape does not match."""
+    """Copy into each sharded tensor of `template` (this rank's shards, nested dicts allowed) its own rows of the
+    same-named tensor of `full`: memory-mapped, each rank reads only its rows from the file. No communication.
+    CheckpointError naming `file` when a name or a shape does not match."""
     for name, target in template.items():
         source = full.get(name) if isinstance(full, dict) else None
         if source is None:
@@ -143,16 +132,12 @@ def fill_from_full(template: dict, full: dict, file: str, prefix: str = "") -> N
 def set_optimizer_state(model: nn.Module, optimizer, optim_state: dict, full: bool) -> None:
     """Load an optimizer state dict (full or sharded) into the optimizer of the wrapped model. Collective.
 
-    The saved parameter groups also carry the kernel choice of the run that saved them. This run keeps its
-    own (--on_nonfinite skip needs the fused kernel, whichever the checkpoint was written with), and sets
-    it in the loaded groups *before* loading: torch places each `step` counter by the loaded group's kernel
-    (on the GPU for fused), so restoring the flags afterwards would leave a fused kernel with CPU counters
-    (docs/pitfalls.md #31)."""
+    This run's kernel choice goes into the loaded groups *before* loading: torch places each `step` counter by
+    the loaded group's kernel (docs/pitfalls.md #31)."""
     saved_groups = optim_state.get("param_groups", [])
     decays = [group["weight_decay"] for group in optimizer.param_groups]
-    # Each group holds what this run's rule puts in it (utils/train/optim.py), matched by position where the
-    # groups decay alike: a checkpoint of an earlier rule (BART's layernorm_embedding decayed until 01eb195)
-    # would otherwise leave a group without its hyper-parameters. Moments load by name either way.
+    # Each group takes this run's members (utils/train/optim.py), matched by position where the groups decay
+    # alike, so that a checkpoint of an earlier grouping (docs/recipe.md) resumes; moments load by name.
     regroup = len(saved_groups) > 1 and [group.get("weight_decay") for group in saved_groups] == decays
     names = {id(param): state_dict_name(name) for name, param in model.named_parameters()} if regroup else {}
     for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):

@@ -1,26 +1,11 @@
 """Hang reports: where each rank was when a collective did not complete within --dist_timeout_s.
 
-A collective that waits past the process group's timeout raises on the rank that waited (gloo: "Timed out
-waiting 10000ms for send operation to complete"). Inside `reported_hangs` such an error, before it ends the run,
-makes the rank write output_dir/hang_reports/rank_<r>_<time>.txt:
-
-- the error, and where the rank was: the step and the phase the training loop last entered (`WHERE`);
-- the last collectives it entered, from torch's flight recorder (name, sequence number, sizes, state, age);
-- the Python stacks: the timed-out call's own (its traceback; by the time the report is written the main thread
-  is in the handler) and every other thread's.
-
-The error becomes `CollectiveTimedOut`, whose one line names the file. Every rank that can writes its own; a
-rank that is itself stuck (stopped, or blocked in C code that never returns to Python) cannot, and the others'
-reports show which collective they waited for it in.
-
-NCCL: torch's watchdog notices the timeout in its own thread, dumps the flight recorder (to
-hang_reports/flight_recorder_rank_<r> here, `record_collectives`; `torchfrtrace` reads them) and, by torch's
-default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), takes the process down before Python sees an error; faulthandler,
-which torchrun's `record` switches on, then prints every thread's Python stack to the log. Where the error
-reaches Python instead, the report is written as on gloo.
-
-Cost while nothing hangs: an attribute write or three per phase (`WHERE`), and the flight recorder's ring buffer
-of 2,000 collectives per process (measured: about 1 KB an entry, no time measurable against a gloo all-reduce).
+Inside `reported_hangs`, a collective's timeout makes the rank that waited write
+output_dir/hang_reports/rank_<r>_<time>.txt (the error; the step and phase the loop last entered, `WHERE`; the
+flight recorder's last collectives; every thread's Python stack), and the error becomes `CollectiveTimedOut`,
+whose one line names the file. A rank that is itself stuck cannot write; the others' reports show which
+collective they waited for it in. NCCL's watchdog dumps the flight recorder (`record_collectives`) and takes
+the process down itself. What a report holds, how to read it, and its cost: docs/observability.md#hang-reports.
 """
 
 import contextlib
@@ -50,10 +35,8 @@ TIMEOUT_PHRASES = re.compile(
 )
 REPORTED_COLLECTIVES = 8  # the newest flight-recorder entries a report lists
 
-# The flight recorder's settings, each by its name since torch 2.9 and the older one it still reads (torch reads
-# the first it finds, and warns about the older one being set): how many collectives it keeps (2,000 is torch
-# 2.13's default, made explicit), whether NCCL's watchdog dumps it on a timeout, and where (the prefix of one file
-# per rank). The package sets only the current names, and none where the user set either.
+# The flight recorder's settings, each by its name since torch 2.9 and the older one it still reads (and warns
+# about): the package sets only the current name, and none where the user set either.
 BUFFER_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 DUMP_ON_TIMEOUT = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
 DUMP_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")

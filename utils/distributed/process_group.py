@@ -120,14 +120,9 @@ def check_local_rank(environ) -> None:
 
 
 def check_restarts(environ) -> None:
-    """Refuse a torchrun --max_restarts launch whose restarts could not continue the run.
-
-    - Several nodes with the agents' shared store: each node counts its own restarts (a node restarted
-      because another failed does not count one), so the per-attempt prefixes of attempt_store would differ
-      between nodes and the group would never form. Without the shared store
-      (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) every attempt gets a new store, hosted by its rank 0.
-    - No job to recognise (rendezvous id "none" and no shared store): a restarted attempt could not tell its
-      own run in output_dir from an older one."""
+    """Refuse a torchrun --max_restarts launch whose restarts could not continue the run: several nodes with
+    the agents' shared store, whose per-attempt prefixes would differ between nodes (docs/pitfalls.md #36), or
+    no job to recognise (rendezvous id "none", no shared store) to tell its run in output_dir from an older one."""
     restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
     nodes = int(environ.get("GROUP_WORLD_SIZE", 1))
     if restarts and nodes > 1 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -153,12 +148,9 @@ def group_attempt(attempt: int, device: torch.device) -> int:
 
 
 def init_distributed(info: DistInfo, timeout_s: int, output_dir: str | None = None) -> None:
-    """Create the default process group (before any DistributedSampler is built) and pin the GPU.
-
-    Collective: every rank must call it. The timeout bounds how long a rank waits in a collective for a
-    peer that died or diverged. With `output_dir`, torch's flight recorder keeps the last collectives, and NCCL
-    dumps them into output_dir/hang_reports/ on a timeout (utils/distributed/hang_report.py).
-    """
+    """Create the default process group (before any DistributedSampler is built) and pin the GPU. Collective.
+    The timeout bounds how long a rank waits in a collective for a peer that died or diverged. With
+    `output_dir`, the flight recorder's settings for hang reports (utils/distributed/hang_report.py)."""
     if output_dir is not None:
         hang_report.record_collectives(output_dir, info.backend)  # read when the group forms
     if info.device.type == "cuda":
@@ -208,13 +200,9 @@ def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | 
     """Under torchrun, the rendezvous store of this attempt: the agent's store, its keys under a prefix of
     this attempt's own. None outside torchrun's agent store (init_process_group then makes its own).
 
-    torchrun's agent keeps one TCPStore at MASTER_ADDR:MASTER_PORT for the whole job, across restarts of
-    the workers, and init_process_group writes each rank's gloo/NCCL address under the same keys in every
-    attempt: a restarted rank can read the address its peer had in the killed attempt, and then connect to
-    a dead port ("Connection refused") or wait, both ranks listening, until the process-group timeout
-    (docs/pitfalls.md #35). A prefix per attempt (TORCHELASTIC_RESTART_COUNT, the same for every rank of one
-    agent) keeps the attempts apart. Several nodes count restarts each on their own, so there the launch
-    must not share the store (check_restarts)."""
+    The agent keeps one store for the whole job, in which a restarted rank could read the address its peer had
+    in the killed attempt (docs/pitfalls.md #35); TORCHELASTIC_RESTART_COUNT, the same for every rank of one
+    agent, keeps the attempts apart (several nodes must not share the store: check_restarts)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     agent_store = dist.TCPStore(
@@ -224,13 +212,8 @@ def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | 
 
 
 def destroy_distributed() -> None:
-    """Tear the process group down if one exists; safe on every exit path.
-
-    The wrapped model's hooks form reference cycles that only the garbage collector frees; left to the
-    interpreter's exit, after the group is gone, they free gloo work objects and their tensors while the
-    interpreter is being torn down, which can abort the process (SIGABRT; seen once in ~400 FSDP2 runs on
-    2 cores, the run's work all done; pytorch#179291 describes the mechanism). Collecting them first
-    costs milliseconds."""
+    """Tear the process group down if one exists; safe on every exit path. The wrapped model's reference
+    cycles are collected first: freed at the interpreter's exit, they can abort it (docs/pitfalls.md #49)."""
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -283,11 +266,8 @@ class StopCheck:
     """Agreement, once per evaluation batch, on whether any rank was asked to stop: raises StopAgreed on every
     rank, one batch after the request on the slowest. Collective (one scalar all-reduce per call).
 
-    The flag all-reduced before batch k is read before batch k + 1. On a GPU it is copied to pinned host
-    memory behind the all-reduce and read once that copy's event has passed: the host then waits only for
-    work queued before batch k's forward, never for the batch it just queued (reading the device value would
-    wait for the whole stream). Every rank reads the same reduced value at the same batch, so all stop
-    together."""
+    The flag all-reduced before batch k is read before batch k + 1, on a GPU from pinned host memory once its
+    copy's event has passed: the host never waits for the batch it just queued."""
 
     def __init__(self, stop_requested: Callable[[], bool] | None, device: torch.device) -> None:
         self.stop_requested, self.device = stop_requested, device

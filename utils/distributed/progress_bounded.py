@@ -3,20 +3,11 @@
     with progress_bounded("checkpoint save"):   # every rank; rank 0 writes model.pt inside, the others nothing
         ...
 
-A collective gives up after --dist_timeout_s (NCCL's default is 10 minutes), and some legitimate work on one
-rank takes longer while the others can do nothing but wait: rank 0 writing a FULL checkpoint of t5-11b (about
-130 GB), rank 0 reading the pretrained model for FSDP2's rank-0-only loading, one rank checking its share of a
-large checkpoint on slow storage. Inside the block each rank does its own part; at its end every rank waits,
-not in a collective but on the process group's store, until every rank has finished its part. The wait has no
-wall-clock bound: it is bounded by progress. While a rank works, a thread of its own counts what it does (CPU
-time, and on Linux the bytes its working thread reads and writes: `Work`); a rank that shows none for
---dist_timeout_s is stuck (a stopped process, a hung file system, a deadlock), and every waiting rank
-raises `PeerStalled` naming it (utils/distributed/hang_report.py writes its report). A rank whose part raised
-says so on the store, and the others stop at once (`PeerFailed`) instead of waiting.
-
-Cost: a few store operations per block, and two per look of a waiting rank (every 20 ms for the first 5 s,
-then once a second); nothing between blocks. A rank that spins
-forever is not told from one that works (its CPU time moves).
+Inside the block each rank does its own part; at its end every rank waits, not in a collective but on the
+process group's store, until every rank has finished its part, for as long as the working ranks show progress: a
+thread of each counts what it does (`Work`), and a rank that shows none for --dist_timeout_s is stuck, which
+every waiting rank raises as `PeerStalled`, naming it. A rank whose part raised says so on the store, and the
+others stop at once (`PeerFailed`). Why, and the alternatives: docs/checkpoints.md#large-models-and-clusters.
 """
 
 import contextlib
@@ -140,19 +131,14 @@ def progress_bounded(phase: str) -> Iterator[None]:
     store.set(f"{key}/done/{rank}", "1")
     if store.add(f"{key}/done", 1) == world_size:  # the last part done: wakes the waiting ranks
         store.set(f"{key}/over", "done")
-    _wait_for_every_part(store, key, world_size, phase, timeout_s, beat_s)
-
-
-def _wait_for_every_part(store, key: str, world_size: int, phase: str, timeout_s: float, beat_s: float) -> None:
-    """Until the block is over (a store's wait that times out prints a C++ warning each time, so the store is
-    asked, not waited on)."""
+    # Until the block is over: the store is asked, not waited on (a wait that times out prints a C++ warning).
     started = last_progress = time.monotonic()
     last_beats = -1
     while not store.check([f"{key}/over"]):
         time.sleep(QUICK_LOOK_S if time.monotonic() - started < QUICK_WAIT_S else beat_s)
-        beats = int(store.add(f"{key}/beats", 0))
-        if beats != last_beats:
-            last_beats, last_progress = beats, time.monotonic()
+        seen = int(store.add(f"{key}/beats", 0))
+        if seen != last_beats:
+            last_beats, last_progress = seen, time.monotonic()
         elif time.monotonic() - last_progress > timeout_s:
             stuck = [str(r) for r in range(world_size) if not store.check([f"{key}/done/{r}"])]
             raise PeerStalled(

@@ -1,12 +1,6 @@
 """Generation evaluation under FSDP: every rank generates outputs for its share of the evaluation rows, scores
 them with --eval_metric (ROUGE, or exact-match accuracy), and rank 0 gathers the scores in split order, writes
-the eval record and the predictions.
-
-    evaluator = Evaluator(eval_set=eval_set, spec=spec, generation=spec.generation_kwargs(evaluation, length),
-                          metric=metric, predictions_file=where, info=info)
-    record = evaluator.evaluate(model, epoch, step)   # collective; the record on every rank
-
-`where(split, step)` names the predictions file (utils/base/layout.py: training's, or --evaluate_only's own).
+the eval record and the predictions (`predictions_file(split, step)` names their file: utils/base/layout.py).
 
 Each row is scored exactly once: the evaluation sampler's padding repeats are generated (every rank
 must join every collective) but never scored.
@@ -34,22 +28,18 @@ from utils.fsdp.parallelism import Parallelism
 from utils.spec import ModelSpec
 
 EXAMPLES_LOGGED = 3
-# ROUGE's extractive baselines, beside the model's: the first sentence of every line (WikiHow's steps, a
-# dialogue's turns) and the text's first three sentences (lead-3).
+# ROUGE's extractive baselines: the first sentence of every line (WikiHow's steps), the first three (lead-3).
 BASELINES = {"lead_steps": lead_steps, "lead3": lead_sentences}
 
 
 def lead_steps_label(cleaning: str) -> str:
-    """What the log calls `lead_steps`: each line's first sentence is a WikiHow step's, or in other data a
-    line's (a dialogue's turn, a paragraph)."""
+    """What the log calls `lead_steps`: a WikiHow step's first sentence, or in other data a line's."""
     return "first sentence of each step" if cleaning == "wikihow" else "first sentence of each line"
 
 
 def generated_lengths(ids: torch.Tensor, pad_id: int, stop_ids: list[int]) -> list[int]:
     """The tokens each row of `ids` wrote, its stop token included: the non-padding ones before the first of
-    `stop_ids` (stop_token_ids), and that one. Apart from padding, which a decoder-only model's tokenizer may
-    share with its EOS (Llama's, GPT-2's): counting non-padding tokens alone would leave their EOS out, and
-    count T5's."""
+    `stop_ids`, and that one (a decoder-only model's tokenizer may share its padding with its EOS)."""
     if not stop_ids:
         return (ids != pad_id).sum(dim=1).tolist()
     ended = torch.isin(ids, torch.tensor(stop_ids, device=ids.device))
@@ -78,21 +68,17 @@ class Evaluator:
         self.spec = spec  # what generation reads of a batch (its prompts), and which of its outputs are new
         self.generation = generation  # generate's settings (utils/spec.py: generation_kwargs)
         self.metric = metric  # --eval_metric: a key of utils/eval/scores.py's SCORERS
-        self.predictions_file = (
-            predictions_file  # (split, step) -> where its predictions go (utils/base/layout.py)
-        )
+        self.predictions_file = predictions_file  # (split, step) -> where its predictions go
         self.info = info
         # --gather_for_generation, and the dtype the gathered parameters take (generation.keep_gathered)
         self.gather_for_generation, self.compute_dtype = gather_for_generation, compute_dtype
-        # ROUGE of the extractive baselines: scored once, each rank its rows, in the first evaluation. They are
-        # summaries: a label has none, nor a conversation's reply (its article is the messages' JSON).
+        # The extractive baselines (scored in the first evaluation) are summaries: a chat's reply has none.
         self.scores_baselines = metric == "rouge" and eval_set.dataset.cleaning != "chat"
         self.baselines: dict | None = None
 
     def evaluate(self, model: nn.Module, epoch: int, step: int, stop_requested=None) -> dict:
-        """Generate and score every row of the set; the eval record, on every rank. Collective.
-        `stop_requested` (a callable): when it is true on any rank, every rank abandons the pass within two
-        batches (StopAgreed; process_group.StopCheck), writing nothing."""
+        """Generate and score every row of the set; the eval record, on every rank. Collective. When
+        `stop_requested()` is true on any rank, every rank abandons the pass (StopCheck), writing nothing."""
         WHERE.enter("generation")
         started = time.perf_counter()
         model.eval()
@@ -168,8 +154,7 @@ class Evaluator:
         return record
 
     def _baseline_scores(self, index: int) -> dict:
-        """ROUGE of the extractive baselines of one row (BASELINES). Each rank scores its own rows, in the first
-        evaluation: on rank 0 alone, a large evaluation set's would keep the others waiting."""
+        """ROUGE of one row's extractive baselines, scored by the rank that holds it, not by rank 0 alone."""
         dataset = self.eval_set.dataset
         article, reference = dataset.article(index), dataset.reference(index)
         clean = dataset.clean_text

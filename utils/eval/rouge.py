@@ -1,11 +1,6 @@
-"""ROUGE as rouge-score computes it, and the extractive baselines beside it.
-
-Each score is the mean over samples of the per-sample F-measure, times 100: deterministic and recomputable
-from the predictions file (no bootstrap resampling). rouge-score lowercases, keeps letters and digits, and
-stems (Porter) both texts. `rougeLsum` is the summary-level LCS over sentences, which rouge-score takes to
-be the lines of a text; a WikiHow summary is one step per sentence, so both texts are split into sentences
-at `.`, `!` or `?` followed by white space before scoring it. rouge1, rouge2 and rougeL see the texts as
-they are.
+"""ROUGE as rouge-score computes it (stemmed, F-measure x 100, no bootstrap), and the extractive baselines beside
+it. `rougeLsum` reads sentences as lines, so both texts are split into sentences at `.`, `!` or `?` followed by
+white space before scoring it (docs/evaluation.md).
 """
 
 import re

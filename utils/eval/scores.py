@@ -1,8 +1,6 @@
 """How a generated output is scored against its target (--eval_metric): ROUGE (utils/eval/rouge.py), or
-exact-match accuracy for classification as text (FinancialPhraseBank's "positive"/"negative"/"neutral").
-
-Every score is per sample, in percent, and an eval record holds their means, summed in split order
-(deterministic and recomputable from the predictions file).
+exact-match accuracy for classification as text. Every score is per sample, in percent; an eval record holds
+their means, summed in split order (deterministic).
 """
 
 from collections.abc import Callable

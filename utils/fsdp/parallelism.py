@@ -11,29 +11,9 @@ of every layer and of the root. With --compile, each layer is compiled first, fo
 with --single_rank_fsdp false nothing is sharded or wrapped: the model itself, its layers checkpointed and
 compiled alike, computes under autocast (`Unwrapped`).
 
-After wrapping, the object answers what differs between them: whether loading builds a skeleton, gradient sync
-under accumulation, clipping, the full state dict, gathering for generation, the background writer's kind and
-the parameter counts. Nothing else asks which backend the model is in.
-
-How the tutorial's FSDP1 settings map onto FSDP2 (docs/pitfalls.md #15; what has no FSDP2 meaning is refused
-by configs/validate.py before anything loads):
-
-| FSDP1 (tutorial)              | FSDP2 here                                                                   |
-| ----------------------------- | ---------------------------------------------------------------------------- |
-| FULL_SHARD                    | 1-D mesh (world), reshard_after_forward=True                                 |
-| SHARD_GRAD_OP                 | 1-D mesh (world), reshard_after_forward=False                                |
-| NO_SHARD                      | 2-D mesh (replicate=world, shard=1): plain replication, gradients all-reduced |
-| HYBRID_SHARD / _ZERO2         | 2-D mesh (replicate=world/group, shard=group), reshard True / False          |
-| MixedPrecision(param, reduce) | MixedPrecisionPolicy(param_dtype, reduce_dtype)                              |
-| MixedPrecision.buffer_dtype   | no equivalent: FSDP2 leaves buffers alone (BART's final_logits_bias is fp32) |
-| auto_wrap_policy (T5Block)    | fully_shard on each layer (T5Block), then on the root                        |
-| size-based auto-wrap          | refused: FSDP2 has no auto-wrap policies                                     |
-| BACKWARD_PRE                  | FSDP2's default: the next unit's all-gather is issued before this backward   |
-| BACKWARD_POST                 | refused: no FSDP2 equivalent                                                 |
-| backward_prefetch NONE        | explicit empty backward-prefetch lists                                       |
-| limit_all_gathers=True        | built in (FSDP2 frees memory without rate limiting); False is refused       |
-| device_id                     | the mesh's device type: fully_shard moves each unit there                    |
-| sync_module_states            | set_model_state_dict(..., broadcast_from_rank0=True) (rank-0-only loading)   |
+After wrapping, the object answers what differs between them; nothing else asks which backend the model is in.
+How the tutorial's FSDP1 settings map onto FSDP2: docs/throughput.md's table (docs/pitfalls.md #15); what has
+no FSDP2 meaning is refused by configs/validate.py before anything loads.
 """
 
 import abc
@@ -263,12 +243,9 @@ class FSDP1(Parallelism):
 
     @fsdp1_state_dict_warnings_ignored()
     def full_state_dict(self, model: nn.Module, device: torch.device) -> dict:
-        """The unsharded model state dict on rank 0 (an empty dict on every other rank: never index it there).
-
-        Each unit's full parameters are gathered in turn and, on GPU, copied to host memory one by one
-        (`offload_to_cpu`), so rank 0 needs about the model's size in RAM and only one unit on the GPU. On a
-        CPU group offload_to_cpu=True crashes FSDP1 (docs/pitfalls.md #1), so it is used on GPU only."""
-        policy = FullStateDictConfig(offload_to_cpu=device.type == "cuda", rank0_only=True)
+        """The unsharded model state dict on rank 0 (an empty dict on every other rank: never index it there),
+        gathered unit by unit, each copied to host memory at once where `offloads_full_state`."""
+        policy = FullStateDictConfig(offload_to_cpu=self.offloads_full_state(device), rank0_only=True)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, policy):
             return model.state_dict()
 
@@ -391,10 +368,8 @@ def parallelism_for(fsdp: FSDPConfig, world_size: int) -> Parallelism:
 
 
 def _fsdp1_compute_dtype(model: FSDP):
-    """The summoned root parameters come back in full precision, and the root's forward, which casts to the
-    compute dtype, is skipped: autocast to the policy's compute dtype keeps the fp32 root's matmuls (the
-    embedding's output, the lm_head) compatible with the bf16/fp16 layer units, which cast their own inputs
-    (policies/mixed_precision.py, docs/pitfalls.md #43). Nothing to do in fp32."""
+    """Autocast to the policy's compute dtype: generate skips the root's forward, which casts, so the fp32 root's
+    matmuls would meet bf16/fp16 units (docs/pitfalls.md #43). Nothing to do in fp32."""
     dtype = model.mixed_precision.param_dtype
     if dtype is None or dtype == torch.float32:
         return contextlib.nullcontext()

@@ -7,35 +7,16 @@ norms, softmax, biases and the loss are a rounding error):
     2 * ((N_enc + N_kv) * S_enc + (N_dec - N_kv + V * d_model) * S_dec)      the linear layers and the head
   + 4 * d_attn * (L_enc * S_enc^2 + L_dec * (S_dec^2 + S_dec * S_enc))         scores (QK^T) and mixing (AV)
 
-N_enc and N_dec are the weights of the Linear layers of each stack's blocks (self-attention q, k, v, o;
-the decoder's cross-attention too; the feed-forward's), so the embeddings, position embeddings and T5's
-relative position bias, which are lookups, are not counted; d_attn is the attention's width (all heads).
-N_kv = L_dec * 2 * d_model * d_attn are the decoder's cross-attention k and v, which project the encoder's
-output: they run over S_enc tokens, not S_dec (the "6 * N_dec * S_dec" of the usual formula misses this,
-by 6% of the step at the embedded T5's shape).
-The backward pass computes two matmuls for each forward one (the input's and the weight's gradient), so a
-training step is 3x the forward. Activation checkpointing recomputes each block's forward in backward: that
-work is hardware FLOPs, not model FLOPs (the head runs once). tests/test_flops.py checks the count against
-torch.utils.flop_counter on a real model of each family.
-
-Two styles of config give the shapes, which is all that differs between the families:
-- T5 style (T5, T5 v1.1 / flan-t5, mT5, UMT5): d_attn = num_heads * d_kv; the feed-forward of both stacks
-  is wi (two of them when is_gated_act, as in v1.1, flan-t5, mT5 and UMT5) and wo, of width d_ff; no biases.
-- BART style (BART, mBART, PEGASUS): d_attn = d_model; the feed-forward is fc1 and fc2, of width
-  encoder_ffn_dim in the encoder and decoder_ffn_dim in the decoder; the linear layers' biases are additions,
-  not matmul FLOPs.
-Families are recognised by model_type, not by their config's field names: LongT5 shares T5's, and LED,
-BigBird-PEGASUS and PEGASUS-X share BART's, but they attend locally or sparsely, and NLLB-MoE routes tokens
-to experts, so the formula would be wrong for them. Any other model has no count (no FLOP rates, no MFU).
-
-A decoder-only model (CausalFlops) is the decoder alone, with no cross-attention: for S tokens of a sequence,
-2 * (N + V * d_model) * S + 4 * d_attn * L * S^2, where N are the Linear (GPT-2: Conv1D) weights of its blocks.
-The attention is counted whole (S^2, not S^2 / 2) as the kernels compute it. Llama style (Llama, Mistral,
-Qwen2, Qwen3): q and o of num_heads * head_dim, k and v of num_key_value_heads * head_dim (grouped-query
-attention), a gated feed-forward of three matrices; GPT-2: q, k, v and o of d_model, a feed-forward of two.
-
-This differs from the formulas found in the wild (HF Trainer's 6 * all parameters * encoder tokens, with
-padding; Megatron's, which has no decoder): they are 1.2-1.5x off for T5 at 512/150.
+N_enc and N_dec are the weights of the Linear layers of each stack's blocks (embeddings and T5's position bias
+are lookups), d_attn the attention's width (all heads), N_kv = L_dec * 2 * d_model * d_attn the decoder's
+cross-attention k and v, which project the encoder's S_enc tokens (docs/pitfalls.md #24). A decoder-only model
+(CausalFlops) is the decoder alone: 2 * (N + V * d_model) * S + 4 * d_attn * L * S^2, the attention counted
+whole as the kernels compute it. A training step is 3x the forward (backward: the input's and the weight's
+gradient); activation checkpointing's recomputed forward is hardware FLOPs, not model FLOPs.
+Families are recognised by model_type, not by their config's field names: LongT5, LED, BigBird-PEGASUS and
+PEGASUS-X share T5's or BART's but attend locally or sparsely, and NLLB-MoE routes tokens to experts, so any
+other model has no count (no FLOP rates, no MFU). tests/test_flops.py checks the count against
+torch.utils.flop_counter on a real model of each family; docs/throughput.md#flops-and-mfu.
 """
 
 import time
@@ -204,21 +185,18 @@ def cpu_gemm_flops(dtype: torch.dtype, sizes: tuple[int, ...] = (128, 256, 512),
     """Measured FLOP/s of square matmuls in `dtype` with this process's threads, the fastest of `sizes`. A CPU
     has no data-sheet peak that torch reaches, so this probe stands in for one. Several sizes, since the
     fastest one depends on the CPU and the dtype: without native bf16 (AVX512-BF16, AMX) a bf16 matmul of 512
-    runs at a third of one of 128, and a probe of 512 alone put a tiny model's MFU above 1."""
-    return max(_matmul_flops(dtype, size, repeats) for size in sizes)
-
-
-def _matmul_flops(dtype: torch.dtype, size: int, repeats: int) -> float:
-    """FLOP/s of one `size` x `size` matmul in `dtype`: the best of `repeats` after a warm-up."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    a @ b  # warm-up: thread pool, kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    runs at a third of one of 128, and a probe of 512 alone put a tiny model's MFU above 1. Each size: the best
+    of `repeats` after a warm-up."""
+    best = 0.0
+    for size in sizes:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        a @ b  # warm-up: thread pool, kernel selection
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
 
 
 @dataclass(frozen=True)

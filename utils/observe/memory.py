@@ -6,6 +6,7 @@ The account is written by each training process (a run's start, each resume), af
 metrics.jsonl, with that step.
 """
 
+import contextlib
 import ctypes
 import resource
 from dataclasses import dataclass
@@ -17,9 +18,6 @@ from torch.distributed.tensor import DTensor
 from policies.private_api import storage_identity, view_base
 from utils.distributed.process_group import gather_ints
 
-PROC_STATUS = "/proc/self/status"
-PROC_CLEAR_REFS = "/proc/self/clear_refs"
-
 
 @dataclass(frozen=True)
 class MemoryBaseline:
@@ -30,13 +28,10 @@ class MemoryBaseline:
 
 
 def _proc_status_bytes(field: str) -> int | None:
-    try:
-        with open(PROC_STATUS) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -52,10 +47,8 @@ def available_memory() -> int | None:
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process since the last reset_peak_rss (or its start)."""
-    peak = _proc_status_bytes("VmHWM")
-    if peak is None:  # not Linux: ru_maxrss is in kilobytes on Linux, bytes on macOS
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak
+    peak = _proc_status_bytes("VmHWM")  # not Linux: ru_maxrss (in kilobytes on Linux, bytes on macOS)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if peak is None else peak
 
 
 def current_rss_bytes() -> int:
@@ -66,11 +59,8 @@ def current_rss_bytes() -> int:
 def reset_peak_rss() -> None:
     """Writing 5 to /proc/self/clear_refs resets the kernel's RSS high-water mark (Linux >= 4.0); where that
     is not allowed the peak stays the process lifetime's."""
-    try:
-        with open(PROC_CLEAR_REFS, "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -85,12 +75,8 @@ _LIBC = _load_libc()
 
 
 def trim_host_heap() -> None:
-    """Give freed host memory back to the OS (glibc's malloc_trim; a no-op elsewhere). glibc keeps freed
-    chunks of tens of MB in its heaps, so while a model is materialised and sharded unit by unit each
-    freed unit stays resident: with rank-0-only loading under FSDP1 that held 0.87x of a t5-base model on
-    rank 1 instead of 0.73x; before a checkpoint save, the last steps' freed activations (1.2-1.5 GB per rank
-    of t5-base on CPU) would add to the save's peak. Costs a walk of the heaps (milliseconds), and the next step
-    faults its activations' pages in again."""
+    """Give freed host memory back to the OS (glibc's malloc_trim; a no-op elsewhere), which glibc keeps in its
+    heaps (docs/memory.md): a walk of the heaps (milliseconds), and the next step faults its pages in again."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
@@ -104,10 +90,8 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def gather_peaks(device: torch.device) -> tuple[list[int], list[int] | None]:
-    """Every rank's peak memory since the last reset, and (CUDA only) peak reserved bytes. Collective.
-
-    GPU: the caching allocator's peak allocated and reserved bytes. CPU: the peak RSS of each process.
-    """
+    """Every rank's peak memory since the last reset (the caching allocator's peak allocated bytes on GPU, the
+    process's peak RSS on CPU), and (CUDA only) its peak reserved bytes. Collective."""
     if device.type == "cuda":
         local = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
     else:

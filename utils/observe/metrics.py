@@ -24,7 +24,6 @@ class MetricsWriter:
     """
 
     def __init__(self, path: str, enabled: bool, append: bool = False, sinks: list | None = None):
-        self.path = path
         mode = "a" if append else "w"
         self.file = open(path, mode, encoding="utf-8") if enabled else None  # noqa: SIM115 - closed in close()
         self.sinks = sinks or []

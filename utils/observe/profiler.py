@@ -7,13 +7,9 @@ snapshot of the same steps; on CUDA an out-of-memory error also leaves the alloc
         with profiler.step(step):                                                  # each optimizer step
             train_step(...)
 
-Each step is a `ProfilerStep#<global step>` span, the name TensorBoard's profiler plugin and the trace
-viewers go by. A span holds its step and what follows it up to the next step (the next batch's loading, a
-periodic checkpoint or evaluation; validation at an epoch's end when the range crosses it); the last span
-ends with its step. The step before the range is traced and dropped: the profiler's own start-up (CUPTI's
-on CUDA) stays out of the first profiled step. Cost: while tracing, every operator's start, end and input
-shapes are kept (`record_shapes`; call stacks are not, which would cost far more), so the profiled steps run
-slower and their step records show it; writing the trace at the range's end takes the next step's time.
+Each step is a `ProfilerStep#<global step>` span holding its step and what follows it up to the next step; the
+step before the range is traced and dropped (the profiler's own start-up). What a trace holds and costs:
+docs/observability.md#profiles.
 """
 
 import contextlib
@@ -62,11 +58,7 @@ class StepProfiler:
         self.wanted = start > 0 and self.first <= self.last
         self.profiler: torch.profiler.profile | None = None  # while the range is ahead or being traced
         self.recording_memory = False
-        # Where activation checkpointing recomputes blocks in the backward pass, recording each allocation's
-        # stack fails in torch 2.11 on CUDA: an op of the recompute (dropout) raises "SystemError: ... returned
-        # NULL without setting an exception" (seen on an H200 with this package's default settings; the same
-        # failure as pytorch/pytorch#179536). The snapshot then keeps every allocation and free, without the
-        # code that made them.
+        # Allocation stacks make activation checkpointing's recompute fail (docs/observability.md#profiles).
         self.memory_stacks = not recompute
 
     def __enter__(self) -> "StepProfiler":

@@ -1,10 +1,7 @@
 """Weights & Biases (--wandb true) and MLflow (--mlflow true): every record rank 0 writes to metrics.jsonl,
 also logged to the tracker, with the run's settings (output_dir/config.json) as its config or parameters.
-
-Each tracker run's id is kept in output_dir/trackers.json, so that a resume (--resume true, a checkpoint
-folder, a torchrun restart) logs into the same tracker run. The steps a resume trains again (those after its
-checkpoint) are logged again: in the tracker they appear twice, the later value being the one that
-metrics.jsonl keeps. Rank 0 only; each library is imported only when its tracker is asked for.
+Each tracker run's id is kept in output_dir/trackers.json, so that a resume logs into the same tracker run
+(docs/observability.md#trackers-weights--biases-and-mlflow). Each library is imported only when asked for.
 """
 
 import json
