@@ -243,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# How alike an unknown flag and a flag must be (difflib's ratio) for a hint: a misspelling of it (--learning_rat,
+# --batch_size), not another name that shares some letters (--use_reentrant with --save_strategy: 0.6, difflib's
+# own cutoff). A name that means one of the flags is mapped in configs/hf_names.py instead.
+HINT_CUTOFF = 0.8
+
+
 def _unknown_flag_message(unknown: list[str], parser: argparse.ArgumentParser) -> str:
     """One line per unknown flag with the closest ones: this package's flags, and HF's names (with what they
     become) where one is closer."""
@@ -250,7 +256,7 @@ def _unknown_flag_message(unknown: list[str], parser: argparse.ArgumentParser) -
     hf = {f"--{name}": name for name in hf_names.HF_NAMES}
     lines = [f"unknown argument(s): {' '.join(unknown)} (--help lists every flag)"]
     for arg in unknown:
-        close = difflib.get_close_matches(arg.split("=")[0], [*own, *hf], n=3)
+        close = difflib.get_close_matches(arg.split("=")[0], [*own, *hf], n=3, cutoff=HINT_CUTOFF)
         close.sort(key=lambda flag: flag not in hf)  # a known HF name first, then the closest spellings
         named = [f"{flag} (HF's name: {hf_names.plain(hf_names.HF_NAMES[hf[flag]].meaning)})" if flag in hf
                  else flag for flag in close]  # fmt: skip
