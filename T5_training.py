@@ -59,6 +59,8 @@ def read_settings(argv: list[str] | None) -> tuple[RunConfig, dict]:
             f"--{name} {cli.format_value(values[name])} ({source})" for name, source in from_accelerate.items()
         )
         get_logger().info("from accelerate launch's environment: %s", ", ".join(taken))
+    for note in cli.implied_notes(argv):
+        get_logger().info("%s", note)
     validate.check_settings(config, launcher_ranks()[2])
     return config, from_accelerate
 
