@@ -59,7 +59,7 @@ def read_settings(argv: list[str] | None) -> tuple[RunConfig, dict]:
             f"--{name} {cli.format_value(values[name])} ({source})" for name, source in from_accelerate.items()
         )
         get_logger().info("from accelerate launch's environment: %s", ", ".join(taken))
-    for note in cli.implied_notes(argv):
+    for note in cli.implied_notes(argv) if recorded is None else ():  # a resume's are its record's
         get_logger().info("%s", note)
     try:
         validate.check_settings(config, launcher_ranks()[2])

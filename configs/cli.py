@@ -311,7 +311,7 @@ def continue_run(
     another path of a "fixed" field is taken where the checkpoint resumed from records its inputs
     (`inputs_recorded`), its content checked against them later (utils/checkpoint/inputs.py); a checkpoint
     written before that holds the run to its own paths, as it did."""
-    given, _, _ = _resolve(argv, environ)
+    given, _, _ = _resolve(argv, environ, imply=False)  # the record decides what the run's settings imply
     given_values = {name: value for section in given.values() for name, value in section.items()}
     recorded_texts = _recorded_texts(recorded)
     overrides = {section: {} for section in SECTION_TITLES}
@@ -440,11 +440,11 @@ def implied_notes(argv: list[str] | None = None, environ: Mapping[str, str] | No
 
 
 def _resolve(
-    argv: list[str] | None, environ: Mapping[str, str] | None
+    argv: list[str] | None, environ: Mapping[str, str] | None, *, imply: bool = True
 ) -> tuple[dict, dict[str, str], dict[str, str]]:
     """{"train": {field: value}, "fsdp": {...}, ...}: the typed values that the environment (accelerate launch's
     settings), a --config file or argv give, argv winning over the file, the file over the environment, and
-    those the others imply where none of them gives one; {field: variables} of those taken from the
+    (`imply`) those the others imply where none of them gives one; {field: variables} of those taken from the
     environment; and {field: why} of those implied."""
     parser = build_parser()
     argv, _ = hf_names.translate(sys.argv[1:] if argv is None else argv, own_flags(parser))
@@ -474,7 +474,7 @@ def _resolve(
     given = RunConfig(
         **{section: replace(getattr(defaults, section), **values) for section, values in overrides.items()}
     )
-    implied = implied_settings(given, {name for values in overrides.values() for name in values})
+    implied = implied_settings(given, {name for values in overrides.values() for name in values}) if imply else {}
     for name, (value, _) in implied.items():
         overrides[specs[name].section][name] = value
     from_accelerate = {name: variables for name, (_, variables) in settings.items()}

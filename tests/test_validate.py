@@ -263,3 +263,16 @@ def test_the_run_says_the_original_parameters_were_turned_on_once(log_records):
     log_records.clear()
     T5_training.read_settings(["--weight_decay", "0.01", "--use_orig_params", "true"])  # given: nothing to say
     assert WEIGHT_DECAY_NOTE not in [record.getMessage() for record in log_records]
+
+
+def test_a_resume_keeps_the_original_parameters_its_run_had():
+    """The record decides: a run that decayed under FSDP1 resumes with them on; one trained under FSDP2 (its
+    record: false) that gives --weight_decay again gets no change it did not ask for."""
+    from configs.cli import config_to_dict, continue_run, parse_args
+
+    for argv in (["--weight_decay", "0.01"], ["--weight_decay", "0.01", "--fsdp_version", "2"]):
+        config = parse_args(argv)
+        resumed, changes = continue_run(
+            ["--resume", "true", "--weight_decay", "0.01"], config_to_dict(config), "r"
+        )
+        assert resumed.fsdp.use_orig_params == config.fsdp.use_orig_params and changes == [], (argv, changes)
