@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from configs import cli, validate
+from configs import accelerate_env, cli, validate
 from configs.errors import ConfigError, UserError
 from configs.run import RunConfig
 from utils.base.log import get_logger, setup_logging
@@ -59,7 +59,12 @@ def read_settings(argv: list[str] | None) -> tuple[RunConfig, dict]:
             f"--{name} {cli.format_value(values[name])} ({source})" for name, source in from_accelerate.items()
         )
         get_logger().info("from accelerate launch's environment: %s", ", ".join(taken))
-    validate.check_settings(config, launcher_ranks()[2])
+    for note in cli.implied_notes(argv) if recorded is None else ():  # a resume's are its record's
+        get_logger().info("%s", note)
+    try:
+        validate.check_settings(config, launcher_ranks()[2])
+    except ConfigError as err:
+        raise accelerate_env.naming_config_keys(err, from_accelerate, os.environ) from None
     return config, from_accelerate
 
 
@@ -223,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if rank != 0 and ("-h" in args or "--help" in args):
         return 0  # under torchrun every rank would print the same help: rank 0 does
+    from_accelerate = {}  # a refusal names the accelerate config's keys behind the flags it names
     try:
         config, from_accelerate = read_settings(argv)
         info = process_group.describe_launch(config.train.device, config.fsdp.fsdp_cpu_offload)
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(130)
     except UserError as err:
-        return refusal(err, rank)
+        return refusal(accelerate_env.naming_config_keys(err, from_accelerate, os.environ), rank)
     except (process_group.GroupNotFormed, hang_report.CollectiveTimedOut) as err:
         # Every rank that waited says so (a timed-out collective: naming its report, which holds the traceback):
         # the rank that never joined, or hangs, may be silent.

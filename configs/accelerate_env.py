@@ -18,11 +18,12 @@ and the FSDP_* ones only with ACCELERATE_USE_FSDP true, as in accelerate. Spelli
 enums by name or by accelerate's number, booleans as accelerate's str_to_bool reads them.
 """
 
+import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
-from configs.errors import ConfigError
+from configs.errors import ConfigError, UserError
 from configs.fsdp import TESTED_LAYER_CLASSES
 
 TRUE_WORDS = ("y", "yes", "t", "true", "on", "1")  # accelerate's str_to_bool
@@ -329,6 +330,40 @@ def settings_from_accelerate(environ: Env, explicit: Collection[str]) -> dict[st
         if text is not None:
             settings[rule.field] = (text, "+".join(present))
     return settings
+
+
+# The config file's key (and accelerate launch's flag) that sets each variable, where it is not the variable's
+# name in lower case (FSDP_OFFLOAD_PARAMS: fsdp_offload_params).
+CONFIG_KEYS = {
+    LAYER_CLASSES_VARIABLE: "fsdp_transformer_layer_cls_to_wrap",
+    "ACCELERATE_MIXED_PRECISION": "mixed_precision",
+    "ACCELERATE_USE_CPU": "use_cpu",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "gradient_accumulation_steps",
+}
+
+
+def config_keys(variables: str, environ: Env) -> str:
+    """The accelerate config's keys, with their values, behind `variables` (settings_from_accelerate's "A+B")."""
+    return ", ".join(
+        f"{CONFIG_KEYS.get(name, name.lower())}: {environ[name].strip()}" for name in variables.split("+")
+    )
+
+
+def naming_config_keys(err: UserError, from_accelerate: Mapping[str, str], environ: Env) -> UserError:
+    """`err`, a refusal of settings, with, for each flag it names that accelerate launch set ({field: variables},
+    cli's fields_from_accelerate), the accelerate config's key that set it: the user wrote that key, not the flag.
+    Any other error as it is."""
+    named = {field: found.start() for field in from_accelerate if (found := re.search(rf"--{field}\b", str(err)))}
+    if not isinstance(err, ConfigError) or not named:
+        return err
+    keys = "; ".join(
+        f"--{field} is its {config_keys(from_accelerate[field], environ)}"
+        for field in sorted(named, key=named.get)
+    )
+    return ConfigError(
+        f"{err} [set by accelerate launch's config: {keys}. Change the config file, or give the flag here, which "
+        "wins]"
+    )
 
 
 def mapping_markdown() -> str:

@@ -23,6 +23,7 @@ from configs.accelerate_env import settings_from_accelerate
 from configs.config_file import hf_name_lines, read_config_file
 from configs.errors import ConfigError
 from configs.run import RECORD_KEYS, SECTION_TITLES, RunConfig
+from configs.validate import implied_settings
 
 # The tutorial's flags (seed 000/002), kept working. Flags whose name equals a field (--epochs, --lr,
 # --gamma, --seed, --track_memory, --run_validation) need no alias. Unlike the tutorial, where
@@ -243,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# How alike an unknown flag and a flag must be (difflib's ratio) for a hint: a misspelling of it (--learning_rat,
+# --batch_size), not another name that shares some letters (--use_reentrant with --save_strategy: 0.6, difflib's
+# own cutoff). A name that means one of the flags is mapped in configs/hf_names.py instead.
+HINT_CUTOFF = 0.8
+
+
 def _unknown_flag_message(unknown: list[str], parser: argparse.ArgumentParser) -> str:
     """One line per unknown flag with the closest ones: this package's flags, and HF's names (with what they
     become) where one is closer."""
@@ -250,7 +257,7 @@ def _unknown_flag_message(unknown: list[str], parser: argparse.ArgumentParser) -
     hf = {f"--{name}": name for name in hf_names.HF_NAMES}
     lines = [f"unknown argument(s): {' '.join(unknown)} (--help lists every flag)"]
     for arg in unknown:
-        close = difflib.get_close_matches(arg.split("=")[0], [*own, *hf], n=3)
+        close = difflib.get_close_matches(arg.split("=")[0], [*own, *hf], n=3, cutoff=HINT_CUTOFF)
         close.sort(key=lambda flag: flag not in hf)  # a known HF name first, then the closest spellings
         named = [f"{flag} (HF's name: {hf_names.plain(hf_names.HF_NAMES[hf[flag]].meaning)})" if flag in hf
                  else flag for flag in close]  # fmt: skip
@@ -278,7 +285,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
     """Defaults of the dataclasses, overridden by the settings `accelerate launch` passed in the environment
     (configs/accelerate_env.py), overridden by a --config file's, overridden by argv's flags. Raises ConfigError
     on any bad flag, key or value."""
-    overrides, _ = _resolve(argv, environ)
+    overrides, _, _ = _resolve(argv, environ)
     defaults = RunConfig()
     return RunConfig(
         **{section: replace(getattr(defaults, section), **values) for section, values in overrides.items()}
@@ -304,7 +311,7 @@ def continue_run(
     another path of a "fixed" field is taken where the checkpoint resumed from records its inputs
     (`inputs_recorded`), its content checked against them later (utils/checkpoint/inputs.py); a checkpoint
     written before that holds the run to its own paths, as it did."""
-    given, _ = _resolve(argv, environ)
+    given, _, _ = _resolve(argv, environ, imply=False)  # the record decides what the run's settings imply
     given_values = {name: value for section in given.values() for name, value in section.items()}
     recorded_texts = _recorded_texts(recorded)
     overrides = {section: {} for section in SECTION_TITLES}
@@ -426,10 +433,19 @@ def fields_from_accelerate(argv: list[str] | None = None, environ: Mapping[str, 
     return _resolve(argv, environ)[1]
 
 
-def _resolve(argv: list[str] | None, environ: Mapping[str, str] | None) -> tuple[dict, dict[str, str]]:
+def implied_notes(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line for each setting that the others decided for the run parse_args(argv, environ) configures, where
+    none was given (configs/validate.py: implied_settings; read_settings logs them)."""
+    return list(_resolve(argv, environ)[2].values())
+
+
+def _resolve(
+    argv: list[str] | None, environ: Mapping[str, str] | None, *, imply: bool = True
+) -> tuple[dict, dict[str, str], dict[str, str]]:
     """{"train": {field: value}, "fsdp": {...}, ...}: the typed values that the environment (accelerate launch's
-    settings), a --config file or argv give, argv winning over the file, the file over the environment; and
-    {field: variables} of those taken from the environment."""
+    settings), a --config file or argv give, argv winning over the file, the file over the environment, and
+    (`imply`) those the others imply where none of them gives one; {field: variables} of those taken from the
+    environment; and {field: why} of those implied."""
     parser = build_parser()
     argv, _ = hf_names.translate(sys.argv[1:] if argv is None else argv, own_flags(parser))
     namespace, unknown = parser.parse_known_args(argv)
@@ -454,7 +470,15 @@ def _resolve(argv: list[str] | None, environ: Mapping[str, str] | None) -> tuple
         values.update(
             {name: absolute_path(value, specs[name].path) for name, value in values.items() if specs[name].path}
         )
-    return overrides, {name: variables for name, (_, variables) in settings.items()}
+    defaults = RunConfig()
+    given = RunConfig(
+        **{section: replace(getattr(defaults, section), **values) for section, values in overrides.items()}
+    )
+    implied = implied_settings(given, {name for values in overrides.values() for name in values}) if imply else {}
+    for name, (value, _) in implied.items():
+        overrides[specs[name].section][name] = value
+    from_accelerate = {name: variables for name, (_, variables) in settings.items()}
+    return overrides, from_accelerate, {name: why for name, (_, why) in implied.items()}
 
 
 def _settings_from_file(path: str, specs: dict[str, FieldSpec]) -> dict[str, str]:

@@ -218,7 +218,8 @@ class FSDPConfig:
         default=False,
         help=(
             "FSDP1: expose the original parameters instead of flat ones (needed for per-parameter optimizer "
-            "groups, torch.compile, frozen parameters); FSDP2 always does."
+            "groups, torch.compile, frozen parameters); FSDP2 always does. Not given, --weight_decay above 0 "
+            "turns it on (accelerate's default fsdp_use_orig_params: true)."
         ),
     )
     sync_module_states: bool = option(

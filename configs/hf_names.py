@@ -1,5 +1,5 @@
-"""HF's flag names, as users of `run_summarization.py`, `Seq2SeqTrainer` and the Llama 2 guide's training
-script type them, turned into this package's flags before the flags are parsed (configs/cli.py).
+"""HF's flag names, as users of `run_summarization.py`, `Seq2SeqTrainer`, the Llama 2 guide's training script and
+TRL's `SFTTrainer` type them, turned into this package's flags before the flags are parsed (configs/cli.py).
 
 A name with a meaning here becomes its flag, with one line saying so (`--learning_rate 3e-4 -> --lr 3e-4`);
 HF's boolean spellings (`--bf16`, `--bf16 True`) work. A name with no meaning here (`--do_train`,
@@ -9,7 +9,7 @@ work as keys of a --config file. docs/configuration.md's table is `markdown()`.
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from configs.errors import ConfigError
 
@@ -23,6 +23,7 @@ class HFName:
     becomes: Callable[[str], list[tuple[str, str]]] | None
     takes: str  # "value", "boolean" (alone means true) or "values" (one or more)
     meaning: str  # docs/configuration.md's cell: what it became, or what the package does instead
+    why: str = ""  # said after what it became, where the flag is not the same thing under another name
 
 
 def renamed(field: str, note: str = "") -> HFName:
@@ -131,6 +132,54 @@ def strategy(name: str, field: str, off: str) -> Callable[[str], list[tuple[str,
     return becomes
 
 
+def switch(field: str, on: str, off: str) -> Callable[[str], list[tuple[str, str]]]:
+    """An HF boolean that chooses between two values of one of this package's flags (--use_peft_lora: --peft)."""
+    return lambda value: [(field, on if value == "true" else off)]
+
+
+def padding_free(value: str) -> list[tuple[str, str]]:
+    """TRL's padding-free batches (rows end to end, kept apart by their position ids) are documents packing here;
+    false, TRL's default, asks for nothing."""
+    return [("packing", "true")] if value == "true" else []
+
+
+SPLIT_NAMES = ("train", "validation", "test")  # the splits a source has here (utils/data/sources.py)
+
+
+def trained_split(value: str) -> list[tuple[str, str]]:
+    """TRL's --dataset_train_split: train is the split trained on here; no other can be chosen by name."""
+    if value != "train":
+        raise ConfigError(
+            f"--dataset_train_split {value}: this package trains on the split named train and cannot choose "
+            "another by name: give that split's file as --train_file"
+        )
+    return []
+
+
+def evaluated_split(value: str) -> list[tuple[str, str]]:
+    """TRL's --dataset_test_split: the split evaluated, by the names the splits have here."""
+    if value not in SPLIT_NAMES:
+        raise ConfigError(
+            f"--dataset_test_split {value}: the splits here are named {', '.join(SPLIT_NAMES)}; give that "
+            "split's file as --test_file and --dataset_test_split test"
+        )
+    return [("eval_split", value)]
+
+
+# QLoRA's switches (the Llama 2 guide's, then TRL's) and the settings only read beside one at true.
+QUANTIZATION_SWITCHES = ("use_4bit_quantization", "use_8bit_quantization", "load_in_4bit", "load_in_8bit")
+QUANTIZATION_SETTINGS = (
+    "use_nested_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_type", "bnb_4bit_quant_storage_dtype",
+    "use_bnb_nested_quant",
+)  # fmt: skip
+NOT_QUANTIZED = "false: as here (the model is not quantized); true: refused (no QLoRA here)"
+ONLY_QUANTIZED = "read beside a quantization switch at true only, which is refused here"
+NON_REENTRANT = (
+    "activation checkpointing here (`--fsdp_activation_checkpointing`) is always non-reentrant, the form that "
+    "works with FSDP's hooks"
+)
+
+
 HF_NAMES = {
     # TrainingArguments / Seq2SeqTrainingArguments
     "per_device_train_batch_size": renamed("batch_size_training"),
@@ -196,6 +245,16 @@ HF_NAMES = {
         "--save_steps N adds steps",
     ),
     "logging_strategy": left_out("a step line every --log_every_n_steps steps", "value"),
+    "save_only_model": HFName(
+        switch("save_optimizer", "false", "true"),
+        "boolean",
+        "true: `--save_optimizer false` (checkpoints without the optimizer's state, which an exact resume needs)",
+    ),
+    "eval_accumulation_steps": left_out(
+        "none needed: evaluation holds no logits past their batch (losses summed as they come; generation keeps "
+        "its outputs' text)",
+        "value",
+    ),
     # run_summarization.py's arguments
     "model_name_or_path": renamed("model_name"),
     "max_train_samples": renamed("num_train_samples"),
@@ -217,6 +276,53 @@ HF_NAMES = {
         "needed; `--attn_implementation flex_attention` keeps packed rows apart on a GPU without a dense mask); "
         "false: `--attn_implementation eager`",
     ),
+    "use_peft_lora": HFName(
+        switch("peft", "lora", "none"), "boolean", "true: `--peft lora`; false: `--peft none`"
+    ),
+    "max_seq_length": renamed("max_seq_len", " (the guide's script's earlier name, and TRL's)"),
+    "use_reentrant": left_out(NON_REENTRANT, "boolean"),
+    "use_4bit_quantization": left_out(NOT_QUANTIZED, "boolean"),
+    "use_8bit_quantization": left_out(NOT_QUANTIZED, "boolean"),
+    "use_nested_quant": left_out(ONLY_QUANTIZED, "boolean"),
+    "bnb_4bit_compute_dtype": left_out(ONLY_QUANTIZED, "value"),
+    "bnb_4bit_quant_type": left_out(ONLY_QUANTIZED, "value"),
+    "bnb_4bit_quant_storage_dtype": left_out(ONLY_QUANTIZED, "value"),
+    # TRL's SFTConfig, ScriptArguments and ModelConfig (its --dataset_text_field, --packing and
+    # --completion_only_loss are this package's own flags)
+    "max_length": renamed(
+        "max_seq_len",
+        " (TRL's sequence length; an encoder-decoder refuses it: its lengths are two, `--max_source_length` and "
+        "`--max_target_length`)",
+    ),
+    "assistant_only_loss": replace(
+        boolean("completion_only_loss"),
+        meaning="`--completion_only_loss` (the loss on a conversation's assistant replies alone, and on a "
+        "prompt's completion; true by default here)",
+    ),
+    "padding_free": HFName(
+        padding_free,
+        "boolean",
+        "true: `--packing true` (documents packing, the nearest equivalent); false: as here",
+        why="documents packing, the nearest equivalent: rows fill a block one after another, each attending to "
+        "itself alone with its own position ids",
+    ),
+    "dataset_num_proc": left_out(
+        "none needed: the data cache tokenises a split of 20,000 rows or more in worker processes of its own (one "
+        "per 10,000 rows, at most 8 and the CPUs it may use), once per machine",
+        "value",
+    ),
+    "dataset_train_split": HFName(
+        trained_split,
+        "value",
+        "train: as here (the split trained on); another name is refused: give its file as `--train_file`",
+    ),
+    "dataset_test_split": HFName(evaluated_split, "value", "`--eval_split` (test, validation or train)"),
+    "dataset_config": renamed("dataset_config_name"),
+    "use_peft": HFName(switch("peft", "lora", "none"), "boolean", "as --use_peft_lora"),
+    "gradient_checkpointing_use_reentrant": left_out(NON_REENTRANT, "boolean"),
+    "load_in_4bit": left_out(NOT_QUANTIZED, "boolean"),
+    "load_in_8bit": left_out(NOT_QUANTIZED, "boolean"),
+    "use_bnb_nested_quant": left_out(ONLY_QUANTIZED, "boolean"),
 }
 
 
@@ -273,6 +379,7 @@ def resolve(used: list[tuple[str, str, list[str]]]) -> tuple[list[tuple[str, str
     """The flags HF's names become ((label, name, the texts given) each), and one line each. Precision and the
     do_* names are read together, as HF reads them."""
     values = {name: value_of(label, HF_NAMES[name], given) for label, name, given in used}
+    refuse_quantization(values)
     joint = {**precision(values), **tasks(values)}
     ignored = steps_a_strategy_ignores(values)
     flags, notes = [], []
@@ -287,7 +394,8 @@ def resolve(used: list[tuple[str, str, list[str]]]) -> tuple[list[tuple[str, str
             notes.append(f"{said}: left out ({plain(hf.meaning)})")
             continue
         flags += became
-        notes.append(f"{said} -> " + " ".join(f"--{field} {text}" for field, text in became))
+        why = f" ({hf.why})" if hf.why else ""
+        notes.append(f"{said} -> " + " ".join(f"--{field} {text}" for field, text in became) + why)
     values_of: dict[str, set[str]] = {}
     for field, text in flags:
         values_of.setdefault(field, set()).add(text)
@@ -296,6 +404,19 @@ def resolve(used: list[tuple[str, str, list[str]]]) -> tuple[list[tuple[str, str
         names = ", ".join(label for label, _, _ in used)
         raise ConfigError(f"HF's names ({names}) give --{clashing[0]} two values: keep one")
     return flags, notes
+
+
+def refuse_quantization(values: dict[str, str]) -> None:
+    """QLoRA's flags read together: a switch at true is refused once, naming every QLoRA flag given; at false (the
+    guide's command gives --use_4bit_quantization False) they are left out, with the settings they govern."""
+    if any(values.get(name) == "true" for name in QUANTIZATION_SWITCHES):
+        given = " ".join(f"--{name} {values[name]}" for name in values
+                         if name in QUANTIZATION_SWITCHES + QUANTIZATION_SETTINGS)  # fmt: skip
+        raise ConfigError(
+            f"{given}: QLoRA (a base model quantized to 4 or 8 bits by bitsandbytes) is not done here: the frozen "
+            "model keeps its bf16 or fp32 weights, which FSDP shards over the ranks. Drop the quantization flags "
+            "and train LoRA on the model as it is (--peft lora)"
+        )
 
 
 def precision(values: dict[str, str]) -> dict[str, list[tuple[str, str]]]:

@@ -31,7 +31,8 @@ class LoraConfig:
         help=(
             "With --peft lora: comma-separated names of the linear layers that get adapters (T5: q,k,v,o,wi,wo; "
             "BART: q_proj,k_proj,v_proj,out_proj,fc1,fc2). auto: the family's attention query and value "
-            "(PEFT's default: q,v for T5 and mT5, q_proj,v_proj for BART)."
+            "(PEFT's default: q,v for T5 and mT5, q_proj,v_proj for BART). all-linear: every linear layer but the "
+            "output head (PEFT's shorthand)."
         ),
         on_resume="fixed",
     )

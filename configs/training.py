@@ -73,7 +73,8 @@ class TrainConfig:
         default=0.0,
         help=(
             "AdamW decoupled weight decay of the matrices; norms and biases never decay (0 = none, as in the "
-            "tutorial). With FSDP1 it needs --use_orig_params true (per-parameter optimizer groups)."
+            "tutorial). With FSDP1 it needs --use_orig_params true (per-parameter optimizer groups), which it "
+            "turns on, as accelerate's default has it, unless given false."
         ),
         minimum=0,
         on_resume="fixed",

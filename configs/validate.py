@@ -8,6 +8,7 @@ are first read.
 """
 
 import importlib.util
+from collections.abc import Collection
 
 from configs.checkpointing import CheckpointConfig
 from configs.data import DataConfig
@@ -328,14 +329,34 @@ def check_schedule(recipe: RecipeConfig) -> None:
         raise ConfigError("give --warmup_steps or --warmup_ratio, not both")
 
 
-def check_decay_groups(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
+def implied_settings(config: RunConfig, given: Collection[str]) -> dict[str, tuple[object, str]]:
+    """{field: (value, why)} for the settings that others decide where the user gave none (`given`: the fields set
+    by a flag, a --config file, accelerate launch or a resume's record). --weight_decay under FSDP1 needs
+    --use_orig_params true (check_decay_groups), which it turns on, as accelerate's default
+    (fsdp_use_orig_params: true) has it; a false given stays, and is refused there."""
+    train_config, fsdp_config = config.train, config.fsdp
+    if not needs_orig_params(train_config, fsdp_config) or "use_orig_params" in given:
+        return {}
+    why = (
+        f"--use_orig_params true, for --weight_decay {train_config.weight_decay:g}: FSDP1 spares the layer norms "
+        "the decay only with the original parameters (accelerate's default fsdp_use_orig_params: true too)"
+    )
+    return {"use_orig_params": (True, why)}
+
+
+def needs_orig_params(train_config: TrainConfig, fsdp_config: FSDPConfig) -> bool:
     """Weight decay skips the layer norms, which needs per-parameter optimizer groups: FSDP1 exposes the
     original parameters only with use_orig_params (its flat parameters mix norms and matrices)."""
-    if train_config.weight_decay and fsdp_config.fsdp_version == 1 and not fsdp_config.use_orig_params:
+    return bool(train_config.weight_decay) and fsdp_config.fsdp_version == 1 and not fsdp_config.use_orig_params
+
+
+def check_decay_groups(train_config: TrainConfig, fsdp_config: FSDPConfig) -> None:
+    """needs_orig_params, where --use_orig_params false was given (implied_settings turns it on otherwise)."""
+    if needs_orig_params(train_config, fsdp_config):
         raise ConfigError(
             f"--weight_decay {train_config.weight_decay:g} decays the matrices but not the layer norms, which "
-            "FSDP1 can do only with --use_orig_params true (a little more gradient memory); add it, or use "
-            "--fsdp_version 2"
+            "FSDP1 can do only with --use_orig_params true (a little more gradient memory); give it true, or "
+            "use --fsdp_version 2"
         )
 
 

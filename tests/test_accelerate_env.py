@@ -9,6 +9,7 @@ launcher; it needs no GPU). One end-to-end run goes through `accelerate launch` 
 
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -226,6 +227,62 @@ def test_the_mapping_table_names_real_fields_and_every_variable():
     assert len(table.splitlines()) == 2 + len(ENV_RULES) + len(CHECKED_VARIABLES) + len(IGNORED_VARIABLES)
 
 
+def launched_by(monkeypatch, env: dict[str, str]) -> dict[str, str]:
+    """This process's environment as accelerate launch would give it `env`'s settings (its ACCELERATE_* and
+    FSDP_* variables): what T5_training.read_settings reads. Returns those variables."""
+    variables = {name: value for name, value in env.items() if name.startswith(("ACCELERATE_", "FSDP_"))}
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    return variables
+
+
+# What a refusal caused by accelerate launch's config adds: the keys the user wrote (issue 66).
+SHIPPED_CONFIGS_KEYS = (
+    "[set by accelerate launch's config: --use_orig_params is its fsdp_use_orig_params: false; --fsdp_version is "
+    "its fsdp_version: 1. Change the config file, or give the flag here, which wins]"
+)
+
+
+def test_a_refusal_of_a_setting_from_accelerates_config_names_the_configs_key(monkeypatch, tmp_path):
+    """The shipped config's fsdp_use_orig_params: false (a setting given, so kept) with --weight_decay: refused,
+    naming the config's keys behind the flags the message names; the controls: the same refusal of a flag typed
+    names no key, and the config's key at true trains with the decay."""
+    import T5_training
+
+    launched_by(monkeypatch, launch_environment())
+    with pytest.raises(ConfigError) as refused:
+        T5_training.read_settings(["--weight_decay", "0.01"])
+    message = str(refused.value)
+    assert message.startswith(
+        "--weight_decay 0.01 decays the matrices but not the layer norms"
+    ) and message.endswith(SHIPPED_CONFIGS_KEYS)
+    for name in [name for name in os.environ if name.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(name)
+    with pytest.raises(ConfigError) as refused:
+        T5_training.read_settings(["--weight_decay", "0.01", "--use_orig_params", "false"])
+    assert "accelerate" not in str(refused.value)
+    launched_by(monkeypatch, launch_environment(config_file(tmp_path, {"fsdp_use_orig_params": True})))
+    config, from_accelerate = T5_training.read_settings(["--weight_decay", "0.01"])
+    assert config.fsdp.use_orig_params and from_accelerate["use_orig_params"] == "FSDP_USE_ORIG_PARAMS"
+
+
+def test_a_refusal_after_the_imports_names_the_configs_key_too(tmp_path):
+    """A rule of the device (checked once torch says what the device is, in T5_training.main): the config's
+    fsdp_offload_params: true on a CPU group is refused naming the key; other settings' refusals as they are."""
+    from configs.accelerate_env import naming_config_keys
+    from configs.validate import check_settings
+
+    env = launch_environment(config_file(tmp_path, {"fsdp_offload_params": True}))
+    with pytest.raises(ConfigError) as refused:
+        check_settings(parse_args([], env), 2, "cpu")
+    named = str(naming_config_keys(refused.value, fields_from_accelerate([], env), env))
+    assert named.startswith("--fsdp_cpu_offload true needs GPUs") and (
+        "--fsdp_cpu_offload is its fsdp_offload_params: true" in named
+    ), named
+    unrelated = ConfigError("--warmup_steps/--warmup_ratio need a per-step schedule")
+    assert naming_config_keys(unrelated, fields_from_accelerate([], env), env) is unrelated
+
+
 def accelerate_launch_run(args: list[str], config=CONFIG_FILE, timeout: float = 120) -> Run:
     """`accelerate launch --config_file config --num_processes 2 T5_training.py args` on 2 CPU ranks."""
     port = str(free_port())
@@ -279,6 +336,14 @@ def test_accelerate_launch_with_a_refused_value_stops_with_one_message(tmp_path)
     assert run.output.count("FSDP_STATE_DICT_TYPE='LOCAL_STATE_DICT'") == 1, run.describe()
     assert not program_tracebacks(run.output), run.describe()
     assert not (tmp_path / "run").exists()
+
+
+def test_accelerate_launch_with_a_setting_refused_by_a_flag_names_the_configs_key_once(tmp_path):
+    config = config_file(tmp_path, {"fsdp_use_orig_params": False})
+    run = accelerate_launch_run(["--weight_decay", "0.01", "--output_dir", str(tmp_path / "run")], config=config)
+    assert run.returncode != 0, run.describe()
+    assert run.output.count("--use_orig_params is its fsdp_use_orig_params: false") == 1, run.describe()
+    assert not program_tracebacks(run.output), run.describe()
 
 
 def test_a_layer_class_named_for_another_family_is_said_with_the_ones_taken(monkeypatch, log_records):

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -365,6 +366,24 @@ def test_a_text_field_row_is_trained_on_whole_and_a_seq2seq_model_refuses_it(cau
         SEQ2SEQ.check_data(DataConfig(packing=True), T5Config())
 
 
+def test_trls_max_length_is_a_decoder_only_models_length_and_an_encoder_decoder_refuses_it():
+    """--max_length (TRL's sequence length) becomes --max_seq_len: a decoder-only model takes it; an
+    encoder-decoder, whose lengths are two, refuses it in one message naming them (the control: its default)."""
+    from configs.cli import parse_args
+    from utils.spec import SEQ2SEQ
+
+    data = parse_args(["--max_length", "512"]).data
+    assert data.max_seq_len == 512
+    CAUSAL.check_data(data, LlamaConfig())
+    with pytest.raises(ConfigError) as refused:
+        SEQ2SEQ.check_data(data, T5Config())
+    assert str(refused.value) == (
+        "--max_seq_len 512 (TRL's --max_length) is a decoder-only model's one length; an encoder-decoder's are "
+        "two: --max_source_length (the source's tokens) and --max_target_length (the target's). Give those instead"
+    )
+    SEQ2SEQ.check_data(parse_args([]).data, T5Config())
+
+
 def test_documents_packing_is_refused_for_a_model_that_takes_no_position_ids():
     """BLOOM's forward takes no position ids, from which transformers keeps a packed block's rows apart: a
     row's losses in a block differ from its losses alone (Llama's, the control, are equal), so documents
@@ -412,7 +431,9 @@ def causal_lora_worker(rank: int, world_size: int, folder: str, targets: str, ex
 
 
 @pytest.mark.slow  # two ranks and an export each
-@pytest.mark.parametrize(("family", "targets"), [("gpt2", "c_attn,c_proj"), ("llama", "auto")])
+@pytest.mark.parametrize(
+    ("family", "targets"), [("gpt2", "c_attn,c_proj"), ("llama", "auto"), ("llama", "all-linear")]
+)
 def test_a_decoder_only_lora_run_exports_the_model_peft_merges(causal_dirs, family, targets, tmp_path):
     """LoRA (CAUSAL_LM) under FSDP2 on 2 ranks, merged into hf_model/ from the shards: every weight is PEFT's
     merge_and_unload of the gathered trained model. GPT-2's Conv1D layers store their weight (in, out), PEFT's
@@ -437,6 +458,32 @@ def test_a_decoder_only_lora_run_exports_the_model_peft_merges(causal_dirs, fami
                            for n in trained)  # fmt: skip
     for name, tensor in expected.items():
         assert torch.allclose(exported[name], tensor, rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("family", [*CAUSAL_FAMILIES, "t5"])
+def test_all_linear_adapts_what_peft_adapts_every_linear_layer_but_the_head(causal_dirs, family):
+    """--lora_target_modules all-linear (PEFT's shorthand; the guide's LoRA command and TRL give it): the
+    layers PEFT's own all-linear adapts, every linear layer but the output head (tied or not), GPT-2's Conv1D
+    included; the control: auto adapts the attention's alone."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from configs.paths import EMBEDDED_MODEL_DIR
+    from utils.spec import SEQ2SEQ
+
+    folder, spec = (str(EMBEDDED_MODEL_DIR), SEQ2SEQ) if family == "t5" else (causal_dirs[family], CAUSAL)
+    adapted = {}
+    for targets in ("all-linear", "auto"):
+        lora = LoraConfig(peft="lora", lora_target_modules=targets)
+        adapted[targets] = set(
+            apply_lora(load_model(folder, dropout_rate=0.0), lora, folder, spec).targeted_module_names
+        )
+    peft_config = PeftLoraConfig(task_type=spec.lora_task_type, target_modules="all-linear")
+    with warnings.catch_warnings():  # PEFT's own word on GPT-2's Conv1D (fan_in_fan_out)
+        warnings.simplefilter("ignore")
+        peft_own = set(get_peft_model(load_model(folder, dropout_rate=0.0), peft_config).targeted_module_names)
+    assert adapted["all-linear"] == peft_own and not any("lm_head" in name for name in peft_own)
+    assert adapted["auto"] < adapted["all-linear"]
 
 
 # Seed 004's system (the FSDP guide's Llama 2 fine-tune): its command, HF's names and the guide's own flags as

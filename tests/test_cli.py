@@ -207,10 +207,18 @@ def test_every_field_is_accepted_as_a_flag(section, name):
     # Its default, spelled as the CLI spells it, changes nothing.
     assert parse_args([f"--{name}", format_value(default)]) == defaults
 
-    # Another value changes that field and nothing else.
+    # Another value changes that field and nothing else, but for what it implies (configs/validate.py:
+    # implied_settings).
     other = non_default_value(spec, default)
     parsed = parse_args([f"--{name}", format_value(other)])
-    assert parsed == with_field(defaults, section, name, other)
+    expected = with_field(defaults, section, name, other)
+    for implied_section, implied, value in IMPLIED.get(name, ()):
+        expected = with_field(expected, implied_section, implied, value)
+    assert parsed == expected
+
+
+# {field: (section, field, value) it implies at a value other than its default}
+IMPLIED = {"weight_decay": [("fsdp", "use_orig_params", True)]}  # FSDP1 (the default) decays with them
 
 
 # ------------------------------------------------------------------------------------------------ types

@@ -9,7 +9,7 @@ import pytest
 
 import T5_training
 from configs import hf_names
-from configs.cli import build_parser, hf_name_notes, own_flags, parse_args
+from configs.cli import build_parser, field_specs, hf_name_notes, own_flags, parse_args
 from configs.data import DataConfig
 from configs.errors import ConfigError
 from tests.test_cli import all_fields
@@ -215,3 +215,134 @@ def test_the_run_says_each_name_at_start(log_records):
 def test_the_docs_table_is_the_codes():
     text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert hf_names.markdown() in text
+
+
+# What a user of the Llama 2 guide's training script or of TRL's SFTTrainer types (issue 66), and what each gets:
+# ("becomes", {field: value}, a phrase of its one line); ("left out", a phrase of its line: what the package does
+# instead); ("refused", a phrase of the one message); ("own", {field: value}): the package's own flag, no line;
+# ("unknown", the flags of its hint): a name with no meaning here is hinted only at a flag it misspells. (The
+# package's own --eos_token, --neftune_noise_alpha and --packing_strategy bfd, TRL's names too, come from
+# other branches of issue 66.)
+GUIDE_AND_TRL_NAMES = {
+    ("--use_peft_lora", "True"): ("becomes", {"peft": "lora"}, "--use_peft_lora True -> --peft lora"),
+    ("--use_peft_lora", "False"): ("becomes", {"peft": "none"}, "-> --peft none"),
+    ("--use_peft",): ("becomes", {"peft": "lora"}, "--use_peft -> --peft lora"),
+    ("--max_length", "2048"): ("becomes", {"max_seq_len": 2048}, "--max_length 2048 -> --max_seq_len 2048"),
+    ("--max_seq_length", "512"): ("becomes", {"max_seq_len": 512}, "-> --max_seq_len 512"),
+    ("--assistant_only_loss", "True"): ("becomes", {"completion_only_loss": True}, "-> --completion_only_loss"),
+    ("--assistant_only_loss", "False"): ("becomes", {"completion_only_loss": False}, "-> --completion_only_loss"),
+    ("--padding_free", "True"): ("becomes", {"packing": True}, "-> --packing true (documents packing, the nearest "
+                                 "equivalent"),
+    ("--padding_free", "False"): ("left out", "false: as here"),
+    ("--dataset_num_proc", "8"): ("left out", "tokenises a split of 20,000 rows or more in worker processes"),
+    ("--use_reentrant", "False"): ("left out", "always non-reentrant"),
+    ("--gradient_checkpointing_use_reentrant", "True"): ("left out", "always non-reentrant"),
+    ("--dataset_train_split", "train"): ("left out", "the split trained on"),
+    ("--dataset_train_split", "train_sft"): ("refused", "cannot choose another by name: give that split's file "
+                                             "as --train_file"),
+    ("--dataset_test_split", "test"): ("becomes", {"eval_split": "test"}, "-> --eval_split test"),
+    ("--dataset_test_split", "validation"): ("becomes", {"eval_split": "validation"}, "-> --eval_split"),
+    ("--dataset_test_split", "test_sft"): ("refused", "the splits here are named train, validation, test"),
+    ("--dataset_config", "default"): ("becomes", {"dataset_config_name": "default"}, "-> --dataset_config_name"),
+    ("--use_4bit_quantization", "False"): ("left out", "the model is not quantized"),
+    ("--use_4bit_quantization", "True"): ("refused", "QLoRA .* is not done here"),
+    ("--use_8bit_quantization", "True"): ("refused", "QLoRA .* is not done here"),
+    ("--load_in_4bit",): ("refused", "QLoRA .* is not done here"),
+    ("--load_in_8bit",): ("refused", "QLoRA .* is not done here"),
+    ("--use_nested_quant", "True"): ("left out", "beside a quantization switch at true only"),
+    ("--use_bnb_nested_quant",): ("left out", "beside a quantization switch at true only"),
+    ("--bnb_4bit_compute_dtype", "bfloat16"): ("left out", "beside a quantization switch at true only"),
+    ("--bnb_4bit_quant_type", "nf4"): ("left out", "beside a quantization switch at true only"),
+    ("--bnb_4bit_quant_storage_dtype", "bfloat16"): ("left out", "beside a quantization switch at true only"),
+    ("--save_only_model",): ("becomes", {"save_optimizer": False}, "-> --save_optimizer false"),
+    ("--eval_accumulation_steps", "4"): ("left out", "evaluation holds no logits"),
+    # the same names as the package's own flags
+    ("--dataset_text_field", "content"): ("own", {"dataset_text_field": "content"}),
+    ("--packing", "True"): ("own", {"packing": True}),
+    ("--completion_only_loss", "false"): ("own", {"completion_only_loss": False}),
+    ("--max_seq_len", "2048"): ("own", {"max_seq_len": 2048}),
+    ("--lora_r", "16"): ("own", {"lora_r": 16}),
+    ("--lora_alpha", "16"): ("own", {"lora_alpha": 16}),
+    ("--lora_dropout", "0.05"): ("own", {"lora_dropout": 0.05}),
+    ("--lora_target_modules", "all-linear"): ("own", {"lora_target_modules": "all-linear"}),  # test_causal.py
+    ("--weight_decay", "1e-4"): ("own", {"weight_decay": 1e-4}),
+    # no meaning here, and no flag they misspell: no hint (before: --use_reentrant was led to --save_strategy,
+    # --padding_free to --learning_rate, --max_length to --pad_to_max_length)
+    **{tuple(argv.split()): ("unknown", []) for argv in (
+        "--chat_template_format chatml", "--add_special_tokens False", "--append_concat_token False",
+        "--splits train,test", "--push_to_hub", "--hub_private_repo True", "--hub_strategy every_save",
+        "--log_level info", "--use_unsloth True", "--torch_dtype bfloat16", "--dtype bfloat16",
+        "--model_revision main", "--trust_remote_code", "--use_liger_kernel", "--lora_modules_to_save lm_head",
+        "--use_dora", "--use_rslora", "--lora_task_type CAUSAL_LM", "--dataset_kwargs {}",
+        "--model_init_kwargs {}", "--pad_token <pad>", "--eval_packing false", "--pad_to_multiple_of 8",
+        "--activation_offloading", "--dataset_streaming", "--max_prompt_length 512",
+        "--chat_template_path x.jinja", "--loss_type nll", "--optim adamw_torch",
+        "--ddp_find_unused_parameters False",
+    )},
+    # a flag they misspell, or whose options they are: that flag
+    ("--gradient_checkpointing_kwargs", "{}"): (
+        "unknown", ["--gradient_checkpointing", "--use_gradient_checkpointing"]),
+    ("--lr_scheduler_kwargs", "{}"): ("unknown", ["--lr_scheduler"]),
+    ("--metric_for_best_model", "eval_loss"): ("unknown", ["--metric_for_best"]),
+}  # fmt: skip
+
+
+def field_values(config, wanted: dict) -> dict:
+    section_of = {spec.name: spec.section for spec in field_specs()}
+    return {name: getattr(getattr(config, section_of[name]), name) for name in wanted}
+
+
+def hinted(message: str, token: str) -> list[str] | None:
+    """The flags an unknown argument's line of `message` suggests ([] for none), None where it has no line."""
+    for line in message.splitlines()[1:]:
+        if line.strip().startswith(f"{token}: did you mean "):
+            return [part.split(" (")[0] for part in line.split("did you mean ", 1)[1].rstrip("?").split(" or ")]
+    return None
+
+
+@pytest.mark.parametrize("argv", list(GUIDE_AND_TRL_NAMES), ids=" ".join)
+def test_each_name_a_guide_or_trl_user_types_becomes_a_flag_is_left_out_or_refused_in_one_line(argv):
+    argv = list(argv)
+    kind, *expected = GUIDE_AND_TRL_NAMES[tuple(argv)]
+    if kind == "refused":
+        with pytest.raises(ConfigError, match=expected[0]) as refused:
+            parse_args(argv)
+        assert len(str(refused.value).splitlines()) == 1
+        return
+    if kind == "unknown":
+        with pytest.raises(ConfigError, match="unknown argument") as refused:
+            parse_args(argv)
+        message = str(refused.value)
+        assert (hinted(message, argv[0]) or []) == expected[0], message
+        assert all(hinted(message, value) is None for value in argv[1:]), message  # nor its value
+        return
+    config, notes = parse_args(argv), hf_name_notes(argv)
+    if kind == "left out":
+        assert config == parse_args([]) and len(notes) == 1, notes
+        assert notes[0].startswith(f"{' '.join(argv)}: left out (") and expected[0] in notes[0], notes
+        return
+    assert field_values(config, expected[0]) == expected[0]
+    if kind == "own":
+        assert notes == []
+        return
+    assert len(notes) == 1 and expected[1] in notes[0], notes
+    assert config == parse_args([token for field, value in expected[0].items()
+                                 for token in (f"--{field}", str(value).lower() if isinstance(value, bool)
+                                               else str(value))])  # fmt: skip
+
+
+def test_qloras_flags_are_refused_once_naming_each():
+    """The guide's QLoRA command: one message for its four flags, not one per flag, nor a flag left out."""
+    argv = ["--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_compute_dtype",
+            "bfloat16", "--bnb_4bit_quant_storage_dtype", "bfloat16"]  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        parse_args(argv)
+    message = str(refused.value)
+    assert message.startswith(
+        "--use_4bit_quantization true --use_nested_quant true --bnb_4bit_compute_dtype bfloat16 "
+        "--bnb_4bit_quant_storage_dtype bfloat16: QLoRA"
+    )
+    assert "(--peft lora)" in message
+    # the control: its switch at false (the guide's LoRA command gives it) leaves every one out
+    argv[1] = "False"
+    assert parse_args(argv) == parse_args([]) and len(hf_name_notes(argv)) == 4

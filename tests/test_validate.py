@@ -224,3 +224,55 @@ def test_bad_generation_settings_are_refused(argv):
 
     with pytest.raises(ConfigError, match=argv[0]):
         parse_args(argv)
+
+
+WEIGHT_DECAY_NOTE = (
+    "--use_orig_params true, for --weight_decay 0.01: FSDP1 spares the layer norms the decay only with the "
+    "original parameters (accelerate's default fsdp_use_orig_params: true too)"
+)
+
+
+def test_weight_decay_under_fsdp1_turns_the_original_parameters_on_unless_they_are_given_false(tmp_path):
+    """HF's --weight_decay 0.01 under the default FSDP1 trains, as under HF's Trainer and accelerate, with one
+    line; the controls: without decay, or under FSDP2, nothing changes and nothing is said; --use_orig_params
+    false given (a flag, a --config file) is kept, and the decay refused as before."""
+    from configs.cli import implied_notes, parse_args
+
+    config = parse_args(["--weight_decay", "0.01"])
+    assert config.fsdp.use_orig_params and config == parse_args(["--weight_decay", "0.01", "--use_orig_params"])
+    check_settings(config, 2, "cpu")
+    assert implied_notes(["--weight_decay", "0.01"]) == [WEIGHT_DECAY_NOTE]
+    for argv in ([], ["--weight_decay", "0"], ["--weight_decay", "0.01", "--fsdp_version", "2"]):
+        assert not parse_args(argv).fsdp.use_orig_params and implied_notes(argv) == [], argv
+    path = tmp_path / "settings.yaml"
+    path.write_text("use_orig_params: false\n", encoding="utf-8")
+    for given in (["--use_orig_params", "false"], ["--config", str(path)]):
+        argv = ["--weight_decay", "0.01", *given]
+        config = parse_args(argv)
+        assert not config.fsdp.use_orig_params and implied_notes(argv) == [], argv
+        with pytest.raises(ConfigError, match="only with --use_orig_params true"):
+            check_settings(config, 2, "cpu")
+
+
+def test_the_run_says_the_original_parameters_were_turned_on_once(log_records):
+    import T5_training
+
+    config, _ = T5_training.read_settings(["--weight_decay", "0.01"])
+    said = [record.getMessage() for record in log_records]
+    assert config.fsdp.use_orig_params and said.count(WEIGHT_DECAY_NOTE) == 1
+    log_records.clear()
+    T5_training.read_settings(["--weight_decay", "0.01", "--use_orig_params", "true"])  # given: nothing to say
+    assert WEIGHT_DECAY_NOTE not in [record.getMessage() for record in log_records]
+
+
+def test_a_resume_keeps_the_original_parameters_its_run_had():
+    """The record decides: a run that decayed under FSDP1 resumes with them on; one trained under FSDP2 (its
+    record: false) that gives --weight_decay again gets no change it did not ask for."""
+    from configs.cli import config_to_dict, continue_run, parse_args
+
+    for argv in (["--weight_decay", "0.01"], ["--weight_decay", "0.01", "--fsdp_version", "2"]):
+        config = parse_args(argv)
+        resumed, changes = continue_run(
+            ["--resume", "true", "--weight_decay", "0.01"], config_to_dict(config), "r"
+        )
+        assert resumed.fsdp.use_orig_params == config.fsdp.use_orig_params and changes == [], (argv, changes)

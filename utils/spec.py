@@ -132,6 +132,12 @@ class Seq2SeqSpec(ModelSpec):
                     f"{flag} is for decoder-only models (whole texts, packed blocks); an encoder-decoder reads a "
                     "source and writes its target: drop it, or train a decoder-only model (docs/causal.md)"
                 )
+        if data.max_seq_len != DataConfig().max_seq_len:  # given (TRL's --max_length becomes it): not read here
+            raise ConfigError(
+                f"--max_seq_len {data.max_seq_len} (TRL's --max_length) is a decoder-only model's one length; "
+                "an encoder-decoder's are two: --max_source_length (the source's tokens) and --max_target_length "
+                "(the target's). Give those instead"
+            )
 
     def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:  # noqa: ARG002 - CausalSpec's
         """What `generate` wrote for `prompts`: an encoder-decoder's outputs after the decoder's start token,

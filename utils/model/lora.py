@@ -32,11 +32,17 @@ ADAPTER_NAME = "default"  # PEFT's name of the one adapter (in parameter names: 
 # The attention's query and value projections, by the names the encoder-decoder families give them, for
 # the families PEFT has no default for (UMT5, PEGASUS, mBART in peft 0.21): T5's family, then BART's.
 QUERY_VALUE_NAMES = (("q", "v"), ("q_proj", "v_proj"))
+ALL_LINEAR = "all-linear"  # PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 
 def target_modules(lora: LoraConfig, model: nn.Module) -> list[str]:
     """--lora_target_modules as a list of layer names; `auto`: PEFT's default for the model's family (T5 and
-    mT5: q, v; BART: q_proj, v_proj), else its attention's query and value projections."""
+    mT5: q, v; BART: q_proj, v_proj), else its attention's query and value projections; `all-linear`: PEFT's
+    shorthand, every linear layer but the output head (lm_head)."""
+    if lora.lora_target_modules.lower() == ALL_LINEAR:  # PEFT's spelling, read case-insensitively as PEFT does
+        head = model.get_output_embeddings()
+        heads = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is head}
+        return [name for name in linear_layer_names(model) if name not in heads]
     if lora.lora_target_modules != "auto":
         return [name.strip() for name in lora.lora_target_modules.split(",") if name.strip()]
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
