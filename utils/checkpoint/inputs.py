@@ -13,12 +13,13 @@ costs a few header reads, never a pass over its weights. A model or dataset from
 a resume holds fixed), not fingerprinted.
 
 Every checkpoint records the fingerprints of the inputs its run read (train_state.json's "inputs", written by
-utils/checkpoint/manager.py). A resume compares its own with its checkpoint's, on rank 0, before the model is
-loaded: a changed input (another size or content, a file gone or new) is refused with one message naming each
-file and what changed, unless --accept_changed_inputs true continues on it deliberately, with one line (the
-checkpoints written from then on record the new inputs). The same content under another path (a folder moved
-and named anew, a file copied) is the run's, said in one line. A checkpoint written before checkpoints recorded
-their inputs resumes with one line saying that its inputs were not checked.
+utils/checkpoint/manager.py), and how its rows were tokenised ("encoding": a resume reads them so,
+recorded_encoding). A resume compares its own with its checkpoint's, on rank 0, before the model is loaded: a
+changed input (another size or content, a file gone or new) is refused with one message naming each file and what
+changed, unless --accept_changed_inputs true continues on it deliberately, with one line (the checkpoints written
+from then on record the new inputs). The same content under another path (a folder moved and named anew, a file
+copied) is the run's, said in one line. A checkpoint written before checkpoints recorded their inputs resumes with
+one line saying that its inputs were not checked.
 """
 
 import os
@@ -95,6 +96,14 @@ def _checked(start: StartPoint, current: dict, accept_changed: bool) -> dict:
         start.path, "; ".join(changed), position, consumed,
     )  # fmt: skip
     return current
+
+
+def recorded_encoding(start: StartPoint) -> int | str | None:
+    """How the rows of the run a checkpoint continues were tokenised (utils/data/cache.py: an Encoding's
+    version, train_state.json's "inputs"' "encoding"), which its resume reads them with, so that its data
+    position stays exact; None where the checkpoint recorded none (written before checkpoints recorded it:
+    utils/data/cache.py's resumed_encoding says what that was)."""
+    return (read_train_state(start.path).get("inputs") or {}).get("encoding")
 
 
 def data_fingerprint(data: DataConfig) -> dict:
