@@ -4,13 +4,14 @@ one sequence, the model predicting every next token.
     dataset = CausalLMDataset(tokenizer, "train", num_samples, prompt_length, completion_length, data)
 
 reads the same rows as the tutorial's Dataset (summarization_dataset.py: every source, from the data cache),
-tokenised for a decoder-only model (utils/data/cache.py: the prompt as the tokenizer starts a text, the
-completion ended by the EOS token). The source column is the prompt and the target column its completion
-(TRL's prompt/completion format): end a prompt with its cue (`--source_prefix` goes before it) where the data
-has none. The loss is on the completion's tokens alone (a conversation's: every assistant reply), as TRL's
-SFTTrainer takes it, or on every token with --completion_only_loss false. Labels come from the lengths, never
-from comparing ids with the padding token: a tokenizer without one pads with its EOS token
-(utils/model/loading.py), and a completion's own EOS stays trained on.
+tokenised for a decoder-only model (utils/data/cache.py: the prompt as the tokenizer starts a text, the completion
+ended by the EOS token, the two within --max_seq_len; `prompt_length` and `completion_length` bound each too, the
+lengths(data) a run gives them being the row's). The source column is the prompt and the target column its
+completion (TRL's prompt/completion format): end a prompt with its cue (`--source_prefix` goes before it) where the
+data has none. The loss is on the completion's tokens alone (a conversation's: every assistant reply), as TRL's
+SFTTrainer takes it, or on every token with --completion_only_loss false. Labels come from the lengths, never from
+comparing ids with the padding token: a tokenizer without one pads with its EOS token (utils/model/loading.py), and
+a completion's own EOS stays trained on.
 """
 
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ class CausalLMDataset(SummarizationDataset):
     attention_mask, labels (IGNORED on the prompt but a conversation's earlier replies unless
     --completion_only_loss false, and on padding), and
     prompt_ids (the prompt alone: generation's input). With --pad_to_max_length each sequence is padded to
-    input_length + output_length. The rows, the texts and the lengths read as SummarizationDataset's."""
+    max_length. The rows, the texts and the lengths read as SummarizationDataset's."""
 
     encoding = CAUSAL_ENCODING  # prompt and completion tokenised as one sequence (utils/data/cache.py)
 
