@@ -444,8 +444,8 @@ def test_a_run_counts_its_cuts_at_start_and_its_resume_keeps_the_encoding_its_ch
 
 @pytest.mark.slow  # two runs of 2 pooled ranks
 def test_max_seq_len_past_the_positions_is_refused_for_gpt2_and_warned_once_for_llama(tiny, tmp_path):
-    """--max_seq_len 1024 on the tiny GPT-2 (512 learned positions): both ranks end with one message before any
-    data is read. On the tiny Llama (512 rotary positions): the run trains, with one warning line. Control: the
+    """--max_seq_len 1024 on the tiny GPT-2 (512 learned positions): both ranks end with one message before the
+    data is cached. On the tiny Llama (512 rotary positions): the run trains, with one warning line. Control: the
     Llama run's default, said once as the model's 512 positions."""
     args = ["--num_train_samples", "8", "--num_val_samples", "4", "--max_steps", "1", "--eval_rouge", "false",
             "--cache_dir", str(tmp_path / "cache")]  # fmt: skip
