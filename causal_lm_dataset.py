@@ -4,13 +4,14 @@ one sequence, the model predicting every next token.
     dataset = CausalLMDataset(tokenizer, "train", num_samples, prompt_length, completion_length, data)
 
 reads the same rows as the tutorial's Dataset (summarization_dataset.py: every source, from the data cache),
-tokenised for a decoder-only model (utils/data/cache.py: the prompt as the tokenizer starts a text, the
-completion ended by the EOS token). The source column is the prompt and the target column its completion
-(TRL's prompt/completion format): end a prompt with its cue (`--source_prefix` goes before it) where the data
-has none. The loss is on the completion's tokens alone (a conversation's: every assistant reply), as TRL's
-SFTTrainer takes it, or on every token with --completion_only_loss false. Labels come from the lengths, never
-from comparing ids with the padding token: a tokenizer without one pads with its EOS token
-(utils/model/loading.py), and a completion's own EOS stays trained on.
+tokenised for a decoder-only model (utils/data/cache.py: the prompt as the tokenizer starts a text, the completion
+ended by the EOS token, the two within --max_seq_len; `prompt_length` and `completion_length` bound each too, the
+lengths(data) a run gives them being the row's). The source column is the prompt and the target column its
+completion (TRL's prompt/completion format): end a prompt with its cue (`--source_prefix` goes before it) where the
+data has none. The loss is on the completion's tokens alone (a conversation's: every assistant reply), as TRL's
+SFTTrainer takes it, or on every token with --completion_only_loss false. Labels come from the lengths, never from
+comparing ids with the padding token: a tokenizer without one pads with its EOS token (utils/model/loading.py), and
+a completion's own EOS stays trained on.
 """
 
 from collections.abc import Sequence
@@ -20,10 +21,10 @@ import pyarrow.compute as pc
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from configs.data import DataConfig
+from configs.data import DataConfig, seq_len
 from summarization_dataset import SummarizationDataset
 from utils.base.log import get_logger
-from utils.data.cache import CAUSAL_ENCODING, KNOWN_ROLES, SplitRows
+from utils.data.cache import CAUSAL_ENCODING, KNOWN_ROLES, Encoding, SplitRows
 from utils.data.loaders import IGNORED, DataFormat
 
 
@@ -32,7 +33,7 @@ class CausalLMDataset(SummarizationDataset):
     attention_mask, labels (IGNORED on the prompt but a conversation's earlier replies unless
     --completion_only_loss false, and on padding), and
     prompt_ids (the prompt alone: generation's input). With --pad_to_max_length each sequence is padded to
-    input_length + output_length. The rows, the texts and the lengths read as SummarizationDataset's."""
+    max_length. The rows, the texts and the lengths read as SummarizationDataset's."""
 
     encoding = CAUSAL_ENCODING  # prompt and completion tokenised as one sequence (utils/data/cache.py)
 
@@ -42,16 +43,21 @@ class CausalLMDataset(SummarizationDataset):
 
     @property
     def max_length(self) -> int:
-        """--pad_to_max_length's width: a whole text's (--max_seq_len), or a prompt's and a completion's."""
-        return (
-            self.options.max_seq_len if self.options.dataset_text_field else self.input_length + self.output_length
-        )
+        """--pad_to_max_length's width: a row's (--max_seq_len); with the encoding before rows were bounded, a
+        whole text's (--max_seq_len), or a prompt's and a completion's."""
+        if self.encoding.bounds_rows or self.options.dataset_text_field:
+            return seq_len(self.options)
+        return self.input_length + self.output_length
 
-    @staticmethod
-    def lengths(data: DataConfig) -> tuple[int, int]:
-        """The (prompt, completion) token lengths of `data`: a --dataset_text_field text is all completion, cut
-        so that with a start token (its prompt) it is at most --max_seq_len."""
-        completion = data.max_seq_len - 1 if data.dataset_text_field else data.max_target_length
+    @classmethod
+    def lengths(cls, data: DataConfig, encoding: Encoding | None = None) -> tuple[int, int]:
+        """The (prompt, completion) token lengths of `data` tokenised as `encoding` (by default the class's):
+        neither is cut alone, the row being within --max_seq_len (utils/data/cache.py: _row_cuts); before rows
+        were bounded, --max_source_length and --max_target_length, a --dataset_text_field text all completion,
+        cut so that with a start token (its prompt) it is at most --max_seq_len."""
+        if (encoding or cls.encoding).bounds_rows:
+            return seq_len(data), seq_len(data)
+        completion = seq_len(data) - 1 if data.dataset_text_field else data.max_target_length
         return data.max_source_length, completion
 
     def sequence(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -72,6 +78,27 @@ class CausalLMDataset(SummarizationDataset):
         if "source_replies" not in self.token_ids.column_names:
             return None
         return self._ids("source_replies", index).bool()
+
+    def cut_note(self) -> str:
+        """What the start line says of the rows' cuts to --max_seq_len (utils/data/cache.py: _row_cuts): how many
+        lost their prompt's start, their reply's end, and the share of their tokens dropped. Nothing for rows of
+        the encoding before rows were bounded, which did not count them."""
+        if "prompt_cut" not in self.token_ids.column_names:
+            return ""
+        column = self.token_ids.data.column
+
+        def total(values) -> int:
+            return pc.sum(values).as_py() or 0
+
+        prompts, replies = (pc.greater(column(name), 0) for name in ("prompt_cut", "reply_cut"))
+        cut = total(pc.or_(prompts, replies))
+        dropped = total(column("prompt_cut")) + total(column("reply_cut"))
+        kept = sum(total(pc.list_value_length(column(side))) for side in ("source_ids", "target_ids"))
+        at = f", {total(prompts)} at the prompt's start and {total(replies)} at the reply's end" if cut else ""
+        return (
+            f"{cut} row{'s' if cut != 1 else ''} cut to {seq_len(self.options)} tokens{at}: "
+            f"{100 * dropped / max(dropped + kept, 1):.1f}% of their tokens dropped"
+        )
 
     def notes(self) -> list[str]:
         """What rank 0 says of the split's conversations: their messages of a role the package does not know,
@@ -148,7 +175,7 @@ class PackedCausalDataset(CausalLMDataset):
     ) -> None:
         options = options or DataConfig(packing=True)
         super().__init__(tokenizer, type_path, num_samples, input_length, output_length, options, rows=rows)
-        self.block_length, self.strategy = options.max_seq_len, options.packing_strategy
+        self.block_length, self.strategy = seq_len(options), options.packing_strategy
         lengths = np.add(self.source_lengths(), self.target_lengths(), dtype=np.int64)
         self.row_tokens = int(lengths.sum())
         if self.strategy == "wrapped":

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from configs.data import DataConfig
 from utils.base.log import get_logger
-from utils.data.cache import CLEANINGS, SEQ2SEQ_ENCODING, SplitRows, split_rows, unknown_token_counts
+from utils.data.cache import CLEANINGS, SEQ2SEQ_ENCODING, Encoding, SplitRows, split_rows, unknown_token_counts
 from utils.data.loaders import DataFormat
 
 ITEM_KEYS = ("source_ids", "source_mask", "target_ids", "target_mask")
@@ -41,8 +41,9 @@ class SummarizationDataset(Dataset):
     packed = False  # an item is a row (a decoder-only model's may be blocks of rows: causal_lm_dataset.py)
 
     @staticmethod
-    def lengths(data: DataConfig) -> tuple[int, int]:
-        """The (source, target) token lengths the settings `data` give a split's rows."""
+    def lengths(data: DataConfig, encoding: Encoding | None = None) -> tuple[int, int]:  # noqa: ARG004 - causal's
+        """The (source, target) token lengths the settings `data` give a split's rows (tokenised as `encoding`:
+        by default the class's)."""
         return data.max_source_length, data.max_target_length
 
     def __init__(
@@ -64,11 +65,12 @@ class SummarizationDataset(Dataset):
             rows = split_rows(
                 tokenizer, type_path, num_samples, input_length, output_length, options, encoding=self.encoding
             )
-        elif (rows.split, rows.lengths, rows.encoding) != (type_path, lengths, self.encoding):
+        elif (rows.split, rows.lengths, rows.encoding.name) != (type_path, lengths, self.encoding.name):
             raise ValueError(
                 f"rows of split {rows.split!r} tokenised to {rows.lengths} ({rows.encoding.name}) handed to a "
                 f"Dataset of split {type_path!r}, lengths {lengths} ({self.encoding.name})"
             )
+        self.encoding = rows.encoding  # the class's, or an older one of its kind that a resumed run reads
         self.split = type_path
         self.split_rows = rows.split_rows  # the whole split's, before num_samples
         self.dataset = rows.rows
@@ -100,6 +102,11 @@ class SummarizationDataset(Dataset):
         """What rank 0 says once about these rows before training: nothing for an encoder-decoder's (a
         decoder-only model's conversations may have some: causal_lm_dataset.py)."""
         return []
+
+    def cut_note(self) -> str:
+        """What the start line says of the rows' cuts: nothing for an encoder-decoder's (a decoder-only model's
+        rows: causal_lm_dataset.py)."""
+        return ""
 
     def __len__(self) -> int:
         return len(self.dataset)

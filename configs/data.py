@@ -118,13 +118,21 @@ class DataConfig:
     )
     max_source_length: int = option(
         default=512,
-        help="Source (article; a decoder-only model's prompt) tokens kept (truncation).",
+        help=(
+            "An encoder-decoder's source (article) tokens kept (truncation). A decoder-only model's rows are "
+            "bounded by --max_seq_len alone, prompt and completion together (TRL's max_length): this does not "
+            "apply to them."
+        ),
         minimum=2,
         on_resume="fixed",
     )
     max_target_length: int = option(
         default=150,
-        help="Target (summary; a decoder-only model's completion, its EOS included) tokens kept (truncation).",
+        help=(
+            "An encoder-decoder's target (summary) tokens kept (truncation), and the length generation writes "
+            "unless --max_new_tokens says otherwise. A decoder-only model's completions are not cut to it (its "
+            "rows are bounded by --max_seq_len); it is only their generated length there."
+        ),
         minimum=2,
         on_resume="fixed",
     )
@@ -146,11 +154,15 @@ class DataConfig:
         ),
         on_resume="fixed",
     )
-    max_seq_len: int = option(
-        default=1024,
+    max_seq_len: int | None = option(
+        default=None,
         help=(
-            "Decoder-only models: the tokens of a --packing block, and those kept of a --dataset_text_field "
-            "text (its start and EOS tokens included)."
+            "Decoder-only models: the tokens of a row, prompt and completion together (TRL's max_length), and of "
+            "a --packing block. A longer row loses its prompt's start first (the latest turns stay), then its "
+            "completion's end, keeping its end of turn (EOS, the chat template's marker); the start line counts "
+            "the rows cut and the tokens dropped. Past the model's positions (max_position_embeddings, "
+            "n_positions) refused for learned positions (GPT-2, OPT, BART), warned for rotary ones without "
+            "rope_scaling. NONE: 1024, or the model's positions where it has fewer (said at start)."
         ),
         minimum=8,
         on_resume="fixed",
@@ -213,6 +225,16 @@ class DataConfig:
         on_resume="fixed",
     )
     print_text: bool = option(default=False, help="Log every source text when its item is read (debug).")
+
+
+# --max_seq_len NONE: this, or a model's positions where it has fewer (utils/spec.py: CausalSpec.fitted_data).
+DEFAULT_MAX_SEQ_LEN = 1024
+
+
+def seq_len(data: DataConfig) -> int:
+    """A decoder-only row's tokens: --max_seq_len, or where it is NONE (settings no model has fitted: a Dataset
+    built by hand) DEFAULT_MAX_SEQ_LEN."""
+    return data.max_seq_len or DEFAULT_MAX_SEQ_LEN
 
 
 # The tutorial's subset of WikiHow (its data), per split: what NONE means for WikiHow (rows_to_read).

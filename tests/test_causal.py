@@ -49,6 +49,7 @@ from tests.dist_workers import (
 from tests.hf_folders import parameter_ties
 from utils.checkpoint.hf_export import lora_exports, write_model_folder
 from utils.checkpoint.state_dicts import sharded_model_state
+from utils.data.cache import CAUSAL_ENCODING_BY_LENGTHS, split_rows
 from utils.data.loaders import IGNORED
 from utils.model.loading import load_model, load_tokenizer
 from utils.model.lora import apply_lora, target_modules, transposed_layers
@@ -287,13 +288,16 @@ def test_a_packed_block_keeps_its_documents_apart_each_with_the_losses_it_has_al
 
 def test_a_row_longer_than_a_block_keeps_its_completion_and_the_prompts_end(causal_dirs):
     """--packing documents with blocks shorter than a row (the embedded WikiHow sample's prompts, 24-token
-    blocks): each row keeps its last 24 tokens, its completion and EOS among them, so every block is trained
-    on. Control: cutting the rows' ends instead (the completion first) leaves blocks with no trained token."""
+    blocks), as a run started before rows were bounded by --max_seq_len reads them (the rows of today's encoding
+    fit a block: tests/test_causal_rows.py): each row keeps its last 24 tokens, its completion and EOS among
+    them, so every block is trained on. Control: cutting the rows' ends instead (the completion first) leaves
+    blocks with no trained token."""
     tokenizer = load_tokenizer(causal_dirs["llama"])
     data = DataConfig(packing=True, max_seq_len=24, max_target_length=12)
-    lengths = CausalLMDataset.lengths(data)
-    plain = CausalLMDataset(tokenizer, "validation", 8, *lengths, data)
-    packed = PackedCausalDataset(tokenizer, "validation", 8, *lengths, data)
+    lengths = CausalLMDataset.lengths(data, CAUSAL_ENCODING_BY_LENGTHS)
+    rows = split_rows(tokenizer, "validation", 8, *lengths, data, encoding=CAUSAL_ENCODING_BY_LENGTHS)
+    plain = CausalLMDataset(tokenizer, "validation", 8, *lengths, data, rows=rows)
+    packed = PackedCausalDataset(tokenizer, "validation", 8, *lengths, data, rows=rows)
     rows = [plain.sequence(row) for row in range(len(plain))]
     assert all(len(ids) > 24 for ids, _, _ in rows)  # every row is cut: one row per block
     assert len(packed) == len(plain)

@@ -157,7 +157,7 @@ def non_default_value(spec, default):
     if hint == float | None:
         return 0.5 if default is None else None
     if hint == int | None:
-        return 5 if default is None else None
+        return max(5, spec.minimum or 0) if default is None else None  # within its bounds (--max_seq_len: 8)
     raise AssertionError(f"{spec.name}: unexpected type {hint!r}")
 
 

@@ -12,6 +12,7 @@ Loading, the data, the step, the trainer, evaluation and the export are handed i
 encoder-decoder: a decoder-only model is the second class here (CausalSpec), not branches through them.
 """
 
+import dataclasses
 import inspect
 import math
 
@@ -28,10 +29,12 @@ from transformers.models.auto.modeling_auto import (
 
 import causal_lm_dataset
 import summarization_dataset
-from configs.data import DataConfig
+from configs.data import DEFAULT_MAX_SEQ_LEN, DataConfig
 from configs.errors import ConfigError
 from configs.evaluation import EvalConfig
+from utils.base.log import get_logger
 from utils.data.loaders import IGNORED, DataFormat
+from utils.distributed.process_group import is_rank0
 from utils.observe.flops import CausalFlops, FlopCounter, Seq2SeqFlops
 
 GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
@@ -132,12 +135,18 @@ class Seq2SeqSpec(ModelSpec):
                     f"{flag} is for decoder-only models (whole texts, packed blocks); an encoder-decoder reads a "
                     "source and writes its target: drop it, or train a decoder-only model (docs/causal.md)"
                 )
-        if data.max_seq_len != DataConfig().max_seq_len:  # given (TRL's --max_length becomes it): not read here
+        # Given (TRL's --max_length becomes it): not read here. Run records before NONE hold the old default.
+        if data.max_seq_len not in (None, DEFAULT_MAX_SEQ_LEN):
             raise ConfigError(
                 f"--max_seq_len {data.max_seq_len} (TRL's --max_length) is a decoder-only model's one length; "
                 "an encoder-decoder's are two: --max_source_length (the source's tokens) and --max_target_length "
                 "(the target's). Give those instead"
             )
+
+    def fitted_data(self, data: DataConfig, config: PretrainedConfig, resumed: bool) -> DataConfig:  # noqa: ARG002
+        """`data` as the run reads it with this model: as it is (--max_seq_len is a decoder-only model's,
+        CausalSpec.fitted_data)."""
+        return data
 
     def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:  # noqa: ARG002 - CausalSpec's
         """What `generate` wrote for `prompts`: an encoder-decoder's outputs after the decoder's start token,
@@ -251,6 +260,77 @@ class CausalSpec(ModelSpec):
                 "Llama 2 guide packed)"
             )
 
+    def fitted_data(self, data: DataConfig, config: PretrainedConfig, resumed: bool) -> DataConfig:
+        """`data` with --max_seq_len within the model's positions (its config's max_position_embeddings, GPT-2's
+        n_positions): NONE becomes DEFAULT_MAX_SEQ_LEN, or the positions where the model has fewer (said); a value
+        past them is refused where the model holds its positions in a table (learned: GPT-2, OPT, BART), which
+        has no row for them, and warned where they are computed (rotary: Llama, Mistral, Qwen) without
+        rope_scaling. A resume (`resumed`) keeps its run's value, checked when the run started (or taken then,
+        before the check). Says once where --max_source_length or --max_target_length is set: they do not bound
+        its rows."""
+        positions = getattr(config, "max_position_embeddings", None)
+        positions = positions if isinstance(positions, int) and positions > 0 else None
+        # GPT-2 calls it n_positions
+        named = config.attribute_map.get("max_position_embeddings", "max_position_embeddings")
+        field = f"{config.model_type}'s {named}"
+        if data.max_seq_len is None:
+            length = min(DEFAULT_MAX_SEQ_LEN, positions or DEFAULT_MAX_SEQ_LEN)
+            if length < DEFAULT_MAX_SEQ_LEN and not resumed:
+                get_logger().info(
+                    "--max_seq_len %d: the model's positions (%s), fewer than the default %d", length, field,
+                    DEFAULT_MAX_SEQ_LEN,
+                )  # fmt: skip
+            data = dataclasses.replace(data, max_seq_len=length)
+        if resumed:
+            return data
+        self._say_unbounding_lengths(data)
+        if positions is None or data.max_seq_len <= positions or _rope_scaled(config):
+            return data
+        if self._position_table(config, positions):
+            raise ConfigError(
+                f"--max_seq_len {data.max_seq_len} is past the model's {positions} positions ({field}), which it "
+                f"holds in a table of learned embeddings: a token past them has no position. Give --max_seq_len "
+                f"{positions} or less (or leave it out: {min(positions, DEFAULT_MAX_SEQ_LEN)})"
+            )
+        if is_rank0():
+            get_logger().warning(
+                "--max_seq_len %d is past the %d positions the model was trained on (%s; computed, as rotary "
+                "positions are, without rope_scaling): its tokens past %d sit where it has never read. Set "
+                "rope_scaling in its config.json to stretch them, or give --max_seq_len %d",
+                data.max_seq_len, positions, field, positions, positions,
+            )  # fmt: skip
+        return data
+
+    @staticmethod
+    def _say_unbounding_lengths(data: DataConfig) -> None:
+        """A line for each of --max_source_length and --max_target_length set to other than its default: they
+        cut an encoder-decoder's source and target, not a decoder-only model's rows (--max_seq_len does)."""
+        defaults = DataConfig()
+        rows = f"its rows are bounded by --max_seq_len {data.max_seq_len}, prompt and completion together"
+        if data.max_source_length != defaults.max_source_length:
+            get_logger().info(
+                "--max_source_length %d does not cut a decoder-only model's prompts: %s",
+                data.max_source_length, rows,
+            )  # fmt: skip
+        if data.max_target_length != defaults.max_target_length:
+            get_logger().info(
+                "--max_target_length %d does not cut a decoder-only model's completions (%s): it is only the "
+                "length generation writes, --max_new_tokens unset", data.max_target_length, rows,
+            )  # fmt: skip
+
+    def _position_table(self, config: PretrainedConfig, positions: int) -> bool:
+        """Whether the model holds its positions in a table of embeddings (GPT-2's wpe, OPT's and BART's
+        embed_positions, offset by 2): an embedding of `positions` rows or 2 more, other than the tokens', in its
+        skeleton on the meta device (no memory, no weights read)."""
+        with torch.device("meta"):
+            model = self.model_class.from_config(config)
+        tokens = model.get_input_embeddings()
+        return any(
+            isinstance(module, nn.Embedding) and module is not tokens
+            and positions <= module.num_embeddings <= positions + 2
+            for module in model.modules()
+        )  # fmt: skip
+
     def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:
         """A decoder-only model's outputs begin with the prompt: the tokens after it."""
         return outputs[:, prompts["input_ids"].shape[1] :]
@@ -283,6 +363,14 @@ def spec_for(config: PretrainedConfig, model_name: str = "") -> ModelSpec:
         )
     CAUSAL.check_model(name, config)
     return CAUSAL
+
+
+def _rope_scaled(config: PretrainedConfig) -> bool:
+    """Whether the model's rotary positions are stretched (rope_scaling: a rope_type other than the default, for
+    some of its layers or all)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = [value for value in parameters.values() if isinstance(value, dict)]
+    return any(kind.get("rope_type", "default") != "default" for kind in per_layer_type or [parameters])
 
 
 def labels_for_loss(target_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ a resume reads what the run trained on).
 A fingerprint is content, not a path or a modification time, so that a copied or moved file is the same file:
 a data file's size and XXH3-128 digest (at memory speed; sha256 is several times slower); of a model folder,
 what a resume reads from it, and with LoRA each weight file's size and safetensors header, never its weights.
+A checkpoint also records how its rows were tokenised ("encoding"): a resume reads them so
+(recorded_encoding).
 """
 
 import os
@@ -79,6 +81,14 @@ def _checked(start: StartPoint, current: dict, accept_changed: bool) -> dict:
         start.path, "; ".join(changed), position, consumed,
     )  # fmt: skip
     return current
+
+
+def recorded_encoding(start: StartPoint) -> int | str | None:
+    """How the rows of the run a checkpoint continues were tokenised (utils/data/cache.py: an Encoding's
+    version, train_state.json's "inputs"' "encoding"), which its resume reads them with, so that its data
+    position stays exact; None where the checkpoint recorded none (written before checkpoints recorded it:
+    utils/data/cache.py's resumed_encoding says what that was)."""
+    return (read_train_state(start.path).get("inputs") or {}).get("encoding")
 
 
 def data_fingerprint(data: DataConfig) -> dict:

@@ -27,7 +27,7 @@ import numpy as np
 from datasets.fingerprint import Hasher
 from jinja2 import TemplateError
 
-from configs.data import DataConfig
+from configs.data import DataConfig, seq_len
 from configs.errors import ConfigError, DataError
 from utils.base.files import writable
 from utils.base.log import get_logger
@@ -48,6 +48,8 @@ _CHAT_TOKEN_FEATURES = datasets.Features(
      "replies_unmarked": datasets.Value("int16"),  # the earlier replies that could not be told apart
      "unknown_roles": datasets.List(datasets.Value("string"))}  # the role of each message not of KNOWN_ROLES
 )  # fmt: skip
+# A bounded decoder-only row's cuts (_row_cuts): the tokens its prompt lost from its start, its reply from its end.
+_CUT_FEATURES = {"prompt_cut": datasets.Value("int32"), "reply_cut": datasets.Value("int32")}
 # Bump when _encode_chat_batch changes (3: earlier replies marked by their characters, and counted where not; 4: a
 # cut reply keeps the template's whole end of turn; 5: unknown roles listed): the conversations' token caches are
 # rebuilt.
@@ -223,17 +225,36 @@ def _encode_batch(
 
 def _encode_causal_batch(
     batch: dict, tokenizer, clean: Callable[[str], str], source_prefix: str, input_length: int, output_length: int,
-    chat: bool = False,
+    chat: bool = False, row_length: int | None = None,
 ) -> dict:  # fmt: skip
     """Token ids of a batch of rows for a decoder-only model, which reads the two as one sequence: the prompt
     (the prefix and the cleaned text) as the tokenizer starts a text (Llama: <s> first; GPT-2: nothing), cut
     on the left, the completion (the cleaned target, cut on the right) with no start token and the
     end-of-sequence token after it, also after
     truncation: the model learns where a completion ends. A tokenizer that ends every text with its EOS has
-    it taken off the prompt. Conversations (`chat`): _encode_chat_batch."""
+    it taken off the prompt. Conversations (`chat`): _encode_chat_batch. With `row_length` the two together are
+    at most that long (_row_cuts), and each row's cuts are kept (prompt_cut, reply_cut); without, each is cut
+    alone to its length (the encoding before rows were bounded, CAUSAL_ENCODING_BY_LENGTHS)."""
     if chat:
-        return _encode_chat_batch(batch, tokenizer, input_length, output_length)
+        return _encode_chat_batch(batch, tokenizer, input_length, output_length, row_length)
     eos = tokenizer.eos_token_id
+    if row_length is not None:
+        # Whole, then bounded here (verbose: no warning of texts longer than the model's positions, which they
+        # are not once cut)
+        prompts = tokenizer([source_prefix + clean(text) for text in batch["source"]], verbose=False)["input_ids"]
+        targets = [clean(target) for target in batch["target"]]
+        completions = tokenizer(targets, add_special_tokens=False, verbose=False)["input_ids"]
+        encoded = {"source_ids": [], "target_ids": [], "prompt_cut": [], "reply_cut": []}
+        for prompt, completion in zip(prompts, completions, strict=True):
+            prompt = prompt[:-1] if len(prompt) > 1 and prompt[-1] == eos else prompt
+            head, prompt_cut, reply_cut = _row_cuts(
+                tokenizer, prompt, len(completion) + 1, input_length, output_length, row_length
+            )
+            encoded["source_ids"].append(_cut_start(prompt, head, prompt_cut))
+            encoded["target_ids"].append(_cut_end([*completion, eos], reply_cut, 1))
+            encoded["prompt_cut"].append(prompt_cut)
+            encoded["reply_cut"].append(reply_cut)
+        return encoded
     # A long prompt loses its start, not its end, where its cue to the completion is (the start token stays).
     side, tokenizer.truncation_side = tokenizer.truncation_side, "left"
     try:
@@ -247,21 +268,57 @@ def _encode_causal_batch(
     return {"source_ids": prompts, "target_ids": [ids + [eos] for ids in completions]}
 
 
-def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length: int) -> dict:
+def _row_cuts(
+    tokenizer, prompt: list[int], reply_length: int, prompt_limit: int, reply_limit: int, row_length: int
+) -> tuple[int, int, int]:  # fmt: skip
+    """(the prompt's start tokens that stay, the prompt tokens cut after them, the reply tokens cut before its
+    end of turn) that bound a decoder-only row: its prompt to `prompt_limit` tokens, its reply to
+    `reply_limit` (a Dataset's own lengths; a run's are the row's), and the two together to `row_length`. A row
+    too long loses its prompt's start first (the latest turns and the cue stay), down to the start token and
+    the prompt's last token; then its reply's end. The start token (a text's <s>, where the tokenizer or the
+    template writes one) stays."""
+    head = int(bool(prompt) and tokenizer.bos_token_id is not None and prompt[0] == tokenizer.bos_token_id)
+    prompt_cut = max(len(prompt) - max(prompt_limit, head), 0)
+    reply_cut = max(reply_length - reply_limit, 0)
+    excess = len(prompt) - prompt_cut + reply_length - reply_cut - row_length
+    if excess > 0:
+        more = min(excess, max(len(prompt) - prompt_cut - min(len(prompt), head + 1), 0))
+        prompt_cut, reply_cut = prompt_cut + more, reply_cut + excess - more
+    return head, prompt_cut, min(reply_cut, reply_length)
+
+
+def _cut_start(ids: list, head: int, cut: int) -> list:
+    """`ids` less the `cut` after its first `head` (a prompt's start token stays)."""
+    return ids[:head] + ids[head + cut :]
+
+
+def _cut_end(ids: list, cut: int, closing: int) -> list:
+    """`ids` less the `cut` before its last `closing` (a reply's end of turn stays)."""
+    if not cut:
+        return ids
+    closing = min(closing, len(ids) - cut)
+    return ids[: len(ids) - cut - closing] + ids[len(ids) - closing :]
+
+
+def _encode_chat_batch(
+    batch: dict, tokenizer, input_length: int, output_length: int, row_length: int | None = None
+) -> dict:
     """Token ids of a batch of conversations (sources.ChatPrompt: the messages before the reply, as JSON; the
     reply): the prompt is the conversation rendered by the tokenizer's chat template up to the assistant's turn
     (add_generation_prompt), the completion what the template adds for the reply (its end-of-turn marker
-    included, also when --max_target_length cuts the reply): the tokens of the whole conversation after the
+    included, also when the reply is cut): the tokens of the whole conversation after the
     prompt's own tokens, which they must start with (generation continues those). The prompt's earlier
     assistant replies are marked (_earlier_replies). Tokenised without added special tokens (the template
     writes them); the prompt cut on the left. A template that renders nothing of the reply, or renders the
-    conversation's start differently with it, is refused: the loss would be on no token, or on the wrong ones."""
+    conversation's start differently with it, is refused: the loss would be on no token, or on the wrong ones.
+    With `row_length` the row is bounded as a whole (_row_cuts) and its cuts counted; without, the prompt and
+    the reply are each cut to their length."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
             "the data's rows are conversations (a messages column), and the model's tokenizer has no chat "
             "template to render them: use a chat model's tokenizer (-chat, -Instruct) or set its chat_template"
         )
-    prompts, completions, replies, unmarked, unknown_roles = [], [], [], [], []
+    prompts, completions, replies, unmarked, unknown_roles, prompt_cuts, reply_cuts = [], [], [], [], [], [], []
     for history, reply in zip(batch["source"], batch["target"], strict=True):
         messages = json.loads(history)
         unknown = [message for message in messages if message["role"] not in KNOWN_ROLES]
@@ -289,23 +346,37 @@ def _encode_chat_batch(batch: dict, tokenizer, input_length: int, output_length:
                 "saw. Use a chat template that ends the assistant's turn marker with a separator."
             )
         reply_ids = whole_ids[len(prompt_ids) :]
-        if len(reply_ids) > output_length:  # cut, keeping what the template ends the turn with
-            closing = min(_closing_length(tokenizer, prompt, added, reply, whole_ids), output_length)
-            reply_ids = reply_ids[: output_length - closing] + reply_ids[len(reply_ids) - closing :]
         marks, missed = _earlier_replies(
             tokenizer, messages, prompt, len(prompt_ids), encoded.get("offset_mapping")
         )
-        prompts.append(prompt_ids[-input_length:])
+        if row_length is not None:
+            head, prompt_cut, reply_cut = _row_cuts(
+                tokenizer, prompt_ids, len(reply_ids), input_length, output_length, row_length
+            )
+            # A cut reply keeps what the template ends the turn with (worked out only where one is cut)
+            closing = _closing_length(tokenizer, prompt, added, reply, whole_ids) if reply_cut else 0
+            prompt_ids, marks = _cut_start(prompt_ids, head, prompt_cut), _cut_start(marks, head, prompt_cut)
+            reply_ids = _cut_end(reply_ids, reply_cut, closing)
+            prompt_cuts.append(prompt_cut)
+            reply_cuts.append(reply_cut)
+        else:
+            if len(reply_ids) > output_length:  # cut, keeping what the template ends the turn with
+                closing = min(_closing_length(tokenizer, prompt, added, reply, whole_ids), output_length)
+                reply_ids = reply_ids[: output_length - closing] + reply_ids[len(reply_ids) - closing :]
+            prompt_ids, marks = prompt_ids[-input_length:], marks[-input_length:]
+        prompts.append(prompt_ids)
         completions.append(reply_ids)
-        replies.append(marks[-input_length:])
+        replies.append(marks)
         unmarked.append(missed)
         unknown_roles.append([message["role"] for message in unknown])
+    cuts = {"prompt_cut": prompt_cuts, "reply_cut": reply_cuts} if row_length is not None else {}
     return {
         "source_ids": prompts,
         "target_ids": completions,
         "source_replies": replies,
         "replies_unmarked": unmarked,
         "unknown_roles": unknown_roles,
+        **cuts,
     }
 
 
@@ -397,14 +468,39 @@ class Encoding:
     version: int | str  # the key's "encoding"
     adds_special_ids: bool = False  # the tokenizer's start and end ids, added by the encoding itself
     renders_chat: bool = False  # conversations, rendered by the tokenizer's chat template (_encode_chat_batch)
+    bounds_rows: bool = False  # a row within --max_seq_len as a whole (_row_cuts), each row's cuts kept
 
 
 # An encoder-decoder's source and target apart (its caches keep the key they had before a second encoding
-# existed), or a decoder-only model's prompt and completion.
+# existed), or a decoder-only model's prompt and completion: each row within --max_seq_len, or (runs started
+# before rows were bounded, which resume with it: resumed_encoding) its prompt within --max_source_length and its
+# completion within --max_target_length, apart.
 SEQ2SEQ_ENCODING = Encoding("seq2seq", _encode_batch, ENCODING_VERSION)
 CAUSAL_ENCODING = Encoding(
+    "causal", _encode_causal_batch, f"{ENCODING_VERSION}-causal-rows", adds_special_ids=True, renders_chat=True,
+    bounds_rows=True,
+)  # fmt: skip
+CAUSAL_ENCODING_BY_LENGTHS = Encoding(
     "causal", _encode_causal_batch, f"{ENCODING_VERSION}-causal", adds_special_ids=True, renders_chat=True
 )
+ENCODINGS = {each.version: each for each in (SEQ2SEQ_ENCODING, CAUSAL_ENCODING, CAUSAL_ENCODING_BY_LENGTHS)}
+# What a checkpoint that recorded no encoding (written before checkpoints recorded it) was read with, by kind.
+UNRECORDED_ENCODINGS = {"seq2seq": SEQ2SEQ_ENCODING, "causal": CAUSAL_ENCODING_BY_LENGTHS}
+
+
+def resumed_encoding(recorded: int | str | None, kind: Encoding) -> Encoding:
+    """The encoding a run resumed from a checkpoint reads its rows with, so that its data position stays exact:
+    the one its checkpoint recorded (`recorded`), or where it recorded none, the one of `kind`'s name that the
+    package had then. A version this one does not know is refused."""
+    if recorded is None:
+        return UNRECORDED_ENCODINGS[kind.name]
+    if recorded not in ENCODINGS or ENCODINGS[recorded].name != kind.name:
+        raise ConfigError(
+            f"the checkpoint's rows were tokenised by the encoding {recorded!r}, which this version of the "
+            f"package does not have for a {kind.name} model: resume it with the version that wrote it, or start a "
+            "new run"
+        )
+    return ENCODINGS[recorded]
 
 
 def _tokenising_processes(rows: int) -> int | None:
@@ -479,6 +575,8 @@ def _cached_token_ids(
     }
     if encoding.adds_special_ids:  # the ids it adds itself, which the tokenizer's definition may not name
         key["special_ids"] = [tokenizer.bos_token_id, tokenizer.eos_token_id]
+    bound = {"row_length": seq_len(data)} if encoding.bounds_rows else {}
+    key.update(bound)
     if cached.cleaning == "chat":  # conversations are rendered by it (_encode_chat_batch)
         key["chat_template"] = getattr(tokenizer, "chat_template", None)
         key["chat_encoding"] = CHAT_ENCODING_VERSION
@@ -501,9 +599,11 @@ def _cached_token_ids(
     encode = functools.partial(
         encoding.encode, tokenizer=tokenizer, clean=CLEANINGS[cached.cleaning],
         source_prefix=data.source_prefix, input_length=input_length, output_length=output_length,
-        **({"chat": True} if cached.cleaning == "chat" else {}),
+        **({"chat": True} if cached.cleaning == "chat" else {}), **bound,
     )  # fmt: skip
     features = _CHAT_TOKEN_FEATURES if cached.cleaning == "chat" else _TOKEN_FEATURES
+    if bound:
+        features = datasets.Features({**features, **_CUT_FEATURES})
     build = functools.partial(_write_token_cache, rows, split, encode, features)
     what = f"the token ids of {len(rows)} {split} rows"
     reuse = functools.partial(larger_cache, root)

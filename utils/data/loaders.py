@@ -26,7 +26,7 @@ from configs.errors import DataError
 from configs.evaluation import EvalConfig, generation_rows
 from configs.training import TrainConfig
 from utils.base.log import bars_shown, get_logger
-from utils.data.cache import evaluation_split, split_rows, text_source, warn_once
+from utils.data.cache import Encoding, evaluation_split, split_rows, text_source, warn_once
 from utils.data.samplers import (
     LengthGrouping,
     PaddedEvalSampler,
@@ -47,8 +47,9 @@ class DataFormat:
     evaluation read of a Dataset (summarization_dataset.SummarizationDataset has it): ``encoding`` (how its rows
     are tokenised: utils/data/cache.py's Encoding), ``packed`` (whether its items are blocks of rows), ``split``,
     ``split_rows``, ``source_description``, ``cleaning``, ``source_prefix``, ``tokenizer``, ``unknown_tokens``,
-    ``row_id(i)``, ``article(i)``, ``reference(i)``, ``source_lengths()`` and ``target_lengths()``; and of its
-    class, ``lengths(data)``, the input and output lengths the settings give. ``packed_type``: the Dataset of
+    ``row_id(i)``, ``article(i)``, ``reference(i)``, ``source_lengths()``, ``target_lengths()`` and
+    ``cut_note()`` (the start line's words on the rows' cuts); and of its class, ``lengths(data, encoding)``, the
+    input and output lengths the settings give. ``packed_type``: the Dataset of
     --packing's blocks, built alike (and with ``packing_note()``), where the model spec packs."""
 
     dataset_type: type[Dataset]
@@ -75,6 +76,7 @@ class Loaders:
     val_num_real_samples: int  # this rank's validation samples that are not padding repeats
     evaluation: EvalSet | None  # generation's rows (--eval_rouge; --evaluate_only's split)
     cleaning: str  # how the source's texts are prepared (utils/data/cache.py: CLEANINGS)
+    encoding: Encoding  # how their rows were tokenised: what the run's checkpoints record, and a resume reads
 
     def unknown_tokens(self) -> dict:
         """{split: its unknown-token counts} of the splits this run reads (the run record's)."""
@@ -121,17 +123,19 @@ def build_loader(
 
 def build_dataset(
     tokenizer, data_format: DataFormat, split: str, num_samples: int | None, data: DataConfig, world_size: int,
-    read_as: str = "",
+    read_as: str = "", encoding: Encoding | None = None,
 ) -> Dataset:  # fmt: skip
     """The format's Dataset of one split, the first `num_samples` rows (0: all; None: by source, rows_to_read,
     as split `read_as` would be: generation reads any split as the validation split), with at least one sample
-    per rank; packed into blocks with --packing, but for generation (`read_as`). More rows asked for than the
+    per rank; packed into blocks with --packing, but for generation (`read_as`). Tokenised as `encoding` (by
+    default the Dataset's: a resumed run's is the one its checkpoint recorded). More rows asked for than the
     split has: all of them, said once, by rank 0."""
     tutorial_data = text_source(data).cleaning == "wikihow"
     limit = rows_to_read(num_samples, read_as or split, tutorial_data)
     dataset_type = data_format.dataset_type
-    lengths = dataset_type.lengths(data)
-    rows = split_rows(tokenizer, split, limit, *lengths, data, encoding=dataset_type.encoding)
+    encoding = encoding or dataset_type.encoding
+    lengths = dataset_type.lengths(data, encoding)
+    rows = split_rows(tokenizer, split, limit, *lengths, data, encoding=encoding)
     if data.packing and not read_as:
         dataset_type = data_format.packed_type
     dataset = dataset_type(tokenizer, split, limit, *lengths, data, rows=rows)
@@ -195,7 +199,8 @@ def rows_phrase(dataset: Dataset, asked: int | None, flag: str) -> str:
     """How many rows of its split a dataset reads and why, for the start line (`asked`: the value of `flag`,
     the setting that chose them)."""
     split, rows = dataset.split, len(dataset.dataset)
-    packed = f", {dataset.packing_note()}" if dataset.packed else ""
+    notes = (dataset.cut_note(), dataset.packing_note() if dataset.packed else "")
+    packed = "".join(f", {note}" for note in notes if note)
     if rows == dataset.split_rows:
         return f"{split} {rows} (all{packed})"
     why = flag if asked is not None else f"the tutorial's subset of WikiHow; {flag} 0 for all"
@@ -204,11 +209,11 @@ def rows_phrase(dataset: Dataset, asked: int | None, flag: str) -> str:
 
 def build_loaders(
     *, tokenizer, data_format: DataFormat, data: DataConfig, train: TrainConfig, evaluation: EvalConfig,
-    info: DistInfo,
+    info: DistInfo, encoding: Encoding | None = None,
 ) -> Loaders:  # fmt: skip
     """This rank's training loader (shuffled, resumable), validation loader (in order, padded) and generation
     set; --run_validation false builds neither of the last two. --evaluate_only: its split's set alone (a test
-    file alone will do)."""
+    file alone will do). Their rows tokenised as `encoding` (by default the format's Dataset's)."""
     if not bars_shown():  # datasets' own bars (loading, tokenising) follow the package's rule, in this process
         datasets.disable_progress_bars()
     if evaluation.evaluate_only:
@@ -216,15 +221,17 @@ def build_loaders(
         if evaluation.eval_split == "auto":
             why = " (the data has no validation split of its own)" if split == "test" else ""
             get_logger().info("--eval_split auto: scoring the %s split%s", split, why)
-        eval_set = build_eval_set(tokenizer, data_format, data, train, evaluation, info, split)
+        eval_set = build_eval_set(tokenizer, data_format, data, train, evaluation, info, split, encoding)
         get_logger().info(
             "rows: %s",
             rows_phrase(
                 eval_set.dataset, generation_rows(evaluation, data.num_val_samples), generation_flag(evaluation)
             ),
         )
-        return Loaders(None, None, None, 0, eval_set, eval_set.dataset.cleaning)
-    train_set = build_dataset(tokenizer, data_format, "train", data.num_train_samples, data, info.world_size)
+        return Loaders(None, None, None, 0, eval_set, eval_set.dataset.cleaning, eval_set.dataset.encoding)
+    train_set = build_dataset(
+        tokenizer, data_format, "train", data.num_train_samples, data, info.world_size, encoding=encoding
+    )
     grouping = None
     if data.group_by_length:
         targets = train_set.target_lengths() if data.length_key != "source" else None
@@ -236,12 +243,16 @@ def build_loaders(
     train_loader = build_loader(train_set, train_sampler, train.batch_size_training, **loader_args)
     val, val_num_real, eval_set = None, 0, None
     if train.run_validation:
-        val_set = build_dataset(tokenizer, data_format, "validation", data.num_val_samples, data, info.world_size)
+        val_set = build_dataset(
+            tokenizer, data_format, "validation", data.num_val_samples, data, info.world_size, encoding=encoding
+        )
         val_sampler = PaddedEvalSampler(len(val_set), info.rank, info.world_size)
         val = build_loader(val_set, val_sampler, train.val_batch_size, **loader_args)
         val_num_real = val_sampler.num_real_samples
         if evaluation.eval_rouge and not data.dataset_text_field:  # whole texts: no reference to score against
-            eval_set = build_eval_set(tokenizer, data_format, data, train, evaluation, info, "validation")
+            eval_set = build_eval_set(
+                tokenizer, data_format, data, train, evaluation, info, "validation", encoding
+            )
     said = [
         rows_phrase(train_set, data.num_train_samples, "--num_train_samples"),
         rows_phrase(val.dataset, data.num_val_samples, "--num_val_samples")
@@ -249,7 +260,9 @@ def build_loaders(
         else "validation - (--run_validation false)",
     ]
     get_logger().info("rows: %s", ", ".join(said))
-    return Loaders(train_loader, train_sampler, val, val_num_real, eval_set, train_set.cleaning)
+    return Loaders(
+        train_loader, train_sampler, val, val_num_real, eval_set, train_set.cleaning, train_set.encoding
+    )
 
 
 def generation_flag(evaluation: EvalConfig) -> str:
@@ -259,13 +272,15 @@ def generation_flag(evaluation: EvalConfig) -> str:
 
 def build_eval_set(
     tokenizer, data_format: DataFormat, data: DataConfig, train: TrainConfig, evaluation: EvalConfig,
-    info: DistInfo, split: str,
+    info: DistInfo, split: str, encoding: Encoding | None = None,
 ) -> EvalSet:  # fmt: skip
     """The first --eval_num_samples rows of `split` (by default as many as the validation loss reads), each
     batch padded to its longest source only (generation needs no fixed shapes)."""
     dynamic = dataclasses.replace(data, pad_to_max_length=False)
     rows = generation_rows(evaluation, data.num_val_samples)
-    dataset = build_dataset(tokenizer, data_format, split, rows, dynamic, info.world_size, read_as="validation")
+    dataset = build_dataset(
+        tokenizer, data_format, split, rows, dynamic, info.world_size, read_as="validation", encoding=encoding
+    )
     sampler = PaddedEvalSampler(len(dataset), info.rank, info.world_size)
     collate = functools.partial(data_format.collate, pad_token_id=tokenizer.pad_token_id)
     loader = build_loader(

@@ -26,10 +26,11 @@ from policies.wrapping import layer_classes
 from utils.base import layout
 from utils.base.log import get_logger
 from utils.checkpoint.final_models import FinalModels
-from utils.checkpoint.inputs import checked_inputs
+from utils.checkpoint.inputs import checked_inputs, recorded_encoding
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.run_lock import check_writable
 from utils.checkpoint.start import StartPoint, resolve_start
+from utils.data.cache import resumed_encoding
 from utils.data.loaders import Loaders, build_loaders
 from utils.distributed import process_group
 from utils.distributed.progress_bounded import progress_bounded
@@ -161,6 +162,14 @@ def build_run(
     checked_config, chosen_spec = loading.run_model_config(train.model_name, evaluating=evaluating)
     spec = spec or chosen_spec
     spec.check_data(config.data, checked_config)  # what only some models read (--packing: a decoder-only one)
+    # --max_seq_len within the model's positions (a decoder-only model's); the run and its record read this
+    data = spec.fitted_data(config.data, checked_config, resumed=start.is_checkpoint)
+    config = dataclasses.replace(config, data=data)
+    # A resume reads its rows as its run tokenised them (recorded by its checkpoints), so that its data position
+    # stays exact: a run started before decoder-only rows were bounded by --max_seq_len keeps its bounds.
+    encoding = None
+    if start.is_checkpoint:
+        encoding = resumed_encoding(recorded_encoding(start), spec.data_format.dataset_type.encoding)
     # Datasets and loaders (the spec's Dataset and collate; the tutorial's, summarization_dataset.py): the data
     # is read and checked before the model loads, so a data error costs seconds, not the minutes of loading a
     # large model.
@@ -170,8 +179,10 @@ def build_run(
     with progress_bounded("data loading"):
         loaders = build_loaders(
             tokenizer=tokenizer, data_format=spec.data_format, data=config.data, train=train,
-            evaluation=evaluation, info=info,
+            evaluation=evaluation, info=info, encoding=encoding,
         )  # fmt: skip
+    if inputs is not None:
+        inputs["encoding"] = loaders.encoding.version
     log_evaluation_plan(config, loaders)
 
     # The model: pretrained weights (a skeleton on the meta device where rank-0-only loading fills it
