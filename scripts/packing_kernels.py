@@ -67,7 +67,7 @@ def documents_alone(model, packed, plain, blocks: list[int], pad_id: int, device
     with torch.no_grad():
         for block in blocks:
             alone = []
-            for document in range(packed.block_firsts[block], packed.block_firsts[block + 1]):
+            for document in packed.rows_of(block).tolist():
                 single = move_batch(causal_collate([plain[document]], pad_id), device)
                 losses, _ = CAUSAL.token_losses(reference, single)
                 alone += [torch.zeros(1, device=device), losses[0]]
@@ -162,7 +162,7 @@ def measure_kernels(tokenizer, packed, plain, shape, kernels, batch_size, steps,
     base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # kept in host memory: a copy per kernel
     blocks = list(range(min(batch_size, len(packed))))
     expected = documents_alone(base, packed, plain, blocks, pad_id, device)
-    documents = range(packed.block_firsts[0], packed.block_firsts[len(blocks)])
+    documents = packed.block_rows[: packed.block_starts[len(blocks)]].tolist()
     result = {"shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "max_seq_len": packed.block_length, "blocks": len(blocks), "documents": len(documents),
               "packing": packed.packing_note(), "kernels": {}}  # fmt: skip

@@ -269,7 +269,7 @@ def test_a_packed_block_keeps_its_documents_apart_each_with_the_losses_it_has_al
     batch = causal_collate([packed[0], packed[1]], pad_token_id=tokenizer.pad_token_id)
     packed_losses, labels = CAUSAL.token_losses(model, batch)
     for block in (0, 1):
-        rows = range(packed.block_firsts[block], packed.block_firsts[block + 1])
+        rows = packed.rows_of(block).tolist()
         assert len(rows) >= 2 or block == 1
         alone = []
         for row in rows:
