@@ -176,15 +176,16 @@ class DataConfig:
         ),
         on_resume="fixed",
     )
-    packing_strategy: Literal["documents", "wrapped"] = option(
+    packing_strategy: Literal["documents", "bfd", "wrapped"] = option(
         default="documents",
         help=(
             "How --packing fills a block. documents: whole rows in their order (one longer than a block keeps "
             "its last tokens: its completion), each attending to itself alone (position ids restart per row; the "
             "loss of a row as if it were alone; a model whose forward takes no position ids is refused), the "
-            "rest of the block padding. wrapped: every row's tokens concatenated and cut into full "
-            "blocks, the last part dropped, rows attending across their boundaries (the Llama 2 guide's "
-            "packing, TRL's 'wrapped')."
+            "rest of the block padding. bfd: the same, the rows placed by best-fit decreasing (TRL's default): "
+            "longest first, each into the block it fills best, so fewer blocks and less padding. wrapped: every "
+            "row's tokens concatenated and cut into full blocks, the last part dropped, rows attending across "
+            "their boundaries (the Llama 2 guide's packing, TRL's 'wrapped')."
         ),
         on_resume="fixed",
     )

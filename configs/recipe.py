@@ -107,3 +107,13 @@ class RecipeConfig:
         minimum=0,
         maximum=1,
     )
+    neftune_noise_alpha: float | None = option(
+        default=None,
+        help=(
+            "NEFTune (HF TrainingArguments' and TRL's name): while training, uniform noise in [-b, b] added to "
+            "the input embeddings, b = alpha / sqrt(padded length x hidden width), as transformers' hook adds "
+            "it (an encoder-decoder's: the encoder's and the decoder's); none in evaluation and generation. "
+            "The paper used 5 to 15. NONE or 0: off."
+        ),
+        minimum=0,
+    )

@@ -24,7 +24,14 @@ from transformers import (
     T5Config,
 )
 
-from causal_lm_dataset import CausalLMDataset, PackedCausalDataset, causal_collate
+import causal_lm_dataset
+from causal_lm_dataset import (
+    CausalLMDataset,
+    PackedCausalDataset,
+    best_fit_decreasing,
+    causal_collate,
+    rows_in_order,
+)
 from configs.data import DataConfig
 from configs.errors import ConfigError
 from configs.lora import LoraConfig
@@ -271,7 +278,7 @@ def test_a_packed_block_keeps_its_documents_apart_each_with_the_losses_it_has_al
     batch = causal_collate([packed[0], packed[1]], pad_token_id=tokenizer.pad_token_id)
     packed_losses, labels = CAUSAL.token_losses(model, batch)
     for block in (0, 1):
-        rows = range(packed.block_firsts[block], packed.block_firsts[block + 1])
+        rows = packed.rows_of(block).tolist()
         assert len(rows) >= 2 or block == 1
         alone = []
         for row in rows:
@@ -335,6 +342,86 @@ def test_a_validation_split_with_no_scored_token_has_no_loss_and_no_best_model(c
     assert not CAUSAL.is_better("val_loss", losses[0], None) and CAUSAL.is_better("val_loss", losses[1], losses[0])
 
 
+def test_best_fit_decreasing_puts_each_row_where_it_leaves_the_least_room():
+    """--packing_strategy bfd's placement: TRL's pack_dataset example (lengths 3, 2, 3, 1 in blocks of 4: the
+    1 joins the first 3, equal rooms taken oldest first); a row goes to the block it fills best, not to the
+    first with room (the control: first fit would put the 2 beside the 12). On random lengths: every row once,
+    no block over capacity, no two blocks that would fit in one, fewer blocks than in order, the same blocks
+    on a second call."""
+    assert best_fit_decreasing([3, 2, 3, 1], 4) == [[0, 3], [2], [1]]
+    assert best_fit_decreasing([12, 9, 9, 2], 20) == [[0], [1, 2, 3]]
+    assert best_fit_decreasing([2, 9, 12, 9], 20) == [[2], [1, 3, 0]]  # the same lengths, rows in another order
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 300, (500,), generator=generator).tolist()
+    blocks = best_fit_decreasing(lengths, 512)
+    assert sorted(row for block in blocks for row in block) == list(range(500))
+    totals = [sum(lengths[row] for row in block) for block in blocks]
+    assert max(totals) <= 512 and sorted(totals)[0] + sorted(totals)[1] > 512
+    assert len(blocks) < len(rows_in_order(lengths, 512)) and blocks == best_fit_decreasing(lengths, 512)
+
+
+def test_bfd_packing_keeps_each_row_apart_as_documents_does_in_fewer_blocks(causal_dirs, tmp_path):
+    """--packing_strategy bfd on the whole texts (24 rows of 14-65 tokens, blocks of 96): 10 blocks where
+    documents packing makes 13, every row once; a block's position ids restart at each of its rows, and each
+    row's per-token losses in a batch of blocks are those it has alone (the rows out of their order, four in a
+    block)."""
+    tokenizer = load_tokenizer(causal_dirs["llama"])
+    data = text_data(tmp_path, packing=True, packing_strategy="bfd")
+    lengths = CausalLMDataset.lengths(data)
+    plain = CausalLMDataset(tokenizer, "train", None, *lengths, data)
+    packed = PackedCausalDataset(tokenizer, "train", None, *lengths, data)
+    documents = PackedCausalDataset(tokenizer, "train", None, *lengths, dataclasses.replace(data,
+                                    packing_strategy="documents"))  # fmt: skip
+    assert (len(packed), len(documents)) == (10, 13)
+    assert sorted(packed.block_rows.tolist()) == list(range(len(plain)))
+    assert "(bfd) into 10 blocks of 96 tokens: 0.0% of their tokens dropped, 7.5% of the blocks padding" in (
+        packed.packing_note())  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(causal_dirs["llama"])
+    blocks = [0, len(packed) - 1]
+    batch = causal_collate([packed[b] for b in blocks], pad_token_id=tokenizer.pad_token_id)
+    packed_losses, _ = CAUSAL.token_losses(model, batch)
+    for index, block in enumerate(blocks):
+        rows = packed.rows_of(block).tolist()
+        assert rows != sorted(rows) or len(rows) < 2
+        alone, positions = [], []
+        for row in rows:
+            losses, _ = CAUSAL.token_losses(model, causal_collate([plain[row]], tokenizer.pad_token_id))
+            alone += [torch.zeros(1), losses[0]]
+            positions.append(torch.arange(len(plain[row]["input_ids"])))
+        expected = torch.cat(alone)[1:]
+        assert torch.equal(batch["position_ids"][index, : len(expected) + 1], torch.cat(positions))
+        got = packed_losses[index, : len(expected)]
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6), (got - expected).abs().max()
+    assert len(packed.rows_of(blocks[1])) == 4
+
+
+def test_bfd_blocks_are_the_same_on_any_number_of_ranks_and_a_resume_reads_each_once(causal_dirs, tmp_path):
+    """The bfd blocks are a function of the cached rows alone: built for 1 and for 2 ranks, and again from a
+    new cache, they are the same blocks, token for token. An epoch dealt to 2 ranks, stopped after a step and
+    resumed on 1 rank, reads the uninterrupted 1-rank epoch's blocks, each once, in its order."""
+    from utils.data.loaders import build_dataset
+    from utils.data.samplers import train_sampler_for
+
+    tokenizer = load_tokenizer(causal_dirs["llama"])
+    data = text_data(tmp_path, packing=True, packing_strategy="bfd")
+    builds = [build_dataset(tokenizer, causal_lm_dataset.FORMAT, "train", None, data, world_size)
+              for world_size in (1, 2)]  # fmt: skip
+    again = dataclasses.replace(data, cache_dir=str(tmp_path / "another_cache"))
+    builds.append(build_dataset(tokenizer, causal_lm_dataset.FORMAT, "train", None, again, 2))
+    items = [[build[b] for b in range(len(build))] for build in builds]
+    for other in items[1:]:
+        assert len(other) == len(items[0]) == 10
+        assert all(torch.equal(a[key], b[key]) for a, b in zip(items[0], other, strict=True) for key in a)
+    packed = builds[0]
+    uninterrupted = list(train_sampler_for(packed, 0, 1, seed=3))
+    batch = 2
+    first_step = [list(train_sampler_for(packed, rank, 2, seed=3))[:batch] for rank in range(2)]
+    resumed = train_sampler_for(packed, 0, 1, seed=3)
+    resumed.set_epoch(0, samples_consumed=batch * 2)
+    read = sorted(b for share in first_step for b in share) + list(resumed)
+    assert sorted(read) == list(range(len(packed))) and list(resumed) == uninterrupted[batch * 2 :]
+
+
 def test_wrapped_packing_is_the_rows_tokens_concatenated_and_cut(causal_dirs, tmp_path):
     """--packing_strategy wrapped (the Llama 2 guide's): the blocks are every row's tokens one after the other,
     cut into full blocks of --max_seq_len, token for token, the last part dropped; labels the same tokens."""
@@ -391,7 +478,8 @@ def test_trls_max_length_is_a_decoder_only_models_length_and_an_encoder_decoder_
 def test_documents_packing_is_refused_for_a_model_that_takes_no_position_ids():
     """BLOOM's forward takes no position ids, from which transformers keeps a packed block's rows apart: a
     row's losses in a block differ from its losses alone (Llama's, the control, are equal), so documents
-    packing is refused for it; wrapped packing and no packing are allowed. Llama and GPT-2 take them."""
+    packing (and bfd's, which keeps rows apart alike) is refused for it; wrapped packing and no packing are
+    allowed. Llama and GPT-2 take them."""
     from transformers import BloomForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -411,6 +499,8 @@ def test_documents_packing_is_refused_for_a_model_that_takes_no_position_ids():
     documents = DataConfig(packing=True)
     with pytest.raises(ConfigError, match="by their position ids, and BloomForCausalLM takes none"):
         CAUSAL.check_data(documents, BloomConfig())
+    with pytest.raises(ConfigError, match="--packing_strategy bfd keeps a block's rows apart"):
+        CAUSAL.check_data(dataclasses.replace(documents, packing_strategy="bfd"), BloomConfig())
     CAUSAL.check_data(dataclasses.replace(documents, packing_strategy="wrapped"), BloomConfig())
     CAUSAL.check_data(DataConfig(), BloomConfig())
     for config in (LlamaConfig(), GPT2Config()):

@@ -249,15 +249,16 @@ class CausalSpec(ModelSpec):
         return {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
 
     def check_data(self, data: DataConfig, config: PretrainedConfig) -> None:
-        """ConfigError where --packing documents would let a block's rows attend to each other: transformers
-        tells them apart by their position ids, which some models' forward does not take (BLOOM, MPT)."""
+        """ConfigError where --packing documents or bfd would let a block's rows attend to each other:
+        transformers tells them apart by their position ids, which some models' forward does not take (BLOOM,
+        MPT)."""
         forward = inspect.signature(self.model_mapping[type(config)].forward).parameters
-        if data.packing and data.packing_strategy == "documents" and "position_ids" not in forward:
+        if data.packing and data.packing_strategy != "wrapped" and "position_ids" not in forward:
             raise ConfigError(
-                f"--packing_strategy documents keeps a block's rows apart by their position ids, and "
-                f"{self.architecture(config)} takes none: its rows would attend to the rows before them. Train "
-                "it unpacked (--packing false), or with --packing_strategy wrapped (rows attending across, as the "
-                "Llama 2 guide packed)"
+                f"--packing_strategy {data.packing_strategy} keeps a block's rows apart by their position ids, "
+                f"and {self.architecture(config)} takes none: its rows would attend to the rows before them. "
+                "Train it unpacked (--packing false), or with --packing_strategy wrapped (rows attending across, "
+                "as the Llama 2 guide packed)"
             )
 
     def fitted_data(self, data: DataConfig, config: PretrainedConfig, resumed: bool) -> DataConfig:

@@ -36,7 +36,7 @@ from utils.distributed import process_group
 from utils.distributed.progress_bounded import progress_bounded
 from utils.eval.evaluator import Evaluator
 from utils.fsdp.parallelism import Parallelism, parallelism_for
-from utils.model import loading, lora
+from utils.model import loading, lora, neftune
 from utils.observe import flops
 from utils.observe.memory import MemoryBaseline
 from utils.spec import ModelSpec
@@ -322,4 +322,9 @@ def build_model(
         if adapter_weights and not on_meta:
             loading.load_full_model_weights(loaded.model, adapter_weights)
         loaded.param_numel_total = total
+    alpha = config.recipe.neftune_noise_alpha
+    if alpha:  # on the unwrapped model (LoRA's base): FSDP keeps the embedding modules it hooks
+        hooked = neftune.add_embedding_noise(loaded.model, alpha)
+        get_logger().info("NEFTune: noise of alpha %g on the input embeddings while training (%s)", alpha,
+                          ", ".join(hooked))  # fmt: skip
     return loaded
