@@ -266,6 +266,8 @@ GUIDE_AND_TRL_NAMES = {
     ("--lora_dropout", "0.05"): ("own", {"lora_dropout": 0.05}),
     ("--lora_target_modules", "all-linear"): ("own", {"lora_target_modules": "all-linear"}),  # test_causal.py
     ("--weight_decay", "1e-4"): ("own", {"weight_decay": 1e-4}),
+    ("--neftune_noise_alpha", "5"): ("own", {"neftune_noise_alpha": 5.0}),
+    ("--packing_strategy", "bfd"): ("own", {"packing_strategy": "bfd"}),
     # no meaning here, and no flag they misspell: no hint (before: --use_reentrant was led to --save_strategy,
     # --padding_free to --learning_rate, --max_length to --pad_to_max_length)
     **{tuple(argv.split()): ("unknown", []) for argv in (
