@@ -97,6 +97,38 @@ def _checked(start: StartPoint, current: dict, accept_changed: bool) -> dict:
     return current
 
 
+# What a checkpoint written before checkpoints recorded their splits trained and evaluated on, whatever
+# --eval_split said (utils/data/cache.py: SplitPlan.record).
+SPLITS_BEFORE_RECORDED = {"train": "train", "evaluation": "validation"}
+
+
+def checked_splits(start: StartPoint, inputs: dict, splits: dict) -> dict:
+    """`inputs` with the splits the run trains and evaluates on (SplitPlan.record: --eval_split on the source's
+    splits), for its checkpoints to record; at a resume from a checkpoint, refused where they differ from the
+    checkpoint's: its rows and its choice of the best model would change mid-run. Collective."""
+    return rank0_decides(lambda: _checked_splits(start, inputs, splits))
+
+
+def _checked_splits(start: StartPoint, inputs: dict, splits: dict) -> dict:
+    if start.is_checkpoint:
+        recorded = read_train_state(start.path).get("inputs") or {}
+        then = recorded.get("splits", SPLITS_BEFORE_RECORDED)
+        if then != splits:
+            keep = "test" if then["evaluation"] == "test" else "auto"
+            raise ConfigError(
+                f"checkpoint {start.path} trained on {_splits_said(then)}; this resume would train on "
+                f"{_splits_said(splits)}, so its rows and the split that chooses its best model would change "
+                f"mid-run. Resume with --eval_split {keep} (what the checkpoint trained with), or start a new run "
+                "in another --output_dir."
+            )
+    return {**inputs, "splits": splits}
+
+
+def _splits_said(splits: dict) -> str:
+    train = "every train row" if splits["train"] != "train" else "train less any rows held out for validation"
+    return f"{train}, evaluated on the {splits['evaluation']} split"
+
+
 def data_fingerprint(data: DataConfig) -> dict:
     """{each file the run's rows are read from, by its name in the source (utils/data/sources.py: TextSource):
     its path, size and digest}; empty for a hub dataset."""

@@ -4,6 +4,7 @@ MLflow draw (utils/observe/tensorboard.py, utils/observe/trackers.py).
 Tags by record type, each against its natural x-axis:
 - step (global step): train/loss, train/lr, train/grad_norm, train/mfu, train/model_tflops_per_s, ...
 - validation (global step): validation/val_loss
+- test (global step): test/loss (and test/perplexity): a split scored once after training
 - epoch (epoch): epoch/train_loss, epoch/val_loss, epoch/tokens_per_s, epoch/mfu, epoch/peak_memory_mib, ...
 - eval (global step): rouge/<split>/rouge1, rouge2, rougeL, rougeLsum, gen_len (accuracy/<split>/accuracy,
   gen_len with --eval_metric accuracy)
@@ -14,9 +15,21 @@ Null, non-finite and non-numeric fields are left out, so a skipped step leaves a
 import math
 
 # The x-axis of each record type (a field of the record), and the prefix of its tags.
-AXES = {"step": ("step", "train"), "validation": ("step", "validation"), "epoch": ("epoch", "epoch")}
+AXES = {
+    "step": ("step", "train"),
+    "validation": ("step", "validation"),
+    "test": ("step", "test"),
+    "epoch": ("epoch", "epoch"),
+}
 # The x-axis of each record type that has scalars.
-AXIS_OF_TYPE = {"step": "step", "validation": "step", "eval": "step", "epoch": "epoch", "memory": "rank"}
+AXIS_OF_TYPE = {
+    "step": "step",
+    "validation": "step",
+    "test": "step",
+    "eval": "step",
+    "epoch": "epoch",
+    "memory": "rank",
+}
 NOT_SCALARS = {"type", "step", "epoch", "rank", "split", "num_samples", "baselines"}
 
 
