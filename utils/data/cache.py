@@ -119,13 +119,12 @@ def user_cache_dir() -> Path:
 @dataclasses.dataclass(frozen=True)
 class CachedSplit:
     rows: datasets.Dataset  # id, source, target; memory-mapped
-    cache: Path  # the text cache folder: its name identifies the content
+    cache: Path  # the cache folder its rows are read from (the text cache): its name identifies them
     cleaning: str  # how a text is prepared (CLEANINGS)
     what: str  # the source, for messages
-    part: str = ""  # the rows' name in the token cache's key where they are not the split's (WHOLE_TRAIN)
 
 
-# The token cache's name for train with its held-out validation rows put back (--eval_split test).
+# Train with its held-out validation rows put back (--eval_split test), as its cache's key and checkpoints name it.
 WHOLE_TRAIN = "train+held_out"
 
 
@@ -180,7 +179,7 @@ def evaluation_plan(data: DataConfig, asked: str, evaluate_only: bool = False) -
     if asked == "test":
         if "test" not in origin:
             raise DataError(
-                f"--eval_split test evaluates on the test split, and {source.what} has none: "
+                f"--eval_split test evaluates on the test split, and there is no test split in {source.what}: "
                 f"{source.add_split.format(split='test')}; or --eval_split auto (validation)."
             )
         return SplitPlan("test", whole_train=held_rows > 0, held_out_rows=held_rows)
@@ -219,24 +218,39 @@ def cached_split(data: DataConfig, split: str, whole_train: bool = False) -> Cac
             f"{manifest['skipped'][split]} rows with an empty text or target skipped). {fix}"
         )
     rows = datasets.Dataset.from_file(str(folder / f"{split}.arrow"))
-    part = ""
     if whole_train and split == "train" and "held out" in manifest["origin"].get("validation", ""):
-        rows, part = _with_held_out_rows(rows, folder, data), WHOLE_TRAIN
+        folder = _with_held_out_rows(rows, folder, data, source.what)  # its token ids are keyed by it
+        rows = datasets.Dataset.from_file(str(folder / "train.arrow"))
     # Conversations (sources.ChatPrompt) are rendered by the tokenizer's chat template, not cleaned.
-    return CachedSplit(rows, folder, "chat" if manifest.get("chat") else source.cleaning, source.what, part)
+    return CachedSplit(rows, folder, "chat" if manifest.get("chat") else source.cleaning, source.what)
 
 
-def _with_held_out_rows(train: datasets.Dataset, folder: Path, data: DataConfig) -> datasets.Dataset:
-    """Train's rows in the source's order, those held out for validation (sources.held_out_positions: the same
-    draw, from the same count) back in their places: a view of the two memory-mapped files, not a copy."""
-    held = datasets.Dataset.from_file(str(folder / "validation.arrow"))
-    count = len(train) + len(held)
-    is_held = np.zeros(count, dtype=bool)
-    is_held[sources.held_out_positions(count, data.validation_split_percentage, data.validation_split_seed)] = True
-    order = np.empty(count, dtype=np.int64)
-    order[~is_held] = np.arange(len(train))
-    order[is_held] = len(train) + np.arange(len(held))
-    return datasets.concatenate_datasets([train, held]).select(order, keep_in_memory=True)  # writes no file
+def _with_held_out_rows(train: datasets.Dataset, folder: Path, data: DataConfig, what: str) -> Path:
+    """The folder of train's rows in the source's order (its train.arrow), those held out for validation
+    (sources.held_out_positions: the same draw, from the same count) back in their places: written once per
+    machine beside the text cache `folder`, as the token ids are."""
+    key = {"text_cache": folder.name, "rows": WHOLE_TRAIN}
+
+    def build(out: Path) -> dict:
+        held = datasets.Dataset.from_file(str(folder / "validation.arrow"))
+        count = len(train) + len(held)
+        is_held = np.zeros(count, dtype=bool)
+        is_held[
+            sources.held_out_positions(count, data.validation_split_percentage, data.validation_split_seed)
+        ] = 1
+        order = np.empty(count, dtype=np.int64)
+        order[~is_held] = np.arange(len(train))
+        order[is_held] = len(train) + np.arange(len(held))
+        rows = datasets.concatenate_datasets([train, held]).select(order, keep_in_memory=True)
+        rows.flatten_indices(
+            cache_file_name=str(out / "train.arrow"), new_fingerprint=out.name.split(".partial")[0]
+        )
+        return {}
+
+    root = folder.parent
+    if not data.cache_dir:  # beside the text cache, unless that cannot be written and lacks these rows
+        root = usable_cache_root(root, lambda root: is_built(root, "rows", key))
+    return shared_folder(root, "rows", key, build, f"the train rows of {what} with those held out")[0]
 
 
 def load_wikihow(data_dir: str | os.PathLike, split: str, cache_dir: str | os.PathLike = "") -> datasets.Dataset:
@@ -606,9 +620,7 @@ def split_rows(
     rows = cached.rows
     if num_samples is not None and num_samples < len(rows):
         rows = rows.select(range(num_samples))  # a slice of the memory-mapped table, not a copy
-    token_ids = _cached_token_ids(
-        rows, cached, cached.part or split, tokenizer, data, input_length, output_length, encoding
-    )
+    token_ids = _cached_token_ids(rows, cached, split, tokenizer, data, input_length, output_length, encoding)
     return SplitRows(
         split=split, lengths=(input_length, output_length), encoding=encoding, rows=rows, token_ids=token_ids,
         split_rows=len(cached.rows), what=cached.what, cleaning=cached.cleaning,
