@@ -8,6 +8,7 @@ validation file is that test file; a resume with another --eval_split is refused
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from configs.paths import EMBEDDED_MODEL_DIR
 from configs.run import RunConfig
 from configs.training import TrainConfig
 from configs.validate import check_evaluation
+from scripts.make_tiny_family import make
 from summarization_dataset import FORMAT
 from tests.launch import pooled
 from tests.reference_run import read_records
@@ -211,6 +213,7 @@ def train_run(tmp_path: Path, name: str, folder: Path, *flags: str):
     return run, output_dir
 
 
+@pytest.mark.slow
 def test_runs_on_a_train_and_test_folder(tmp_path):
     """auto: the test split is scored once, after the last epoch, by the final model (a test record, an eval
     record and its predictions), and training is bit-identical to the same folder without test.jsonl (the
@@ -255,3 +258,20 @@ def test_runs_on_a_train_and_test_folder(tmp_path):
     assert "trained on every train row, evaluated on the test split; this resume would train on train less" in (
         refused.output
     ), refused.describe()
+
+
+@pytest.mark.slow
+def test_a_decoder_only_run_scores_the_test_split_with_its_perplexity(tmp_path):
+    """Tiny random GPT-2 (prompt and completion rows): auto's test record holds the loss and its perplexity,
+    and training is bit-identical to the control without test.jsonl."""
+    gpt2 = tmp_path / "gpt2"
+    make("gpt2", str(gpt2))
+    folder = data_folder(tmp_path / "tt", train=40, test=6)
+    flags = ["--model_name", str(gpt2), "--eval_rouge", "false", "--epochs", "1"]
+    auto, auto_dir = train_run(tmp_path, "auto", folder, *flags)
+    _, control_dir = train_run(tmp_path, "control", data_folder(tmp_path / "t", train=40), *flags)
+    assert step_losses(auto_dir) == step_losses(control_dir) and len(step_losses(auto_dir)) == 5
+    (record,) = of_type(auto_dir, "test")
+    assert record["perplexity"] == pytest.approx(math.exp(record["loss"]))
+    assert f"step 5): loss {record['loss']:.4f} (perplexity {record['perplexity']:.2f})" in auto.output
+    assert of_type(control_dir, "test") == []
