@@ -1,6 +1,7 @@
 """What a run reads, fingerprinted, so that a resume reads what its checkpoint was trained on.
 
     inputs = checked_inputs(start, data=..., model_name=..., lora=..., accept_changed=...)   # collective
+    inputs = checked_splits(start, inputs, plan.record())   # collective, once the data's splits are known
 
 An input's fingerprint is its content: its path is recorded for messages but does not count, nor does its
 modification time, so that a copied or moved file is the same file. A data file: its size and the XXH3-128
@@ -19,6 +20,10 @@ file and what changed, unless --accept_changed_inputs true continues on it delib
 checkpoints written from then on record the new inputs). The same content under another path (a folder moved
 and named anew, a file copied) is the run's, said in one line. A checkpoint written before checkpoints recorded
 their inputs resumes with one line saying that its inputs were not checked.
+
+The inputs also name the splits the run trains and evaluates on (utils/data/cache.py: SplitPlan, from
+--eval_split): train with or without the rows held out for validation, and the split that chooses the best
+model. A resume on others is refused (no --accept_changed_inputs: the fix is the --eval_split that resumes).
 """
 
 import os

@@ -235,9 +235,8 @@ def _with_held_out_rows(train: datasets.Dataset, folder: Path, data: DataConfig,
         held = datasets.Dataset.from_file(str(folder / "validation.arrow"))
         count = len(train) + len(held)
         is_held = np.zeros(count, dtype=bool)
-        is_held[
-            sources.held_out_positions(count, data.validation_split_percentage, data.validation_split_seed)
-        ] = 1
+        held_out = sources.held_out_positions(count, data.validation_split_percentage, data.validation_split_seed)
+        is_held[held_out] = True
         order = np.empty(count, dtype=np.int64)
         order[~is_held] = np.arange(len(train))
         order[is_held] = len(train) + np.arange(len(held))

@@ -67,7 +67,7 @@ class Trainer:
         checkpoints: CheckpointManager,
         final_models: FinalModels,
         evaluator: Evaluator | None,
-        final_evaluator: Evaluator | None = None,
+        final_evaluator: Evaluator | None,
         info: DistInfo,
         train: TrainConfig,
         recipe: RecipeConfig,
@@ -276,7 +276,7 @@ class Trainer:
         epochs', to --epochs; or --max_steps's, over as many epochs as they take (the last one partial); none
         once it is done."""
         if self.end.done(progress):
-            return 0, progress.epoch - 1
+            return 0, progress.epoch
         this_epoch, every_epoch = self._epoch_steps(progress.samples_consumed), self._epoch_steps(0)
         if not self.recipe.max_steps:
             later_epochs = self.train_config.epochs - progress.epoch
