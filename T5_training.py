@@ -50,6 +50,11 @@ def read_settings(argv: list[str] | None) -> tuple[RunConfig, dict]:
         get_logger().info("resuming with the settings of %s%s", recorded[0], changed)
     for note in cli.hf_name_notes(argv):
         get_logger().info("HF's name: %s", note)
+    if config.recipe.max_steps and "epochs" in cli.given_fields(argv):
+        get_logger().info(
+            "--epochs %d is left aside: --max_steps %d is the run's length in optimizer steps, over as many "
+            "epochs as it takes (HF's meaning)", config.train.epochs, config.recipe.max_steps,
+        )  # fmt: skip
     from_accelerate = cli.fields_from_accelerate(sys.argv[1:] if argv is None else argv)
     if from_accelerate:
         values = {

@@ -36,7 +36,10 @@ class DataConfig:
     )
     test_file: str = option(
         default="",
-        help="Test rows in a file (the types of --train_file), for --evaluate_only --eval_split test.",
+        help=(
+            "Test rows in a file (the types of --train_file): scored after training where validation is held out "
+            "of train, evaluated on instead with --eval_split test, scored by --evaluate_only --eval_split test."
+        ),
         on_resume="fixed",
         path="path",
     )

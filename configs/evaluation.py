@@ -115,8 +115,14 @@ class EvalConfig:
     eval_split: Literal["auto", "validation", "test", "train"] = option(
         default="auto",
         help=(
-            "The split --evaluate_only scores (training runs always evaluate the validation split). auto: the "
-            "validation split where the data has one, else its test split (said at start)."
+            "The split evaluation reads (said at start). Training: auto evaluates on the validation split (the "
+            "data's own, else --validation_split_percentage of train held out), and where that is held out and "
+            "the data has a test split, also scores the test split once after training (its loss, "
+            "--eval_metric and predictions, by the final model); validation: the validation split alone; test: "
+            "the test split, after each epoch, choosing the best model (train keeps every row: none is held "
+            "out). A resume keeps the splits its checkpoint trained with. --evaluate_only: the split it scores; "
+            "auto: the validation split where the data has one of its own, else its test split; train: "
+            "--evaluate_only alone."
         ),
     )
 

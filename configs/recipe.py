@@ -71,9 +71,10 @@ class RecipeConfig:
     max_steps: int = option(
         default=0,
         help=(
-            "Stop after this many optimizer steps, validating, evaluating, saving and exporting as at a normal "
-            "end; the learning-rate schedule spans them. A budget within --epochs: a larger one does not add "
-            "epochs (the run and its schedule end with them). 0 = run all epochs."
+            "The run's length in optimizer steps, whatever --epochs says (HF's meaning): as many epochs as it "
+            "takes, the last one partial, ending with the validation, evaluation, checkpoint and export of a "
+            "normal end; the learning-rate schedule spans them (said at start: N steps = E epochs + k). 0 = "
+            "--epochs epochs."
         ),
         minimum=0,
     )

@@ -241,6 +241,11 @@ def check_evaluation(evaluation: EvalConfig, train_config: TrainConfig) -> None:
         if not evaluation.eval_rouge:
             raise ConfigError("--evaluate_only true generates and scores outputs: it needs --eval_rouge true")
         return
+    if evaluation.eval_split == "train":
+        raise ConfigError(
+            "--eval_split train: training evaluates on a split it does not train on (auto, validation or test); "
+            "the train split is scored by --evaluate_only true"
+        )
     best = evaluation.metric_for_best
     generates = train_config.run_validation and evaluation.eval_rouge
     if best != "val_loss" and not generates:

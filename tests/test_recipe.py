@@ -128,23 +128,25 @@ def test_each_schedule_follows_its_formula(schedule):
 
 
 def test_the_schedule_spans_the_steps_the_run_trains():
-    """--max_steps within the epochs sizes the decay and the warmup share to it; a larger one does not add
-    epochs (RunEnd.done ends the run with them), so the schedule ends with them too: a linear decay reaches
-    0 at the run's last step, not at a step it never trains (0.61 of the rate left at 100 of 40 steps)."""
-    from utils.train.optim import total_optimizer_steps, unreached_step_budget
+    """--max_steps is the run's length whatever --epochs says (HF's meaning): the decay and the warmup share are
+    sized to it, within the epochs or beyond them, so a linear decay reaches 0 at its last step; without it, the
+    epochs' steps (the control). The start line says it in epochs of this run's steps."""
+    from utils.train.optim import run_length, total_optimizer_steps
 
     two_epochs = {"epochs": 2, "batches_per_epoch": 20}
     assert total_optimizer_steps(RecipeConfig(), **two_epochs) == 40
+    assert total_optimizer_steps(RecipeConfig(gradient_accumulation_steps=3), **two_epochs) == 14
     assert total_optimizer_steps(RecipeConfig(max_steps=25), **two_epochs) == 25
-    assert total_optimizer_steps(RecipeConfig(max_steps=100), **two_epochs) == 40
-    assert total_optimizer_steps(RecipeConfig(max_steps=100, gradient_accumulation_steps=3), **two_epochs) == 14
-    assert lr_factor(39, "linear", 0, 40) == pytest.approx(1 / 40) and lr_factor(39, "linear", 0, 100) > 0.6
-    # HF's max_steps adds epochs, this one does not: the start says so, naming the epochs that would train all
-    assert unreached_step_budget(RecipeConfig(max_steps=100), **two_epochs) == (
-        "--max_steps 100 is more than the 2 epoch(s) hold (40 optimizer steps): the run trains 40; --epochs 5 "
-        "would train them all"
+    assert total_optimizer_steps(RecipeConfig(max_steps=100), **two_epochs) == 100  # 40 before: capped by epochs
+    assert total_optimizer_steps(RecipeConfig(max_steps=100, gradient_accumulation_steps=3), **two_epochs) == 100
+    assert lr_factor(99, "linear", 0, 100) == pytest.approx(1 / 100) and lr_factor(100, "linear", 0, 100) == 0
+    assert run_length(100, 20) == (
+        "--max_steps 100: 100 steps = 5 epochs + 0 (20 optimizer steps an epoch), whatever --epochs says"
     )
-    assert unreached_step_budget(RecipeConfig(max_steps=25), **two_epochs) is None
+    assert run_length(25, 20) == (
+        "--max_steps 25: 25 steps = 1 epoch + 5 (20 optimizer steps an epoch; the last epoch partial), whatever "
+        "--epochs says"
+    )
 
 
 def schedule_rates(kind: str, total: int, warmup: int, stop: int | None = None, steps_after: int = 0,
@@ -305,22 +307,25 @@ def test_early_stopping_counts_the_epochs_since_the_best(next_epoch, best_epoch,
 
 
 @pytest.mark.parametrize("global_step, stops", [(4, False), (5, True), (6, True)])
-def test_max_steps_ends_the_run_before_the_next_epoch_whatever_epochs_says(global_step, stops):
-    """The step budget at an epoch boundary (tests/test_fsdp2.py's cross-backend run stops inside one)."""
+def test_max_steps_ends_the_run_whatever_epochs_says(global_step, stops):
+    """The step budget at an epoch boundary (tests/test_fsdp2.py's cross-backend run stops inside one), and
+    past the epochs: --max_steps, where given, is the run's only length (HF's meaning). The control: without
+    it, the epochs end the run."""
     from utils.checkpoint.progress import TrainProgress
     from utils.train.policies import RunEnd
 
     end = RunEnd(TrainConfig(epochs=20), RecipeConfig(max_steps=5), EvalConfig())
     ending = end.ending(TrainProgress(epoch=2, global_step=global_step))
     assert ending == (("--max_steps 5 reached", "a higher --max_steps than 5 (0: none)") if stops else None)
-    assert end.ending(TrainProgress(epoch=21, global_step=3)) == (
+    assert end.ending(TrainProgress(epoch=21, global_step=global_step)) == ending  # epochs no bound
+    few_epochs = RunEnd(TrainConfig(epochs=1), RecipeConfig(max_steps=5), EvalConfig())
+    assert few_epochs.done(TrainProgress(epoch=3, global_step=4)) is None  # 2 epochs trained, 4 steps: on
+    without = RunEnd(TrainConfig(epochs=20), RecipeConfig(), EvalConfig())
+    assert without.ending(TrainProgress(epoch=21, global_step=3)) == (
         "all 20 epochs trained",
         "more --epochs than 20",
     )
-    # Both ended it: both are named (more epochs alone would stop at --max_steps again)
-    assert end.ending(TrainProgress(epoch=21, global_step=5))[1] == (
-        "more --epochs than 20 and a higher --max_steps than 5 (0: none)"
-    )
+    assert without.done(TrainProgress(epoch=20, global_step=1000)) is None
 
 
 @pytest.mark.slow  # a whole training through torchrun

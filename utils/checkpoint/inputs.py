@@ -2,12 +2,14 @@
 a resume reads what the run trained on).
 
     inputs = checked_inputs(start, data=..., model_name=..., lora=..., accept_changed=...)   # collective
+    inputs = checked_splits(start, inputs, plan.record())   # collective, once the data's splits are known
 
 A fingerprint is content, not a path or a modification time, so that a copied or moved file is the same file:
 a data file's size and XXH3-128 digest (at memory speed; sha256 is several times slower); of a model folder,
 what a resume reads from it, and with LoRA each weight file's size and safetensors header, never its weights.
-A checkpoint also records how its rows were tokenised ("encoding"): a resume reads them so
-(recorded_encoding).
+A checkpoint also records how its rows were tokenised ("encoding": a resume reads them so, recorded_encoding)
+and the splits the run trains and evaluates on (utils/data/cache.py: SplitPlan, from --eval_split): a resume
+on other splits is refused (no --accept_changed_inputs: the fix is the --eval_split that resumes).
 """
 
 import os
@@ -89,6 +91,36 @@ def recorded_encoding(start: StartPoint) -> int | str | None:
     position stays exact; None where the checkpoint recorded none (written before checkpoints recorded it:
     utils/data/cache.py's resumed_encoding says what that was)."""
     return (read_train_state(start.path).get("inputs") or {}).get("encoding")
+# What a checkpoint written before checkpoints recorded their splits trained and evaluated on, whatever
+# --eval_split said (utils/data/cache.py: SplitPlan.record).
+SPLITS_BEFORE_RECORDED = {"train": "train", "evaluation": "validation"}
+
+
+def checked_splits(start: StartPoint, inputs: dict, splits: dict) -> dict:
+    """`inputs` with the splits the run trains and evaluates on (SplitPlan.record: --eval_split on the source's
+    splits), for its checkpoints to record; at a resume from a checkpoint, refused where they differ from the
+    checkpoint's: its rows and its choice of the best model would change mid-run. Collective."""
+    return rank0_decides(lambda: _checked_splits(start, inputs, splits))
+
+
+def _checked_splits(start: StartPoint, inputs: dict, splits: dict) -> dict:
+    if start.is_checkpoint:
+        recorded = read_train_state(start.path).get("inputs") or {}
+        then = recorded.get("splits", SPLITS_BEFORE_RECORDED)
+        if then != splits:
+            keep = "test" if then["evaluation"] == "test" else "auto"
+            raise ConfigError(
+                f"checkpoint {start.path} trained on {_splits_said(then)}; this resume would train on "
+                f"{_splits_said(splits)}, so its rows and the split that chooses its best model would change "
+                f"mid-run. Resume with --eval_split {keep} (what the checkpoint trained with), or start a new run "
+                "in another --output_dir."
+            )
+    return {**inputs, "splits": splits}
+
+
+def _splits_said(splits: dict) -> str:
+    train = "every train row" if splits["train"] != "train" else "train less any rows held out for validation"
+    return f"{train}, evaluated on the {splits['evaluation']} split"
 
 
 def data_fingerprint(data: DataConfig) -> dict:

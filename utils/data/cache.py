@@ -121,9 +121,13 @@ def user_cache_dir() -> Path:
 @dataclasses.dataclass(frozen=True)
 class CachedSplit:
     rows: datasets.Dataset  # id, source, target; memory-mapped
-    cache: Path  # the text cache folder: its name identifies the content
+    cache: Path  # the cache folder its rows are read from (the text cache): its name identifies them
     cleaning: str  # how a text is prepared (CLEANINGS)
     what: str  # the source, for messages
+
+
+# Train with its held-out validation rows put back (--eval_split test), as its cache's key and checkpoints name it.
+WHOLE_TRAIN = "train+held_out"
 
 
 def warn_once(folder: Path, topic: str, message: str, *args) -> None:
@@ -143,19 +147,51 @@ def _text_cache(data: DataConfig) -> tuple[TextSource, Path, dict]:
     return source, folder, manifest
 
 
-def evaluation_split(data: DataConfig, asked: str) -> str:
-    """The split --evaluate_only scores: --eval_split, or for auto the validation split where the data has
-    one of its own, else its test split (a test file alone will do)."""
-    if asked != "auto":
-        return asked
-    origin = _text_cache(data)[2]["origin"]
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """Which splits a run evaluates, from --eval_split and the splits its source has (evaluation_plan)."""
+
+    evaluation: str  # validated and generated on during training; the split --evaluate_only scores
+    final: str | None = None  # scored once after training: auto's test split, where validation is held out
+    whole_train: bool = False  # train keeps the rows held out for validation (--eval_split test needs none)
+    held_out_rows: int = 0  # the validation rows held out of train, where the source has no validation split
+
+    def record(self) -> dict:
+        """What a checkpoint records of it (utils/checkpoint/inputs.py): the rows trained on and the split
+        evaluated on, which a resume must keep (the final split changes neither)."""
+        return {"train": WHOLE_TRAIN if self.whole_train else "train", "evaluation": self.evaluation}
+
+
+def evaluation_plan(data: DataConfig, asked: str, evaluate_only: bool = False) -> SplitPlan:
+    """The splits --eval_split `asked` evaluates on the run's source. --evaluate_only: the split it names, or
+    for auto the validation split where the data has one of its own, else its test split (a test file alone
+    will do). Training: auto evaluates on validation (the source's, or a share of train held out), and
+    where that is held out and the source has a test split, scores the test split once after training;
+    test evaluates on the test split, and train keeps every row (nothing is held out for a validation split
+    that is not read); validation evaluates on validation alone."""
+    source, _, manifest = _text_cache(data)
+    origin = manifest["origin"]
     # A validation split held out of train is no better than a test split the data has.
     held_out = "held out" in origin.get("validation", "held out")
-    return "test" if "test" in origin and held_out else "validation"
+    held_rows = manifest["rows"]["validation"] if "validation" in origin and held_out else 0
+    if evaluate_only:
+        if asked != "auto":
+            return SplitPlan(asked)
+        return SplitPlan("test" if "test" in origin and held_out else "validation")
+    if asked == "test":
+        if "test" not in origin:
+            raise DataError(
+                f"--eval_split test evaluates on the test split, and there is no test split in {source.what}: "
+                f"{source.add_split.format(split='test')}; or --eval_split auto (validation)."
+            )
+        return SplitPlan("test", whole_train=held_rows > 0, held_out_rows=held_rows)
+    final = "test" if asked == "auto" and held_out and "test" in origin else None
+    return SplitPlan("validation", final=final, held_out_rows=held_rows)
 
 
-def cached_split(data: DataConfig, split: str) -> CachedSplit:
-    """One split of the run's source, memory-mapped from the text cache (built first if needed)."""
+def cached_split(data: DataConfig, split: str, whole_train: bool = False) -> CachedSplit:
+    """One split of the run's source, memory-mapped from the text cache (built first if needed); train with
+    `whole_train` has the rows held out of it for validation put back in their places (SplitPlan)."""
     if split not in SPLITS:
         raise ConfigError(f"Unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")
     source, folder, manifest = _text_cache(data)
@@ -184,8 +220,38 @@ def cached_split(data: DataConfig, split: str) -> CachedSplit:
             f"{manifest['skipped'][split]} rows with an empty text or target skipped). {fix}"
         )
     rows = datasets.Dataset.from_file(str(folder / f"{split}.arrow"))
+    if whole_train and split == "train" and "held out" in manifest["origin"].get("validation", ""):
+        folder = _with_held_out_rows(rows, folder, data, source.what)  # its token ids are keyed by it
+        rows = datasets.Dataset.from_file(str(folder / "train.arrow"))
     # Conversations (sources.ChatPrompt) are rendered by the tokenizer's chat template, not cleaned.
     return CachedSplit(rows, folder, "chat" if manifest.get("chat") else source.cleaning, source.what)
+
+
+def _with_held_out_rows(train: datasets.Dataset, folder: Path, data: DataConfig, what: str) -> Path:
+    """The folder of train's rows in the source's order (its train.arrow), those held out for validation
+    (sources.held_out_positions: the same draw, from the same count) back in their places: written once per
+    machine beside the text cache `folder`, as the token ids are."""
+    key = {"text_cache": folder.name, "rows": WHOLE_TRAIN}
+
+    def build(out: Path) -> dict:
+        held = datasets.Dataset.from_file(str(folder / "validation.arrow"))
+        count = len(train) + len(held)
+        is_held = np.zeros(count, dtype=bool)
+        held_out = sources.held_out_positions(count, data.validation_split_percentage, data.validation_split_seed)
+        is_held[held_out] = True
+        order = np.empty(count, dtype=np.int64)
+        order[~is_held] = np.arange(len(train))
+        order[is_held] = len(train) + np.arange(len(held))
+        rows = datasets.concatenate_datasets([train, held]).select(order, keep_in_memory=True)
+        rows.flatten_indices(
+            cache_file_name=str(out / "train.arrow"), new_fingerprint=out.name.split(".partial")[0]
+        )
+        return {}
+
+    root = folder.parent
+    if not data.cache_dir:  # beside the text cache, unless that cannot be written and lacks these rows
+        root = usable_cache_root(root, lambda root: is_built(root, "rows", key))
+    return shared_folder(root, "rows", key, build, f"the train rows of {what} with those held out")[0]
 
 
 def load_wikihow(data_dir: str | os.PathLike, split: str, cache_dir: str | os.PathLike = "") -> datasets.Dataset:
@@ -629,16 +695,17 @@ class SplitRows:
 
 def split_rows(
     tokenizer, split: str, num_samples: int | None, input_length: int, output_length: int, data: DataConfig,
-    encoding: Encoding = SEQ2SEQ_ENCODING,
+    encoding: Encoding = SEQ2SEQ_ENCODING, whole_train: bool = False,
 ) -> SplitRows:  # fmt: skip
     """The first `num_samples` rows of `split` (None, or more than it has: all) of the run's source, with
-    their token ids tokenised as `encoding` says: each cache built first where it is missing."""
+    their token ids tokenised as `encoding` says: each cache built first where it is missing. `whole_train`:
+    train with its held-out validation rows (cached_split)."""
     if num_samples is not None and num_samples < 1:
         raise ConfigError(f"num_samples must be None (all) or at least 1, got {num_samples}.")
     for name, length in (("input_length", input_length), ("output_length", output_length)):
         if length < 1:
             raise ConfigError(f"{name} must be at least 1, got {length}.")
-    cached = cached_split(data, split)
+    cached = cached_split(data, split, whole_train)
     if cached.cleaning == "chat" and data.source_prefix:
         raise ConfigError(
             f"--source_prefix {data.source_prefix!r}: {cached.what} holds conversations, which the tokenizer's "

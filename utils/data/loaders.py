@@ -26,7 +26,7 @@ from configs.errors import DataError
 from configs.evaluation import EvalConfig, generation_rows
 from configs.training import TrainConfig
 from utils.base.log import bars_shown, get_logger
-from utils.data.cache import Encoding, evaluation_split, split_rows, text_source, warn_once
+from utils.data.cache import Encoding, SplitPlan, evaluation_plan, split_rows, text_source, warn_once
 from utils.data.samplers import (
     LengthGrouping,
     PaddedEvalSampler,
@@ -69,18 +69,30 @@ class EvalSet:
 
 
 @dataclass
+class FinalSplit:
+    """A split scored once, after training (SplitPlan.final): its loss's loader and generation's rows."""
+
+    loader: DataLoader  # in order, padded, as validation's
+    num_real_samples: int  # this rank's samples that are not padding repeats
+    evaluation: EvalSet | None  # generation's rows (--eval_rouge)
+
+
+@dataclass
 class Loaders:
     train: DataLoader | None  # None with --evaluate_only
     train_sampler: ResumableDistributedSampler | None
-    val: DataLoader | None  # None with --run_validation false
+    val: DataLoader | None  # None with --run_validation false; the split of --eval_split (plan.evaluation)
     val_num_real_samples: int  # this rank's validation samples that are not padding repeats
     evaluation: EvalSet | None  # generation's rows (--eval_rouge; --evaluate_only's split)
     cleaning: str  # how the source's texts are prepared (utils/data/cache.py: CLEANINGS)
     encoding: Encoding  # how their rows were tokenised: what the run's checkpoints record, and a resume reads
+    plan: SplitPlan | None = None  # which splits are evaluated (--eval_split on the source's splits)
+    final: FinalSplit | None = None  # the split scored once after training (plan.final), with --run_validation
 
     def unknown_tokens(self) -> dict:
         """{split: its unknown-token counts} of the splits this run reads (the run record's)."""
-        loaders = (self.train, self.val, self.evaluation.loader if self.evaluation else None)
+        final = self.final.loader if self.final else None
+        loaders = (self.train, self.val, self.evaluation.loader if self.evaluation else None, final)
         return {loader.dataset.split: loader.dataset.unknown_tokens for loader in loaders if loader is not None}
 
 
@@ -123,19 +135,19 @@ def build_loader(
 
 def build_dataset(
     tokenizer, data_format: DataFormat, split: str, num_samples: int | None, data: DataConfig, world_size: int,
-    read_as: str = "", encoding: Encoding | None = None,
+    read_as: str = "", encoding: Encoding | None = None, whole_train: bool = False,
 ) -> Dataset:  # fmt: skip
     """The format's Dataset of one split, the first `num_samples` rows (0: all; None: by source, rows_to_read,
     as split `read_as` would be: generation reads any split as the validation split), with at least one sample
     per rank; packed into blocks with --packing, but for generation (`read_as`). Tokenised as `encoding` (by
     default the Dataset's: a resumed run's is the one its checkpoint recorded). More rows asked for than the
-    split has: all of them, said once, by rank 0."""
+    split has: all of them, said once, by rank 0. `whole_train`: train with its held-out rows (SplitPlan)."""
     tutorial_data = text_source(data).cleaning == "wikihow"
     limit = rows_to_read(num_samples, read_as or split, tutorial_data)
     dataset_type = data_format.dataset_type
     encoding = encoding or dataset_type.encoding
     lengths = dataset_type.lengths(data, encoding)
-    rows = split_rows(tokenizer, split, limit, *lengths, data, encoding=encoding)
+    rows = split_rows(tokenizer, split, limit, *lengths, data, encoding=encoding, whole_train=whole_train)
     if data.packing and not read_as:
         dataset_type = data_format.packed_type
     dataset = dataset_type(tokenizer, split, limit, *lengths, data, rows=rows)
@@ -195,16 +207,17 @@ def warn_unknown_tokens(dataset: Dataset, tokenizer) -> None:
               counts["rows"], counts["rows_total"], ", and in ".join(where))  # fmt: skip
 
 
-def rows_phrase(dataset: Dataset, asked: int | None, flag: str) -> str:
+def rows_phrase(dataset: Dataset, asked: int | None, flag: str, note: str = "") -> str:
     """How many rows of its split a dataset reads and why, for the start line (`asked`: the value of `flag`,
-    the setting that chose them)."""
+    the setting that chose them; `note`: said with them)."""
     split, rows = dataset.split, len(dataset.dataset)
     notes = (dataset.cut_note(), dataset.packing_note() if dataset.packed else "")
-    packed = "".join(f", {note}" for note in notes if note)
+    packed = "".join(f", {said}" for said in notes if said)
+    note = f"; {note}" if note else ""
     if rows == dataset.split_rows:
-        return f"{split} {rows} (all{packed})"
+        return f"{split} {rows} (all{packed}{note})"
     why = flag if asked is not None else f"the tutorial's subset of WikiHow; {flag} 0 for all"
-    return f"{split} {rows} of {dataset.split_rows} ({why}{packed})"
+    return f"{split} {rows} of {dataset.split_rows} ({why}{packed}{note})"
 
 
 def build_loaders(
@@ -212,12 +225,15 @@ def build_loaders(
     info: DistInfo, encoding: Encoding | None = None,
 ) -> Loaders:  # fmt: skip
     """This rank's training loader (shuffled, resumable), validation loader (in order, padded) and generation
-    set; --run_validation false builds neither of the last two. --evaluate_only: its split's set alone (a test
-    file alone will do). Their rows tokenised as `encoding` (by default the format's Dataset's)."""
+    set, on the splits --eval_split chooses (utils/data/cache.py: evaluation_plan), and the loaders of a split
+    scored once after training where it chooses one; --run_validation false builds none but the first.
+    --evaluate_only: its split's set alone (a test file alone will do). Their rows tokenised as `encoding` (by
+    default the format's Dataset's)."""
     if not bars_shown():  # datasets' own bars (loading, tokenising) follow the package's rule, in this process
         datasets.disable_progress_bars()
+    plan = evaluation_plan(data, evaluation.eval_split, evaluation.evaluate_only)
     if evaluation.evaluate_only:
-        split = evaluation_split(data, evaluation.eval_split)
+        split = plan.evaluation
         if evaluation.eval_split == "auto":
             why = " (the data has no validation split of its own)" if split == "test" else ""
             get_logger().info("--eval_split auto: scoring the %s split%s", split, why)
@@ -228,10 +244,9 @@ def build_loaders(
                 eval_set.dataset, generation_rows(evaluation, data.num_val_samples), generation_flag(evaluation)
             ),
         )
-        return Loaders(None, None, None, 0, eval_set, eval_set.dataset.cleaning, eval_set.dataset.encoding)
-    train_set = build_dataset(
-        tokenizer, data_format, "train", data.num_train_samples, data, info.world_size, encoding=encoding
-    )
+        return Loaders(None, None, None, 0, eval_set, eval_set.dataset.cleaning, eval_set.dataset.encoding, plan)
+    train_set = build_dataset(tokenizer, data_format, "train", data.num_train_samples, data, info.world_size,
+                              encoding=encoding, whole_train=plan.whole_train)  # fmt: skip
     grouping = None
     if data.group_by_length:
         targets = train_set.target_lengths() if data.length_key != "source" else None
@@ -241,28 +256,58 @@ def build_loaders(
     collate = functools.partial(data_format.collate, pad_token_id=tokenizer.pad_token_id)
     loader_args = dict(collate_fn=collate, num_workers=train.num_workers_dataloader, device=info.device)
     train_loader = build_loader(train_set, train_sampler, train.batch_size_training, **loader_args)
-    val, val_num_real, eval_set = None, 0, None
+    val, val_num_real, eval_set, final = None, 0, None, None
+    generates = evaluation.eval_rouge and not data.dataset_text_field  # whole texts: no reference to score
     if train.run_validation:
-        val_set = build_dataset(
-            tokenizer, data_format, "validation", data.num_val_samples, data, info.world_size, encoding=encoding
+        val, val_num_real = _scored_loader(
+            tokenizer, data_format, plan.evaluation, data, train, info, loader_args, encoding
         )
-        val_sampler = PaddedEvalSampler(len(val_set), info.rank, info.world_size)
-        val = build_loader(val_set, val_sampler, train.val_batch_size, **loader_args)
-        val_num_real = val_sampler.num_real_samples
-        if evaluation.eval_rouge and not data.dataset_text_field:  # whole texts: no reference to score against
+        if generates:
             eval_set = build_eval_set(
-                tokenizer, data_format, data, train, evaluation, info, "validation", encoding
+                tokenizer, data_format, data, train, evaluation, info, plan.evaluation, encoding
             )
-    said = [
-        rows_phrase(train_set, data.num_train_samples, "--num_train_samples"),
-        rows_phrase(val.dataset, data.num_val_samples, "--num_val_samples")
-        if val
-        else "validation - (--run_validation false)",
-    ]
+        if plan.final:
+            loader, num_real = _scored_loader(
+                tokenizer, data_format, plan.final, data, train, info, loader_args, encoding
+            )
+            final_eval = None
+            if generates:
+                final_eval = build_eval_set(
+                    tokenizer, data_format, data, train, evaluation, info, plan.final, encoding
+                )
+            final = FinalSplit(loader, num_real, final_eval)
+    held = plan.held_out_rows
+    whole = f"the {held} rows --eval_split auto holds out for validation included" if plan.whole_train else ""
+    said = [rows_phrase(train_set, data.num_train_samples, "--num_train_samples", whole)]
+    scored = (val, final.loader if final else None)
+    said += [rows_phrase(loader.dataset, data.num_val_samples, "--num_val_samples") for loader in scored if loader]
+    if not val:
+        said.append("validation - (--run_validation false)")
     get_logger().info("rows: %s", ", ".join(said))
     return Loaders(
-        train_loader, train_sampler, val, val_num_real, eval_set, train_set.cleaning, train_set.encoding
+        train_loader,
+        train_sampler,
+        val,
+        val_num_real,
+        eval_set,
+        train_set.cleaning,
+        train_set.encoding,
+        plan,
+        final,
     )
+
+
+def _scored_loader(
+    tokenizer, data_format: DataFormat, split: str, data: DataConfig, train: TrainConfig, info: DistInfo,
+    loader_args: dict, encoding: Encoding | None,
+) -> tuple[DataLoader, int]:  # fmt: skip
+    """The loader of a split whose loss is scored (validation's, or a final split's): its first
+    --num_val_samples rows, in order, padded with repeats; and this rank's real samples."""
+    dataset = build_dataset(
+        tokenizer, data_format, split, data.num_val_samples, data, info.world_size, encoding=encoding
+    )
+    sampler = PaddedEvalSampler(len(dataset), info.rank, info.world_size)
+    return build_loader(dataset, sampler, train.val_batch_size, **loader_args), sampler.num_real_samples
 
 
 def generation_flag(evaluation: EvalConfig) -> str:

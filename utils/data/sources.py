@@ -467,15 +467,23 @@ def write_splits(
 _BEFORE_HOLDOUT = "train_before_holdout.arrow"
 
 
+def held_out_positions(count: int, percentage: int, seed: int) -> list[int]:
+    """The positions among train's `count` usable rows that become validation (_hold_out): `percentage` of
+    them, at least one where there are two or more, drawn by `seed`. utils/data/cache.py puts them back where a
+    run evaluates on another split (--eval_split test)."""
+    if count < 2:
+        return []
+    return random.Random(seed).sample(range(count), max(1, count * percentage // 100))
+
+
 def _hold_out(folder: Path, count: int, percentage: int, seed: int) -> tuple[int, int]:
     """Split the `count` usable train rows into train and validation: `percentage` of them (at least one,
     where there are two or more), drawn by `seed`, the same on every rank, run and machine; both keep the
     file's order. Reads the rows back a record batch at a time, so the builder never holds the split."""
     source = folder / _BEFORE_HOLDOUT
     held = [False] * count
-    if count > 1:
-        for position in random.Random(seed).sample(range(count), max(1, count * percentage // 100)):
-            held[position] = True
+    for position in held_out_positions(count, percentage, seed):
+        held[position] = True
     writers = {False: SplitWriter(folder / "train.arrow"), True: SplitWriter(folder / "validation.arrow")}
     try:
         with pa.memory_map(str(source)) as mapped:

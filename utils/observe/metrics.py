@@ -70,7 +70,8 @@ def json_safe(value):
     return value
 
 
-STEPPED = ("step", "eval", "validation", "memory")  # the records that name the step they were written after
+# The records that name the step they were written after.
+STEPPED = ("step", "eval", "validation", "memory", "test")
 
 
 def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> None:

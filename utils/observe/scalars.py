@@ -7,9 +7,22 @@ out, so a skipped step leaves a gap, not a zero.
 import math
 
 # The x-axis of each record type that has scalars (a field of the record), and the prefix of its tags (eval's
-# names its metric and split).
-AXIS_OF_TYPE = {"step": "step", "validation": "step", "eval": "step", "epoch": "epoch", "memory": "rank"}
-PREFIX_OF_TYPE = {"step": "train", "validation": "validation", "epoch": "epoch", "memory": "memory"}
+# names its metric and split; test is a split scored once after training).
+AXIS_OF_TYPE = {
+    "step": "step",
+    "validation": "step",
+    "test": "step",
+    "eval": "step",
+    "epoch": "epoch",
+    "memory": "rank",
+}
+PREFIX_OF_TYPE = {
+    "step": "train",
+    "validation": "validation",
+    "test": "test",
+    "epoch": "epoch",
+    "memory": "memory",
+}
 NOT_SCALARS = {"type", "step", "epoch", "rank", "split", "num_samples", "baselines"}
 
 

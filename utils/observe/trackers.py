@@ -47,7 +47,7 @@ class WandbSink:
         self.run_id = self.run.id
         for axis in set(AXIS_OF_TYPE.values()):
             self.run.define_metric(axis, hidden=True)
-        for prefix in ("train", "validation", "rouge", "accuracy"):
+        for prefix in ("train", "validation", "test", "rouge", "accuracy"):
             self.run.define_metric(f"{prefix}/*", step_metric="step")
         self.run.define_metric("epoch/*", step_metric="epoch")
         self.run.define_metric("memory/*", step_metric="rank")

@@ -26,12 +26,12 @@ from policies.wrapping import layer_classes
 from utils.base import layout
 from utils.base.log import get_logger
 from utils.checkpoint.final_models import FinalModels
-from utils.checkpoint.inputs import checked_inputs, recorded_encoding
+from utils.checkpoint.inputs import checked_inputs, checked_splits, recorded_encoding
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.run_lock import check_writable
 from utils.checkpoint.start import StartPoint, resolve_start
 from utils.data.cache import resumed_encoding
-from utils.data.loaders import Loaders, build_loaders
+from utils.data.loaders import EvalSet, Loaders, build_loaders
 from utils.distributed import process_group
 from utils.distributed.progress_bounded import progress_bounded
 from utils.eval.evaluator import Evaluator
@@ -85,12 +85,12 @@ class Run:
         recompute = config.fsdp.fsdp_activation_checkpointing
         return flops.Throughput(counter, recompute, self.info.world_size, peak, source)
 
-    def evaluator(self, predictions_file) -> Evaluator:
-        """The generation evaluation of the evaluation split, its predictions written where
+    def evaluator(self, predictions_file, eval_set: EvalSet | None = None) -> Evaluator:
+        """The generation evaluation of the evaluation split (or of `eval_set`), its predictions written where
         `predictions_file(split, step)` says."""
         config = self.config
         return Evaluator(
-            eval_set=self.loaders.evaluation, parallelism=self.parallelism, spec=self.spec,
+            eval_set=eval_set or self.loaders.evaluation, parallelism=self.parallelism, spec=self.spec,
             generation=self.spec.generation_kwargs(config.evaluation, config.data.max_target_length),
             metric=config.evaluation.eval_metric, predictions_file=predictions_file, info=self.info,
             gather_for_generation=config.evaluation.gather_for_generation,
@@ -100,14 +100,17 @@ class Run:
     def trainer(self, throughput: flops.Throughput, memory_baseline: MemoryBaseline) -> Trainer:
         """The training loop over these parts (after the restore, which `memory_baseline` measured)."""
         config = self.config
-        evaluator = None
+        predictions_file = functools.partial(layout.predictions_file, config.train.output_dir)
+        evaluator = final_evaluator = None
         if self.loaders.evaluation is not None:
-            evaluator = self.evaluator(functools.partial(layout.predictions_file, config.train.output_dir))
+            evaluator = self.evaluator(predictions_file)
+        if self.loaders.final is not None and self.loaders.final.evaluation is not None:
+            final_evaluator = self.evaluator(predictions_file, self.loaders.final.evaluation)
         return Trainer(
             model=self.model, parallelism=self.parallelism, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.scaler, loaders=self.loaders, checkpoints=self.checkpoints, final_models=self.final_models,
-            evaluator=evaluator, info=self.info, train=config.train, recipe=config.recipe,
-            evaluation=config.evaluation, observe=config.observe, throughput=throughput,
+            evaluator=evaluator, final_evaluator=final_evaluator, info=self.info, train=config.train,
+            recipe=config.recipe, evaluation=config.evaluation, observe=config.observe, throughput=throughput,
             memory_baseline=memory_baseline, spec=self.spec,
         )  # fmt: skip
 
@@ -184,6 +187,8 @@ def build_run(
     if inputs is not None:
         inputs["encoding"] = loaders.encoding.version
     log_evaluation_plan(config, loaders)
+    if inputs is not None:  # which splits it trains and evaluates on, which a resume keeps
+        inputs = checked_splits(start, inputs, loaders.plan.record())
 
     # The model: pretrained weights (a skeleton on the meta device where rank-0-only loading fills it
     # later, or where a checkpoint does), the weights of a .pt, and LoRA adapters. Where rank 0 alone reads
@@ -232,8 +237,8 @@ def build_run(
 
 
 def log_evaluation_plan(config: RunConfig, loaders: Loaders) -> None:
-    """One line saying what is evaluated (the rows generation will really score), and which setting switches
-    what off."""
+    """One line saying what is evaluated (the split, the rows generation will really score), and which setting
+    switches what off; one more where a split is scored once after training."""
     train, evaluation = config.train, config.evaluation
     if evaluation.evaluate_only:
         return
@@ -243,18 +248,31 @@ def log_evaluation_plan(config: RunConfig, loaders: Loaders) -> None:
         )
         return
     metric = METRIC_NAMES[evaluation.eval_metric]
-    scores = f"no {metric} (--eval_rouge false)"
-    if config.data.dataset_text_field:
-        scores = f"perplexity, no {metric} (--dataset_text_field: whole texts have no reference to score)"
-    if loaders.evaluation is not None:
-        rows = len(loaders.evaluation.dataset)
-        scores = f"{metric} of {rows} generated outputs (--eval_rouge false switches it off)"
+
+    def scores(eval_set, switch: str = " (--eval_rouge false switches it off)") -> str:
+        if eval_set is not None:
+            return f"{metric} of {len(eval_set.dataset)} generated outputs{switch}"
+        if config.data.dataset_text_field:
+            return f"perplexity, no {metric} (--dataset_text_field: whole texts have no reference to score)"
+        return f"no {metric} (--eval_rouge false)"
+
     when = "after each epoch"
     if evaluation.eval_every_n_steps:
         when += f" and every {evaluation.eval_every_n_steps} steps"
+    split, plan = loaders.plan.evaluation, loaders.plan
+    if split != "validation":
+        when += f" on the {split} split (--eval_split {split}: it chooses the best model; val_loss is its loss)"
     get_logger().info(
-        "evaluation %s: validation loss and %s; --run_validation false switches all evaluation off", when, scores
-    )
+        "evaluation %s: %s loss and %s; --run_validation false switches all evaluation off",
+        when, split, scores(loaders.evaluation),
+    )  # fmt: skip
+    if loaders.final is not None:
+        get_logger().info(
+            "evaluation after training: the %s split's loss and %s, once, by the final model (--eval_split "
+            "auto: the data has no validation split of its own, so the %d rows held out of train choose the best "
+            "model; --eval_split %s evaluates on it instead)",
+            plan.final, scores(loaders.final.evaluation, switch=""), plan.held_out_rows, plan.final,
+        )  # fmt: skip
 
 
 def log_layer_classes_of_accelerate(model: nn.Module) -> None:

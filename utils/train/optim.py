@@ -136,20 +136,17 @@ def steps_per_epoch(recipe: RecipeConfig, batches_per_epoch: int) -> int:
     return math.ceil(batches_per_epoch / recipe.gradient_accumulation_steps)
 
 
-def unreached_step_budget(recipe: RecipeConfig, epochs: int, batches_per_epoch: int) -> str | None:
-    """What a --max_steps larger than the epochs hold means here (HF's adds epochs; this one does not)."""
-    total = total_optimizer_steps(recipe, epochs, batches_per_epoch)
-    if recipe.max_steps <= total:
-        return None
-    needed = math.ceil(recipe.max_steps / max(steps_per_epoch(recipe, batches_per_epoch), 1))
-    return (
-        f"--max_steps {recipe.max_steps} is more than the {epochs} epoch(s) hold ({total} optimizer steps): the "
-        f"run trains {total}; --epochs {needed} would train them all"
-    )
-
-
 def total_optimizer_steps(recipe: RecipeConfig, epochs: int, batches_per_epoch: int) -> int:
-    """The run's optimizer steps: every epoch's batches in groups of the accumulation, or fewer, --max_steps (a
-    larger one does not add epochs: they end the run first)."""
-    every_epoch = epochs * steps_per_epoch(recipe, batches_per_epoch)
-    return min(recipe.max_steps or every_epoch, every_epoch)
+    """The run's optimizer steps: --max_steps, over as many epochs as it takes (HF's meaning: --epochs aside),
+    or without it every epoch's batches in groups of the accumulation."""
+    return recipe.max_steps or epochs * steps_per_epoch(recipe, batches_per_epoch)
+
+
+def run_length(max_steps: int, steps_per_epoch: int) -> str:
+    """--max_steps in epochs of `steps_per_epoch` optimizer steps, for the start line: "N steps = E epochs + k"."""
+    epochs, steps = divmod(max_steps, steps_per_epoch)
+    return (
+        f"--max_steps {max_steps}: {max_steps} steps = {epochs} epoch{'s' if epochs != 1 else ''} + {steps} "
+        f"({steps_per_epoch} optimizer steps an epoch{'; the last epoch partial' if steps else ''}), whatever "
+        "--epochs says"
+    )

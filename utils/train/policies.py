@@ -15,8 +15,9 @@ from utils.spec import ModelSpec
 
 @dataclasses.dataclass
 class RunEnd:
-    """When training ends: every epoch trained, --max_steps reached, or --early_stopping_patience epochs without
-    a new best (counted from the best epoch kept in the progress, so the count is the same after a resume)."""
+    """When training ends: every epoch trained (without --max_steps), --max_steps reached (over as many epochs as
+    it takes), or --early_stopping_patience epochs without a new best (counted from the best epoch kept in the
+    progress, so the count is the same after a resume)."""
 
     train: TrainConfig
     recipe: RecipeConfig
@@ -33,8 +34,9 @@ class RunEnd:
         epochs, max_steps = self.train.epochs, self.recipe.max_steps
         patience, best = self.recipe.early_stopping_patience, progress.best_epoch
         metric = self.evaluation.metric_for_best
-        ended = [
-            (progress.epoch > epochs, f"all {epochs} epochs trained", f"more --epochs than {epochs}"),
+        ended = [  # --max_steps, where given, is the run's length whatever --epochs says (HF's meaning)
+            (not max_steps and progress.epoch > epochs, f"all {epochs} epochs trained",
+             f"more --epochs than {epochs}"),
             (0 < max_steps <= progress.global_step, f"--max_steps {max_steps} reached",
              f"a higher --max_steps than {max_steps} (0: none)"),
             (bool(patience) and best is not None and progress.epoch - 1 - best >= patience,

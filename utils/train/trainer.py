@@ -67,6 +67,7 @@ class Trainer:
         checkpoints: CheckpointManager,
         final_models: FinalModels,
         evaluator: Evaluator | None,
+        final_evaluator: Evaluator | None,
         info: DistInfo,
         train: TrainConfig,
         recipe: RecipeConfig,
@@ -78,6 +79,7 @@ class Trainer:
     ):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.loaders, self.checkpoints, self.evaluator, self.info = loaders, checkpoints, evaluator, info
+        self.final_evaluator = final_evaluator  # generation on the split scored once after training, if any
         self.train_config, self.recipe, self.evaluation, self.observe = train, recipe, evaluation, observe
         self.throughput, self.spec = throughput, spec
         self.end = RunEnd(train, recipe, evaluation)
@@ -91,13 +93,9 @@ class Trainer:
             skip_nonfinite=recipe.on_nonfinite == "skip", flops=throughput.flops, recompute=throughput.recompute,
             spec=spec,
         )  # fmt: skip
-        batches_per_epoch = len(loaders.train) if loaders.train is not None else 0
-        unreached = optim.unreached_step_budget(recipe, train.epochs, batches_per_epoch)
-        if unreached:
-            get_logger().info("%s", unreached)
-        # The global step the run ends at (for the time left), and what a resume in another shape changed in the
-        # LR schedule: set by lay_out, before training starts.
-        self.total_steps, self.schedule_change = 0, None
+        # The global step and epoch the run ends at (for the time left), and what a resume in another shape
+        # changed in the LR schedule: set by lay_out, before training starts.
+        self.total_steps, self.last_epoch, self.schedule_change = 0, 0, None
         self.memory_account_due = True  # written once per process, after its first optimizer step
         self.stop_vote = StopVote(info.world_size)  # collective: every rank makes its gloo group
 
@@ -123,7 +121,7 @@ class Trainer:
                 # last evaluation alone has no step left to name.
                 get_logger().info(
                     "training steps %d-%d, from epoch %d of %d%s",
-                    progress.global_step + 1, self.total_steps, progress.epoch, self.train_config.epochs,
+                    progress.global_step + 1, self.total_steps, progress.epoch, self.last_epoch,
                     f"; {self.schedule_change}" if self.schedule_change else "",
                 )  # fmt: skip
             with forward_warnings_ignored(), profiler, stop.watching():
@@ -263,28 +261,36 @@ class Trainer:
         """Where the run that starts from `progress` ends, counted in this run's batches and ranks; a resume that
         changed the run's shape spreads the rest of the LR schedule over the steps it has left (and is refused,
         a ConfigError, where a decayed schedule had ended). Before anything of the run is written."""
-        self.total_steps = progress.global_step + self._steps_left(progress)
+        left, self.last_epoch = self._steps_left(progress)
+        self.total_steps = progress.global_step + left
+        max_steps = self.recipe.max_steps
+        if max_steps and progress.global_step < max_steps:
+            get_logger().info("%s", optim.run_length(max_steps, self._epoch_steps(0)))
         self.schedule_change = optim.continue_schedule(
             self.scheduler, progress.global_step, self.total_steps, self.train_config.output_dir
         )
 
-    def _steps_left(self, progress: TrainProgress) -> int:
-        """The optimizer steps this run has left from `progress`: the rest of its epoch from the data position
-        (in this run's batches and ranks, which a resume may have changed), the later epochs', within
-        --max_steps; none once it is done."""
+    def _steps_left(self, progress: TrainProgress) -> tuple[int, int]:
+        """The optimizer steps this run has left from `progress`, and the epoch it ends in: the rest of its epoch
+        from the data position (in this run's batches and ranks, which a resume may have changed) and the later
+        epochs', to --epochs; or --max_steps's, over as many epochs as they take (the last one partial); none
+        once it is done."""
         if self.end.done(progress):
-            return 0
-        sampler, batch_size = self.loaders.train_sampler, self.train_config.batch_size_training
+            return 0, progress.epoch
+        this_epoch, every_epoch = self._epoch_steps(progress.samples_consumed), self._epoch_steps(0)
+        if not self.recipe.max_steps:
+            later_epochs = self.train_config.epochs - progress.epoch
+            return this_epoch + later_epochs * every_epoch, self.train_config.epochs
+        left = self.recipe.max_steps - progress.global_step
+        return left, progress.epoch + max(math.ceil((left - this_epoch) / every_epoch), 0)
 
-        def epoch_steps(samples_consumed: int) -> int:
-            batches = math.ceil(sampler.share_after(samples_consumed) / batch_size)
-            return optim.steps_per_epoch(self.recipe, batches)
-
-        later_epochs = self.train_config.epochs - progress.epoch
-        left = epoch_steps(progress.samples_consumed) + later_epochs * epoch_steps(0)
-        if self.recipe.max_steps:
-            left = min(left, self.recipe.max_steps - progress.global_step)
-        return left
+    def _epoch_steps(self, samples_consumed: int) -> int:
+        """The optimizer steps of an epoch once `samples_consumed` of its order were trained on (in this run's
+        batches and ranks)."""
+        batches = math.ceil(
+            self.loaders.train_sampler.share_after(samples_consumed) / self.train_config.batch_size_training
+        )
+        return optim.steps_per_epoch(self.recipe, batches)
 
     def _step(self, step: int, micro_batches: list[dict], step_log: StepLog) -> None:
         """One optimizer step (utils/train/step.py: train_step) and what follows it: its statistics, a finished
@@ -320,6 +326,8 @@ class Trainer:
         # The next epoch starts at its beginning; where --max_steps ended this one early, inside it.
         following = TrainProgress(epoch=epoch + 1, global_step=run.step) if run.epoch_finished else run.position
         following = dataclasses.replace(following, best_metric=best_metric, best_epoch=best_epoch)
+        if self.end.done(following):  # training ends here: the split scored once after it, in this checkpoint
+            self._score_final(epoch, run.step)
         self.checkpoints.save(following)
         return following
 
@@ -361,6 +369,24 @@ class Trainer:
         record = self.evaluator.evaluate(self.model, epoch, step, lambda: stop.requested)
         self.records.metrics.write(record)
         return record
+
+    def _score_final(self, epoch: int, step: int) -> None:
+        """The split scored once after training (utils/data/cache.py: SplitPlan.final; --eval_split auto's test
+        split, where validation is held out of train), by the final model: its loss (a test record) and
+        generation's scores (an eval record and its predictions file). Before the last checkpoint, so a run
+        stopped before it is saved scores it when resumed. Collective."""
+        final = self.loaders.final
+        if final is None:
+            return
+        split = self.loaders.plan.final
+        with progress_bar(len(final.loader), f"{split.capitalize()} loss", unit="batch", colour="green") as bar:
+            loss = validate(
+                self.model, final.loader, device=self.info.device, spec=self.spec, progress=bar,
+                num_real_samples=final.num_real_samples,
+            )  # fmt: skip
+        if self.final_evaluator is not None:
+            self.records.metrics.write(self.final_evaluator.evaluate(self.model, epoch, step))
+        self.records.final(epoch, step, split, loss)
 
     def _evaluate_midway(self, epoch: int, step: int, step_log: StepLog | None, stop: StopRequest) -> None:
         """--eval_every_n_steps (and --eval_on_start, before any step: no `step_log`): the validation loss (a
