@@ -184,11 +184,9 @@ def build_run(
             tokenizer=tokenizer, data_format=spec.data_format, data=config.data, train=train,
             evaluation=evaluation, info=info, encoding=encoding,
         )  # fmt: skip
-    if inputs is not None:
-        inputs["encoding"] = loaders.encoding.version
     log_evaluation_plan(config, loaders)
-    if inputs is not None:  # which splits it trains and evaluates on, which a resume keeps
-        inputs = checked_splits(start, inputs, loaders.plan.record())
+    if inputs is not None:  # how its rows were tokenised and which splits it reads, which a resume keeps
+        inputs = checked_splits(start, {**inputs, "encoding": loaders.encoding.version}, loaders.plan.record())
 
     # The model: pretrained weights (a skeleton on the meta device where rank-0-only loading fills it
     # later, or where a checkpoint does), the weights of a .pt, and LoRA adapters. Where rank 0 alone reads
