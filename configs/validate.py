@@ -298,8 +298,8 @@ LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "m
 
 
 def check_lora(lora: LoraConfig, fsdp_config: FSDPConfig) -> None:
-    """Rank-0-only loading builds on meta and reads weights by name, and the adapters are not in the file.
-    (FSDP1 needs nothing: the adapters become units of their own, policies/wrapping.py.)"""
+    """The LoRA settings that cannot run. (FSDP1 needs nothing: the adapters become units of their own,
+    policies/wrapping.py; rank-0-only loading builds them as a loaded model's, utils/model/lora.py.)"""
     if lora.peft != "lora":
         defaults = LoraConfig()
         given = [name for name in LORA_FIELDS if getattr(lora, name) != getattr(defaults, name)]
@@ -310,8 +310,6 @@ def check_lora(lora: LoraConfig, fsdp_config: FSDPConfig) -> None:
         raise ConfigError("--lora_dropout 1 drops every input of the adapters, which would never train: use < 1")
     if fsdp_config.compile:
         raise ConfigError("--peft lora with --compile true is not supported yet (untested); drop one")
-    if fsdp_config.cpu_ram_efficient_loading:
-        raise ConfigError("--peft lora cannot be combined with --cpu_ram_efficient_loading true yet; drop one")
     if not [name for name in lora.lora_target_modules.split(",") if name.strip()]:
         raise ConfigError("--lora_target_modules is empty: give the linear layers to adapt, e.g. q,v")
 

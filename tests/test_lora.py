@@ -16,7 +16,7 @@ from transformers import T5ForConditionalGeneration, T5Tokenizer
 from configs.errors import ConfigError
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
-from configs.paths import EMBEDDED_MODEL_DIR
+from configs.paths import EMBEDDED_MODEL_DIR, REPO_ROOT
 from configs.validate import check_lora
 from tests.dist_harness import run_ranks
 from tests.dist_workers import (
@@ -195,7 +195,6 @@ def test_the_adapter_names_its_base_as_from_pretrained_finds_it():
 @pytest.mark.parametrize(
     "lora, fsdp, message",
     [
-        ({"peft": "lora"}, {"fsdp_version": 2, "cpu_ram_efficient_loading": True}, "--cpu_ram_efficient_loading"),
         ({"peft": "lora", "lora_target_modules": " , "}, {"fsdp_version": 2}, "--lora_target_modules is empty"),
         ({"merge_lora": True}, {}, "--merge_lora sets up LoRA adapters: it needs --peft lora"),
         ({"lora_r": 16}, {}, "--lora_r sets up LoRA adapters"),
@@ -299,3 +298,142 @@ def test_a_full_state_file_says_whether_it_holds_adapters(tmp_path):
     torch.save(T5ForConditionalGeneration.from_pretrained(EMBEDDED_MODEL_DIR).state_dict(), tmp_path / "plain.pt")
     assert holds_adapters(str(tmp_path / "lora.pt"))
     assert not holds_adapters(str(tmp_path / "plain.pt"))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from scripts.make_tiny_family import make
+
+    folder = tmp_path_factory.mktemp("lora_llama") / "llama"
+    make("llama", str(folder))
+    return str(folder)
+
+
+@pytest.mark.parametrize("family", ["t5", "llama"])
+def test_adapters_on_a_skeleton_get_the_loaded_models_values_and_random_draws(family, tiny_llama):
+    """Rank-0-only loading builds the base on the meta device: PEFT would move the adapters it initialised
+    there, and their values would be lost. Built on the skeleton, they equal those of the loaded model (the
+    same draws: the random stream after them is the same too), the base stays on meta and frozen. The control:
+    left on meta (adapters_on_meta, for a LoRA run's .pt to fill), they hold nothing."""
+    from utils.model.loading import load_model
+    from utils.spec import CAUSAL
+
+    folder, spec = (str(EMBEDDED_MODEL_DIR), SEQ2SEQ) if family == "t5" else (tiny_llama, CAUSAL)
+    lora = LoraConfig(peft="lora")  # r=8, PEFT's own init (kaiming A, zero B)
+    built = {}
+    for case, on_meta, adapters_on_meta in (("loaded", False, False), ("skeleton", True, False),
+                                            ("control", True, True)):  # fmt: skip
+        torch.manual_seed(11)
+        base = load_model(folder, on_meta=on_meta)
+        model = apply_lora(base, lora, folder, spec, adapters_on_meta=adapters_on_meta)
+        built[case] = (dict(model.named_parameters()), torch.get_rng_state())
+    loaded, loaded_rng = built["loaded"]
+    skeleton, skeleton_rng = built["skeleton"]
+    adapters = [name for name in loaded if "lora_" in name]
+    assert adapters and sorted(skeleton) == sorted(loaded)
+    for name, param in skeleton.items():
+        assert param.requires_grad == loaded[name].requires_grad, name
+        if name in adapters:
+            assert not param.is_meta and torch.equal(param, loaded[name]), name
+        else:
+            assert param.is_meta, name
+    assert torch.equal(skeleton_rng, loaded_rng)
+    control = built["control"][0]
+    assert all(control[name].is_meta for name in adapters)
+
+
+def mid_llama(folder: Path) -> int:
+    """A Llama of 51M parameters (205 MB in fp32) with the tiny Llama's tokenizer: large enough that its copy
+    shows in a rank's resident memory above the noise of a process's own (about 15 MB). Its parameters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scripts.make_tiny_family import make
+
+    make("llama", str(folder))
+    config = LlamaConfig.from_pretrained(folder)
+    config.update({"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 16,
+                   "num_attention_heads": 8, "num_key_value_heads": 8})  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+# Short LoRA runs in fp32, with nothing but training and the adapter's export.
+RANK0_RUN = ("--peft", "lora", "--mixed_precision", "false", "--max_steps", "3", "--num_train_samples", "16",
+             "--run_validation", "false", "--log_every_n_steps", "1", "--keep_last_n", "0")  # fmt: skip
+
+
+def lora_run(output_dir: Path, *args: str, launch=pooled) -> dict:
+    """A RANK0_RUN (pooled, or `launch`ed): its per-step losses, and each rank's loading high-water mark over the
+    fp32 model (the memory account's load_rss_delta_bytes, as scripts/benchmark.py's loading suite divides it;
+    meaningful in fresh processes only: a pooled worker's heap may hold an earlier scenario's freed tensors,
+    which loading then reuses without raising the resident memory)."""
+    from tests.reference_run import read_records
+
+    run = launch([*RANK0_RUN, "--output_dir", str(output_dir), *args])
+    assert run.returncode == 0, run.describe()
+    records = read_records(output_dir)
+    memory = sorted((r for r in records if r["type"] == "memory"), key=lambda r: r["rank"])
+    return {
+        "losses": [r["loss"] for r in records if r["type"] == "step"],
+        "load_share": [r["load_rss_delta_bytes"] / (4 * r["param_numel_total"]) for r in memory],
+        "output": run.output,
+    }
+
+
+@pytest.mark.slow
+def test_lora_with_rank0_only_loading_trains_as_loading_on_every_rank_and_spares_rank1_the_model(tmp_path):
+    """--peft lora --cpu_ram_efficient_loading true, FSDP1 and FSDP2, the tiny T5 (pooled) and a 51M-parameter
+    Llama (a text-format run on the chat sample, through torchrun: fresh processes, whose memory says what
+    loading holds): the fp32 losses are bit-identical to the same run with rank-0-only loading off (the
+    adapters start alike: built on the skeleton as on the loaded model). Rank 1 never holds the Llama while
+    loading: its high-water mark stays under one fp32 copy (measured 0.66x with FSDP1: its shard and the unit
+    being flattened; 0.61x with FSDP2: its shard, filled by rank 0's broadcast), where with loading on every
+    rank it holds more than one (the control: 1.98x, 1.33x). And FSDP1 reads a LoRA run's .pt (adapters
+    included) by name on rank 0 alone: the same losses as every rank loading it, other than a fresh LoRA
+    run's."""
+    from tests.launch import torchrun
+    from utils.model.loading import load_model
+
+    llama = tmp_path / "llama"
+    mid_llama(llama)
+    llama_data = ("--model_name", str(llama), "--dataset_name", str(REPO_ROOT / "data" / "code_chat"),
+                  "--dataset_text_field", "content", "--max_seq_len", "64", "--batch_size_training", "2",
+                  "--cache_dir", str(tmp_path / "cache"))  # fmt: skip
+    runs = {}
+    for family, data, launch in (("t5", (), pooled), ("llama", llama_data, torchrun)):
+        for version in ("1", "2"):
+            for rank0 in ("true", "false"):
+                runs[family, version, rank0] = lora_run(
+                    tmp_path / f"{family}-{version}-{rank0}", *data, "--fsdp_version", version,
+                    "--cpu_ram_efficient_loading", rank0, launch=launch,
+                )  # fmt: skip
+    for (family, version, rank0), run in runs.items():  # the pooled T5's memory is not measured (lora_run)
+        shares = f", loading high-water mark / fp32 model per rank {[round(s, 2) for s in run['load_share']]}"
+        print(f"{family} FSDP{version} rank-0-only loading {rank0}: losses {run['losses']}"
+              f"{shares if family == 'llama' else ''}")  # fmt: skip
+    for family in ("t5", "llama"):
+        for version in ("1", "2"):
+            on, off = runs[family, version, "true"], runs[family, version, "false"]
+            assert len(on["losses"]) == 3 and on["losses"] == off["losses"], (family, version)
+    for version in ("1", "2"):
+        on, off = runs["llama", version, "true"]["load_share"][1], runs["llama", version, "false"]["load_share"][1]
+        assert on < 0.8 < 1.0 < off, (version, on, off)
+
+    # A LoRA run's .pt with adapters that are not PEFT's initial ones (B non-zero): read, not initialised.
+    torch.manual_seed(5)
+    peft_model = apply_lora(load_model(str(EMBEDDED_MODEL_DIR)), LoraConfig(peft="lora"), LORA_BASE, SEQ2SEQ)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.05)
+    weights = tmp_path / "lora.pt"
+    torch.save(peft_model.state_dict(), weights)
+    from_pt = {}
+    for rank0 in ("true", "false"):
+        from_pt[rank0] = lora_run(tmp_path / f"pt-{rank0}", "--resume", str(weights), "--fsdp_version", "1",
+                                  "--cpu_ram_efficient_loading", rank0)  # fmt: skip
+    print(f"T5 FSDP1 from a LoRA .pt: {from_pt['true']['losses']} (rank-0-only), {from_pt['false']['losses']}")
+    assert from_pt["true"]["losses"] == from_pt["false"]["losses"]
+    assert from_pt["true"]["losses"] != runs["t5", "1", "true"]["losses"]  # the adapters came from the file

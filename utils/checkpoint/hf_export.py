@@ -53,7 +53,7 @@ from utils.checkpoint.state_dicts import (
 )
 from utils.eval.generation import stops_of
 from utils.model.loading import saved_config, skeleton
-from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
+from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora, base_weight_name
 from utils.spec import GENERATION_KEYS, ModelSpec, spec_for
 
 # Each rank serializes its rows of a batch of tensors in memory before writing them (DCP's safetensors
@@ -128,7 +128,7 @@ def lora_exports(
                     delta = delta.T
                 rows = delta[first_row : first_row + local.shape[0]]
                 tensor = with_local_rows(tensor, local + rows.to(local.device))  # FSDP2's CPU offload
-        merged[name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")] = tensor
+        merged[base_weight_name(name)] = tensor
     return {name: tensor.cpu() for name, tensor in adapters.items()}, merged
 
 

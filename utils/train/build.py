@@ -301,7 +301,13 @@ def build_model(
         rank0_fills=parallelism.fills_units_from_files and not restores,
     )  # fmt: skip
     if uses_lora:
-        loaded.model = lora.apply_lora(loaded.model, lora_config, lora.adapter_base(train.model_name), spec)
+        # FSDP1's rank-0-only loading fills a LoRA run's .pt adapters too, read by name as the base weights are.
+        adapters_read = bool(adapter_weights) and parallelism.fills_units_from_files and not restores
+        loaded.model = lora.apply_lora(
+            loaded.model, lora_config, lora.adapter_base(train.model_name), spec, adapters_on_meta=adapters_read
+        )
+        if adapters_read:
+            loaded.weights_source = adapter_weights
         trainable, total = lora.trainable_share(loaded.model)
         targets = ",".join(lora.target_modules(lora_config, loaded.model))
         get_logger().info(
