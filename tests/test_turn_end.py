@@ -178,8 +178,8 @@ def test_a_text_format_runs_closing_line_says_how_generation_stops_and_a_chat_ex
         "pipeline call tokenizer=pipe.tokenizer)"
     )
     assert lines["control"].endswith(
-        "generation from the model stops at '</s>' alone: nothing marks where a turn of the texts ends, so it "
-        "writes the next one too (--eos_token names the text that ends a turn: the Llama 2 guide's <|endoftext|>)"
+        "generation from the model stops at '</s>' alone: where the texts end a turn with another text, it writes "
+        "on into the next turn (--eos_token names that text: the Llama 2 guide's <|endoftext|>)"
     )
 
     chat = tmp_path / "chat"

@@ -92,13 +92,14 @@ class FinalModels:
 
     def generation_stops(self) -> str:
         """Where generate() stops on the exported model, as its generation_config.json says (the closing line);
-        for whole texts without --eos_token, that it runs on into the texts' next turn."""
+        for whole texts without --eos_token, that it runs on into the texts' next turn where another text ends
+        one (the tokenizer's EOS between turns would stop it: GPT-2's <|endoftext|>)."""
         generation_config = run_generation_config(self.model_config, self.spec, self.tokenizer)
         said = generation_stops_said(generation_config, self.tokenizer)
         if self.whole_texts and "eos_token" not in summarization_settings(self.model_config, self.spec):
             said += (
-                " alone: nothing marks where a turn of the texts ends, so it writes the next one too (--eos_token "
-                "names the text that ends a turn: the Llama 2 guide's <|endoftext|>)"
+                " alone: where the texts end a turn with another text, it writes on into the next turn "
+                "(--eos_token names that text: the Llama 2 guide's <|endoftext|>)"
             )
         return said
 
