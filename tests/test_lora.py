@@ -521,3 +521,34 @@ def test_compiled_lora_trains_as_the_eager_lora_step(backend):
         assert compiled["tokens"] == eager["tokens"], name
         pairs = zip(compiled["losses"], eager["losses"], strict=True)
         print(backend, name, "max relative loss difference", max(abs(c - e) / abs(e) for c, e in pairs))
+
+
+# The Llama 2 guide's LoRA flags (its --use_peft_lora True is the package's --peft lora).
+GUIDE_LORA = ("--peft", "lora", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1",
+              "--lora_target_modules", "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_guides_command_with_lora_under_its_yaml_trains_and_its_adapter_loads_with_peft(tiny_llama, tmp_path):
+    """The Llama 2 guide's command with its LoRA flags, through accelerate launch with its YAML, whose
+    fsdp_cpu_ram_efficient_loading: true made --peft lora a refusal: the run trains with rank-0-only loading,
+    and hf_adapter/ loads with PeftModel.from_pretrained onto the base it names, its B matrices trained."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_accelerate_env import accelerate_launch_run
+    from tests.test_causal import LLAMA2_CONFIG, seed_004_flags
+
+    output_dir = tmp_path / "run"
+    run = accelerate_launch_run([*seed_004_flags(tiny_llama, str(output_dir)), *GUIDE_LORA], config=LLAMA2_CONFIG,
+                                timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.describe()
+    record = json.loads((output_dir / "config.json").read_text(encoding="utf-8"))
+    assert record["fsdp_config"]["cpu_ram_efficient_loading"] and record["lora_config"]["peft"] == "lora"
+    assert "LoRA r=8 alpha=16 on q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj" in run.output
+    with warnings_ignored(PEFT_ASKS_A_DEPRECATED_PROPERTY):
+        model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_llama), output_dir / "hf_adapter"
+        )
+    trained = {name: param for name, param in model.named_parameters() if "lora_B" in name}
+    assert len(trained) == 2 * 7 and all(param.abs().sum() > 0 for param in trained.values())
