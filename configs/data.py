@@ -157,6 +157,16 @@ class DataConfig:
         ),
         on_resume="fixed",
     )
+    eos_token: str = option(
+        default="",
+        help=(
+            "Decoder-only models: the text that ends a turn in the data (TRL's name; the Llama 2 guide's texts "
+            "end each with <|endoftext|>). Generation stops there: the export's generation_config.json gets its "
+            "id where it is one of the tokenizer's own tokens (a special or added one), else a stop string "
+            "(generate then needs tokenizer=tokenizer), and evaluation's generation stops alike. The data is not "
+            "changed. Default: the tokenizer's EOS alone."
+        ),
+    )
     max_seq_len: int | None = option(
         default=None,
         help=(

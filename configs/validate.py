@@ -45,7 +45,7 @@ def check_settings(config: RunConfig, world_size: int, device_type: str | None =
     check_schedule(config.recipe)
     check_optional_packages(config.observe, config.lora)
     check_profile(config.observe, config.recipe)
-    check_lora(config.lora, fsdp)
+    check_lora(config.lora)
 
 
 def check_wrapping(config: RunConfig, world_size: int) -> None:
@@ -303,9 +303,10 @@ def check_profile(observe: ObserveConfig, recipe: RecipeConfig) -> None:
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora")
 
 
-def check_lora(lora: LoraConfig, fsdp_config: FSDPConfig) -> None:
-    """Rank-0-only loading builds on meta and reads weights by name, and the adapters are not in the file.
-    (FSDP1 needs nothing: the adapters become units of their own, policies/wrapping.py.)"""
+def check_lora(lora: LoraConfig) -> None:
+    """The LoRA settings that cannot run. Every FSDP setting can: FSDP1's adapters become units of their own
+    (policies/wrapping.py), rank-0-only loading builds them as a loaded model's (utils/model/lora.py), and
+    compiled they train as eagerly (tests/test_lora.py)."""
     if lora.peft != "lora":
         defaults = LoraConfig()
         given = [name for name in LORA_FIELDS if getattr(lora, name) != getattr(defaults, name)]
@@ -314,10 +315,6 @@ def check_lora(lora: LoraConfig, fsdp_config: FSDPConfig) -> None:
         return
     if lora.lora_dropout >= 1:
         raise ConfigError("--lora_dropout 1 drops every input of the adapters, which would never train: use < 1")
-    if fsdp_config.compile:
-        raise ConfigError("--peft lora with --compile true is not supported yet (untested); drop one")
-    if fsdp_config.cpu_ram_efficient_loading:
-        raise ConfigError("--peft lora cannot be combined with --cpu_ram_efficient_loading true yet; drop one")
     if not [name for name in lora.lora_target_modules.split(",") if name.strip()]:
         raise ConfigError("--lora_target_modules is empty: give the linear layers to adapt, e.g. q,v")
 

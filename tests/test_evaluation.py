@@ -34,7 +34,7 @@ from utils.base.log import get_logger
 from utils.checkpoint.hf_export import run_generation_config, write_adapter_folder
 from utils.data.cache import load_wikihow
 from utils.eval.evaluator import generated_lengths
-from utils.eval.generation import stop_token_ids
+from utils.eval.generation import TurnEnd, generation_stops
 from utils.eval.rouge import ROUGE_KEYS, rouge_scores
 from utils.eval.scores import mean_scores
 from utils.fsdp.parallelism import Unwrapped
@@ -165,13 +165,14 @@ def test_gen_len_counts_the_written_tokens_and_the_eos_also_when_it_pads():
     assert generated_lengths(chat, pad_id=2, stop_ids=[2, 7]) == [3]
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 2]))
     unwrapped = Unwrapped(FSDPConfig(single_rank_fsdp=False))
-    assert stop_token_ids(model, unwrapped, SimpleNamespace(eos_token_id=2)) == [2, 7]
-    assert stop_token_ids(SimpleNamespace(), unwrapped, SimpleNamespace(eos_token_id=1)) == [1]
+    assert generation_stops(model, unwrapped, SimpleNamespace(eos_token_id=2), TurnEnd()) == TurnEnd((2, 7))
+    no_config = SimpleNamespace()
+    assert generation_stops(no_config, unwrapped, SimpleNamespace(eos_token_id=1), TurnEnd()) == TurnEnd((1,))
 
 
 def test_generation_stops_at_the_tokenizers_eos_also_where_the_models_config_names_another(monkeypatch, tmp_path):
     """Every training row ends with the tokenizer's EOS: the evaluator hands `generate` that one and the model's
-    generation config's (stop_token_ids), so a folder whose generation_config.json names another EOS does not
+    generation config's (generation_stops), so a folder whose generation_config.json names another EOS does not
     write past it (text after it that the predictions would score)."""
 
     from utils.eval import evaluator as evaluation_module

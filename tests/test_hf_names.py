@@ -220,9 +220,7 @@ def test_the_docs_table_is_the_codes():
 # What a user of the Llama 2 guide's training script or of TRL's SFTTrainer types (issue 66), and what each gets:
 # ("becomes", {field: value}, a phrase of its one line); ("left out", a phrase of its line: what the package does
 # instead); ("refused", a phrase of the one message); ("own", {field: value}): the package's own flag, no line;
-# ("unknown", the flags of its hint): a name with no meaning here is hinted only at a flag it misspells. (The
-# package's own --eos_token, --neftune_noise_alpha and --packing_strategy bfd, TRL's names too, come from
-# other branches of issue 66.)
+# ("unknown", the flags of its hint): a name with no meaning here is hinted only at a flag it misspells.
 GUIDE_AND_TRL_NAMES = {
     ("--use_peft_lora", "True"): ("becomes", {"peft": "lora"}, "--use_peft_lora True -> --peft lora"),
     ("--use_peft_lora", "False"): ("becomes", {"peft": "none"}, "-> --peft none"),
@@ -268,6 +266,7 @@ GUIDE_AND_TRL_NAMES = {
     ("--weight_decay", "1e-4"): ("own", {"weight_decay": 1e-4}),
     ("--neftune_noise_alpha", "5"): ("own", {"neftune_noise_alpha": 5.0}),
     ("--packing_strategy", "bfd"): ("own", {"packing_strategy": "bfd"}),
+    ("--eos_token", "<|endoftext|>"): ("own", {"eos_token": "<|endoftext|>"}),
     # no meaning here, and no flag they misspell: no hint (before: --use_reentrant was led to --save_strategy,
     # --padding_free to --learning_rate, --max_length to --pad_to_max_length)
     **{tuple(argv.split()): ("unknown", []) for argv in (

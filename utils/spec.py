@@ -94,12 +94,14 @@ class ModelSpec:
         """How this run prepares a source text (its cleaning, named as in utils/data/cache.py's CLEANINGS, the
         prefix, the length) and generates its output. Saved in the model config's
         `task_specific_params[params_key]` (summarization's where T5's published checkpoints keep theirs), so
-        checkpoints and hf_model/ carry it and scripts/summarize.py needs no flags."""
+        checkpoints and hf_model/ carry it and scripts/summarize.py needs no flags. With --eos_token, the text
+        generation stops at besides the EOS (the export's generation_config.json: utils/eval/generation.py)."""
         return {
             "cleaning": cleaning,
             "prefix": data.source_prefix,
             "max_source_length": data.max_source_length,
             **self.generation_kwargs(evaluation, data.max_target_length),
+            **({"eos_token": data.eos_token} if data.eos_token else {}),
         }
 
     @staticmethod
@@ -141,6 +143,11 @@ class Seq2SeqSpec(ModelSpec):
                 f"--max_seq_len {data.max_seq_len} (TRL's --max_length) is a decoder-only model's one length; "
                 "an encoder-decoder's are two: --max_source_length (the source's tokens) and --max_target_length "
                 "(the target's). Give those instead"
+            )
+        if data.eos_token:
+            raise ConfigError(
+                f"--eos_token {data.eos_token!r} names the text that ends a decoder-only model's turns; an "
+                "encoder-decoder's target ends with its EOS token, where its generation stops: drop it"
             )
 
     def fitted_data(self, data: DataConfig, config: PretrainedConfig, resumed: bool) -> DataConfig:  # noqa: ARG002

@@ -8,7 +8,14 @@ import time
 from configs.lora import LoraConfig
 from utils.base import layout
 from utils.base.log import get_logger
-from utils.checkpoint.hf_export import lora_exports, write_adapter_folder, write_model_folder
+from utils.checkpoint.hf_export import (
+    generation_stops_said,
+    lora_exports,
+    run_generation_config,
+    summarization_settings,
+    write_adapter_folder,
+    write_model_folder,
+)
 from utils.checkpoint.manager import CheckpointManager
 from utils.checkpoint.state_dicts import fsdp1_state_dict_warnings_ignored, save_full_model, sharded_model_state
 from utils.distributed.hang_report import WHERE
@@ -23,8 +30,17 @@ class FinalModels:
     spec (model class, architecture, saved settings), LoRA, the adapter's base (utils/model/lora.py:
     adapter_base). Every method that writes is collective."""
 
-    def __init__(self, checkpoints: CheckpointManager, *, spec: ModelSpec, lora: LoraConfig, base_model: str):
+    def __init__(
+        self,
+        checkpoints: CheckpointManager,
+        *,
+        spec: ModelSpec,
+        lora: LoraConfig,
+        base_model: str,
+        whole_texts: bool = False,
+    ):
         self.checkpoints = checkpoints
+        self.whole_texts = whole_texts  # --dataset_text_field: texts whose turns only --eos_token can mark
         self.model, self.parallelism, self.info = checkpoints.model, checkpoints.parallelism, checkpoints.info
         self.output_dir, self.model_config, self.tokenizer = (
             checkpoints.output_dir, checkpoints.model_config, checkpoints.tokenizer
@@ -73,6 +89,19 @@ class FinalModels:
             folder, files, time.perf_counter() - started,
         )  # fmt: skip
         return folder if is_main else None
+
+    def generation_stops(self) -> str:
+        """Where generate() stops on the exported model, as its generation_config.json says (the closing line);
+        for whole texts without --eos_token, that it runs on into the texts' next turn where another text ends
+        one (the tokenizer's EOS between turns would stop it: GPT-2's <|endoftext|>)."""
+        generation_config = run_generation_config(self.model_config, self.spec, self.tokenizer)
+        said = generation_stops_said(generation_config, self.tokenizer)
+        if self.whole_texts and "eos_token" not in summarization_settings(self.model_config, self.spec):
+            said += (
+                " alone: where the texts end a turn with another text, it writes on into the next turn "
+                "(--eos_token names that text: the Llama 2 guide's <|endoftext|>)"
+            )
+        return said
 
     def final_folder(self, last: bool) -> str:
         """The export's folder name: hf_model (hf_model_last), or with LoRA and no merge the adapter's."""

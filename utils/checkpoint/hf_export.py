@@ -51,9 +51,9 @@ from utils.checkpoint.state_dicts import (
     local_rows,
     with_local_rows,
 )
-from utils.eval.generation import stops_of
+from utils.eval.generation import NO_TURN_END, stops_of, turn_end
 from utils.model.loading import saved_config, skeleton
-from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora
+from utils.model.lora import ADAPTER_NAME, PEFT_PREFIX, apply_lora, base_weight_name
 from utils.spec import GENERATION_KEYS, ModelSpec, spec_for
 
 # Each rank serializes its rows of a batch of tensors in memory before writing them (DCP's safetensors
@@ -128,7 +128,7 @@ def lora_exports(
                     delta = delta.T
                 rows = delta[first_row : first_row + local.shape[0]]
                 tensor = with_local_rows(tensor, local + rows.to(local.device))  # FSDP2's CPU offload
-        merged[name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")] = tensor
+        merged[base_weight_name(name)] = tensor
     return {name: tensor.cpu() for name, tensor in adapters.items()}, merged
 
 
@@ -192,17 +192,37 @@ def summarization_settings(config, spec: ModelSpec) -> dict:
 
 def run_generation_config(config, spec: ModelSpec, tokenizer=None) -> GenerationConfig:
     """generation_config.json with the run's generation settings, so `generate()` summarises as evaluated: up
-    to the run's lengths, and ending at every stop token evaluation ended at (the tokenizer's EOS too)."""
+    to the run's lengths, and ending at every stop token evaluation ended at (the tokenizer's EOS too), and at
+    the run's --eos_token (its id among eos_token_id, or a stop string: utils/eval/generation.py, turn_end)."""
     generation_config = GenerationConfig.from_model_config(config)
     summarization = summarization_settings(config, spec)
     generation = {key: summarization[key] for key in GENERATION_KEYS if key in summarization}
     if generation.get("num_beams", 1) == 1:
         generation.pop("length_penalty", None)  # a beam-search setting; transformers refuses it otherwise
     generation_config.update(use_cache=True, **generation)
-    stops = stops_of(generation_config, tokenizer)
+    turn = turn_end(tokenizer, summarization.get("eos_token", "")) if tokenizer is not None else NO_TURN_END
+    stops = sorted({*stops_of(generation_config, tokenizer), *turn.ids})
     if stops != stops_of(generation_config, None):  # the config names another EOS than the tokenizer's
         generation_config.eos_token_id = stops
+    if turn.strings:
+        generation_config.stop_strings = list(turn.strings)
     return generation_config
+
+
+def generation_stops_said(generation_config: GenerationConfig, tokenizer) -> str:
+    """How generate() stops on a model with `generation_config` (run_generation_config's), in words: its stop
+    tokens, and its stop strings, which generate matches only when given the tokenizer (without it, it raises;
+    a text-generation pipeline passes its own only when asked: transformers 5.24)."""
+    ids = stops_of(generation_config, None)
+    said = " or ".join(repr(token) for token in tokenizer.convert_ids_to_tokens(ids)) or "its length limit alone"
+    strings = generation_config.stop_strings or []
+    if strings:
+        said += (
+            f", and at the text {' or '.join(repr(text) for text in strings)} (stop_strings in "
+            "generation_config.json, which generate() reads through its tokenizer: give it tokenizer=tokenizer, "
+            "a pipeline call tokenizer=pipe.tokenizer)"
+        )
+    return said
 
 
 def write_adapter_folder(

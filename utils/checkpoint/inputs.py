@@ -91,6 +91,8 @@ def recorded_encoding(start: StartPoint) -> int | str | None:
     position stays exact; None where the checkpoint recorded none (written before checkpoints recorded it:
     utils/data/cache.py's resumed_encoding says what that was)."""
     return (read_train_state(start.path).get("inputs") or {}).get("encoding")
+
+
 # What a checkpoint written before checkpoints recorded their splits trained and evaluated on, whatever
 # --eval_split said (utils/data/cache.py: SplitPlan.record).
 SPLITS_BEFORE_RECORDED = {"train": "train", "evaluation": "validation"}

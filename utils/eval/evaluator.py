@@ -21,7 +21,15 @@ from utils.base.log import get_logger, progress_bar
 from utils.data.loaders import EvalSet, move_batch
 from utils.distributed.hang_report import WHERE
 from utils.distributed.process_group import DistInfo, StopCheck
-from utils.eval.generation import gathered_for_generation, generate, keep_gathered, stop_token_ids
+from utils.eval.generation import (
+    NO_TURN_END,
+    TurnEnd,
+    cut_at_stop_strings,
+    gathered_for_generation,
+    generate,
+    generation_stops,
+    keep_gathered,
+)
 from utils.eval.rouge import lead_sentences, lead_steps, rouge_scores
 from utils.eval.scores import SCORERS, mean_scores
 from utils.fsdp.parallelism import Parallelism
@@ -39,7 +47,9 @@ def lead_steps_label(cleaning: str) -> str:
 
 def generated_lengths(ids: torch.Tensor, pad_id: int, stop_ids: list[int]) -> list[int]:
     """The tokens each row of `ids` wrote, its stop token included: the non-padding ones before the first of
-    `stop_ids`, and that one (a decoder-only model's tokenizer may share its padding with its EOS)."""
+    `stop_ids` (generation_stops), and that one. Apart from padding, which a decoder-only model's tokenizer may
+    share with its EOS (Llama's, GPT-2's): counting non-padding tokens alone would leave their EOS out, and
+    count T5's."""
     if not stop_ids:
         return (ids != pad_id).sum(dim=1).tolist()
     ended = torch.isin(ids, torch.tensor(stop_ids, device=ids.device))
@@ -62,6 +72,7 @@ class Evaluator:
         info: DistInfo,
         gather_for_generation: str = "false",
         compute_dtype: torch.dtype = torch.float32,
+        turn_end: TurnEnd = NO_TURN_END,
     ):
         self.eval_set = eval_set
         self.parallelism = parallelism  # how generation gathers the sharded model
@@ -72,6 +83,7 @@ class Evaluator:
         self.info = info
         # --gather_for_generation, and the dtype the gathered parameters take (generation.keep_gathered)
         self.gather_for_generation, self.compute_dtype = gather_for_generation, compute_dtype
+        self.turn_end = turn_end  # --eos_token: where generation stops besides the EOS (generation.turn_end)
         # The extractive baselines (scored in the first evaluation) are summaries: a chat's reply has none.
         self.scores_baselines = metric == "rouge" and eval_set.dataset.cleaning != "chat"
         self.baselines: dict | None = None
@@ -107,10 +119,12 @@ class Evaluator:
         keep = keep_gathered(
             model, self.parallelism, self.gather_for_generation, self.compute_dtype, self.info.device
         )
-        stops = stop_token_ids(model, self.parallelism, dataset.tokenizer)
+        stops = generation_stops(model, self.parallelism, dataset.tokenizer, self.turn_end)
         # The tokenizer's padding token: a decoder-only model's config may name none (Llama's). Every stop token:
         # the tokenizer's EOS, which each trained row ends with, also where the model's config names another.
-        settings = {**self.generation, "pad_token_id": pad_id, "eos_token_id": stops}
+        settings = {**self.generation, "pad_token_id": pad_id, "eos_token_id": list(stops.ids)}
+        if stops.strings:  # generate matches them in the text, through the tokenizer
+            settings.update(stop_strings=list(stops.strings), tokenizer=dataset.tokenizer)
         with (
             progress_bar(len(self.eval_set.loader), desc, unit="batch", colour="magenta") as bar,
             gathered_for_generation(model, self.parallelism, keep),
@@ -122,7 +136,9 @@ class Evaluator:
                 outputs = generate(model, self.parallelism, prompts, settings)
                 ids = self.spec.completions(outputs, prompts).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
-                lengths = generated_lengths(ids, pad_id, stops)
+                lengths = generated_lengths(ids, pad_id, list(stops.ids))
+                if stops.strings:
+                    texts, lengths = cut_at_stop_strings(ids, texts, lengths, pad_id, stops.strings)
                 for text, length in zip(texts, lengths, strict=True):
                     if position < sampler.num_real_samples:
                         index = sampler.indices[position]

@@ -18,11 +18,13 @@ batches (repeats padded in and ignored when scoring).
 """
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from configs.errors import ConfigError
 from utils.distributed.launcher import ranks_on_this_host
 from utils.distributed.process_group import any_rank
 from utils.fsdp.parallelism import Parallelism
@@ -43,10 +45,65 @@ def generate(model: nn.Module, parallelism: Parallelism, prompts: dict, generati
         return parallelism.generate(model, kwargs)
 
 
-def stop_token_ids(model: nn.Module, parallelism: Parallelism, tokenizer) -> list[int]:
-    """The ids generation ends a row at: the model's generation config's EOS (one, or several: a chat model's
-    end of turn too) and the tokenizer's."""
-    return stops_of(getattr(parallelism.inner(model), "generation_config", None), tokenizer)
+@dataclass(frozen=True)
+class TurnEnd:
+    """--eos_token as generation stops at it: the id of one of the tokenizer's own tokens, or a stop string."""
+
+    ids: tuple[int, ...] = ()
+    strings: tuple[str, ...] = ()  # generate's stop_strings, which it matches with its tokenizer= argument
+
+
+NO_TURN_END = TurnEnd()  # no --eos_token: the EOS alone
+
+
+def turn_end(tokenizer, eos_token: str, model_name: str = "") -> TurnEnd:
+    """Where generation stops for --eos_token `eos_token` (empty: nowhere but the EOS): its id where it is a
+    special or added token of the tokenizer (GPT-2's <|endoftext|>, a chat model's <|im_end|>), a single token
+    whatever the text around it; else a stop string, which generate matches however the text is split (the
+    Llama 2 guide's <|endoftext|> in Llama's vocabulary: several tokens). ConfigError where the tokenizer cannot
+    write it (an <unk>, or a decoding that is another text): generation would never meet it."""
+    if not eos_token:
+        return NO_TURN_END
+    own = tokenizer.get_added_vocab().get(eos_token)
+    if own is not None:
+        return TurnEnd(ids=(own,))
+    ids = tokenizer(eos_token, add_special_tokens=False).input_ids
+    unknown = tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids
+    if not ids or unknown or tokenizer.decode(ids).strip() != eos_token.strip():
+        tokens = " ".join(tokenizer.convert_ids_to_tokens(ids))
+        raise ConfigError(
+            f"--eos_token {eos_token!r} does not encode to tokens of the tokenizer of {model_name!r}: it reads "
+            f"as {tokens or 'nothing'} ({tokenizer.decode(ids)!r}), so generation would never write it. Give "
+            f"the text that ends a turn in the data as this tokenizer writes it: its EOS {tokenizer.eos_token!r}, "
+            "another of its special tokens, or a text of its vocabulary"
+        )
+    return TurnEnd(strings=(eos_token,))
+
+
+def generation_stops(model: nn.Module, parallelism: Parallelism, tokenizer, turn: TurnEnd) -> TurnEnd:
+    """Everything generation ends a row at: the ids of the model's generation config's EOS (one, or several: a
+    chat model's end of turn too), the tokenizer's and `turn`'s (--eos_token: turn_end), sorted; the stop
+    strings of `turn` and of the model's generation config (an export's)."""
+    generation_config = getattr(parallelism.inner(model), "generation_config", None)
+    ids = sorted({*stops_of(generation_config, tokenizer), *turn.ids})
+    strings = getattr(generation_config, "stop_strings", None) or []
+    strings = [strings] if isinstance(strings, str) else strings
+    return TurnEnd(tuple(ids), tuple(dict.fromkeys([*turn.strings, *strings])))
+
+
+def cut_at_stop_strings(
+    ids: torch.Tensor, texts: list[str], lengths: list[int], pad_id: int, strings: tuple[str, ...]
+) -> tuple[list[str], list[int]]:
+    """Each decoded output up to the first of the stop `strings` generate stopped at (the end of a turn is no
+    more part of the output than the EOS), and its generated length: where it stopped at one, its tokens before
+    the padding generate put after it (`lengths`, generated_lengths', would take that padding for an EOS where
+    the two are one token: Llama's, GPT-2's)."""
+    cut_texts, cut_lengths = [], []
+    for row, (text, length) in enumerate(zip(texts, lengths, strict=True)):
+        ends = [text.index(string) for string in strings if string in text]
+        cut_texts.append(text[: min(ends)] if ends else text)
+        cut_lengths.append(int((ids[row] != pad_id).sum()) if ends else length)
+    return cut_texts, cut_lengths
 
 
 def stops_of(generation_config, tokenizer) -> list[int]:

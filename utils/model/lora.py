@@ -10,6 +10,7 @@ hold the whole model (frozen weights included), so resuming needs nothing else. 
 writes; the merged model is computed row block by row block on the ranks that hold W, never gathered.
 """
 
+import contextlib
 import os
 
 import torch
@@ -79,10 +80,15 @@ def adapter_base(model_name: str) -> str:
     return os.path.abspath(model_name) if looks_like_local_path(model_name) else model_name
 
 
-def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str, spec: ModelSpec) -> nn.Module:
+def apply_lora(
+    model: nn.Module, lora: LoraConfig, base_model: str, spec: ModelSpec, adapters_on_meta: bool = False
+) -> nn.Module:
     """The PEFT model: `model` (of `spec`) frozen, adapters (B zero-initialised, so training starts from the
     model) on the target layers; `base_model` (adapter_base) is what the adapter's config names as its base.
-    Seeded by the caller's RNG state, the same on every rank."""
+    Seeded by the caller's RNG state, the same on every rank. On a skeleton (rank-0-only loading, a resume)
+    the adapters are built in host memory all the same, with the values and the random draws they get on the
+    loaded model (adapters_initialised_on_skeleton); `adapters_on_meta`: left on the meta device instead, for a
+    weights file to fill (FSDP1's rank-0-only loading from a LoRA run's .pt)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -99,8 +105,9 @@ def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str, spec: ModelS
         # GPT-2's Conv1D stores its weight (in, out): said here, PEFT does not warn once per layer.
         fan_in_fan_out=bool(targeted) and all(isinstance(module, Conv1D) for module in targeted),
     )
+    built = contextlib.nullcontext() if adapters_on_meta else adapters_initialised_on_skeleton(targeted)
     try:
-        with warnings_ignored(PEFT_ASKS_A_DEPRECATED_PROPERTY):
+        with warnings_ignored(PEFT_ASKS_A_DEPRECATED_PROPERTY), built:
             model = get_peft_model(model, peft_config)
     except ValueError:  # PEFT's NoMatchingPeftModuleError: not one target matched
         raise ConfigError(_missing_targets(targets, layers)) from None
@@ -118,6 +125,36 @@ def apply_lora(model: nn.Module, lora: LoraConfig, base_model: str, spec: ModelS
         if isinstance(module, BaseTunerLayer):
             module.cast_input_dtype_enabled = False
     return model
+
+
+@contextlib.contextmanager
+def adapters_initialised_on_skeleton(targeted: list[nn.Module]):
+    """Inside, each targeted layer's meta weights are stand-ins in host memory of their shape and dtype that hold
+    one element (a 0-stride view): PEFT builds each adapter on the default device, initialises it from the
+    random stream and then moves it to its base layer's device, which on a skeleton is the meta device, where
+    the values are lost. With the stand-ins they stay, equal to a loaded model's (same draws in the same order),
+    so rank-0-only loading starts the adapters where loading on every rank does. The meta weights come back
+    after, frozen as PEFT froze the stand-ins. A default device of meta (an export's PEFT skeleton) keeps them
+    on meta."""
+    swapped = []
+    for module in targeted:
+        for name, weight in list(module.named_parameters(recurse=False)):
+            if weight.is_meta:
+                stand_in = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
+                module._parameters[name] = nn.Parameter(stand_in, requires_grad=weight.requires_grad)
+                swapped.append((module, name, weight))
+    try:
+        yield
+    finally:
+        for module, name, weight in swapped:
+            weight.requires_grad_(module._parameters[name].requires_grad)
+            module._parameters[name] = weight
+
+
+def base_weight_name(name: str) -> str:
+    """A PEFT model's parameter name as its base model names it (what a pretrained weights file holds): without
+    PEFT's prefix and an adapted layer's base_layer."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def holds_adapters(weights_file: str) -> bool:

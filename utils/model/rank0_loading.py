@@ -12,6 +12,11 @@ by name, not the whole file), and FSDP1's `sync_module_states`, which it refuses
 FSDP2: ranks but 0 build on meta; after fully_shard, broadcast_rank0_weights allocates every rank's shards
 and scatters rank 0's loaded state dict into them.
 
+LoRA (--peft lora): the adapters are in no pretrained file, so every rank builds them in host memory on its
+skeleton, with the values they get on a loaded model (utils/model/lora.py: apply_lora), and only the base
+weights are read: FSDP1's units of the adapters have nothing on meta, FSDP2's broadcast overwrites them with
+rank 0's equal ones. A LoRA run's .pt holds its adapters: FSDP1 reads them from it by name like the rest.
+
 A run that resumes a checkpoint builds the skeleton on every rank and reads nothing here: UnitMaterializer
 (FSDP1) and `to_empty` (FSDP2; one rank's unwrapped model too) allocate them, and the checkpoint manager fills
 them.
@@ -30,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from configs.errors import ConfigError
 from utils.model.loading import INDEX_FILE, SINGLE_FILE, cached_file_or_none, computed_buffers
+from utils.model.lora import base_weight_name
 from utils.observe.memory import trim_host_heap
 
 
@@ -107,10 +113,13 @@ class UnitMaterializer:
         self.base_prefix = f"{getattr(model, 'base_model_prefix', '')}."
 
     def _spellings(self, names: list[str]) -> list[str]:
-        """`names`, then each without the model's base prefix."""
+        """`names`, then each as the base model names it (a PEFT model's: base_weight_name), then each of those
+        without the model's base prefix."""
+        based = [base_weight_name(name) for name in names]
         return [
             *names,
-            *(name.removeprefix(self.base_prefix) for name in names if name.startswith(self.base_prefix)),
+            *based,
+            *(name.removeprefix(self.base_prefix) for name in based if name.startswith(self.base_prefix)),
         ]
 
     def _allocated(self, meta: torch.Tensor, names: list[str]) -> torch.Tensor:

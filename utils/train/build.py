@@ -35,6 +35,7 @@ from utils.data.loaders import EvalSet, Loaders, build_loaders
 from utils.distributed import process_group
 from utils.distributed.progress_bounded import progress_bounded
 from utils.eval.evaluator import Evaluator
+from utils.eval.generation import TurnEnd, turn_end
 from utils.fsdp.parallelism import Parallelism, parallelism_for
 from utils.model import loading, lora, neftune
 from utils.observe import flops
@@ -56,6 +57,7 @@ class Run:
     parallelism: Parallelism
     spec: ModelSpec
     tokenizer: object
+    turn_end: TurnEnd  # where generation stops besides the EOS (--eos_token)
     loaders: Loaders
     loaded: loading.LoadedModel  # the unwrapped model as loaded, and what loading cost
     model: nn.Module  # wrapped by the parallelism
@@ -94,7 +96,7 @@ class Run:
             generation=self.spec.generation_kwargs(config.evaluation, config.data.max_target_length),
             metric=config.evaluation.eval_metric, predictions_file=predictions_file, info=self.info,
             gather_for_generation=config.evaluation.gather_for_generation,
-            compute_dtype=self.precision.compute_dtype,
+            compute_dtype=self.precision.compute_dtype, turn_end=self.turn_end,
         )  # fmt: skip
 
     def trainer(self, throughput: flops.Throughput, memory_baseline: MemoryBaseline) -> Trainer:
@@ -179,6 +181,7 @@ def build_run(
     # A node that builds its data cache (utils/data/shared_cache.py) is waited for by its progress, not
     # --dist_timeout_s: the other nodes may have theirs already.
     tokenizer = loading.load_tokenizer(train.model_name, evaluating=evaluating, config=checked_config, spec=spec)
+    turn = turn_end(tokenizer, config.data.eos_token, train.model_name)  # a text it cannot write: refused now
     with progress_bounded("data loading"):
         loaders = build_loaders(
             tokenizer=tokenizer, data_format=spec.data_format, data=config.data, train=train,
@@ -226,11 +229,15 @@ def build_run(
         model_config=model_config, tokenizer=tokenizer, info=info, inputs=inputs,
     )  # fmt: skip
     base_model = lora.adapter_base(train.model_name)  # what a LoRA adapter names as its base
-    final_models = FinalModels(checkpoints, spec=spec, lora=config.lora, base_model=base_model)
+    final_models = FinalModels(
+        checkpoints, spec=spec, lora=config.lora, base_model=base_model,
+        whole_texts=bool(config.data.dataset_text_field),
+    )  # fmt: skip
     return Run(
         config=config, info=info, start=start, torchrun_job=job, precision=precision, parallelism=parallelism,
-        spec=spec, tokenizer=tokenizer, loaders=loaders, loaded=loaded, model=model, optimizer=optimizer,
-        scheduler=scheduler, scaler=scaler, checkpoints=checkpoints, final_models=final_models,
+        spec=spec, tokenizer=tokenizer, turn_end=turn, loaders=loaders, loaded=loaded, model=model,
+        optimizer=optimizer, scheduler=scheduler, scaler=scaler, checkpoints=checkpoints,
+        final_models=final_models,
     )  # fmt: skip
 
 
@@ -328,7 +335,13 @@ def build_model(
         rank0_fills=parallelism.fills_units_from_files and not restores,
     )  # fmt: skip
     if uses_lora:
-        loaded.model = lora.apply_lora(loaded.model, lora_config, lora.adapter_base(train.model_name), spec)
+        # FSDP1's rank-0-only loading fills a LoRA run's .pt adapters too, read by name as the base weights are.
+        adapters_read = bool(adapter_weights) and parallelism.fills_units_from_files and not restores
+        loaded.model = lora.apply_lora(
+            loaded.model, lora_config, lora.adapter_base(train.model_name), spec, adapters_on_meta=adapters_read
+        )
+        if adapters_read:
+            loaded.weights_source = adapter_weights
         trainable, total = lora.trainable_share(loaded.model)
         targets = ",".join(lora.target_modules(lora_config, loaded.model))
         get_logger().info(

@@ -144,8 +144,9 @@ class RunRecords:
         )  # fmt: skip
 
     def summary(self, progress: TrainProgress, last_epoch: int, seconds: float, best: BestModel) -> None:
-        """The run's closing line: how long, how far, the best metric, where the model and the metrics are; and
-        whether that model was chosen while training had stalled (StallWatch), which a low loss does not say."""
+        """The run's closing line: how long, how far, the best metric, where the model and the metrics are, and
+        where generation from it stops; and whether that model was chosen while training had stalled
+        (StallWatch), which a low loss does not say."""
         metric, final_models = best.evaluation.metric_for_best, best.final_models
         stalled_since = self.stall.stalled_since if progress.best_epoch is None else best.stalled_since
         stalled = "" if stalled_since is None else f"a stalled model: gradient norm 0.0 since step {stalled_since}"
@@ -158,10 +159,10 @@ class RunRecords:
         if best.last_apart(progress, last_epoch):
             models.append(f"{final_models.final_folder(last=True)} (the last epoch's)")
         get_logger().info(
-            "run finished in %s: step %d, %s; model: %s; metrics: %s",
+            "run finished in %s: step %d, %s; model: %s; metrics: %s; generation from the model stops at %s",
             format_duration(seconds), progress.global_step, said,
             ", ".join(os.path.join(self.train.output_dir, folder) for folder in models),
-            os.path.join(self.train.output_dir, layout.METRICS_FILE),
+            os.path.join(self.train.output_dir, layout.METRICS_FILE), final_models.generation_stops(),
         )  # fmt: skip
 
 
