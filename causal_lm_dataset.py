@@ -154,7 +154,7 @@ class PackedCausalDataset(CausalLMDataset):
     ids and the settings alone, so every rank and a resumed run see the same ones.
 
     documents: whole rows in their order, a block closed when the next row does not fit (a row longer than a
-    block keeps its last --max_seq_len tokens: the completion, which the loss is on, after the prompt's end).
+    block, read with an encoding from before --max_seq_len bounded rows, keeps its last --max_seq_len tokens).
     Position ids restart at every row; given them without an attention mask, transformers' attention keeps
     each row to itself (a block-causal mask; flash-attention and FlexAttention
     take the boundaries from the position ids), and a row's first token is not trained on as the previous

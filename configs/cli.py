@@ -295,7 +295,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
 def given_fields(argv: list[str] | None = None) -> set[str]:
     """The fields the flags and the --config file give (not the defaults, a resume's record or accelerate
     launch's environment)."""
-    overrides, _ = _resolve(argv, {})  # an empty environment: accelerate launch's gives nothing
+    overrides, _, _ = _resolve(argv, {}, imply=False)  # an empty environment: accelerate launch's gives nothing
     return {name for values in overrides.values() for name in values}
 
 

@@ -192,8 +192,8 @@ class DataConfig:
     packing_strategy: Literal["documents", "bfd", "wrapped"] = option(
         default="documents",
         help=(
-            "How --packing fills a block. documents: whole rows in their order (one longer than a block keeps "
-            "its last tokens: its completion), each attending to itself alone (position ids restart per row; the "
+            "How --packing fills a block. documents: whole rows in their order (each within a block: "
+            "--max_seq_len bounds a row), each attending to itself alone (position ids restart per row; the "
             "loss of a row as if it were alone; a model whose forward takes no position ids is refused), the "
             "rest of the block padding. bfd: the same, the rows placed by best-fit decreasing (TRL's default): "
             "longest first, each into the block it fills best, so fewer blocks and less padding. wrapped: every "

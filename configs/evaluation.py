@@ -67,7 +67,10 @@ class EvalConfig:
     )
     max_new_tokens: int = option(
         default=0,
-        help="Longest summary generated, in tokens; 0 = max_target_length (what the model was trained on).",
+        help=(
+            "Longest output generated, in tokens; 0 = --max_target_length (an encoder-decoder's trained target "
+            "length; for a decoder-only model, whose rows --max_seq_len bounds, its default reply length)."
+        ),
         minimum=0,
     )
     length_penalty: float = option(
@@ -118,8 +121,8 @@ class EvalConfig:
             "The split evaluation reads (said at start). Training: auto evaluates on the validation split (the "
             "data's own, else --validation_split_percentage of train held out), and where that is held out and "
             "the data has a test split, also scores the test split once after training (its loss, "
-            "--eval_metric and predictions, by the final model); validation: the validation split alone; test: "
-            "the test split, after each epoch, choosing the best model (train keeps every row: none is held "
+            "--eval_metric and predictions, by the last step's model); validation: the validation split alone; "
+            "test: the test split, after each epoch, choosing the best model (train keeps every row: none is held "
             "out). A resume keeps the splits its checkpoint trained with. --evaluate_only: the split it scores; "
             "auto: the validation split where the data has one of its own, else its test split; train: "
             "--evaluate_only alone."

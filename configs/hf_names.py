@@ -9,7 +9,7 @@ work as keys of a --config file. docs/configuration.md's table is `markdown()`.
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from configs.errors import ConfigError
 
@@ -141,6 +141,12 @@ def padding_free(value: str) -> list[tuple[str, str]]:
     """TRL's padding-free batches (rows end to end, kept apart by their position ids) are documents packing here;
     false, TRL's default, asks for nothing."""
     return [("packing", "true")] if value == "true" else []
+
+
+def assistant_only_loss(value: str) -> list[tuple[str, str]]:
+    """TRL's --assistant_only_loss: true is --completion_only_loss true; false, its default, still trains a
+    prompt's completion alone in TRL (its own --completion_only_loss), so it asks for nothing."""
+    return [("completion_only_loss", "true")] if value == "true" else []
 
 
 SPLIT_NAMES = ("train", "validation", "test")  # the splits a source has here (utils/data/sources.py)
@@ -294,10 +300,11 @@ HF_NAMES = {
         " (TRL's sequence length; an encoder-decoder refuses it: its lengths are two, `--max_source_length` and "
         "`--max_target_length`)",
     ),
-    "assistant_only_loss": replace(
-        boolean("completion_only_loss"),
-        meaning="`--completion_only_loss` (the loss on a conversation's assistant replies alone, and on a "
-        "prompt's completion; true by default here)",
+    "assistant_only_loss": HFName(
+        assistant_only_loss,
+        "boolean",
+        "true: `--completion_only_loss true` (the loss on a conversation's assistant replies alone, and on a "
+        "prompt's completion; true by default here); false, TRL's default: as `--completion_only_loss` says",
     ),
     "padding_free": HFName(
         padding_free,
@@ -316,7 +323,9 @@ HF_NAMES = {
         "value",
         "train: as here (the split trained on); another name is refused: give its file as `--train_file`",
     ),
-    "dataset_test_split": HFName(evaluated_split, "value", "`--eval_split` (test, validation or train)"),
+    "dataset_test_split": HFName(
+        evaluated_split, "value", "`--eval_split` (test, validation; train with --evaluate_only)"
+    ),
     "dataset_config": renamed("dataset_config_name"),
     "use_peft": HFName(switch("peft", "lora", "none"), "boolean", "as --use_peft_lora"),
     "gradient_checkpointing_use_reentrant": left_out(NON_REENTRANT, "boolean"),

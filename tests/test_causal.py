@@ -459,7 +459,8 @@ def test_a_text_field_row_is_trained_on_whole_and_a_seq2seq_model_refuses_it(cau
 
 def test_trls_max_length_is_a_decoder_only_models_length_and_an_encoder_decoder_refuses_it():
     """--max_length (TRL's sequence length) becomes --max_seq_len: a decoder-only model takes it; an
-    encoder-decoder, whose lengths are two, refuses it in one message naming them (the control: its default)."""
+    encoder-decoder, whose lengths are two, refuses it in one message naming them, 1024 as any other (the
+    controls: its default; a resumed run's record, whose 1024 every run recorded before it became NONE)."""
     from configs.cli import parse_args
     from utils.spec import SEQ2SEQ
 
@@ -467,12 +468,16 @@ def test_trls_max_length_is_a_decoder_only_models_length_and_an_encoder_decoder_
     assert data.max_seq_len == 512
     CAUSAL.check_data(data, LlamaConfig())
     with pytest.raises(ConfigError) as refused:
-        SEQ2SEQ.check_data(data, T5Config())
+        SEQ2SEQ.fitted_data(data, T5Config(), resumed=False)
     assert str(refused.value) == (
         "--max_seq_len 512 (TRL's --max_length) is a decoder-only model's one length; an encoder-decoder's are "
         "two: --max_source_length (the source's tokens) and --max_target_length (the target's). Give those instead"
     )
-    SEQ2SEQ.check_data(parse_args([]).data, T5Config())
+    with pytest.raises(ConfigError, match="--max_seq_len 1024 "):
+        SEQ2SEQ.fitted_data(parse_args(["--max_length", "1024"]).data, T5Config(), resumed=False)
+    assert SEQ2SEQ.fitted_data(parse_args([]).data, T5Config(), resumed=False).max_seq_len is None
+    recorded = parse_args(["--max_seq_len", "1024"]).data
+    assert SEQ2SEQ.fitted_data(recorded, T5Config(), resumed=True).max_seq_len is None
 
 
 def test_documents_packing_is_refused_for_a_model_that_takes_no_position_ids():

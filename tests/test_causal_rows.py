@@ -467,3 +467,30 @@ def test_max_seq_len_past_the_positions_is_refused_for_gpt2_and_warned_once_for_
     assert "past the" not in default.output
     record = json.loads((tmp_path / "default" / layout.CONFIG_FILE).read_text())
     assert record["data_config"]["max_seq_len"] == 512  # what a resume keeps
+
+
+def test_generation_reads_a_prompts_end_where_the_models_learned_positions_hold_no_more():
+    """A row's prompt may fill --max_seq_len, the model's positions; generation writes --max_new_tokens after it.
+    On learned positions (GPT-2) the prompt keeps its last positions - max_new_tokens tokens, and generate writes
+    its tokens after the same end of the prompt (the control: the whole prompt runs past the table and fails).
+    Rotary positions (Llama) have no such end: the prompt is read whole."""
+    from utils.eval.evaluator import prompts_within
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2, vocab_size=100)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prompts = {"input_ids": torch.randint(1, 100, (2, 60)), "attention_mask": torch.ones(2, 60, dtype=torch.long)}
+    prompts["attention_mask"][1, :20] = 0  # left padding: the second row's prompt is 40 tokens
+    room = CAUSAL.prompt_room(config, max_new_tokens=10)
+    assert room == 54
+    with pytest.raises(IndexError):
+        model.generate(**prompts, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    fitted, cut = prompts_within(prompts, room)
+    assert cut == 1 and fitted["input_ids"].shape == (2, 54)
+    assert torch.equal(fitted["input_ids"], prompts["input_ids"][:, -54:])
+    outputs = model.generate(**fitted, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert outputs.shape == (2, 64)
+    assert prompts_within(prompts, None) == (prompts, 0)
+    llama = LlamaConfig(max_position_embeddings=64, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                        num_attention_heads=2, num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    assert CAUSAL.prompt_room(llama, max_new_tokens=10) is None

@@ -76,9 +76,10 @@ def test_auto_scores_the_test_split_after_training_where_validation_is_held_out(
     log_evaluation_plan(RunConfig(data=data), loaders)
     assert "rows: train 38 (all), validation 2 (all), test 5 (all)" in said(log_records)
     assert (
-        "evaluation after training: the test split's loss and ROUGE of 5 generated outputs, once, by the final "
-        "model (--eval_split auto: the data has no validation split of its own, so the 2 rows held out of train "
-        "choose the best model; --eval_split test evaluates on it instead)"
+        "evaluation after training: the test split's loss and ROUGE of 5 generated outputs, once, by the last "
+        "step's model (hf_model_last/ where an earlier epoch was the best; --eval_split auto: the data has no "
+        "validation split of its own, so the 2 rows held out of train choose the best model; --eval_split test "
+        "evaluates on it instead)"
     ) in said(log_records)
 
     own_folder = data_folder(tmp_path / "tvt", train=40, validation=3, test=5)
@@ -215,7 +216,7 @@ def train_run(tmp_path: Path, name: str, folder: Path, *flags: str):
 
 @pytest.mark.slow
 def test_runs_on_a_train_and_test_folder(tmp_path):
-    """auto: the test split is scored once, after the last epoch, by the final model (a test record, an eval
+    """auto: the test split is scored once, after the last epoch, by the last step's model (a test record, an eval
     record and its predictions), and training is bit-identical to the same folder without test.jsonl (the
     control, which scores nothing after training). test: it is the evaluation split of every epoch, and the run
     is bit-identical to a folder whose validation file is that test file (train whole in both). A resume of the
@@ -235,7 +236,8 @@ def test_runs_on_a_train_and_test_folder(tmp_path):
     ]
     (test_record,) = of_type(auto_dir, "test")
     assert (test_record["epoch"], test_record["step"], test_record["split"]) == (2, 10, "test")
-    assert test_record["loss"] > 0 and "test split after training (the final model, step 10): loss " in auto.output
+    assert test_record["loss"] > 0
+    assert "test split after training (the last step's model, step 10): loss " in auto.output
     assert [(r["split"], r["step"]) for r in of_type(auto_dir, "eval")] == [("validation", 5), ("validation", 10),
                                                                            ("test", 10)]  # fmt: skip
     predicted = (auto_dir / "predictions" / "test_step_00000010.jsonl").read_text().splitlines()

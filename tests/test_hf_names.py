@@ -228,7 +228,7 @@ GUIDE_AND_TRL_NAMES = {
     ("--max_length", "2048"): ("becomes", {"max_seq_len": 2048}, "--max_length 2048 -> --max_seq_len 2048"),
     ("--max_seq_length", "512"): ("becomes", {"max_seq_len": 512}, "-> --max_seq_len 512"),
     ("--assistant_only_loss", "True"): ("becomes", {"completion_only_loss": True}, "-> --completion_only_loss"),
-    ("--assistant_only_loss", "False"): ("becomes", {"completion_only_loss": False}, "-> --completion_only_loss"),
+    ("--assistant_only_loss", "False"): ("left out", "false, TRL's default: as --completion_only_loss says"),
     ("--padding_free", "True"): ("becomes", {"packing": True}, "-> --packing true (documents packing, the nearest "
                                  "equivalent"),
     ("--padding_free", "False"): ("left out", "false: as here"),
@@ -267,8 +267,8 @@ GUIDE_AND_TRL_NAMES = {
     ("--neftune_noise_alpha", "5"): ("own", {"neftune_noise_alpha": 5.0}),
     ("--packing_strategy", "bfd"): ("own", {"packing_strategy": "bfd"}),
     ("--eos_token", "<|endoftext|>"): ("own", {"eos_token": "<|endoftext|>"}),
-    # no meaning here, and no flag they misspell: no hint (before: --use_reentrant was led to --save_strategy,
-    # --padding_free to --learning_rate, --max_length to --pad_to_max_length)
+    # no meaning here, and no flag they misspell: no hint (difflib's default cutoff led --use_reentrant to
+    # --save_strategy, --padding_free to --learning_rate)
     **{tuple(argv.split()): ("unknown", []) for argv in (
         "--chat_template_format chatml", "--add_special_tokens False", "--append_concat_token False",
         "--splits train,test", "--push_to_hub", "--hub_private_repo True", "--hub_strategy every_save",

@@ -523,8 +523,8 @@ def test_compiled_lora_trains_as_the_eager_lora_step(backend):
         print(backend, name, "max relative loss difference", max(abs(c - e) / abs(e) for c, e in pairs))
 
 
-# The Llama 2 guide's LoRA flags (its --use_peft_lora True is the package's --peft lora).
-GUIDE_LORA = ("--peft", "lora", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1",
+# The Llama 2 guide's LoRA flags, as it types them (configs/hf_names.py: --use_peft_lora True -> --peft lora).
+GUIDE_LORA = ("--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1",
               "--lora_target_modules", "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj")  # fmt: skip
 
 
@@ -545,6 +545,7 @@ def test_the_guides_command_with_lora_under_its_yaml_trains_and_its_adapter_load
     assert run.returncode == 0, run.describe()
     record = json.loads((output_dir / "config.json").read_text(encoding="utf-8"))
     assert record["fsdp_config"]["cpu_ram_efficient_loading"] and record["lora_config"]["peft"] == "lora"
+    assert "--use_peft_lora True -> --peft lora" in run.output
     assert "LoRA r=8 alpha=16 on q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj" in run.output
     with warnings_ignored(PEFT_ASKS_A_DEPRECATED_PROPERTY):
         model = PeftModel.from_pretrained(

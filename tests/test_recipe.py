@@ -137,7 +137,7 @@ def test_the_schedule_spans_the_steps_the_run_trains():
     assert total_optimizer_steps(RecipeConfig(), **two_epochs) == 40
     assert total_optimizer_steps(RecipeConfig(gradient_accumulation_steps=3), **two_epochs) == 14
     assert total_optimizer_steps(RecipeConfig(max_steps=25), **two_epochs) == 25
-    assert total_optimizer_steps(RecipeConfig(max_steps=100), **two_epochs) == 100  # 40 before: capped by epochs
+    assert total_optimizer_steps(RecipeConfig(max_steps=100), **two_epochs) == 100  # past the epochs
     assert total_optimizer_steps(RecipeConfig(max_steps=100, gradient_accumulation_steps=3), **two_epochs) == 100
     assert lr_factor(99, "linear", 0, 100) == pytest.approx(1 / 100) and lr_factor(100, "linear", 0, 100) == 0
     assert run_length(100, 20) == (

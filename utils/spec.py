@@ -90,6 +90,11 @@ class ModelSpec:
             "do_sample": False,
         }
 
+    def prompt_room(self, config: PretrainedConfig, max_new_tokens: int) -> int | None:  # noqa: ARG002
+        """The most prompt tokens generation may read (None: any): an encoder-decoder's prompt is its source,
+        cut at --max_source_length (CausalSpec's)."""
+        return None
+
     def saved_params(self, data: DataConfig, evaluation: EvalConfig, cleaning: str) -> dict:
         """How this run prepares a source text (its cleaning, named as in utils/data/cache.py's CLEANINGS, the
         prefix, the length) and generates its output. Saved in the model config's
@@ -137,13 +142,6 @@ class Seq2SeqSpec(ModelSpec):
                     f"{flag} is for decoder-only models (whole texts, packed blocks); an encoder-decoder reads a "
                     "source and writes its target: drop it, or train a decoder-only model (docs/causal.md)"
                 )
-        # Given (TRL's --max_length becomes it): not read here. Run records before NONE hold the old default.
-        if data.max_seq_len not in (None, DEFAULT_MAX_SEQ_LEN):
-            raise ConfigError(
-                f"--max_seq_len {data.max_seq_len} (TRL's --max_length) is a decoder-only model's one length; "
-                "an encoder-decoder's are two: --max_source_length (the source's tokens) and --max_target_length "
-                "(the target's). Give those instead"
-            )
         if data.eos_token:
             raise ConfigError(
                 f"--eos_token {data.eos_token!r} names the text that ends a decoder-only model's turns; an "
@@ -151,9 +149,18 @@ class Seq2SeqSpec(ModelSpec):
             )
 
     def fitted_data(self, data: DataConfig, config: PretrainedConfig, resumed: bool) -> DataConfig:  # noqa: ARG002
-        """`data` as the run reads it with this model: as it is (--max_seq_len is a decoder-only model's,
-        CausalSpec.fitted_data)."""
-        return data
+        """`data` as the run reads it with this model: --max_seq_len (TRL's --max_length) is a decoder-only
+        model's one length (CausalSpec.fitted_data), refused where given; a resumed run's record may hold the
+        1024 every run recorded before it became NONE, which is dropped."""
+        if data.max_seq_len is None:
+            return data
+        if resumed:
+            return dataclasses.replace(data, max_seq_len=None)
+        raise ConfigError(
+            f"--max_seq_len {data.max_seq_len} (TRL's --max_length) is a decoder-only model's one length; an "
+            "encoder-decoder's are two: --max_source_length (the source's tokens) and --max_target_length (the "
+            "target's). Give those instead"
+        )
 
     def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:  # noqa: ARG002 - CausalSpec's
         """What `generate` wrote for `prompts`: an encoder-decoder's outputs after the decoder's start token,
@@ -276,8 +283,7 @@ class CausalSpec(ModelSpec):
         rope_scaling. A resume (`resumed`) keeps its run's value, checked when the run started (or taken then,
         before the check). Says once where --max_source_length or --max_target_length is set: they do not bound
         its rows."""
-        positions = getattr(config, "max_position_embeddings", None)
-        positions = positions if isinstance(positions, int) and positions > 0 else None
+        positions = _positions(config)
         # GPT-2 calls it n_positions
         named = config.attribute_map.get("max_position_embeddings", "max_position_embeddings")
         field = f"{config.model_type}'s {named}"
@@ -326,6 +332,15 @@ class CausalSpec(ModelSpec):
                 "length generation writes, --max_new_tokens unset", data.max_target_length, rows,
             )  # fmt: skip
 
+    def prompt_room(self, config: PretrainedConfig, max_new_tokens: int) -> int | None:
+        """The most prompt tokens generation may read: where the positions are a table (GPT-2, OPT), prompt
+        and written tokens must fit in it, and a row's prompt may fill --max_seq_len; rotary positions have no
+        such end (None)."""
+        positions = _positions(config)
+        if positions is None or not self._position_table(config, positions):
+            return None
+        return max(positions - max_new_tokens, 1)
+
     def _position_table(self, config: PretrainedConfig, positions: int) -> bool:
         """Whether the model holds its positions in a table of embeddings (GPT-2's wpe, OPT's and BART's
         embed_positions, offset by 2): an embedding of `positions` rows or 2 more, other than the tokens', in its
@@ -371,6 +386,12 @@ def spec_for(config: PretrainedConfig, model_name: str = "") -> ModelSpec:
         )
     CAUSAL.check_model(name, config)
     return CAUSAL
+
+
+def _positions(config: PretrainedConfig) -> int | None:
+    """The model's positions (max_position_embeddings; GPT-2's n_positions), None where its config names none."""
+    positions = getattr(config, "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and positions > 0 else None
 
 
 def _rope_scaled(config: PretrainedConfig) -> bool:

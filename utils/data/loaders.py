@@ -86,7 +86,7 @@ class Loaders:
     evaluation: EvalSet | None  # generation's rows (--eval_rouge; --evaluate_only's split)
     cleaning: str  # how the source's texts are prepared (utils/data/cache.py: CLEANINGS)
     encoding: Encoding  # how their rows were tokenised: what the run's checkpoints record, and a resume reads
-    plan: SplitPlan | None = None  # which splits are evaluated (--eval_split on the source's splits)
+    plan: SplitPlan  # which splits are evaluated (--eval_split on the source's splits)
     final: FinalSplit | None = None  # the split scored once after training (plan.final), with --run_validation
 
     def unknown_tokens(self) -> dict:

@@ -57,6 +57,14 @@ def generated_lengths(ids: torch.Tensor, pad_id: int, stop_ids: list[int]) -> li
     return (((ids != pad_id) & before_end).sum(dim=1) + ended.any(dim=1)).tolist()
 
 
+def prompts_within(prompts: dict, room: int | None) -> tuple[dict, int]:
+    """Left-padded `prompts` with each row's latest `room` tokens (None: all), and how many rows lost some."""
+    if room is None or prompts["input_ids"].shape[1] <= room:
+        return prompts, 0
+    cut = int((prompts["attention_mask"][:, :-room].sum(dim=1) > 0).sum())
+    return {name: tensor[:, -room:] for name, tensor in prompts.items()}, cut
+
+
 class Evaluator:
     """Generates, scores and records one evaluation set (the first N rows of a split)."""
 
@@ -73,6 +81,7 @@ class Evaluator:
         gather_for_generation: str = "false",
         compute_dtype: torch.dtype = torch.float32,
         turn_end: TurnEnd = NO_TURN_END,
+        prompt_room: int | None = None,
     ):
         self.eval_set = eval_set
         self.parallelism = parallelism  # how generation gathers the sharded model
@@ -84,6 +93,8 @@ class Evaluator:
         # --gather_for_generation, and the dtype the gathered parameters take (generation.keep_gathered)
         self.gather_for_generation, self.compute_dtype = gather_for_generation, compute_dtype
         self.turn_end = turn_end  # --eos_token: where generation stops besides the EOS (generation.turn_end)
+        self.prompt_room = prompt_room  # the most prompt tokens generate may read (ModelSpec.prompt_room)
+        self.prompts_cut = 0  # rows whose prompt lost its start to prompt_room, said once
         # The extractive baselines (scored in the first evaluation) are summaries: a chat's reply has none.
         self.scores_baselines = metric == "rouge" and eval_set.dataset.cleaning != "chat"
         self.baselines: dict | None = None
@@ -107,6 +118,18 @@ class Evaluator:
         dist.broadcast_object_list(outcome, src=0)
         self.baselines = outcome[0].get("baselines")
         return outcome[0]
+
+    def _within_room(self, prompts: dict) -> dict:
+        """prompts_within prompt_room; one warning the first time a row loses its start."""
+        fitted, cut = prompts_within(prompts, self.prompt_room)
+        if cut and not self.prompts_cut and self.info.is_main:
+            get_logger().warning(
+                "generation reads a prompt's last %d tokens: the model's positions hold the prompt and the %d "
+                "tokens it writes (--max_new_tokens), and a %d-token prompt would not fit; its start is left out",
+                self.prompt_room, self.generation["max_new_tokens"], prompts["input_ids"].shape[1],
+            )  # fmt: skip
+        self.prompts_cut += cut
+        return fitted
 
     def _generate_share(self, model: nn.Module, stop_requested) -> list[dict]:
         """This rank's real samples: index, prediction, generated length and scores."""
@@ -132,7 +155,7 @@ class Evaluator:
             check_stop = StopCheck(stop_requested, self.info.device)
             for batch in self.eval_set.loader:
                 check_stop()
-                prompts = self.spec.prompts(move_batch(batch, self.info.device))
+                prompts = self._within_room(self.spec.prompts(move_batch(batch, self.info.device)))
                 outputs = generate(model, self.parallelism, prompts, settings)
                 ids = self.spec.completions(outputs, prompts).cpu()
                 texts = dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)

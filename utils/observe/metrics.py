@@ -75,7 +75,7 @@ STEPPED = ("step", "eval", "validation", "memory", "test")
 
 
 def truncate_metrics_for_resume(path: str, last_step: int, next_epoch: int) -> None:
-    """Keep the records a checkpoint covers (step, eval, validation and memory records <= last_step, epochs <
+    """Keep the records a checkpoint covers (step, eval, validation, test and memory records <= last_step, epochs <
     next_epoch), drop the rest.
 
     The resumed run writes the later steps again, so the file ends as an uninterrupted run's would.

@@ -91,9 +91,11 @@ class Run:
         """The generation evaluation of the evaluation split (or of `eval_set`), its predictions written where
         `predictions_file(split, step)` says."""
         config = self.config
+        generation = self.spec.generation_kwargs(config.evaluation, config.data.max_target_length)
         return Evaluator(
             eval_set=eval_set or self.loaders.evaluation, parallelism=self.parallelism, spec=self.spec,
-            generation=self.spec.generation_kwargs(config.evaluation, config.data.max_target_length),
+            generation=generation,
+            prompt_room=self.spec.prompt_room(self.loaded.model.config, generation["max_new_tokens"]),
             metric=config.evaluation.eval_metric, predictions_file=predictions_file, info=self.info,
             gather_for_generation=config.evaluation.gather_for_generation,
             compute_dtype=self.precision.compute_dtype, turn_end=self.turn_end,
@@ -273,9 +275,10 @@ def log_evaluation_plan(config: RunConfig, loaders: Loaders) -> None:
     )  # fmt: skip
     if loaders.final is not None:
         get_logger().info(
-            "evaluation after training: the %s split's loss and %s, once, by the final model (--eval_split "
-            "auto: the data has no validation split of its own, so the %d rows held out of train choose the best "
-            "model; --eval_split %s evaluates on it instead)",
+            "evaluation after training: the %s split's loss and %s, once, by the last step's model "
+            "(hf_model_last/ where an earlier epoch was the best; --eval_split auto: the data has no validation "
+            "split of its own, so the %d rows held out of train choose the best model; --eval_split %s evaluates "
+            "on it instead)",
             plan.final, scores(loaders.final.evaluation, switch=""), plan.held_out_rows, plan.final,
         )  # fmt: skip
 
@@ -352,7 +355,8 @@ def build_model(
             loading.load_full_model_weights(loaded.model, adapter_weights)
         loaded.param_numel_total = total
     alpha = config.recipe.neftune_noise_alpha
-    if alpha:  # on the unwrapped model (LoRA's base): FSDP keeps the embedding modules it hooks
+    # On the unwrapped model (LoRA's base): FSDP keeps the embedding modules it hooks. It noises training alone.
+    if alpha and not config.evaluation.evaluate_only:
         hooked = neftune.add_embedding_noise(loaded.model, alpha)
         get_logger().info("NEFTune: noise of alpha %g on the input embeddings while training (%s)", alpha,
                           ", ".join(hooked))  # fmt: skip

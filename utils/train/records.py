@@ -75,12 +75,12 @@ class RunRecords:
 
     def final(self, epoch: int, step: int, split: str, loss: float) -> None:
         """The test record of a split scored once after training (SplitPlan.final): its loss (and perplexity,
-        where the spec gives one) by the final model, and its line."""
+        where the spec gives one) by the last step's model, and its line."""
         metrics = {key.removeprefix("val_"): value for key, value in self.spec.loss_metrics(loss).items()}
         record = {"type": "test", "epoch": epoch, "step": step, "split": split, "loss": loss, **metrics}
         perplexity = f" (perplexity {metrics['perplexity']:.2f})" if "perplexity" in metrics else ""
-        get_logger().info("%s split after training (the final model, step %d): loss %.4f%s", split, step, loss,
-                          perplexity)  # fmt: skip
+        get_logger().info("%s split after training (the last step's model, step %d): loss %.4f%s", split, step,
+                          loss, perplexity)  # fmt: skip
         self.metrics.write(record)
 
     def epoch(

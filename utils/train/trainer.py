@@ -372,7 +372,7 @@ class Trainer:
 
     def _score_final(self, epoch: int, step: int) -> None:
         """The split scored once after training (utils/data/cache.py: SplitPlan.final; --eval_split auto's test
-        split, where validation is held out of train), by the final model: its loss (a test record) and
+        split, where validation is held out of train), by the last step's model: its loss (a test record) and
         generation's scores (an eval record and its predictions file). Before the last checkpoint, so a run
         stopped before it is saved scores it when resumed. Collective."""
         final = self.loaders.final
