@@ -141,7 +141,10 @@ def test_the_schedule_spans_the_steps_the_run_trains():
     assert total_optimizer_steps(RecipeConfig(max_steps=100, gradient_accumulation_steps=3), **two_epochs) == 100
     assert lr_factor(99, "linear", 0, 100) == pytest.approx(1 / 100) and lr_factor(100, "linear", 0, 100) == 0
     assert run_length(100, 20) == (
-        "--max_steps 100: 100 steps = 5 epochs + 0 (20 optimizer steps an epoch), whatever --epochs says"
+        "--max_steps 100: 100 steps = 5 epochs (20 optimizer steps an epoch), whatever --epochs says"
+    )
+    assert run_length(5, 20) == (
+        "--max_steps 5: 5 steps = part of one epoch (20 optimizer steps an epoch), whatever --epochs says"
     )
     assert run_length(25, 20) == (
         "--max_steps 25: 25 steps = 1 epoch + 5 (20 optimizer steps an epoch; the last epoch partial), whatever "

@@ -145,8 +145,10 @@ def total_optimizer_steps(recipe: RecipeConfig, epochs: int, batches_per_epoch: 
 def run_length(max_steps: int, steps_per_epoch: int) -> str:
     """--max_steps in epochs of `steps_per_epoch` optimizer steps, for the start line: "N steps = E epochs + k"."""
     epochs, steps = divmod(max_steps, steps_per_epoch)
+    length = f"{epochs} epoch{'s' if epochs != 1 else ''}" + (f" + {steps}" if steps else "")
+    length = length if epochs else "part of one epoch"
+    partial = "; the last epoch partial" if steps and epochs else ""
     return (
-        f"--max_steps {max_steps}: {max_steps} steps = {epochs} epoch{'s' if epochs != 1 else ''} + {steps} "
-        f"({steps_per_epoch} optimizer steps an epoch{'; the last epoch partial' if steps else ''}), whatever "
-        "--epochs says"
+        f"--max_steps {max_steps}: {max_steps} steps = {length} ({steps_per_epoch} optimizer steps an "
+        f"epoch{partial}), whatever --epochs says"
     )
