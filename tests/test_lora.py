@@ -469,11 +469,8 @@ COMPILED_ADAPTERS_ATOL = 1e-6
 def lora_compile_worker(rank: int, world_size: int, steps: int, backend: str) -> dict:
     """LoRA's fp32 per-step losses and final adapters, each T5Block compiled (torch.compile `backend`, through
     utils/fsdp/shard.py's compile_layers) and not, for FSDP1 (original parameters) and FSDP2; the graphs
-    compiled; and the tokens greedy generation writes afterwards."""
+    compiled."""
     import torch._dynamo
-
-    from tests.dist_workers import batch_seed
-    from utils.eval.generation import generate
 
     out: dict = {}
     graphs: list = []
@@ -489,16 +486,8 @@ def lora_compile_worker(rank: int, world_size: int, steps: int, backend: str) ->
                 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
                 losses = train_wrapped(model, parallelism, optimizer, rank, world_size, steps)
                 state = parallelism.full_state_dict(model, CPU)
-                model.eval()
-                prompts = SEQ2SEQ.prompts(make_batch(batch_seed(steps, rank)))
-                tokens = generate(model, parallelism, prompts, {"max_new_tokens": 6}).tolist()
                 adapters = {key: value for key, value in state.items() if "lora_" in key}
-                out[name, compiled] = {
-                    "losses": losses,
-                    "adapters": adapters,
-                    "graphs": len(graphs),
-                    "tokens": tokens,
-                }
+                out[name, compiled] = {"losses": losses, "adapters": adapters, "graphs": len(graphs)}
     return out
 
 
@@ -507,8 +496,7 @@ def lora_compile_worker(rank: int, world_size: int, steps: int, backend: str) ->
 def test_compiled_lora_trains_as_the_eager_lora_step(backend):
     """--peft lora --compile true: each T5Block compiled with its adapters (FSDP2; FSDP1 with original
     parameters, whose adapter units break the block's graph: 27 graphs) trains to the eager LoRA step's fp32
-    losses within COMPILED_LORA_RTOL and adapters within COMPILED_ADAPTERS_ATOL, and generation afterwards
-    writes the same tokens. CI compiles
+    losses within COMPILED_LORA_RTOL and adapters within COMPILED_ADAPTERS_ATOL. CI compiles
     with aot_eager (the tracing, FSDP's hooks and the backward graph inductor sees); inductor's own figures are
     in COMPILED_LORA_RTOL's note (the same worker, backend "inductor": 7 minutes here)."""
     rank0 = run_ranks(lora_compile_worker, STEPS, backend, timeout_s=600)[0]
@@ -518,7 +506,6 @@ def test_compiled_lora_trains_as_the_eager_lora_step(backend):
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=COMPILED_LORA_RTOL, abs=0), name
         for key, value in eager["adapters"].items():
             torch.testing.assert_close(compiled["adapters"][key], value, rtol=0, atol=COMPILED_ADAPTERS_ATOL)
-        assert compiled["tokens"] == eager["tokens"], name
         pairs = zip(compiled["losses"], eager["losses"], strict=True)
         print(backend, name, "max relative loss difference", max(abs(c - e) / abs(e) for c, e in pairs))
 
