@@ -72,7 +72,7 @@ def test_a_decoder_only_model_trains_on_noisy_embeddings_but_validates_and_gener
     embedding (what HF's activate_neftune hooks) and the training loss differs from LoRA's without."""
     clean = load_model(llama, dropout_rate=0.0)
     noisy = copy.deepcopy(clean)
-    assert add_embedding_noise(noisy, ALPHA) == ["model.embed_tokens"]
+    assert add_embedding_noise(noisy, ALPHA, CAUSAL) == ["model.embed_tokens"]
     batch = causal_batch(0, vocab=clean.config.vocab_size)
     for model in (clean, noisy):
         model.train()
@@ -92,7 +92,7 @@ def test_a_decoder_only_model_trains_on_noisy_embeddings_but_validates_and_gener
     torch.manual_seed(0)
     lora_clean = apply_lora(load_model(llama, dropout_rate=0.0), LoraConfig(peft="lora"), llama, CAUSAL)
     lora_noisy = copy.deepcopy(lora_clean)
-    assert add_embedding_noise(lora_noisy, ALPHA) == ["base_model.model.model.embed_tokens"]
+    assert add_embedding_noise(lora_noisy, ALPHA, CAUSAL) == ["base_model.model.model.embed_tokens"]
     hf_hooked = copy.deepcopy(lora_clean)
     activate_neftune(hf_hooked, ALPHA)
     assert hf_hooked.base_model.model.model.embed_tokens._forward_hooks  # the module HF hooks is ours
@@ -110,7 +110,7 @@ def test_t5s_encoder_and_decoder_inputs_are_both_noised_where_hfs_hook_adds_noth
     control this package's hooks differ from."""
     clean = load_model(str(EMBEDDED_MODEL_DIR), dropout_rate=0.0).train()
     noisy, hf_hooked = copy.deepcopy(clean), copy.deepcopy(clean)
-    assert add_embedding_noise(noisy, ALPHA) == ["encoder.embed_tokens", "decoder.embed_tokens"]
+    assert add_embedding_noise(noisy, ALPHA, SEQ2SEQ) == ["encoder.embed_tokens", "decoder.embed_tokens"]
     activate_neftune(hf_hooked, ALPHA)
     seen = {}
     for stack in ("encoder", "decoder"):  # what each stack's embedding module reads and returns, noise included
@@ -139,7 +139,7 @@ def fsdp_noise_worker(rank: int, world_size: int, llama: str) -> dict:
         for version in (1, 2):
             clean = load_model(folder, dropout_rate=0.0)
             noisy = copy.deepcopy(clean)
-            add_embedding_noise(noisy, ALPHA)
+            add_embedding_noise(noisy, ALPHA, spec)
             reference = copy.deepcopy(noisy)  # the unsharded model, hook and all
             model, parallelism = sharded(noisy, _fsdp_config({"fsdp_version": version}), FP32)
             vocab = clean.config.vocab_size

@@ -162,6 +162,14 @@ class Seq2SeqSpec(ModelSpec):
             "target's). Give those instead"
         )
 
+    def input_embeddings(self, model: nn.Module) -> list[nn.Module]:
+        """The modules whose outputs are the model's input embeddings (NEFTune noises them): the encoder's and
+        the decoder's. transformers 5 gives T5's and BART's stacks embedding modules of their own, tied to the
+        shared one, which is then never called: HF's hook on it adds nothing there; these add the noise its hook
+        added when the stacks called the shared module."""
+        stacks = (model.get_encoder().get_input_embeddings(), model.get_decoder().get_input_embeddings())
+        return list({id(module): module for module in stacks}.values())  # one module where both stacks call it
+
     def completions(self, outputs: torch.Tensor, prompts: dict) -> torch.Tensor:  # noqa: ARG002 - CausalSpec's
         """What `generate` wrote for `prompts`: an encoder-decoder's outputs after the decoder's start token,
         which it was given (T5's is the padding token, BART's its EOS)."""
@@ -261,6 +269,11 @@ class CausalSpec(ModelSpec):
     def prompts(self, batch: dict) -> dict:
         """The prompts alone, left-padded, so that every row's completion starts at the same position."""
         return {"input_ids": batch["prompt_ids"], "attention_mask": batch["prompt_mask"]}
+
+    def input_embeddings(self, model: nn.Module) -> list[nn.Module]:
+        """The module whose output is the model's input embeddings (NEFTune noises it): get_input_embeddings()
+        (a PEFT model's base model's: PEFT hands the call on), where HF's Trainer hooks it."""
+        return [model.get_input_embeddings()]
 
     def check_data(self, data: DataConfig, config: PretrainedConfig) -> None:
         """ConfigError where --packing documents or bfd would let a block's rows attend to each other:

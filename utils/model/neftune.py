@@ -18,23 +18,13 @@ import functools
 import torch
 from torch import nn
 
-
-def input_embedding_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules whose outputs are the model's input embeddings: a decoder-only model's
-    get_input_embeddings() (a PEFT model's base model's: PEFT hands the call on), which is where HF's Trainer
-    hooks it; an encoder-decoder's encoder's and decoder's. transformers 5 gives T5's and BART's stacks
-    embedding modules of their own, tied to the shared one, which is then never called: HF's hook on it adds
-    nothing there, these add the noise its hook added when the stacks called the shared module."""
-    if not model.config.is_encoder_decoder:
-        return [model.get_input_embeddings()]
-    stacks = (model.get_encoder().get_input_embeddings(), model.get_decoder().get_input_embeddings())
-    return list({id(module): module for module in stacks}.values())  # one module where both stacks call it
+from utils.spec import ModelSpec
 
 
-def add_embedding_noise(model: nn.Module, alpha: float) -> list[str]:
-    """Hook NEFTune's noise of `alpha` onto `model`'s input embeddings (input_embedding_modules); their names
-    in `model`."""
-    modules = input_embedding_modules(model)
+def add_embedding_noise(model: nn.Module, alpha: float, spec: ModelSpec) -> list[str]:
+    """Hook NEFTune's noise of `alpha` onto `model`'s input embeddings (the spec's input_embeddings); their
+    names in `model`."""
+    modules = spec.input_embeddings(model)
     for module in modules:
         module.register_forward_hook(functools.partial(noisy_embeddings, alpha))
     return [name for name, module in model.named_modules() if any(module is hooked for hooked in modules)]

@@ -357,7 +357,7 @@ def build_model(
     alpha = config.recipe.neftune_noise_alpha
     # On the unwrapped model (LoRA's base): FSDP keeps the embedding modules it hooks. It noises training alone.
     if alpha and not config.evaluation.evaluate_only:
-        hooked = neftune.add_embedding_noise(loaded.model, alpha)
+        hooked = neftune.add_embedding_noise(loaded.model, alpha, spec)
         get_logger().info("NEFTune: noise of alpha %g on the input embeddings while training (%s)", alpha,
                           ", ".join(hooked))  # fmt: skip
     return loaded
