@@ -87,15 +87,24 @@ class Run:
         recompute = config.fsdp.fsdp_activation_checkpointing
         return flops.Throughput(counter, recompute, self.info.world_size, peak, source)
 
+    @functools.cached_property
+    def generation(self) -> dict:
+        """generate's settings (the spec's generation_kwargs of these settings)."""
+        return self.spec.generation_kwargs(self.config.evaluation, self.config.data.max_target_length)
+
+    @functools.cached_property
+    def prompt_room(self) -> int | None:
+        """The most prompt tokens generation may read (ModelSpec.prompt_room): once per run, for it builds the
+        model's skeleton on the meta device to tell a table of positions."""
+        return self.spec.prompt_room(self.loaded.model.config, self.generation["max_new_tokens"])
+
     def evaluator(self, predictions_file, eval_set: EvalSet | None = None) -> Evaluator:
         """The generation evaluation of the evaluation split (or of `eval_set`), its predictions written where
         `predictions_file(split, step)` says."""
         config = self.config
-        generation = self.spec.generation_kwargs(config.evaluation, config.data.max_target_length)
         return Evaluator(
             eval_set=eval_set or self.loaders.evaluation, parallelism=self.parallelism, spec=self.spec,
-            generation=generation,
-            prompt_room=self.spec.prompt_room(self.loaded.model.config, generation["max_new_tokens"]),
+            generation=self.generation, prompt_room=self.prompt_room,
             metric=config.evaluation.eval_metric, predictions_file=predictions_file, info=self.info,
             gather_for_generation=config.evaluation.gather_for_generation,
             compute_dtype=self.precision.compute_dtype, turn_end=self.turn_end,
