@@ -46,6 +46,7 @@ def check_settings(config: RunConfig, world_size: int, device_type: str | None =
     check_optional_packages(config.observe, config.lora)
     check_profile(config.observe, config.recipe)
     check_lora(config.lora)
+    check_loss_chunks(config.recipe, config.lora)
 
 
 def check_wrapping(config: RunConfig, world_size: int) -> None:
@@ -300,6 +301,7 @@ def check_profile(observe: ObserveConfig, recipe: RecipeConfig) -> None:
         )
 
 
+OUTPUT_HEAD = "lm_head"  # transformers' name of every model's output head (get_output_embeddings)
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora")
 
 
@@ -317,6 +319,18 @@ def check_lora(lora: LoraConfig) -> None:
         raise ConfigError("--lora_dropout 1 drops every input of the adapters, which would never train: use < 1")
     if not [name for name in lora.lora_target_modules.split(",") if name.strip()]:
         raise ConfigError("--lora_target_modules is empty: give the linear layers to adapt, e.g. q,v")
+
+
+def check_loss_chunks(recipe: RecipeConfig, lora: LoraConfig) -> None:
+    """The chunked loss runs inside the output head (utils/loss.py), which transformers names lm_head: a LoRA
+    layer there would run its own forward instead."""
+    targets = [name.strip() for name in lora.lora_target_modules.split(",")]
+    if recipe.loss_chunk_tokens and lora.peft == "lora" and OUTPUT_HEAD in targets:
+        raise ConfigError(
+            f"--loss_chunk_tokens {recipe.loss_chunk_tokens} computes the loss inside the output head "
+            f"({OUTPUT_HEAD}), which --lora_target_modules would adapt: leave {OUTPUT_HEAD} out of "
+            "--lora_target_modules, or give --loss_chunk_tokens 0"
+        )
 
 
 def check_schedule(recipe: RecipeConfig) -> None:

@@ -105,6 +105,22 @@ def fsdp1_unsharded_flat_parameter(unit) -> torch.Tensor | None:
     return getattr(handle.flat_param, "_full_param_padded", None) if handle is not None else None
 
 
+def profiled_allocations(prof: torch.profiler.profile) -> list[tuple[int, int]]:
+    """(start in ns, bytes: negative for a free) of every allocation and free a memory-profiling
+    `torch.profiler.profile` recorded, on any device, in their order (scripts/loss_memory.py sums them into a
+    CPU peak). Public replacement: on CUDA `torch.cuda.max_memory_allocated`; on CPU none (each op's
+    `cpu_memory_usage` is a net sum; `export_memory_timeline`, deprecated, rebuilds this from the same tree)."""
+    from torch._C._profiler import _EventType
+
+    events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while events:
+        event = events.pop()
+        if event.tag == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size))
+        events.extend(event.children)
+    return sorted(allocations)
+
+
 def record_memory_history(max_entries: int, stacks: bool) -> None:
     """From now on the CUDA allocator records every allocation and free, with its Python and C++ stack if
     `stacks`, the newest `max_entries` kept, for `dump_memory_snapshot`. Public replacement: none in torch

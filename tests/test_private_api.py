@@ -179,3 +179,13 @@ def test_a_dispatch_mode_sees_every_op_with_its_arguments():
     with Record():
         torch.ones(2).sum().item()
     assert seen == [("ones", 1), ("sum", 1), ("_local_scalar_dense", 1)], seen
+
+
+def test_the_profilers_allocation_events_are_every_allocation_and_free():
+    """scripts/loss_memory.py's CPU peak: a 4,000-byte tensor allocated then freed inside a memory-profiling
+    profiler appears as +4000 then -4000, in that order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        tensor = torch.empty(1000)
+        del tensor
+    sizes = [size for _, size in private_api.profiled_allocations(prof)]
+    assert sizes[sizes.index(4000) + 1 :].count(-4000) >= 1, sizes

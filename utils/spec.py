@@ -35,6 +35,7 @@ from configs.evaluation import EvalConfig
 from utils.base.log import get_logger
 from utils.data.loaders import IGNORED, DataFormat
 from utils.distributed.process_group import is_rank0
+from utils.loss import token_cross_entropy
 from utils.observe.flops import CausalFlops, FlopCounter, Seq2SeqFlops
 
 GENERATION_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "no_repeat_ngram_size", "do_sample")
@@ -180,20 +181,18 @@ class Seq2SeqSpec(ModelSpec):
         return {}
 
     def token_losses(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token cross-entropy (float32, 0 at padding) and the labels, for a batch already on the device."""
+        """Per-token cross-entropy (float32, 0 at padding) and the labels, for a batch already on the device
+        (utils/loss.py: from the whole logits, or chunk by chunk in the head with --loss_chunk_tokens)."""
         labels = labels_for_loss(batch["target_ids"], batch["target_mask"])
         # The decoder inputs are passed rather than `labels`: given labels, T5 also computes its own mean loss,
         # whose log-softmax keeps a batch x target x vocabulary tensor alive for backward although the loss
-        # below (a float32 sum, so ranks combine exactly) is the one trained on.
-        logits = model(
-            input_ids=batch["source_ids"],
-            attention_mask=batch["source_mask"],
-            decoder_input_ids=shift_right(batch["target_ids"], model.config.decoder_start_token_id),
-        ).logits
-        token_losses = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORED, reduction="none"
-        ).view_as(labels)
-        return token_losses, labels
+        # here (a float32 sum, so ranks combine exactly) is the one trained on.
+        inputs = {
+            "input_ids": batch["source_ids"],
+            "attention_mask": batch["source_mask"],
+            "decoder_input_ids": shift_right(batch["target_ids"], model.config.decoder_start_token_id),
+        }
+        return token_cross_entropy(model, inputs, labels), labels
 
     def trained_tokens(self, batch: dict) -> torch.Tensor:
         """The tokens the loss is a mean over (the real target tokens), on the batch's device."""
@@ -239,15 +238,13 @@ class CausalSpec(ModelSpec):
         if "position_ids" in batch:
             # Packed blocks: given position ids and neither a padding mask nor a KV cache (with one, transformers
             # takes them for a continuation), attention keeps each row to itself.
-            inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-            logits = model(**inputs, use_cache=False).logits
+            inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
         else:
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         labels = batch["labels"][:, 1:]
-        token_losses = F.cross_entropy(
-            logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=IGNORED, reduction="none"
-        ).view_as(labels)
-        return token_losses, labels
+        # Each position's target is the next token; the last position predicts none.
+        targets = F.pad(labels, (0, 1), value=IGNORED)
+        return token_cross_entropy(model, inputs, targets)[:, :-1], labels
 
     def trained_tokens(self, batch: dict) -> torch.Tensor:
         """The tokens the loss is a mean over: every labelled token but the first of a row (nothing before it

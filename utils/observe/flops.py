@@ -12,7 +12,9 @@ are lookups), d_attn the attention's width (all heads), N_kv = L_dec * 2 * d_mod
 cross-attention k and v, which project the encoder's S_enc tokens (docs/pitfalls.md #24). A decoder-only model
 (CausalFlops) is the decoder alone: 2 * (N + V * d_model) * S + 4 * d_attn * L * S^2, the attention counted
 whole as the kernels compute it. A training step is 3x the forward (backward: the input's and the weight's
-gradient); activation checkpointing's recomputed forward is hardware FLOPs, not model FLOPs.
+gradient); activation checkpointing's recomputed forward is hardware FLOPs, not model FLOPs, and so is the
+head's second forward under --loss_chunk_tokens (utils/loss.py: backward computes each chunk's logits again):
+2 * V * d_model per target token.
 Families are recognised by model_type, not by their config's field names: LongT5, LED, BigBird-PEGASUS and
 PEGASUS-X share T5's or BART's but attend locally or sparsely, and NLLB-MoE routes tokens to experts, so any
 other model has no count (no FLOP rates, no MFU). tests/test_flops.py checks the count against
@@ -35,8 +37,11 @@ GPT2_STYLE_MODELS = ("gpt2",)
 class FlopCounter(Protocol):
     """What the step and the rates ask of a model spec's FLOP count (utils/spec.py: flop_counter)."""
 
-    def training(self, batch: dict, recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(model, hardware) FLOPs of one forward+backward of `batch`, on its device, without a host sync."""
+    def training(
+        self, batch: dict, recompute: bool, recompute_head: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(model, hardware) FLOPs of one forward+backward of `batch`, on its device, without a host sync;
+        `recompute`: the blocks' forward twice, `recompute_head`: the head's."""
         ...
 
 
@@ -92,7 +97,9 @@ class Seq2SeqFlops:
         """Forward FLOPs of a batch, summed over its sequences."""
         return sum(self.forward_parts(source_lengths, target_lengths, head))
 
-    def training(self, batch: dict, recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def training(
+        self, batch: dict, recompute: bool, recompute_head: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(model, hardware) FLOPs of one forward+backward of `batch`, on its device, without a host sync.
         With frozen weights a linear layer's backward is one matmul (its input's gradient), not two; the
         adapters' own FLOPs (rank r) are left out."""
@@ -101,6 +108,8 @@ class Seq2SeqFlops:
         linear, attention = self.forward_parts(src, tgt)
         model = (2 if self.frozen_weights else 3) * linear + 3 * attention
         hardware = model + self.forward(src, tgt, head=False) if recompute else model
+        if recompute_head:
+            hardware = hardware + 2 * self.head_weights * tgt.sum()
         return model, hardware
 
 
@@ -141,12 +150,16 @@ class CausalFlops:
         linear = 2 * (self.block_weights + (self.head_weights if head else 0)) * lengths
         return linear.sum(), (4 * self.attention_width * self.layers * lengths * lengths).sum()
 
-    def training(self, batch: dict, recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def training(
+        self, batch: dict, recompute: bool, recompute_head: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(model, hardware) FLOPs of one forward+backward of `batch`, as Seq2SeqFlops.training counts them."""
         lengths = batch["attention_mask"].sum(dim=1).to(torch.float64)
         linear, attention = self.forward_parts(lengths)
         model = (2 if self.frozen_weights else 3) * linear + 3 * attention
         hardware = model + sum(self.forward_parts(lengths, head=False)) if recompute else model
+        if recompute_head:
+            hardware = hardware + 2 * self.head_weights * lengths.sum()
         return model, hardware
 
 
@@ -202,14 +215,16 @@ def cpu_gemm_flops(dtype: torch.dtype, sizes: tuple[int, ...] = (128, 256, 512),
 @dataclass(frozen=True)
 class Throughput:
     """How a step's FLOPs are counted (`flops`, None for a model of no counted family: no FLOP rates;
-    `recompute`: activation checkpointing) and rated: per device over `world_size` ranks, and as MFU against
-    `peak_flops` per device (None: no MFU), which comes from `peak_source`."""
+    `recompute`: activation checkpointing; `recompute_head`: --loss_chunk_tokens) and rated: per device over
+    `world_size` ranks, and as MFU against `peak_flops` per device (None: no MFU), which comes from
+    `peak_source`."""
 
     flops: FlopCounter | None
     recompute: bool
     world_size: int
     peak_flops: float | None
     peak_source: str = ""
+    recompute_head: bool = False
 
     def rates(self, model_flops: float, hardware_flops: float, seconds: float) -> dict:
         """Record fields for FLOPs summed over all ranks in `seconds` of wall time; none without a count."""

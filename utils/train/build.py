@@ -37,6 +37,7 @@ from utils.distributed.progress_bounded import progress_bounded
 from utils.eval.evaluator import Evaluator
 from utils.eval.generation import TurnEnd, turn_end
 from utils.fsdp.parallelism import Parallelism, parallelism_for
+from utils.loss import chunk_the_loss
 from utils.model import loading, lora, neftune
 from utils.observe import flops
 from utils.observe.memory import MemoryBaseline
@@ -85,7 +86,10 @@ class Run:
         else:
             get_logger().warning("no MFU: %s", source)
         recompute = config.fsdp.fsdp_activation_checkpointing
-        return flops.Throughput(counter, recompute, self.info.world_size, peak, source)
+        return flops.Throughput(
+            counter, recompute, self.info.world_size, peak, source,
+            recompute_head=bool(config.recipe.loss_chunk_tokens),
+        )  # fmt: skip
 
     @functools.cached_property
     def generation(self) -> dict:
@@ -369,4 +373,12 @@ def build_model(
         hooked = neftune.add_embedding_noise(loaded.model, alpha, spec)
         get_logger().info("NEFTune: noise of alpha %g on the input embeddings while training (%s)", alpha,
                           ", ".join(hooked))  # fmt: skip
+    chunk_tokens = config.recipe.loss_chunk_tokens
+    # Before FSDP, which gathers the head's weight only in its unit's forward: the chunked loss runs there.
+    if chunk_tokens:
+        chunk_the_loss(loaded.model, chunk_tokens)
+        get_logger().info(
+            "the loss: cross-entropy per chunk of %d tokens inside the output head, never the whole logits; "
+            "backward computes each chunk's logits again", chunk_tokens,
+        )  # fmt: skip
     return loaded

@@ -43,6 +43,7 @@ class StepSettings:
     skip_nonfinite: bool = False  # skip the update when the global gradient norm is NaN/Inf (fused AdamW)
     flops: FlopCounter | None = None  # counts each batch's training FLOPs (None: zeros)
     recompute: bool = False  # activation checkpointing: hardware FLOPs include the blocks' second forward
+    recompute_head: bool = False  # --loss_chunk_tokens: hardware FLOPs include the head's second forward
     saved_counter: SavedTensorCounter | None = None  # counts what the first micro-batch saves for backward
     spec: ModelSpec = field(kw_only=True)  # how a batch becomes token losses (utils/spec.py)
 
@@ -51,7 +52,10 @@ def batch_stats(token_losses: torch.Tensor, labels: torch.Tensor, batch: dict, s
     """[loss sum, target tokens, source+target tokens, samples, 0, model FLOPs, hardware FLOPs] of one
     batch, on the device, no host sync (column GRAD_NORM is the step's, filled in by train_step)."""
     zero = torch.zeros((), dtype=STAT_DTYPE, device=labels.device)
-    flops = settings.flops.training(batch, settings.recompute) if settings.flops else (zero, zero)
+    if settings.flops:
+        flops = settings.flops.training(batch, settings.recompute, recompute_head=settings.recompute_head)
+    else:
+        flops = (zero, zero)
     stats = torch.stack(
         [
             token_losses.detach().sum(dtype=STAT_DTYPE),

@@ -91,7 +91,7 @@ class Trainer:
         self.step_settings = StepSettings(
             parallelism, max_grad_norm=recipe.max_grad_norm, sync_each_micro_batch=recipe.accumulate_grad_sync,
             skip_nonfinite=recipe.on_nonfinite == "skip", flops=throughput.flops, recompute=throughput.recompute,
-            spec=spec,
+            recompute_head=throughput.recompute_head, spec=spec,
         )  # fmt: skip
         # The global step and epoch the run ends at (for the time left), and what a resume in another shape
         # changed in the LR schedule: set by lay_out, before training starts.
@@ -109,8 +109,9 @@ class Trainer:
         # The metrics and their sinks are closed however training ends; a tracker learns if it failed.
         with self.records.open(resumed_at, self.total_steps):
             # --profile_start_step's traces, and on CUDA an out-of-memory error's memory snapshot.
+            recomputes = self.throughput.recompute or self.throughput.recompute_head
             profiler = StepProfiler(self.observe, self.train_config.output_dir, self.info.rank, self.info.device,
-                                    progress.global_step, recompute=self.throughput.recompute)  # fmt: skip
+                                    progress.global_step, recompute=recomputes)  # fmt: skip
             if self.observe.profile_start_step > self.total_steps:
                 get_logger().warning(
                     "--profile_start_step %d: this run trains steps up to %d, so nothing is profiled",
