@@ -11,6 +11,8 @@
         --max_target_length 16 --out bench/loading
     python scripts/benchmark.py --suite data --ranks 2 8 --out bench/data [--repo OTHER_CHECKOUT]
     python scripts/benchmark.py --suite checkpoint --models t5-base --steps 12 --out bench/checkpoint
+    python scripts/benchmark.py --suite gpu_causal --models tinyllama-1.1b --max_seq_len 2048 --batch_size 8 \
+        --steps 12 --out bench/causal
 
 Each case is one short run of T5_training.py (one epoch, no validation, no checkpoints) on the embedded
 sample, or on a generated one (--data). Step time is the median of the logged step windows after the
@@ -31,10 +33,18 @@ tokenising). --repo runs another checkout's T5_training.py on the same WikiHow f
 The checkpoint suite adds scripts/export_memory.py's measurements for each model: rank 0's host memory while
 hf_model/ is exported from the shards against the gather it replaced (plain and LoRA merged, per backend),
 and each checkpoint type's bytes, save and resume load seconds.
+
+The gpu_causal suite trains a decoder-only model (random weights of TinyLlama-1.1B's shape, or a tiny Llama) on
+generated whole texts of chat-like lengths (chat_length_rows) packed into blocks of --max_seq_len tokens,
+--batch_size blocks a step, and scripts/causal_peer.py (HF's Trainer) on the same rows; each row of its table
+is the steps after the first CAUSAL_WARMUP_STEPS: real tokens per step and per second, MFU by the package's
+per-document causal count, peak memory and the graphs torch.compile made (docs/throughput.md: "Decoder-only, on
+one GPU").
 """
 
 import argparse
 import csv
+import importlib.util
 import json
 import math
 import random
@@ -57,9 +67,16 @@ from configs.paths import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, REPO_ROOT  # no
 from scripts.export_memory import EXPORT_CASE_NAMES  # noqa: E402
 from scripts.export_memory import measure as measure_exports  # noqa: E402
 from scripts.make_random_t5 import SHAPES, make  # noqa: E402
+from scripts.packing_kernels import random_llama_folder  # noqa: E402
 from utils.data.cache import load_wikihow  # noqa: E402
 from utils.data.wikihow import clean_text  # noqa: E402
 
+# The gpu_causal suite's levers, each case adding one to the one before (FSDP1 at world size 1 compiles with the
+# original parameters).
+FLEX = ["--attn_implementation", "flex_attention"]
+COMPILED = [*FLEX, "--compile", "true", "--use_orig_params", "true"]
+CHUNKED = [*COMPILED, "--loss_chunk_tokens", "8192"]
+NO_CHECKPOINTING = [*CHUNKED, "--fsdp_activation_checkpointing", "false"]
 # Every step its own record: the steps right after a save are the ones a background write overlaps.
 CHECKPOINT_EVERY_3 = ["--checkpoint_type", "SHARDED_STATE_DICT", "--keep_last_n", "2", "--save_every_n_steps", "3",
                       "--log_every_n_steps", "1"]  # fmt: skip
@@ -147,7 +164,60 @@ SUITES = {
             "--attn_implementation",
             "t5_flex",
         ],
+        # FlexAttention inside the compiled blocks (one graph with the blocks' matmuls), as FSDP1's units at
+        # world size 1 and as the model itself (--single_rank_fsdp false).
+        **{
+            f"bf16, {form}, compiled blocks, t5_flex{checkpointing}": [
+                "--mixed_precision",
+                "true",
+                *form_args,
+                "--compile",
+                "true",
+                "--attn_implementation",
+                "t5_flex",
+                *checkpointing_args,
+            ]
+            for form, form_args in {
+                "FSDP1": ["--use_orig_params", "true"],
+                "no FSDP (one rank)": ["--single_rank_fsdp", "false"],
+            }.items()
+            for checkpointing, checkpointing_args in {
+                "": [],
+                ", no activation checkpointing": ["--fsdp_activation_checkpointing", "false"],
+            }.items()
+        },
     },
+    # One GPU, a decoder-only model (--models tinyllama-1.1b; llama-tiny on CPU): packed blocks of whole texts
+    # (--packing_strategy bfd, blocks padded to --max_seq_len: one shape to compile), bf16, each case one more
+    # lever on the one before: the kernel, compiled blocks, the chunked loss, per-op checkpointing or none, the
+    # model itself without FSDP, float8. The peers (PEERS_OF_SUITE: HF's Trainer) train on the same blocks.
+    "gpu_causal": {
+        name: ["--mixed_precision", "true", *levers]
+        for name, levers in {
+            "bf16, SDPA (dense document mask)": ["--attn_implementation", "sdpa"],
+            "bf16, flex_attention": FLEX,
+            "bf16, flex_attention, compiled": COMPILED,
+            "bf16, flex_attention, compiled, chunked loss": CHUNKED,
+            "bf16, flex_attention, compiled, chunked loss, per-op checkpointing": [
+                *CHUNKED,
+                "--activation_checkpointing_scope",
+                "ops",
+            ],
+            "bf16, flex_attention, compiled, chunked loss, no checkpointing": NO_CHECKPOINTING,
+            "bf16, flex_attention, compiled, chunked loss, no checkpointing, no FSDP": [
+                *NO_CHECKPOINTING,
+                "--single_rank_fsdp",
+                "false",
+            ],
+            "bf16, flex_attention, compiled, chunked loss, no checkpointing, no FSDP, float8": [
+                *NO_CHECKPOINTING,
+                "--single_rank_fsdp",
+                "false",
+                "--float8",
+                "true",
+            ],
+        }.items()
+    },  # fmt: skip
     # Host memory of loading (the memory account's high-water mark from before the model is built until it
     # is sharded), with and without rank-0-only loading, per backend.
     "loading": {
@@ -189,9 +259,12 @@ SUITES = {
 }
 
 
-# Run on a GPU only: refused on a CPU group (fp16, offload), or minutes of C++ compilation there (compile).
-GPU_ONLY = {"--use_fp16", "--fsdp_cpu_offload", "--compile"}
+# A case or peer with one of these flags (or values) runs on a GPU only: refused on a CPU (fp16, offload,
+# FlexAttention's training, float8), minutes of C++ compilation there (compile), Triton kernels (Liger).
+GPU_ONLY = {"--use_fp16", "--fsdp_cpu_offload", "--compile", "flex_attention", "--float8", "--torch_compile",
+            "--liger"}  # fmt: skip
 BARE_FSDP1 = "bare torch FSDP1 loop, same wrap"  # the peers suite's baseline, per model
+LIGER = "--liger"  # the peer's flag for use_liger_kernel=True, which needs the liger_kernel package
 PEERS_OF_SUITE = {
     "peers": {
         BARE_FSDP1: ["--framework", "fsdp"],
@@ -199,7 +272,21 @@ PEERS_OF_SUITE = {
         "HF Seq2SeqTrainer (DDP)": ["--framework", "hf_trainer"],
     },
     "gpu": {"unwrapped model, bf16 autocast": ["--framework", "plain", "--precision", "bf16"]},
+    # scripts/causal_peer.py: HF's Trainer, one process, sdpa, each block's rows flattened (padding-free)
+    "gpu_causal": {
+        "HF Trainer, sdpa, flattened rows": [],
+        "HF Trainer, sdpa, flattened rows, Liger kernels": [LIGER],
+        "HF Trainer, sdpa, flattened rows, torch_compile": ["--torch_compile"],
+    },
 }
+# The decoder-only models of --suite gpu_causal: random weights of scripts/packing_kernels.py's shapes, the tiny
+# Llama tokenizer (scripts/make_tiny_family.py).
+CAUSAL_MODELS = {"llama-tiny": "tiny", "tinyllama-1.1b": "tinyllama-1.1b"}
+# How every gpu_causal case reads its rows (chat_length_rows): whole texts, packed by best-fit decreasing, each
+# block padded to --max_seq_len (one shape for compiled blocks; bfd leaves little to pad).
+CAUSAL_DATA = ["--dataset_text_field", "text", "--packing", "true", "--packing_strategy", "bfd",
+               "--pad_to_max_length", "true"]  # fmt: skip
+CAUSAL_WARMUP_STEPS = 4  # steps left out of the gpu_causal suite's rates: compiling, the allocator's first steps
 
 
 STOP_GRACE_S = 60  # torchrun's own grace for its ranks after a SIGTERM is 30 s
@@ -261,6 +348,25 @@ def run_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
     return {"step_seconds": result["step_seconds"], "peak_memory_bytes": result["peak_memory_bytes"]}
 
 
+def run_causal_peer(model_dir: str, peer_args: list[str], args, work: Path) -> dict:
+    """One scripts/causal_peer.py run (one process) on the suite's rows: its timed steps, peak memory, compiles."""
+    out = work / f"peer{len(list(work.iterdir()))}.json"
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "causal_peer.py"), *peer_args,
+               "--model_name", model_dir, "--data", args.causal_data, "--max_seq_len", str(args.max_seq_len),
+               "--blocks_per_step", str(args.batch_size), "--steps", str(args.steps),
+               "--warmup", str(CAUSAL_WARMUP_STEPS), "--precision", args.peer_precision,
+               "--out", str(out)]  # fmt: skip
+    done = run_by_deadline(command, args.deadline)
+    if done.returncode != 0:
+        raise CaseFailed(done.stdout, done.stderr)
+    result = json.loads(out.read_text())
+    return {
+        "step_seconds": statistics.median(result["step_seconds"][CAUSAL_WARMUP_STEPS:]),
+        "step_tokens": result["step_tokens"],
+        **{key: result[key] for key in ("timed", "peak_memory_bytes", "compiled_graphs", "packing")},
+    }
+
+
 def fixed_shape_rates(result: dict, model_dir: str, args, peak_tflops: float | None) -> dict:
     """Tokens/s and MFU of a fixed-shape step (every position a real token), the same count for every row; no
     MFU without a peak."""
@@ -313,15 +419,16 @@ def run_case(
     model_dir: str,
     case_args: list[str],
     nproc: int,
-    steps: int,
     batch: int,
     common: list[str],
     work: Path,
+    run_length: list[str],
     deadline: float | None = None,
+    warmup_steps: int = 2,
 ) -> dict:
+    """One run of T5_training.py through torchrun, as long as `run_length` says (--num_train_samples, --max_steps):
+    its step records after the first `warmup_steps` timed, its epoch record, config.json and memory records."""
     out = work / f"run{len(list(work.iterdir()))}"
-    accumulation = int(case_args[case_args.index("--gradient_accumulation_steps") + 1]) if (
-        "--gradient_accumulation_steps" in case_args) else 1  # fmt: skip
     args = [
         "--model_name",
         model_dir,
@@ -335,8 +442,7 @@ def run_case(
         "0",
         "--eval_rouge",
         "false",
-        "--num_train_samples",
-        str(steps * batch * nproc * accumulation),
+        *run_length,
         "--batch_size_training",
         str(batch),
         "--log_every_n_steps",
@@ -358,25 +464,46 @@ def run_case(
     if done.returncode != 0:
         raise CaseFailed(done.stdout, done.stderr)
     records = [json.loads(line) for line in open(out / "metrics.jsonl", encoding="utf-8")]
-    windows = [r["seconds"] for r in records if r["type"] == "step"][2:]  # first window: warm-up
+    steps = [r for r in records if r["type"] == "step"]
+    timed = steps[warmup_steps:]
     epoch = next(r for r in records if r["type"] == "epoch")
     memory = [r for r in records if r["type"] == "memory"]
     total = memory[0]["param_numel_total"]
+    config = json.loads((out / "config.json").read_text())
     return {
-        "step_times": {r["step"]: r["seconds"] for r in records if r["type"] == "step"},
+        "step_times": {r["step"]: r["seconds"] for r in steps},
+        "step_tokens": [r["tokens"] for r in steps],
         "saves": checkpoint_saves(done.stdout),
-        "step_seconds": statistics.median(windows),
+        "step_seconds": statistics.median(r["seconds"] for r in timed),
+        # The steps after the warm-up: seconds, real tokens and model FLOPs (the package's count), all ranks.
+        "timed": {
+            "steps": len(timed),
+            "seconds": sum(r["seconds"] for r in timed),
+            "tokens": sum(r["tokens"] for r in timed),
+            "model_flops": sum(r.get("model_tflops_per_s", 0) * 1e12 * r["seconds"] * nproc for r in timed),
+        },
         "samples_per_s": epoch["samples_per_s"],
         "tokens_per_s": epoch["tokens_per_s"],  # real (non-padding) source + target tokens, all ranks
         "mfu": epoch.get("mfu"),
         "train_loss": epoch["train_loss"],
-        "peak_tflops": json.loads((out / "config.json").read_text())["mfu_peak_tflops"],
+        "compiled_graphs": epoch["compiled_graphs"],
+        "precision": config["mixed_precision_policy"],
+        "peak_tflops": config["mfu_peak_tflops"],
         "peak_memory_bytes": epoch["peak_memory_bytes"],
         "param_share": max(r["param_numel_local"] for r in memory) / total,
         "optim_share": max(r["optim_state_numel_local"] for r in memory) / (2 * total),  # AdamW: 2 moments
         "param_numel_total": total,
         "load_rss_delta_bytes": [r["load_rss_delta_bytes"] for r in memory],  # by rank
     }
+
+
+def timed_rates(timed: dict, nproc: int, peak_tflops: float | None) -> dict:
+    """Real tokens per step and per second of a run's timed steps, and their MFU (model FLOPs per device second
+    over the peak; none without a peak)."""
+    device_seconds = timed["seconds"] * nproc
+    mfu = timed["model_flops"] / device_seconds / (peak_tflops * 1e12) if peak_tflops else None
+    tokens = timed["tokens"]
+    return {"tokens_per_step": tokens / timed["steps"], "tokens_per_s": tokens / timed["seconds"], "mfu": mfu}
 
 
 def checkpoint_saves(log: str) -> list[dict]:
@@ -590,12 +717,55 @@ def data_markdown(results: list[dict]) -> str:
     return markdown_table(header, rows)
 
 
-def model_folder(name: str, work: Path) -> str:
+def model_folder(name: str, root: Path | str) -> str:
+    """The model's folder: the embedded T5, or a random-weight one of a published shape made in `root` (reused
+    where an earlier invocation made it there)."""
     if name == "embedded":
         return str(EMBEDDED_MODEL_DIR)
-    folder = work / f"{name}-random"
-    if not folder.exists():
-        make(name, str(folder))
+    folder = Path(root) / f"{name}-random"
+    made = folder / "made.json"  # written last: a folder without it was cut off while written
+    if not made.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        if name in CAUSAL_MODELS:
+            parameters = random_llama_folder(CAUSAL_MODELS[name], str(folder))
+        else:
+            parameters = make(name, str(folder))
+        made.write_text(json.dumps({"model": name, "parameters": parameters}))
+    return str(folder)
+
+
+# The rows of --suite gpu_causal: whole texts whose token counts spread as instruction and chat rows do, most a
+# few hundred tokens and a tail of long ones: log-normal, the median a fifth of the block, sigma 0.9 (the mean
+# 0.3 of the block), each within the block. A chosen spread, not one measured on a dataset.
+ROW_MEDIAN_SHARE, ROW_SIGMA = 0.2, 0.9
+
+
+def chat_length_rows(folder: Path, tokenizer, rows: int, block: int, seed: int = 0) -> str:
+    """A data folder of whole texts (train.jsonl, validation.jsonl of 8 rows; field "text"), each drawn a token
+    count (ROW_MEDIAN_SHARE, ROW_SIGMA; from 8 to `block` tokens, <s> and </s> included) and made of the
+    embedded WikiHow sample's sentences until `tokenizer` counts that many tokens in them."""
+    sample = load_wikihow(EMBEDDED_DATA_DIR, "train")
+    sentences = sorted({s.strip() for text in sample["text"] for s in clean_text(text).split(".") if s.strip()})
+    counts = [
+        len(ids) for ids in tokenizer([" " + s + "." for s in sentences], add_special_tokens=False).input_ids
+    ]
+    rng = random.Random(seed)
+
+    def text() -> str:
+        wanted = min(max(rng.lognormvariate(math.log(ROW_MEDIAN_SHARE * block), ROW_SIGMA), 8), block) - 2
+        chosen, count = [], 0
+        while count < wanted:
+            index = rng.randrange(len(sentences))
+            if chosen and count + counts[index] > wanted:  # past the count: a row keeps within its block
+                break
+            chosen.append(sentences[index] + ".")
+            count += counts[index]
+        return " ".join(chosen)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", rows), ("validation", 8)):
+        lines = [json.dumps({"text": text()}) + "\n" for _ in range(count)]
+        (folder / f"{split}.jsonl").write_text("".join(lines), encoding="utf-8")
     return str(folder)
 
 
@@ -691,8 +861,19 @@ def loading_markdown(results: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="backends")
-    parser.add_argument("--models", nargs="+", default=["embedded"], choices=["embedded", *sorted(SHAPES)])
-    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: 1 for the gpu suite, else 2)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        choices=["embedded", *sorted(SHAPES), *CAUSAL_MODELS],
+        help="default: embedded; for --suite gpu_causal llama-tiny (tinyllama-1.1b on a GPU)",
+    )
+    parser.add_argument(
+        "--models_dir",
+        help="where the random-weight model folders are made, and reused by a later invocation (default: a "
+        "temporary folder per invocation)",
+    )
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: 1 for the gpu suites, else 2)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8], help="data suite: the numbers of ranks")
     parser.add_argument("--rows", type=int, default=FULL_SIZE_ROWS, help="data suite: rows of the generated file")
     parser.add_argument(
@@ -702,10 +883,16 @@ def main() -> int:
     parser.add_argument("--repo", help="data suite: run this checkout's T5_training.py instead (the control)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per case")
     parser.add_argument(
-        "--batch_size", type=int, default=4, help="training batch per rank of every case and peer (default 4)"
+        "--batch_size",
+        type=int,
+        default=4,
+        help="training batch per rank of every case and peer (default 4; gpu_causal: packed blocks a step)",
     )
     parser.add_argument("--max_source_length", type=int, default=128)
     parser.add_argument("--max_target_length", type=int, default=32)
+    parser.add_argument(
+        "--max_seq_len", type=int, default=256, help="gpu_causal: the packed blocks' tokens (default 256)"
+    )
     parser.add_argument(
         "--data",
         choices=["embedded", "wikihow_lengths", "full_lengths"],
@@ -714,7 +901,8 @@ def main() -> int:
             "embedded: the embedded sample; wikihow_lengths: a sample with WikiHow's article and summary "
             "lengths; full_lengths: every article and summary longer than the max lengths (fixed shapes, as "
             "the peers suite's random batches). Default: full_lengths for the peers and gpu suites (their rates "
-            "count every position as a token), else embedded"
+            "count every position as a token), else embedded. gpu_causal generates rows of its own "
+            "(chat_length_rows)"
         ),
     )
     parser.add_argument("--mixed_precision", choices=["true", "false"], default="false")
@@ -730,6 +918,12 @@ def main() -> int:
         "--cases", nargs="+", metavar="CASE", help="only these cases of the suite, by name (default: all)"
     )
     parser.add_argument(
+        "--peers",
+        nargs="*",
+        metavar="PEER",
+        help="only these peers of the suite, by name; none given: no peer (default: all)",
+    )
+    parser.add_argument(
         "--time_budget_s",
         type=float,
         default=None,
@@ -741,49 +935,59 @@ def main() -> int:
     args = parser.parse_args()
     args.deadline = None if args.time_budget_s is None else time.monotonic() + args.time_budget_s
     args.failures = []  # cases that ended with an error (report_failure): listed under the table
+    args.not_run = []  # cases and peers this machine cannot run (runs_here): listed under the table
+    causal = args.suite == "gpu_causal"
+    args.models = args.models or (["llama-tiny"] if causal else ["embedded"])
+    wrong_kind = [model for model in args.models if (model in CAUSAL_MODELS) != causal]
+    if wrong_kind:
+        kind = "decoder-only models" if causal else "T5 models"
+        parser.error(f"--suite {args.suite} measures {kind}, not {wrong_kind}")
     known = set(SUITES[args.suite]) | (set(EXPORT_CASE_NAMES) if args.suite == "checkpoint" else set())
     unknown = sorted(set(args.cases or []) - known)
     if unknown:
         parser.error(f"--suite {args.suite} has no case {unknown}; its cases: {sorted(known)}")
+    peers = PEERS_OF_SUITE.get(args.suite, {})
+    unknown = sorted(set(args.peers or []) - set(peers))
+    if unknown:
+        parser.error(f"--suite {args.suite} has no peer {unknown}; its peers: {sorted(peers)}")
     first_case = next(iter(SUITES[args.suite]))
-    if args.cases and args.suite in PEERS_OF_SUITE and first_case not in args.cases:
-        parser.error(f"--suite {args.suite} rates its peers against its first case: add {first_case!r} to --cases")
-    args.nproc = args.nproc or (1 if args.suite == "gpu" else 2)
-    args.data = args.data or ("full_lengths" if args.suite in PEERS_OF_SUITE else "embedded")
-    if args.suite in PEERS_OF_SUITE and args.data != "full_lengths":
-        parser.error(f"--suite {args.suite} rates fixed shapes: it needs --data full_lengths")
-    if args.suite == "gpu" and args.nproc != 1:
-        parser.error("--suite gpu measures one device: --nproc 1")
-    wanted = args.steps * args.batch_size * args.nproc
-    if args.data == "embedded" and args.suite != "data" and wanted > len(load_wikihow(EMBEDDED_DATA_DIR, "train")):
+    with_peers = bool(peers) and (args.peers is None or bool(args.peers))
+    if args.cases and with_peers and first_case not in args.cases:
         parser.error(
-            f"--steps x --batch_size x --nproc = {wanted} samples, more than the embedded sample's train split: "
-            "use --data wikihow_lengths or full_lengths (generated with as many rows as needed)"
+            f"--suite {args.suite} rates its peers against its first case: add {first_case!r} to --cases (or "
+            "run no peer: --peers with no name)"
         )
+    one_device = args.suite in ("gpu", "gpu_causal")
+    args.nproc = args.nproc or (1 if one_device else 2)
+    if one_device and args.nproc != 1:
+        parser.error(f"--suite {args.suite} measures one device: --nproc 1")
+    if causal:
+        if args.steps <= CAUSAL_WARMUP_STEPS:
+            parser.error(
+                f"--suite gpu_causal times the steps after its first {CAUSAL_WARMUP_STEPS}: give more --steps"
+            )
+    else:
+        args.data = args.data or ("full_lengths" if args.suite in PEERS_OF_SUITE else "embedded")
+        if args.suite in PEERS_OF_SUITE and args.data != "full_lengths":
+            parser.error(f"--suite {args.suite} rates fixed shapes: it needs --data full_lengths")
+        wanted = args.steps * args.batch_size * args.nproc
+        if (
+            args.data == "embedded"
+            and args.suite != "data"
+            and wanted > len(load_wikihow(EMBEDDED_DATA_DIR, "train"))
+        ):
+            parser.error(
+                f"--steps x --batch_size x --nproc = {wanted} samples, more than the embedded sample's train "
+                "split: use --data wikihow_lengths or full_lengths (generated with as many rows as needed)"
+            )
     if args.suite == "data":
         with tempfile.TemporaryDirectory() as tmp:
             results = run_data_suite(args, Path(tmp))
         return write_results(args, results, data_markdown(results))
-    common = [
-        "--max_source_length",
-        str(args.max_source_length),
-        "--max_target_length",
-        str(args.max_target_length),
-        "--mixed_precision",
-        args.mixed_precision,
-    ]
-    if args.dropout_rate is not None:
-        common += ["--dropout_rate", str(args.dropout_rate)]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "runs").mkdir()
-        if args.data != "embedded":
-            # full_lengths: about 400 and 100 tokens, past the max lengths the fixed-shape suites use
-            # (short enough that tokenizing them costs the same as tokenizing WikiHow's articles).
-            means, sigma = ((500, 46), 0.6) if args.data == "wikihow_lengths" else ((300, 80), 0.0)
-            # Rows for every case's samples (up to 4 micro-batches a step), about 9 in 10 of them in train.
-            rows = max(1600, 2 * args.steps * args.batch_size * args.nproc * 4)
-            common += ["--data_dir", wikihow_length_sample(work / "data", means, sigma, rows)]
+        common = (causal_common if causal else seq2seq_common)(args, work)
         results = []
         for model in args.models:
             results += run_suite(model, args, common, work)
@@ -791,64 +995,143 @@ def main() -> int:
                 write_results(args, results, SUITE_TABLES.get(args.suite, markdown)(results))
         if args.suite == "checkpoint":
             for model in args.models:
-                exported = measure_exports(model_folder(model, work), args.nproc, work, args.cases)
+                folder = model_folder(model, args.models_dir or work)
+                exported = measure_exports(folder, args.nproc, work, args.cases)
                 results += [{"model": model, "export": True, **result} for result in exported]
     return write_results(args, results, SUITE_TABLES.get(args.suite, markdown)(results))
+
+
+def seq2seq_common(args, work: Path) -> list[str]:
+    """Every T5 case's lengths, precision and dropout, and its data: the embedded sample or one generated in
+    `work`."""
+    common = ["--max_source_length", str(args.max_source_length), "--max_target_length",
+              str(args.max_target_length), "--mixed_precision", args.mixed_precision]  # fmt: skip
+    if args.dropout_rate is not None:
+        common += ["--dropout_rate", str(args.dropout_rate)]
+    if args.data != "embedded":
+        # full_lengths: about 400 and 100 tokens, past the max lengths the fixed-shape suites use
+        # (short enough that tokenizing them costs the same as tokenizing WikiHow's articles).
+        means, sigma = ((500, 46), 0.6) if args.data == "wikihow_lengths" else ((300, 80), 0.0)
+        # Rows for every case's samples (up to 4 micro-batches a step), about 9 in 10 of them in train.
+        rows = max(1600, 2 * args.steps * args.batch_size * args.nproc * 4)
+        common += ["--data_dir", wikihow_length_sample(work / "data", means, sigma, rows)]
+    return common
+
+
+def causal_common(args, work: Path) -> list[str]:
+    """Every gpu_causal case's data: rows generated in `work` (chat_length_rows; the tiny Llama tokenizer, which
+    every model of the suite has), packed by bfd into blocks of --max_seq_len padded to it; and the dropout."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(args.models[0], args.models_dir or work))
+    # About 3 rows a block: 5 rows for each block the steps take leave room for the blocks the package's epoch
+    # deals past them (the peer takes the package's first ones).
+    args.causal_data = chat_length_rows(work / "data", tokenizer, rows=5 * args.steps * args.batch_size,
+                                        block=args.max_seq_len)  # fmt: skip
+    common = ["--dataset_name", args.causal_data, "--max_seq_len", str(args.max_seq_len), *CAUSAL_DATA]
+    return common + (["--dropout_rate", str(args.dropout_rate)] if args.dropout_rate is not None else [])
 
 
 def write_results(args, results: list[dict], table: str) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {name: value for name, value in vars(args).items() if name not in ("failures", "deadline")}
-    summary = {"settings": settings, "results": results, "failed": args.failures}
+    settings = {
+        name: value for name, value in vars(args).items() if name not in ("failures", "not_run", "deadline")
+    }
+    summary = {"settings": settings, "results": results, "failed": args.failures, "not_run": args.not_run}
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     if args.failures:
         listed = "".join(f"- {f['model']}, {f['case']}: {f['error']}\n" for f in args.failures)
         table += "\nFailed cases:\n" + listed
+    if args.not_run:
+        listed = "".join(f"- {n['model']}, {n['case']}: {n['reason']}\n" for n in args.not_run)
+        table += "\nNot run on this machine:\n" + listed
     (out / "results.md").write_text(table)
     print(f"\n{table}\nwritten: {out / 'results.json'}, {out / 'results.md'}")
     return 1 if args.failures else 0
 
 
 def run_suite(model: str, args, common: list[str], work: Path) -> list[dict]:
-    """Every case of the suite for one model (GPU-only ones only on a GPU), then its peers, all rated alike."""
-    folder = model_folder(model, work)
+    """The suite's cases and peers for one model, all rated alike: its first case, then its peers, then its other
+    cases (the comparison most wanted first, where a time budget may end the suite); those this machine cannot
+    run are listed apart (runs_here)."""
+    folder = model_folder(model, args.models_dir or work)
+    cases = [
+        (case, case_args) for case, case_args in SUITES[args.suite].items() if not args.cases or case in args.cases
+    ]
+    peers = [(case, peer_args) for case, peer_args in PEERS_OF_SUITE.get(args.suite, {}).items()
+             if args.peers is None or case in args.peers]  # fmt: skip
+    causal = args.suite == "gpu_causal"
     results = []
-    for case, case_args in SUITES[args.suite].items():
-        if args.cases and case not in args.cases:
+    for case, case_args, is_peer in (
+        [(*c, False) for c in cases[:1]] + [(*p, True) for p in peers] + [(*c, False) for c in cases[1:]]
+    ):
+        if not runs_here(model, case, case_args, args) or over_budget(args, model, case):
             continue
-        if GPU_ONLY & set(case_args) and not torch.cuda.is_available():
-            print(f"{model} | {case} | skipped: needs a GPU", flush=True)
-            continue
-        if over_budget(args, model, case):
-            continue
+        if is_peer and causal:
+            args.peer_precision = peer_precision(results)
         try:
-            result = run_case(folder, case_args, args.nproc, args.steps, args.batch_size, common, work / "runs",
-                              deadline=args.deadline)  # fmt: skip
+            result = measure(folder, case_args, is_peer, args, common, work / "runs")
         except CaseFailed as failure:
             report_failure(model, case, failure, args)
             continue
-        results.append({"model": model, "case": case, **result, **planner_bytes(folder, case_args, args)})
-        peak = max(result["peak_memory_bytes"]) / 2**20
+        planned = {} if is_peer or causal else planner_bytes(folder, case_args, args)
+        results.append({"model": model, "case": case, **result, **planned})
         # the whole row as it comes: a suite cut off by a time limit keeps what it measured in its log
+        peak = max(result["peak_memory_bytes"]) / 2**20
         print(f"{model} | {case} | {result['step_seconds']:.3f} s/step | peak {peak:.0f} MiB", flush=True)
-    for case, peer_args in PEERS_OF_SUITE.get(args.suite, {}).items():
-        if over_budget(args, model, case):
-            continue
-        try:
-            results.append({"model": model, "case": case, **run_peer(folder, peer_args, args, work / "runs")})
-        except CaseFailed as failure:
-            report_failure(model, case, failure, args)
-            continue
-        print(f"{model} | {case} | {results[-1]['step_seconds']:.3f} s/step", flush=True)
-    if args.suite in PEERS_OF_SUITE:
-        # Each of this package's rows against the peak of its own compute dtype (its config.json); the peers
-        # against the first row's (fp32 for the peers suite, bf16 for the gpu suite's bf16 unwrapped model);
-        # no MFU for them if every case of the package failed.
-        reference_peak = next((r["peak_tflops"] for r in results if "peak_tflops" in r), None)
-        for result in results:
-            result.update(fixed_shape_rates(result, folder, args, result.get("peak_tflops") or reference_peak))
+    # Each of this package's rows against the peak of its own compute dtype (its config.json); the peers against
+    # the first row's (fp32 for the peers suite, bf16 for the gpu suites' bf16 runs); no MFU for them if every
+    # case of the package failed.
+    reference_peak = next((r["peak_tflops"] for r in results if "peak_tflops" in r), None)
+    for result in results:
+        peak = result.get("peak_tflops") or reference_peak
+        if causal:
+            result.update(timed_rates(result["timed"], args.nproc, peak))
+        elif args.suite in PEERS_OF_SUITE:
+            result.update(fixed_shape_rates(result, folder, args, peak))
     return results
+
+
+def measure(folder: str, case_args: list[str], is_peer: bool, args, common: list[str], work: Path) -> dict:
+    """One peer's run, or one case's run of the package for --steps steps (T5: as many samples; gpu_causal:
+    --max_steps, its packed blocks dealt by the package's sampler)."""
+    causal = args.suite == "gpu_causal"
+    if is_peer:
+        return (run_causal_peer if causal else run_peer)(folder, case_args, args, work)
+    if causal:
+        run_length, warmup = ["--max_steps", str(args.steps)], CAUSAL_WARMUP_STEPS
+    else:
+        accumulation = int(case_args[case_args.index("--gradient_accumulation_steps") + 1]) if (
+            "--gradient_accumulation_steps" in case_args) else 1  # fmt: skip
+        run_length = ["--num_train_samples", str(args.steps * args.batch_size * args.nproc * accumulation)]
+        warmup = 2  # the first logged window
+    return run_case(folder, case_args, args.nproc, args.batch_size, common, work, run_length,
+                    deadline=args.deadline, warmup_steps=warmup)  # fmt: skip
+
+
+def peer_precision(results: list[dict]) -> str:
+    """The causal peer's precision: the package's on this device (its first case's policy: bf16 where the device
+    has bf16 kernels), or without a case run, bf16 on a GPU."""
+    policy = next((r["precision"] for r in results if "precision" in r), None)
+    if policy is None:
+        return "bf16" if torch.cuda.is_available() else "fp32"
+    return "bf16" if "bf" in policy.lower() else "fp32"
+
+
+def runs_here(model: str, case: str, case_args: list[str], args) -> bool:
+    """Whether this machine can run the case or peer: GPU_ONLY's need a GPU, the Liger peer the liger_kernel
+    package. One that cannot is said and listed under the table with why (not a failure)."""
+    if GPU_ONLY & set(case_args) and not torch.cuda.is_available():
+        reason = "needs a GPU"
+    elif LIGER in case_args and importlib.util.find_spec("liger_kernel") is None:
+        reason = ("liger_kernel does not import here (pip install liger-kernel; a machine without the network "
+                  "installs the wheel carried with the checkout: docs/throughput.md)")  # fmt: skip
+    else:
+        return True
+    print(f"{model} | {case} | skipped: {reason}", flush=True)
+    args.not_run.append({"model": model, "case": case, "reason": reason})
+    return False
 
 
 def over_budget(args, model: str, case: str) -> bool:
@@ -912,10 +1195,26 @@ def gpu_markdown(results: list[dict]) -> str:
     return markdown_table(header, rows)
 
 
+def gpu_causal_markdown(results: list[dict]) -> str:
+    """The timed steps of each case and peer (after CAUSAL_WARMUP_STEPS): real tokens, their rate and MFU by the
+    package's count, the peak memory and the graphs torch.compile made."""
+    header = ("| model | case | step time (s) | real tokens/step | real tokens/s | MFU | peak memory (MiB) "
+              "| graphs compiled |")  # fmt: skip
+    rows = []
+    for r in results:
+        peaks = ", ".join(f"{p / 2**20:.0f}" for p in r["peak_memory_bytes"])
+        rows.append(
+            f"| {r['model']} | {r['case']} | {r['step_seconds']:.3f} | {r['tokens_per_step']:.0f} "
+            f"| {r['tokens_per_s']:.0f} | {percent(r['mfu'])} | {peaks} | {r['compiled_graphs']} |"
+        )
+    return markdown_table(header, rows)
+
+
 # Each suite's table (markdown for the others).
 SUITE_TABLES = {
     "peers": peers_markdown,
     "gpu": gpu_markdown,
+    "gpu_causal": gpu_causal_markdown,
     "loading": loading_markdown,
     "checkpoint": checkpoint_markdown,
 }

@@ -39,11 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.make_tiny_family import LLAMA_SHAPE  # noqa: E402
 
-# Published Llama shapes (their config.json fields) to time at a realistic width.
+# Published Llama shapes (their config.json fields) to time at a realistic width: TinyLlama-1.1B's (its
+# positions, norm epsilon and rotary base are LlamaConfig's defaults).
 SHAPES = {
     "tiny": LLAMA_SHAPE,
     "tinyllama-1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-                       "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000},
+                       "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
+                       "max_position_embeddings": 2048},
 }  # fmt: skip
 KERNELS = ("sdpa", "eager", "flex_attention")
 LOOSE = 1e-4  # fp32 kernels agree to about 1e-6; a document seeing another is off by far more
@@ -181,6 +183,26 @@ def random_llama(tokenizer, shape: str, block_length: int):
                          **fields)  # fmt: skip
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def random_llama_folder(shape: str, out: str) -> int:
+    """A model folder of a randomly initialised Llama of `shape` (seeded; the tiny Llama tokenizer, whose ids are
+    below every shape's vocabulary), saved in bf16 (half the bytes to write and read; the package loads it in
+    fp32), for scripts/benchmark.py --suite gpu_causal. Initialised on the GPU where there is one (a 1.1B model's
+    random init takes seconds there, minutes on a few CPU cores). Returns its parameter count."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from scripts.make_tiny_family import llama_tokenizer
+
+    tokenizer = llama_tokenizer(Path(out))
+    config = LlamaConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, use_cache=False,
+                         **{"vocab_size": len(tokenizer), **SHAPES[shape]})  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
 
 
 def measure_kernels(tokenizer, packed, plain, shape, kernels, batch_size, steps, device) -> dict:

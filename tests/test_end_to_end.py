@@ -36,7 +36,7 @@ STEPS_PER_EPOCH = math.ceil(math.ceil(NUM_TRAIN / NPROC) / TrainConfig().batch_s
 TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 24
 
 FLOP_KEYS = {"model_tflops_per_s", "hardware_tflops_per_s", "mfu"}  # mfu: where a peak is known (CPU: probed)
-STEP_KEYS = {"type", "epoch", "step", "loss", "lr", "grad_norm", "seconds", *FLOP_KEYS}
+STEP_KEYS = {"type", "epoch", "step", "loss", "lr", "grad_norm", "seconds", "tokens", *FLOP_KEYS}
 EPOCH_KEYS = {
     "type",
     "epoch",
@@ -47,6 +47,7 @@ EPOCH_KEYS = {
     "tokens_per_s",
     *FLOP_KEYS,
     "peak_memory_bytes",
+    "compiled_graphs",
 }
 CUDA_ONLY_EPOCH_KEYS = {"peak_memory_reserved_bytes"}
 EVAL_KEYS = {"type", "epoch", "step", "split", "rouge1", "rouge2", "rougeL", "rougeLsum", "gen_len", "num_samples",

@@ -1,11 +1,15 @@
 """utils/observe/flops.py: the training FLOPs against a hand count and against torch's own FLOP counter on a
 real model of each family, and the peak table."""
 
+import inspect
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import (
+    AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
+    DynamicCache,
     GPT2Config,
     LongT5Config,
     MBartConfig,
@@ -16,7 +20,7 @@ from transformers import (
 
 from configs.paths import EMBEDDED_MODEL_DIR
 from scripts import make_tiny_family
-from utils.observe.flops import Seq2SeqFlops, Throughput, gpu_peak_flops
+from utils.observe.flops import CausalFlops, Seq2SeqFlops, Throughput, attended_pairs, gpu_peak_flops
 from utils.spec import SEQ2SEQ
 
 # The embedded T5 as it is and gated, make_tiny_family's folders, and mBART (BART's matmuls, pre-norm), which
@@ -163,3 +167,42 @@ def test_lora_training_flops_against_torchs_flop_counter():
     full_flops, _ = Seq2SeqFlops.from_config(config).training(batch, recompute=False)
     assert lora_flops.item() == pytest.approx(counted, rel=0.05)
     assert lora_flops.item() < 0.8 * full_flops.item()
+
+
+def test_a_packed_blocks_count_is_the_causal_work_of_each_of_its_documents(tiny_family_dir):
+    """The decoder-only count of a packed batch (the tiny Llama, grouped-query attention; two blocks, of documents
+    of 5, 3 and 7 tokens and of 6 and 4, position ids restarting at each, then padding) against torch's FLOP
+    counter on the work a causal model must do: each document read alone, one token at a time through the KV
+    cache, so that every query meets exactly the keys before it in its own document (eager attention: its matmuls
+    are what the counter sees). Forward FLOPs, exact. The pairs by hand: s (s + 1) / 2 a document; the control,
+    the blocks read as one sequence each (no position ids), pairs each block's tokens across its documents."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_family_dir("llama"), attn_implementation="eager").eval()
+    blocks, width = [[5, 3, 7], [6, 4]], 17
+    torch.manual_seed(0)
+    documents = [[torch.randint(3, 900, (1, length)) for length in block] for block in blocks]
+    # transformers 5.24 names the model's cache argument `cache` (past_key_values before, deprecated since)
+    cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        for document in (d for block in documents for d in block):
+            cache = DynamicCache(config=model.config)  # filled in place, token by token
+            for t in range(document.shape[1]):
+                model(input_ids=document[:, t : t + 1], use_cache=True, **{cache_argument: cache})
+
+    def row(block: list[torch.Tensor], key: str) -> torch.Tensor:
+        parts = {"ids": block, "positions": [torch.arange(d.shape[1])[None] for d in block]}[key]
+        values = torch.cat(parts, dim=1)[0]
+        return torch.cat([values, values.new_zeros(width - len(values))])
+
+    real = [sum(d.shape[1] for d in block) for block in documents]
+    batch = {
+        "input_ids": torch.stack([row(block, "ids") for block in documents]),
+        "position_ids": torch.stack([row(block, "positions") for block in documents]),
+        "attention_mask": torch.stack([(torch.arange(width) < n).long() for n in real]),
+    }
+    count = CausalFlops.from_config(model.config)
+    assert counter.get_total_flops() == count.forward(batch).item()
+    assert count.training(batch, recompute=False)[0].item() == 3 * count.forward(batch).item()
+    assert attended_pairs(batch)[1].item() == sum(s * (s + 1) // 2 for block in blocks for s in block)
+    as_one_sequence = {key: value for key, value in batch.items() if key != "position_ids"}
+    assert attended_pairs(as_one_sequence)[1].item() == sum(n * (n + 1) // 2 for n in real)

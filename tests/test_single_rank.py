@@ -37,6 +37,7 @@ from tests.run_configs import run_config
 from utils.eval.generation import generate
 from utils.fsdp.parallelism import FSDP1, Parallelism
 from utils.spec import SEQ2SEQ
+from utils.train.records import compiled_graphs
 from utils.train.step import StepSettings, train_step
 from utils.train.step_log import StepLog
 
@@ -120,6 +121,7 @@ def test_compiled_blocks_compile_in_the_first_step_only():
     step = [0]
     with one_process_group(), layers_compiled_by("aot_eager", lambda: compiled_at.append(step[0])):
         torch._dynamo.reset()
+        graphs_before = compiled_graphs()
         model, parallelism = one_rank_model(compile=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         losses = []
@@ -127,11 +129,13 @@ def test_compiled_blocks_compile_in_the_first_step_only():
             losses += train_wrapped(
                 model, parallelism, optimizer, rank=0, world_size=1, steps=step[0] + 1, first=step[0]
             )
+        graphs = compiled_graphs() - graphs_before
         torch._dynamo.reset()
     reference_losses, _ = reference_run(STEPS, world_size=1)
     assert losses == pytest.approx(reference_losses, rel=1e-6)
     # The embedded model's 4 kinds of block, forward and backward: all in step 0, none after.
     assert set(Counter(compiled_at)) == {0}, Counter(compiled_at)
+    assert graphs == len(compiled_at)  # the epoch record's compiled_graphs: the backend's calls
     print(f"one rank without FSDP compiles by step: {dict(Counter(compiled_at))}")
 
 

@@ -10,11 +10,16 @@ norms, softmax, biases and the loss are a rounding error):
 N_enc and N_dec are the weights of the Linear layers of each stack's blocks (embeddings and T5's position bias
 are lookups), d_attn the attention's width (all heads), N_kv = L_dec * 2 * d_model * d_attn the decoder's
 cross-attention k and v, which project the encoder's S_enc tokens (docs/pitfalls.md #24). A decoder-only model
-(CausalFlops) is the decoder alone: 2 * (N + V * d_model) * S + 4 * d_attn * L * S^2, the attention counted
-whole as the kernels compute it. A training step is 3x the forward (backward: the input's and the weight's
-gradient); activation checkpointing's recomputed forward is hardware FLOPs, not model FLOPs, and so is the
-head's second forward under --loss_chunk_tokens (utils/loss.py: backward computes each chunk's logits again):
-2 * V * d_model per target token.
+(CausalFlops) is the decoder alone, its attention counted per document and causal, as the model needs it
+(each token against itself and the tokens before it in its document, whatever a kernel computes beyond):
+
+    2 * (N + V * d_model) * T + 4 * d_attn * L * sum over the T real tokens of (p + 1)
+
+with T the real tokens and p a token's position in its document (a packed block's position ids restart at each
+of its documents; sum (p + 1) is s (s + 1) / 2 for a document of s tokens). A training step is 3x the forward
+(backward: the input's and the weight's gradient); activation checkpointing's recomputed forward is hardware
+FLOPs, not model FLOPs, and so is the head's second forward under --loss_chunk_tokens (utils/loss.py: backward
+computes each chunk's logits again): 2 * V * d_model per token.
 Families are recognised by model_type, not by their config's field names: LongT5, LED, BigBird-PEGASUS and
 PEGASUS-X share T5's or BART's but attend locally or sparsely, and NLLB-MoE routes tokens to experts, so any
 other model has no count (no FLOP rates, no MFU). tests/test_flops.py checks the count against
@@ -144,23 +149,38 @@ class CausalFlops:
             frozen_weights=frozen_weights,
         )
 
-    def forward_parts(self, lengths: torch.Tensor, head: bool = True):
-        """(linear layers, attention scores and mixing) forward FLOPs of a batch, summed over its sequences
-        (lengths: real tokens per row, float64)."""
-        linear = 2 * (self.block_weights + (self.head_weights if head else 0)) * lengths
-        return linear.sum(), (4 * self.attention_width * self.layers * lengths * lengths).sum()
+    def forward_parts(self, tokens: torch.Tensor, attended: torch.Tensor, head: bool = True):
+        """(linear layers, attention scores and mixing) forward FLOPs of `tokens` real tokens that attend to
+        `attended` (query, key) pairs in all (float64)."""
+        linear = 2 * (self.block_weights + (self.head_weights if head else 0)) * tokens
+        return linear, 4 * self.attention_width * self.layers * attended
+
+    def forward(self, batch: dict, head: bool = True) -> torch.Tensor:
+        """Forward FLOPs of a batch, summed over its documents."""
+        return sum(self.forward_parts(*attended_pairs(batch), head=head))
 
     def training(
         self, batch: dict, recompute: bool, recompute_head: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(model, hardware) FLOPs of one forward+backward of `batch`, as Seq2SeqFlops.training counts them."""
-        lengths = batch["attention_mask"].sum(dim=1).to(torch.float64)
-        linear, attention = self.forward_parts(lengths)
+        tokens, attended = attended_pairs(batch)
+        linear, attention = self.forward_parts(tokens, attended)
         model = (2 if self.frozen_weights else 3) * linear + 3 * attention
-        hardware = model + sum(self.forward_parts(lengths, head=False)) if recompute else model
+        hardware = model + sum(self.forward_parts(tokens, attended, head=False)) if recompute else model
         if recompute_head:
-            hardware = hardware + 2 * self.head_weights * lengths.sum()
+            hardware = hardware + 2 * self.head_weights * tokens
         return model, hardware
+
+
+def attended_pairs(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(real tokens, the (query, key) pairs a causal model attends to) of a decoder-only batch, float64 on its
+    device, without a host sync: a token at position p of its document attends to p + 1 keys. A packed block's
+    position ids restart at each of its documents (causal_lm_dataset.py; a wrapped block is one document); a row
+    without them is one document, counted from its first real token."""
+    mask = batch["attention_mask"]
+    positions = batch["position_ids"] if "position_ids" in batch else mask.cumsum(dim=1) - 1
+    real = mask.to(torch.float64)
+    return real.sum(), ((positions + 1) * real).sum()
 
 
 # Dense (no sparsity) peak TFLOP/s per GPU by compute dtype, from the vendors' data sheets (SXM parts;

@@ -42,11 +42,13 @@ class RunRecords:
     total_steps: int = 0  # the global step the run ends at, for the time left
     shown_step: int | None = None  # the step last shown
     stall: StallWatch = dataclasses.field(default_factory=StallWatch)
+    graphs_before: int = 0  # compiled_graphs() when the run opened its records
 
     def open(self, resumed_at: tuple[int, int] | None, total_steps: int) -> MetricsWriter:
         """metrics.jsonl and its sinks (cut back to a resume's checkpoint at `resumed_at`, its step and epoch),
         for a run that ends at step `total_steps`; the caller closes them however training ends."""
         self.total_steps = total_steps
+        self.graphs_before = compiled_graphs()
         path = os.path.join(self.train.output_dir, layout.METRICS_FILE)
         self.metrics = open_metrics(path, self.info.is_main, resumed_at, self.observe)
         return self.metrics
@@ -104,16 +106,19 @@ class RunRecords:
             "tokens_per_s": int(totals[INPUT_TOKENS]) / train_seconds,
             **self.throughput.rates(*flops, train_seconds),
             "peak_memory_bytes": peaks,
+            "compiled_graphs": compiled_graphs() - self.graphs_before,
         }
         if reserved is not None:
             record["peak_memory_reserved_bytes"] = reserved
         self.metrics.write(record)
         train_loss = record["train_loss"]
+        compiled = record["compiled_graphs"]
         get_logger().info(
-            "epoch %d: train_loss %s | val_loss %s | %.1f s | %.1f samples/s | peak memory per rank %s",
+            "epoch %d: train_loss %s | val_loss %s | %.1f s | %.1f samples/s | peak memory per rank %s%s",
             epoch, "- (every step skipped)" if train_loss is None else f"{train_loss:.4f}",
             "-" if val_loss is None else val_loss_text(record), epoch_seconds, record["samples_per_s"],
             "-" if peaks is None else ", ".join(f"{p / 2**20:.0f} MiB" for p in peaks),
+            f" | {compiled} graph(s) compiled so far" if compiled else "",
         )  # fmt: skip
 
     def show_progress(self, bar: tqdm, step_log: StepLog, epoch: int, batches_left: int) -> None:
@@ -164,6 +169,12 @@ class RunRecords:
             ", ".join(os.path.join(self.train.output_dir, folder) for folder in models),
             os.path.join(self.train.output_dir, layout.METRICS_FILE), final_models.generation_stops(),
         )  # fmt: skip
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far: dynamo's own count (the one torch's tests read),
+    one per graph handed to the backend, each recompile included (a new shape, a recompile to dynamic shapes)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def val_loss_text(record: dict) -> str:

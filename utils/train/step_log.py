@@ -125,11 +125,13 @@ class StepLog:
 
 
 def step_record(step: int, lr: float, row: list[float], seconds: float) -> dict:
-    """A step's metrics.jsonl record from its all-ranks sums (grad_norm: the global norm before clipping).
-    A NaN/Inf loss or norm marks the record nonfinite (metrics.jsonl writes such values as null) and is
-    zeroed in `row`, so that the epoch's train_loss stays the token mean of the steps that trained."""
+    """A step's metrics.jsonl record from its all-ranks sums (grad_norm: the global norm before clipping; tokens:
+    the real tokens it read, as the epoch's tokens_per_s counts them). A NaN/Inf loss or norm marks the record
+    nonfinite (metrics.jsonl writes such values as null) and is zeroed in `row`, so that the epoch's train_loss
+    stays the token mean of the steps that trained."""
     loss = row[LOSS_SUM] / max(row[TARGET_TOKENS], 1.0)
-    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": row[GRAD_NORM], "seconds": seconds}
+    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": row[GRAD_NORM], "seconds": seconds,
+              "tokens": int(row[INPUT_TOKENS])}  # fmt: skip
     if math.isfinite(loss) and math.isfinite(row[GRAD_NORM]):
         return record
     row[LOSS_SUM] = row[TARGET_TOKENS] = row[GRAD_NORM] = 0.0
