@@ -221,7 +221,8 @@ def check_unwrapped(fsdp_config: FSDPConfig) -> None:
 
 def check_activation_checkpointing(fsdp_config: FSDPConfig) -> None:
     """The scope says what activation checkpointing recomputes: without checkpointing there is none to say; and
-    per op, torch.compile does not compile the layers (or, compiling the checkpoints, miscomputes T5)."""
+    per op, torch.compile does not compile the layers (or, compiling the checkpoints, miscomputes T5:
+    docs/pitfalls.md #51)."""
     if fsdp_config.activation_checkpointing_scope == "ops" and not fsdp_config.fsdp_activation_checkpointing:
         raise ConfigError(
             "--activation_checkpointing_scope ops says what activation checkpointing recomputes, and "

@@ -30,8 +30,8 @@ aten = torch.ops.aten
 
 # The fused attention kernels and the position of `dropout_p` in their schemas. With dropout a kernel draws
 # random numbers: kept, it would not draw them again in the recompute, and every later dropout of the layer
-# would get another mask than in the forward. So it is kept only without dropout. (SDPA's math fallback is no
-# kernel: it reaches the policy as its matmuls, softmax and dropout.)
+# would get another mask than in the forward (docs/pitfalls.md #50). So it is kept only without dropout.
+# (SDPA's math fallback is no kernel: it reaches the policy as its matmuls, softmax and dropout.)
 ATTENTION_DROPOUT_POSITION = {
     aten._scaled_dot_product_flash_attention.default: 3,
     aten._scaled_dot_product_flash_attention_for_cpu.default: 3,

@@ -7,7 +7,8 @@ FSDP1 (`--fsdp_version 1`, the tutorial's API, deprecated upstream) is the tutor
 `FSDP(model, auto_wrap_policy=..., mixed_precision=..., sharding_strategy=..., ...)`, then activation
 checkpointing of the stack layers inside their units (each T5Block for T5; policies/wrapping.py: layer_classes).
 FSDP2 (`--fsdp_version 2`) reads like torchtitan's `parallelize`: activation checkpointing, then `fully_shard`
-of every layer and of the root. With --compile, each layer is compiled first, for all three. At world size 1
+of every layer and of the root. With --float8, the Linear layers are swapped for torchao's float8 ones first;
+with --compile, each layer is then compiled, for all three. At world size 1
 with --single_rank_fsdp false nothing is sharded or wrapped: the model itself, its layers checkpointed and
 compiled alike, computes under autocast (`Unwrapped`).
 
