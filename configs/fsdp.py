@@ -143,7 +143,7 @@ class FSDPConfig:
             "and attention kernels kept, the cheap ops between them recomputed (norms, activations, softmax, "
             "dropout from the forward's random state): less recompute, more memory than blocks (less than none "
             "when every layer trains: docs/memory.md). Needs --fsdp_activation_checkpointing true; not with "
-            "--compile true."
+            "--compile true, nor with FSDP1's units inside the layers (LoRA, size_based)."
         ),
     )
     compile: bool = option(

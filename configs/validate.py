@@ -65,6 +65,7 @@ def check_wrapping(config: RunConfig, world_size: int) -> None:
     check_hybrid_sharding(fsdp, world_size)
     check_decay_groups(config.train, fsdp)
     check_compile(fsdp)
+    check_units_inside_per_op_checkpoints(fsdp, config.lora)
 
 
 def check_precision(fsdp_config: FSDPConfig, device_type: str | None) -> None:
@@ -235,6 +236,22 @@ def check_activation_checkpointing(fsdp_config: FSDPConfig) -> None:
             "checkpoint runs uncompiled (torch's selective-checkpoint mode keeps dynamo out), and compiling "
             "the checkpoint itself gave T5 a wrong gradient (docs/memory.md). Use "
             "--activation_checkpointing_scope blocks with --compile true, or ops without it."
+        )
+
+
+def check_units_inside_per_op_checkpoints(fsdp_config: FSDPConfig, lora: LoraConfig) -> None:
+    """FSDP1 units inside the checkpointed layers (LoRA's adapters, size_based units) run their hooks again in a
+    per-op checkpoint's recompute, where torch 2.13 checks that every op comes back as often as in the forward:
+    their profiler ranges do not (measured with LoRA: the backward stops with "encountered during backward but
+    not found in storage")."""
+    if fsdp_config.activation_checkpointing_scope != "ops" or fsdp_config.fsdp_version != 1:
+        return
+    inside = "--peft lora" if lora.peft == "lora" else "--wrap_policy size_based"
+    if lora.peft == "lora" or fsdp_config.wrap_policy == "size_based":
+        raise ConfigError(
+            f"--activation_checkpointing_scope ops with FSDP1 and {inside}: FSDP1 makes units inside the "
+            "checkpointed layers, whose hooks torch's per-op recompute does not replay as in the forward (the "
+            "backward fails). Use --fsdp_version 2, or --activation_checkpointing_scope blocks."
         )
 
 

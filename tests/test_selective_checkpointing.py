@@ -13,7 +13,7 @@ from configs.errors import ConfigError
 from configs.fsdp import FSDPConfig
 from configs.lora import LoraConfig
 from configs.paths import EMBEDDED_MODEL_DIR
-from configs.validate import check_activation_checkpointing
+from configs.validate import check_activation_checkpointing, check_settings
 from policies.activation_checkpointing_functions import (
     ATTENTION_DROPOUT_POSITION,
     apply_fsdp_checkpointing,
@@ -25,6 +25,7 @@ from policies.private_api import state_dict_name
 from policies.wrapping import layer_classes
 from tests.dist_harness import run_ranks
 from tests.dist_workers import VOCAB, causal_batch, fsdp_run, make_batch, reference_run
+from tests.run_configs import run_config
 from utils.model.lora import apply_lora
 from utils.observe.memory import SavedTensorCounter
 from utils.spec import CAUSAL, SEQ2SEQ
@@ -120,6 +121,15 @@ def test_flexattentions_output_is_kept_and_counted():
         with forward:
             out = flex_attention(q, q, q)
     assert any(tensor is out for tensor in seen), [tuple(tensor.shape) for tensor in seen]
+
+
+@pytest.mark.parametrize("inside", [{"peft": "lora"}, {"wrap_policy": "size_based"}], ids=["lora", "size_based"])
+def test_ops_with_fsdp1_units_inside_the_layers_is_refused(inside):
+    ops = {"activation_checkpointing_scope": "ops"}
+    with pytest.raises(ConfigError, match="FSDP1 makes units inside the checkpointed layers"):
+        check_settings(run_config(**ops, **inside), 2, "cpu")
+    check_settings(run_config(**inside), 2, "cpu")  # whole blocks
+    check_settings(run_config(**ops, peft=inside.get("peft", "none"), fsdp_version=2), 2, "cpu")
 
 
 def test_ops_without_checkpointing_or_with_compile_is_refused():
