@@ -85,20 +85,31 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-@needs_torchao
-def test_conversion_swaps_the_linear_layers_but_the_head_and_those_float8_cannot_take():
+def converted_layers(rank: int, world_size: int) -> dict:  # noqa: ARG001 - run_ranks' signature
+    """Per model: the Linear layers, those convert_to_float8 swapped, and the class of each afterwards."""
     from utils.model.float8 import convert_to_float8
 
-    llama = tiny_llama()
-    converted = convert_to_float8(llama, all_gather_in_float8=False)
-    attention = [f"model.layers.{i}.self_attn.{name}_proj" for i in range(2) for name in "qkvo"]
-    assert sorted(converted) == sorted(attention)
-    assert type(llama.lm_head) is torch.nn.Linear and type(llama.model.layers[0].mlp.up_proj) is torch.nn.Linear
-    t5 = tiny_t5()
-    converted = convert_to_float8(t5, all_gather_in_float8=False)
-    linears = [name for name, module in tiny_t5().named_modules() if isinstance(module, torch.nn.Linear)]
-    assert sorted(converted) == sorted(name for name in linears if name != "lm_head")
-    assert t5.lm_head.weight is t5.shared.weight  # the tied head untouched
+    out = {}
+    for name, model in (("llama", tiny_llama()), ("t5", tiny_t5())):
+        linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+        converted = convert_to_float8(model, all_gather_in_float8=False)
+        classes = {name: type(module).__name__ for name, module in model.named_modules() if name in linears}
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        out[name] = {"linears": linears, "converted": sorted(converted), "classes": classes, "tied": tied}
+    return out
+
+
+@needs_torchao
+def test_conversion_swaps_the_linear_layers_but_the_head_and_those_float8_cannot_take():
+    """In a pooled worker, replaced after: importing torchao registers ops and types with torch."""
+    out = run_ranks(converted_layers, world_size=1, replace_after=True)[0]
+    llama, t5 = out["llama"], out["t5"]
+    attention = sorted(f"model.layers.{i}.self_attn.{name}_proj" for i in range(2) for name in "qkvo")
+    assert llama["converted"] == attention
+    assert {name for name, cls in llama["classes"].items() if cls == "Float8Linear"} == set(attention)
+    assert llama["classes"]["lm_head"] == llama["classes"]["model.layers.0.mlp.up_proj"] == "Linear"
+    assert t5["converted"] == sorted(name for name in t5["linears"] if name != "lm_head")
+    assert t5["classes"]["lm_head"] == "Linear" and t5["tied"]  # the tied head untouched
 
 
 def float8_worker(rank: int, world_size: int) -> dict:
