@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, from_accelerate = read_settings(argv)
         info = process_group.describe_launch(config.train.device, config.fsdp.fsdp_cpu_offload)
-        validate.check_settings(config, info.world_size, info.device.type)  # now with the device's rules
+        # now with the device's rules
+        validate.check_settings(config, info.world_size, info.device.type, info.compute_capability)
         process_group.init_distributed(info, config.train.dist_timeout_s, config.train.output_dir)
         with (
             claimed_output_dir(config.train.output_dir),  # one run per output_dir: a second one stops here

@@ -135,6 +135,17 @@ class FSDPConfig:
             "(non-reentrant): much less activation memory for about 30% more compute."
         ),
     )
+    activation_checkpointing_scope: Literal["blocks", "ops"] = option(
+        default="blocks",
+        help=(
+            "What --fsdp_activation_checkpointing recomputes. blocks: each stack layer whole, keeping only its "
+            "inputs. ops: each stack layer per op (torch's selective checkpointing): the outputs of its matmuls "
+            "and attention kernels kept, the cheap ops between them recomputed (norms, activations, softmax, "
+            "dropout from the forward's random state): less recompute, more memory than blocks (less than none "
+            "when every layer trains: docs/memory.md). Needs --fsdp_activation_checkpointing true; not with "
+            "--compile true, nor with FSDP1's units inside the layers (LoRA, size_based)."
+        ),
+    )
     compile: bool = option(
         default=False,
         help=(
@@ -143,6 +154,16 @@ class FSDPConfig:
             "The first steps compile (seconds to minutes); dropout masks then come from inductor's own "
             "generator. FSDP1 needs --use_orig_params true. Off by default: slower on CPU (docs/throughput.md: "
             "Throughput)."
+        ),
+    )
+    float8: bool = option(
+        default=False,
+        help=(
+            "torchao's float8 training (pip install torchao): the Linear layers but the output head (and those "
+            "whose dimensions are not multiples of 16) compute their matmuls in float8, scaled per tensor; "
+            "weights, gradients and optimizer as before. Needs GPUs of compute capability 8.9 or newer (Ada, "
+            "Hopper, Blackwell); FSDP2 then all-gathers the weights in float8. Faster only where the matmuls are "
+            "large, and with --compile true, which fuses the casts (docs/throughput.md)."
         ),
     )
     limit_all_gathers: bool = option(

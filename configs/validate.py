@@ -22,23 +22,32 @@ from configs.recipe import RecipeConfig
 from configs.run import RunConfig
 from configs.training import TrainConfig
 
+FLOAT8_MIN_CAPABILITY = (8, 9)
 TENSORBOARD_HINT = "--tensorboard true needs the tensorboard package: pip install tensorboard"
 
 
-def check_settings(config: RunConfig, world_size: int, device_type: str | None = None) -> None:
+def check_settings(
+    config: RunConfig,
+    world_size: int,
+    device_type: str | None = None,
+    compute_capability: tuple[int, int] = (0, 0),
+) -> None:
     """Raise ConfigError for the first combination that cannot run as asked on `world_size` ranks of
-    `device_type` ("cuda" or "cpu"). None: the device is not known yet (the entry point checks the settings
-    before it imports torch, which says whether there is a GPU, then again with the device), so the rules
-    about the device wait."""
+    `device_type` ("cuda" or "cpu"; on CUDA, of `compute_capability`). None: the device is not known yet (the
+    entry point checks the settings before it imports torch, which says whether there is a GPU, then again with
+    the device), so the rules about the device wait."""
     fsdp = config.fsdp
     check_precision(fsdp, device_type)
+    check_float8(fsdp, config.lora)
     if device_type is not None:
         check_device_settings(fsdp, device_type)
         check_attention(config.recipe, device_type)
+        check_float8_device(fsdp, device_type, compute_capability)
     if wraps_in_fsdp(fsdp, world_size):
         check_wrapping(config, world_size)
     else:
         check_unwrapped(fsdp)
+    check_activation_checkpointing(fsdp)
     check_checkpointing(config.checkpointing, config.fsdp)
     check_data_source(config.data, config.evaluation)
     check_evaluation(config.evaluation, config.train)
@@ -57,6 +66,7 @@ def check_wrapping(config: RunConfig, world_size: int) -> None:
     check_hybrid_sharding(fsdp, world_size)
     check_decay_groups(config.train, fsdp)
     check_compile(fsdp)
+    check_units_inside_per_op_checkpoints(fsdp, config.lora)
 
 
 def check_precision(fsdp_config: FSDPConfig, device_type: str | None) -> None:
@@ -107,6 +117,38 @@ def check_device_settings(fsdp_config: FSDPConfig, device_type: str) -> None:
         raise ConfigError(
             "--sync_module_states true needs GPUs: FSDP1 refuses it for CPU tensors. For rank-0-only "
             "loading on CPU use --cpu_ram_efficient_loading true instead (either --fsdp_version)."
+        )
+
+
+def check_float8(fsdp_config: FSDPConfig, lora: LoraConfig) -> None:
+    """torchao's float8 training is installed, and trains the model's own Linear layers."""
+    if not fsdp_config.float8:
+        return
+    if lora.peft == "lora":
+        raise ConfigError(
+            "--float8 true trains the model's Linear layers in float8; with --peft lora those are frozen and only "
+            "the small adapters train, which torchao's float8 training (converted Linear layers) does not cover "
+            "here. Drop --float8, or train without --peft lora."
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("--float8 true needs the torchao package: pip install torchao")
+
+
+def check_float8_device(fsdp_config: FSDPConfig, device_type: str, compute_capability: tuple[int, int]) -> None:
+    """Float8 matmuls (torch._scaled_mm on float8 tensor cores) need compute capability 8.9: Ada, Hopper and
+    later."""
+    if not fsdp_config.float8:
+        return
+    if device_type != "cuda":
+        raise ConfigError(
+            "--float8 true needs CUDA GPUs of compute capability 8.9 or newer (Ada, Hopper, Blackwell: float8 "
+            "tensor cores); this run is on CPU. Drop --float8."
+        )
+    if compute_capability < FLOAT8_MIN_CAPABILITY:
+        major, minor = compute_capability
+        raise ConfigError(
+            f"--float8 true needs GPUs of compute capability 8.9 or newer (Ada, Hopper, Blackwell: float8 tensor "
+            f"cores); this GPU's is {major}.{minor}. Drop --float8."
         )
 
 
@@ -176,6 +218,41 @@ def check_unwrapped(fsdp_config: FSDPConfig) -> None:
             "once anyway, and with --single_rank_fsdp false no FSDP unit would fill a skeleton. Pass "
             "--cpu_ram_efficient_loading false (an accelerate config's fsdp_cpu_ram_efficient_loading sets it "
             "too)."
+        )
+
+
+def check_activation_checkpointing(fsdp_config: FSDPConfig) -> None:
+    """The scope says what activation checkpointing recomputes: without checkpointing there is none to say; and
+    per op, torch.compile does not compile the layers (or, compiling the checkpoints, miscomputes T5:
+    docs/pitfalls.md #51)."""
+    if fsdp_config.activation_checkpointing_scope == "ops" and not fsdp_config.fsdp_activation_checkpointing:
+        raise ConfigError(
+            "--activation_checkpointing_scope ops says what activation checkpointing recomputes, and "
+            "--fsdp_activation_checkpointing false turns it off: add --fsdp_activation_checkpointing true, or "
+            "drop --activation_checkpointing_scope"
+        )
+    if fsdp_config.activation_checkpointing_scope == "ops" and fsdp_config.compile:
+        raise ConfigError(
+            "--compile true with --activation_checkpointing_scope ops: a layer compiled inside a per-op "
+            "checkpoint runs uncompiled (torch's selective-checkpoint mode keeps dynamo out), and compiling "
+            "the checkpoint itself gave T5 a wrong gradient (docs/memory.md). Use "
+            "--activation_checkpointing_scope blocks with --compile true, or ops without it."
+        )
+
+
+def check_units_inside_per_op_checkpoints(fsdp_config: FSDPConfig, lora: LoraConfig) -> None:
+    """FSDP1 units inside the checkpointed layers (LoRA's adapters, size_based units) run their hooks again in a
+    per-op checkpoint's recompute, where torch 2.13 checks that every op comes back as often as in the forward:
+    their profiler ranges do not (measured with LoRA: the backward stops with "encountered during backward but
+    not found in storage")."""
+    if fsdp_config.activation_checkpointing_scope != "ops" or fsdp_config.fsdp_version != 1:
+        return
+    inside = "--peft lora" if lora.peft == "lora" else "--wrap_policy size_based"
+    if lora.peft == "lora" or fsdp_config.wrap_policy == "size_based":
+        raise ConfigError(
+            f"--activation_checkpointing_scope ops with FSDP1 and {inside}: FSDP1 makes units inside the "
+            "checkpointed layers, whose hooks torch's per-op recompute does not replay as in the forward (the "
+            "backward fails). Use --fsdp_version 2, or --activation_checkpointing_scope blocks."
         )
 
 

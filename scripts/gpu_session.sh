@@ -106,7 +106,7 @@ part t5 "$t5_budget" "${bench[@]}" --suite gpu --out "$OUT/t5" "${t5[@]}" --drop
 part causal_levers "$levers_budget" "${bench[@]}" --suite gpu_causal --out "$OUT/causal_levers" "${causal[@]}" \
     --peers --cases \
     "bf16, flex_attention, compiled, chunked loss" \
-    "bf16, flex_attention, compiled, chunked loss, per-op checkpointing" \
+    "bf16, flex_attention, chunked loss, per-op checkpointing" \
     "bf16, flex_attention, compiled, chunked loss, no checkpointing"
 part gpu_check "$check_budget" "$PYTHON" -m torch.distributed.run --nproc_per_node 1 --standalone \
     scripts/gpu_check.py --device "$DEVICE" --output "$OUT/gpu_check.json"

@@ -36,6 +36,11 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        """The GPU's CUDA compute capability ((8, 9) for an L4, (9, 0) for an H100); (0, 0) on CPU."""
+        return torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
+
 
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity; macOS has no affinity call: all of them)."""

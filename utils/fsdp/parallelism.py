@@ -7,7 +7,8 @@ FSDP1 (`--fsdp_version 1`, the tutorial's API, deprecated upstream) is the tutor
 `FSDP(model, auto_wrap_policy=..., mixed_precision=..., sharding_strategy=..., ...)`, then activation
 checkpointing of the stack layers inside their units (each T5Block for T5; policies/wrapping.py: layer_classes).
 FSDP2 (`--fsdp_version 2`) reads like torchtitan's `parallelize`: activation checkpointing, then `fully_shard`
-of every layer and of the root. With --compile, each layer is compiled first, for all three. At world size 1
+of every layer and of the root. With --float8, the Linear layers are swapped for torchao's float8 ones first;
+with --compile, each layer is then compiled, for all three. At world size 1
 with --single_rank_fsdp false nothing is sharded or wrapped: the model itself, its layers checkpointed and
 compiled alike, computes under autocast (`Unwrapped`).
 
@@ -55,6 +56,7 @@ from utils.fsdp.shard import (
     layer_units,
     unit_class_name,
 )
+from utils.model.float8 import convert_to_float8
 from utils.model.rank0_loading import UnitMaterializer, broadcast_rank0_weights, to_empty, weight_reader
 
 
@@ -77,6 +79,12 @@ class Parallelism(abc.ABC):
         """Rank-0-only loading fills each unit from the model's files as it is wrapped (FSDP1)."""
         return False
 
+    @property
+    def gathers_in_float8(self) -> bool:
+        """With --float8: whether the float8 layers' weights are all-gathered cast to float8 (torchao's
+        enable_fsdp_float8_all_gather, an FSDP2 extension), where there are shards to gather."""
+        return False
+
     def wrap(
         self,
         model: nn.Module,
@@ -94,6 +102,8 @@ class Parallelism(abc.ABC):
         every rank holds a skeleton that a checkpoint fills after sharding (utils/checkpoint/manager.py), so the
         shards are only allocated."""
         layers = layer_classes(model)  # T5Block for T5: the units, what is checkpointed and compiled
+        if self.fsdp.float8:  # before compiling and wrapping: FSDP2 shards the float8 layers' weights
+            convert_to_float8(model, all_gather_in_float8=self.gathers_in_float8)
         if self.fsdp.compile:
             compile_layers(model, layers)
         return self._wrap(model, layers, precision, device, weights_source, restores)
@@ -214,7 +224,7 @@ class FSDP1(Parallelism):
                 param_init_fn=param_init_fn,
             )
         if fsdp.fsdp_activation_checkpointing:
-            apply_fsdp_checkpointing(model, layers)
+            apply_fsdp_checkpointing(model, layers, fsdp.activation_checkpointing_scope)
         return model
 
     def _reduction_skipped(self, model: nn.Module):
@@ -281,14 +291,18 @@ class FSDP2(Parallelism):
     def builds_on_meta(self, is_main: bool, restores: bool) -> bool:
         return restores or (self.fsdp.cpu_ram_efficient_loading and not is_main)  # rank 0's is broadcast
 
+    @property
+    def gathers_in_float8(self) -> bool:
+        return dist.get_world_size() > 1 and self.fsdp.sharding_strategy != "NO_SHARD"
+
     def _wrap(self, model, layers, precision, device, weights_source, restores) -> nn.Module:  # noqa: ARG002
         fsdp = self.fsdp
         rank0_state = None
         if fsdp.cpu_ram_efficient_loading and not restores:
             # References to rank 0's loaded tensors: they stay alive (one full copy) until the broadcast.
             rank0_state = model.state_dict() if dist.get_rank() == 0 else {}
-        if fsdp.fsdp_activation_checkpointing:
-            apply_fsdp_checkpointing(model, layers)  # before sharding: FSDP2 shards the checkpoint wrappers
+        if fsdp.fsdp_activation_checkpointing:  # before sharding: FSDP2 shards the checkpoint wrappers
+            apply_fsdp_checkpointing(model, layers, fsdp.activation_checkpointing_scope)
         units = layer_units(model, layers)
         mesh = fsdp2_mesh(fsdp.sharding_strategy, dist.get_world_size(), device, fsdp.hybrid_shard_group_size)
         options = {
@@ -340,7 +354,7 @@ class Unwrapped(Parallelism):
 
     def _wrap(self, model, layers, precision, device, weights_source, restores) -> nn.Module:  # noqa: ARG002
         if self.fsdp.fsdp_activation_checkpointing:
-            apply_fsdp_checkpointing(model, layers)
+            apply_fsdp_checkpointing(model, layers, self.fsdp.activation_checkpointing_scope)
         if restores:
             to_empty(model, device)  # the skeleton on the meta device, allocated for the checkpoint to fill
         else:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from policies.activation_checkpointing_functions import kept_outputs_seen_by
 from policies.private_api import storage_identity, view_base
 from utils.distributed.process_group import gather_ints
 
@@ -126,12 +127,15 @@ class SavedTensorCounter:
     included) left out. It counts what is held, not what is computed, so a CPU run measures exactly what a
     GPU would hold. Under non-reentrant activation checkpointing a block's own tensors are saved by the
     checkpoint's hooks, which come first and keep nothing; what it keeps is the block's inputs, which it
-    saves outside them, where this counter sees them."""
+    saves outside them, where this counter sees them. Per op (--activation_checkpointing_scope ops) a block
+    also keeps the outputs of its matmuls and attention kernels, in torch's own storage: the policy hands
+    those to the counter too (policies/activation_checkpointing_functions.py: kept_outputs_seen_by)."""
 
     def __init__(self):
         self.bytes = 0
         self._seen: set[int] = set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._kept_outputs = kept_outputs_seen_by(self._pack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(view_base(tensor), nn.Parameter):
@@ -143,9 +147,11 @@ class SavedTensorCounter:
 
     def __enter__(self) -> "SavedTensorCounter":
         self._hooks.__enter__()
+        self._kept_outputs.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._kept_outputs.__exit__(*exc)
         self._hooks.__exit__(*exc)
 
 
