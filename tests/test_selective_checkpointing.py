@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
 from configs.errors import ConfigError
@@ -27,6 +28,7 @@ from tests.dist_harness import run_ranks
 from tests.dist_workers import VOCAB, causal_batch, fsdp_run, make_batch, reference_run
 from tests.run_configs import run_config
 from utils.model.lora import apply_lora
+from utils.observe.flops import CausalFlops, recomputes_blocks
 from utils.observe.memory import SavedTensorCounter
 from utils.spec import CAUSAL, SEQ2SEQ
 
@@ -147,6 +149,29 @@ def test_ops_without_checkpointing_or_with_compile_is_refused():
     check_activation_checkpointing(ops)
     check_activation_checkpointing(FSDPConfig(fsdp_activation_checkpointing=False))
     check_activation_checkpointing(FSDPConfig(compile=True))
+
+
+def test_hardware_flops_count_no_recompute_per_op():
+    """The hardware FLOPs beyond the model FLOPs (utils/observe/flops.py: recomputes_blocks) are a forward of the
+    blocks for whole blocks, and nothing per op, where torch's own counter sees backward compute no more than
+    without checkpointing (the matmuls' outputs kept) and for whole blocks more."""
+    batch = causal_batch(0)
+    counted, measured = {}, {}
+    for scope in SCOPES:
+        model = llama(0.0).train()
+        if scope is not None:
+            apply_fsdp_checkpointing(model, layer_classes(model), scope)
+        with FlopCounterMode(display=False) as counter:
+            token_losses, _ = CAUSAL.token_losses(model, batch)
+            token_losses.sum().backward()
+        measured[scope] = counter.get_total_flops()
+        fsdp = FSDPConfig(
+            fsdp_activation_checkpointing=scope is not None, activation_checkpointing_scope=scope or "blocks"
+        )
+        model_flops, hardware = CausalFlops.from_config(model.config).training(batch, recomputes_blocks(fsdp))
+        counted[scope] = (hardware - model_flops).item()
+    assert measured["ops"] == measured[None] < measured["blocks"], measured
+    assert counted["ops"] == counted[None] == 0 < counted["blocks"], counted
 
 
 STEPS = 2

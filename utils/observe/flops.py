@@ -17,9 +17,10 @@ cross-attention k and v, which project the encoder's S_enc tokens (docs/pitfalls
 
 with T the real tokens and p a token's position in its document (a packed block's position ids restart at each
 of its documents; sum (p + 1) is s (s + 1) / 2 for a document of s tokens). A training step is 3x the forward
-(backward: the input's and the weight's gradient); activation checkpointing's recomputed forward is hardware
-FLOPs, not model FLOPs, and so is the head's second forward under --loss_chunk_tokens (utils/loss.py: backward
-computes each chunk's logits again): 2 * V * d_model per token.
+(backward: the input's and the weight's gradient); whole-block activation checkpointing's recomputed forward is
+hardware FLOPs, not model FLOPs (per op it recomputes no matmul: recomputes_blocks), and so is the head's second
+forward under --loss_chunk_tokens (utils/loss.py: backward computes each chunk's logits again): 2 * V * d_model
+per token.
 Families are recognised by model_type, not by their config's field names: LongT5, LED, BigBird-PEGASUS and
 PEGASUS-X share T5's or BART's but attend locally or sparsely, and NLLB-MoE routes tokens to experts, so any
 other model has no count (no FLOP rates, no MFU). tests/test_flops.py checks the count against
@@ -32,6 +33,8 @@ from typing import Protocol
 
 import torch
 from transformers import PretrainedConfig
+
+from configs.fsdp import FSDPConfig
 
 T5_STYLE_MODELS = ("t5", "mt5", "umt5")
 BART_STYLE_MODELS = ("bart", "mbart", "pegasus")
@@ -183,6 +186,13 @@ def attended_pairs(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return real.sum(), ((positions + 1) * real).sum()
 
 
+def recomputes_blocks(fsdp_config: FSDPConfig) -> bool:
+    """Whether backward runs the blocks' forward a second time (hardware FLOPs): whole-block activation
+    checkpointing does; per op (--activation_checkpointing_scope ops) the matmuls' and attention kernels' outputs
+    are kept, and only elementwise ops run again, a rounding error like the norms."""
+    return fsdp_config.fsdp_activation_checkpointing and fsdp_config.activation_checkpointing_scope == "blocks"
+
+
 # Dense (no sparsity) peak TFLOP/s per GPU by compute dtype, from the vendors' data sheets (SXM parts;
 # fp32 without TF32: --tf32 false, torch's default). The first name contained in torch.cuda.get_device_name()
 # wins, so the more specific names come first.
@@ -235,9 +245,9 @@ def cpu_gemm_flops(dtype: torch.dtype, sizes: tuple[int, ...] = (128, 256, 512),
 @dataclass(frozen=True)
 class Throughput:
     """How a step's FLOPs are counted (`flops`, None for a model of no counted family: no FLOP rates;
-    `recompute`: activation checkpointing; `recompute_head`: --loss_chunk_tokens) and rated: per device over
-    `world_size` ranks, and as MFU against `peak_flops` per device (None: no MFU), which comes from
-    `peak_source`."""
+    `recompute`: the blocks' forward run again, recomputes_blocks; `recompute_head`: --loss_chunk_tokens) and
+    rated: per device over `world_size` ranks, and as MFU against `peak_flops` per device (None: no MFU), which
+    comes from `peak_source`."""
 
     flops: FlopCounter | None
     recompute: bool

@@ -85,9 +85,8 @@ class Run:
             get_logger().info("MFU against a peak of %.4g TFLOP/s per device (%s)", peak / 1e12, source)
         else:
             get_logger().warning("no MFU: %s", source)
-        recompute = config.fsdp.fsdp_activation_checkpointing
         return flops.Throughput(
-            counter, recompute, self.info.world_size, peak, source,
+            counter, flops.recomputes_blocks(config.fsdp), self.info.world_size, peak, source,
             recompute_head=bool(config.recipe.loss_chunk_tokens),
         )  # fmt: skip
 
@@ -129,6 +128,7 @@ class Run:
             evaluator=evaluator, final_evaluator=final_evaluator, info=self.info, train=config.train,
             recipe=config.recipe, evaluation=config.evaluation, observe=config.observe, throughput=throughput,
             memory_baseline=memory_baseline, spec=self.spec,
+            recomputes=config.fsdp.fsdp_activation_checkpointing or bool(config.recipe.loss_chunk_tokens),
         )  # fmt: skip
 
 

@@ -76,12 +76,15 @@ class Trainer:
         throughput: Throughput,
         memory_baseline: MemoryBaseline,
         spec: ModelSpec,
+        recomputes: bool,
     ):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.loaders, self.checkpoints, self.evaluator, self.info = loaders, checkpoints, evaluator, info
         self.final_evaluator = final_evaluator  # generation on the split scored once after training, if any
         self.train_config, self.recipe, self.evaluation, self.observe = train, recipe, evaluation, observe
         self.throughput, self.spec = throughput, spec
+        # Backward runs forward ops again (activation checkpointing of either scope, the chunked loss's head).
+        self.recomputes = recomputes
         self.end = RunEnd(train, recipe, evaluation)
         self.best = BestModel(evaluation, train.save_model, spec, final_models)
         self.records = RunRecords(
@@ -109,9 +112,8 @@ class Trainer:
         # The metrics and their sinks are closed however training ends; a tracker learns if it failed.
         with self.records.open(resumed_at, self.total_steps):
             # --profile_start_step's traces, and on CUDA an out-of-memory error's memory snapshot.
-            recomputes = self.throughput.recompute or self.throughput.recompute_head
             profiler = StepProfiler(self.observe, self.train_config.output_dir, self.info.rank, self.info.device,
-                                    progress.global_step, recompute=recomputes)  # fmt: skip
+                                    progress.global_step, recompute=self.recomputes)  # fmt: skip
             if self.observe.profile_start_step > self.total_steps:
                 get_logger().warning(
                     "--profile_start_step %d: this run trains steps up to %d, so nothing is profiled",
