@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # What to measure on one GPU lent for 15 minutes of device time (2-3 of them the machine's start-up), in one
 # command, most wanted first: each part under a time budget of its own (one slow part cannot eat the others),
-# and all of them within SESSION_S seconds (a part whose budget is more than what is left of them gets what is
-# left, and is skipped when that is under 30 s); its output and log under $OUT, one summary line per part in $OUT/summary.txt, the benchmark
-# parts' tables in $OUT/results.md. From the repository's root:
+# the budgets summing to SESSION_S seconds (a part that ends early leaves its time to the later ones; one whose
+# budget is more than what is left gets what is left, and is skipped when that is under 30 s); its output and log
+# under $OUT, one summary line per part in $OUT/summary.txt, the benchmark parts' tables in $OUT/results.md.
+# From the repository's root:
 #
 #     OUT=/somewhere bash scripts/gpu_session.sh            # one GPU: at most SESSION_S=630 s of parts
 #     DEVICE=cpu OUT=/tmp/dry bash scripts/gpu_session.sh   # the same parts at tiny scale (a dry run on a machine
 #                                                           # without a GPU; the benchmark takes a GPU where it finds one)
 #
-# LIGER_WHEEL: a liger-kernel wheel to install first (pip --no-deps), for the HF Trainer peer with Liger's kernels
-# on a machine that reaches no package index (`pip download liger-kernel --no-deps` where one is reachable, and
-# carry the file); without it, that peer runs where liger_kernel already imports, and is listed as not run else.
+# WHEELS: a folder of wheels to install first (pip --no-deps --no-index), for a machine that reaches no package
+# index: torchao for the float8 part, liger-kernel for the HF Trainer peer with Liger's kernels (`pip download
+# torchao==0.18.0 liger-kernel --no-deps -d wheels` where an index is reachable; the repository's wheels/ is
+# git-ignored, for the device tool's carry). Without them, float8 is refused (its part fails with the pip line)
+# and the Liger peer is listed as not run.
 #
 # OUT (default /tmp/gpu_session) must be empty or new: a demo run refuses a folder that holds one. The random-weight
 # model folders (GBs on a GPU) go to MODELS_DIR (default /tmp/gpu_session_models, outside OUT), made once and read
@@ -50,8 +53,8 @@ if [ "$DEVICE" = cuda ]; then
     session_s=${SESSION_S:-630}  # 15 minutes less the start-up and the files' way back
     llama=tinyllama-1.1b block=2048 blocks=8 causal_steps=12
     t5=(--models t5-large --max_source_length 512 --max_target_length 150 --batch_size 64 --steps 6)
-    causal_budget=300 t5_budget=170 levers_budget=120 check_budget=60 smoke_budget=50 export_budget=20
-    float8_budget=90
+    causal_budget=220 t5_budget=130 levers_budget=90 check_budget=50 smoke_budget=45 export_budget=15
+    float8_budget=80  # 630 s in all: no part's budget counts on another's leftovers
 else  # tiny: the same parts at CPU scale; the GPU-only cases are skipped and listed
     session_s=${SESSION_S:-1800}  # 2 CPU cores shared with other work take minutes where a GPU takes seconds
     llama=llama-tiny block=256 blocks=2 causal_steps=5
@@ -88,9 +91,9 @@ part() {  # part NAME BUDGET_S COMMAND...: run it under its budget or the sessio
 
 # scripts/benchmark.py with its own --time_budget_s: BENCH_BUDGET, which part sets
 bench=(bash -c '"$@" --time_budget_s "$BENCH_BUDGET"' benchmark "$PYTHON" scripts/benchmark.py --models_dir "$MODELS_DIR")
-if [ -n "${LIGER_WHEEL:-}" ]; then
-    "$PYTHON" -m pip install --no-deps --no-index "$LIGER_WHEEL" > "$OUT/liger_wheel.log" 2>&1 ||
-        echo "liger wheel: not installed ($OUT/liger_wheel.log)" | tee -a "$OUT/summary.txt"
+if [ -n "${WHEELS:-}" ]; then
+    "$PYTHON" -m pip install --no-deps --no-index "$WHEELS"/*.whl > "$OUT/wheels.log" 2>&1 ||
+        echo "wheels: not installed ($OUT/wheels.log)" | tee -a "$OUT/summary.txt"
 fi
 causal=(--models "$llama" --max_seq_len "$block" --batch_size "$blocks" --steps "$causal_steps")
 fastest="bf16, flex_attention, compiled, chunked loss, no checkpointing, no FSDP"

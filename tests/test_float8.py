@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from configs.errors import ConfigError
 from configs.fsdp import FSDPConfig
@@ -96,6 +96,11 @@ def converted_layers(rank: int, world_size: int) -> dict:  # noqa: ARG001 - run_
         classes = {name: type(module).__name__ for name, module in model.named_modules() if name in linears}
         tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         out[name] = {"linears": linears, "converted": sorted(converted), "classes": classes, "tied": tied}
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=1104, n_embd=64, n_layer=1, n_head=4, n_positions=32))
+    try:
+        convert_to_float8(gpt2, all_gather_in_float8=False)
+    except ConfigError as error:  # its blocks' layers are Conv1D: nothing to convert
+        out["gpt2"] = str(error)
     return out
 
 
@@ -110,6 +115,7 @@ def test_conversion_swaps_the_linear_layers_but_the_head_and_those_float8_cannot
     assert llama["classes"]["lm_head"] == llama["classes"]["model.layers.0.mlp.up_proj"] == "Linear"
     assert t5["converted"] == sorted(name for name in t5["linears"] if name != "lm_head")
     assert t5["classes"]["lm_head"] == "Linear" and t5["tied"]  # the tied head untouched
+    assert "none of this model's" in out.get("gpt2", "not refused") and "Leave --float8 false" in out["gpt2"]
 
 
 def float8_worker(rank: int, world_size: int) -> dict:

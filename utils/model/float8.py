@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from configs.errors import ConfigError
 from utils.base.log import get_logger
 
 # torch._scaled_mm takes matrices whose two dimensions are multiples of 16 (torchao's own filter checks the same).
@@ -41,6 +42,12 @@ def convert_to_float8(model: nn.Module, all_gather_in_float8: bool) -> list[str]
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather_in_float8)
     convert_to_float8_training(model, module_filter_fn=float8_layer_filter(model), config=config)
     converted = [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
+    if not converted:  # GPT-2's layers are Conv1D: a float8 run would be a bf16 run under another name
+        raise ConfigError(
+            f"--float8 true: none of this model's {linears} Linear layers can compute in float8 (its layers are "
+            f"of other classes, such as GPT-2's Conv1D, or their dimensions are not multiples of "
+            f"{FLOAT8_DIMENSION_MULTIPLE}). Leave --float8 false for this model."
+        )
     get_logger().info(
         "float8 (torchao): %d of the %d Linear layers compute in float8%s; the others are the output head and "
         "those whose dimensions are not multiples of %d",
