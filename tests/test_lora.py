@@ -361,7 +361,7 @@ def test_adapters_on_a_skeleton_get_the_loaded_models_values_and_random_draws(fa
 
 
 def mid_llama(folder: Path) -> int:
-    """A Llama of 51M parameters (205 MB in fp32) with the tiny Llama's tokenizer: large enough that its copy
+    """A Llama of 39M parameters (156 MB in fp32) with the tiny Llama's tokenizer: large enough that its copy
     shows in a rank's resident memory above the noise of a process's own (about 15 MB). Its parameters."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -378,18 +378,23 @@ def mid_llama(folder: Path) -> int:
 
 
 # Short LoRA runs in fp32, with nothing but training and the adapter's export.
-RANK0_RUN = ("--peft", "lora", "--mixed_precision", "false", "--max_steps", "3", "--num_train_samples", "16",
+RANK0_RUN = ("--peft", "lora", "--mixed_precision", "false", "--num_train_samples", "16",
              "--run_validation", "false", "--log_every_n_steps", "1", "--keep_last_n", "0")  # fmt: skip
+# The Llama's steps: its second step's loss reads the adapters' A (B's first update is A's image), enough to
+# show that they start alike; each of its steps takes seconds here.
+T5_STEPS, LLAMA_STEPS = 3, 2
 
 
-def lora_run(output_dir: Path, *args: str, launch=pooled) -> dict:
-    """A RANK0_RUN (pooled, or `launch`ed): its per-step losses, and each rank's loading high-water mark over the
-    fp32 model (the memory account's load_rss_delta_bytes, as scripts/benchmark.py's loading suite divides it;
-    meaningful in fresh processes only: a pooled worker's heap may hold an earlier scenario's freed tensors,
-    which loading then reuses without raising the resident memory)."""
+def lora_run(output_dir: Path, *args: str, steps: int = T5_STEPS, fresh_workers: bool = False) -> dict:
+    """A RANK0_RUN of `steps` steps (pooled): its per-step losses, and each rank's loading high-water mark over
+    the fp32 model (the memory account's load_rss_delta_bytes, as scripts/benchmark.py's loading suite divides
+    it; meaningful on fresh_workers only, whose memory is a new rank's after its imports: a reused worker's heap
+    may hold an earlier scenario's freed tensors, which loading then reuses without raising the resident
+    memory)."""
     from tests.reference_run import read_records
 
-    run = launch([*RANK0_RUN, "--output_dir", str(output_dir), *args])
+    run = pooled([*RANK0_RUN, "--max_steps", str(steps), "--output_dir", str(output_dir), *args],
+                 fresh_workers=fresh_workers)  # fmt: skip
     assert run.returncode == 0, run.describe()
     records = read_records(output_dir)
     memory = sorted((r for r in records if r["type"] == "memory"), key=lambda r: r["rank"])
@@ -402,16 +407,15 @@ def lora_run(output_dir: Path, *args: str, launch=pooled) -> dict:
 
 @pytest.mark.slow
 def test_lora_with_rank0_only_loading_trains_as_loading_on_every_rank_and_spares_rank1_the_model(tmp_path):
-    """--peft lora --cpu_ram_efficient_loading true, FSDP1 and FSDP2, the tiny T5 (pooled) and a 51M-parameter
-    Llama (a text-format run on the chat sample, through torchrun: fresh processes, whose memory says what
-    loading holds): the fp32 losses are bit-identical to the same run with rank-0-only loading off (the
+    """--peft lora --cpu_ram_efficient_loading true, FSDP1 and FSDP2, the tiny T5 and a 39M-parameter Llama (a
+    text-format run on the chat sample, on fresh pooled workers, whose memory says what loading holds as a new
+    rank's would): the fp32 losses are bit-identical to the same run with rank-0-only loading off (the
     adapters start alike: built on the skeleton as on the loaded model). Rank 1 never holds the Llama while
     loading: its high-water mark stays under one fp32 copy (measured 0.66x with FSDP1: its shard and the unit
     being flattened; 0.61x with FSDP2: its shard, filled by rank 0's broadcast), where with loading on every
-    rank it holds more than one (the control: 1.98x, 1.33x). And FSDP1 reads a LoRA run's .pt (adapters
-    included) by name on rank 0 alone: the same losses as every rank loading it, other than a fresh LoRA
-    run's."""
-    from tests.launch import torchrun
+    rank it holds more than one (the control: 1.98x, 1.33x; the same figures through torchrun). And FSDP1 reads
+    a LoRA run's .pt (adapters included) by name on rank 0 alone: the same losses as every rank loading it,
+    other than a fresh LoRA run's."""
     from utils.model.loading import load_model
 
     llama = tmp_path / "llama"
@@ -419,22 +423,23 @@ def test_lora_with_rank0_only_loading_trains_as_loading_on_every_rank_and_spares
     llama_data = ("--model_name", str(llama), "--dataset_name", str(REPO_ROOT / "data" / "code_chat"),
                   "--dataset_text_field", "content", "--max_seq_len", "64", "--batch_size_training", "2",
                   "--cache_dir", str(tmp_path / "cache"))  # fmt: skip
+    families = {"t5": ((), T5_STEPS, False), "llama": (llama_data, LLAMA_STEPS, True)}
     runs = {}
-    for family, data, launch in (("t5", (), pooled), ("llama", llama_data, torchrun)):
+    for family, (data, steps, fresh_workers) in families.items():
         for version in ("1", "2"):
             for rank0 in ("true", "false"):
                 runs[family, version, rank0] = lora_run(
                     tmp_path / f"{family}-{version}-{rank0}", *data, "--fsdp_version", version,
-                    "--cpu_ram_efficient_loading", rank0, launch=launch,
+                    "--cpu_ram_efficient_loading", rank0, steps=steps, fresh_workers=fresh_workers,
                 )  # fmt: skip
-    for (family, version, rank0), run in runs.items():  # the pooled T5's memory is not measured (lora_run)
+    for (family, version, rank0), run in runs.items():  # the T5's memory is not measured (lora_run)
         shares = f", loading high-water mark / fp32 model per rank {[round(s, 2) for s in run['load_share']]}"
         print(f"{family} FSDP{version} rank-0-only loading {rank0}: losses {run['losses']}"
               f"{shares if family == 'llama' else ''}")  # fmt: skip
-    for family in ("t5", "llama"):
+    for family, (_, steps, _) in families.items():
         for version in ("1", "2"):
             on, off = runs[family, version, "true"], runs[family, version, "false"]
-            assert len(on["losses"]) == 3 and on["losses"] == off["losses"], (family, version)
+            assert len(on["losses"]) == steps and on["losses"] == off["losses"], (family, version)
     for version in ("1", "2"):
         on, off = runs["llama", version, "true"]["load_share"][1], runs["llama", version, "false"]["load_share"][1]
         assert on < 0.8 < 1.0 < off, (version, on, off)
