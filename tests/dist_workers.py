@@ -46,8 +46,13 @@ FP32 = Precision("fp32_policy")
 EXPORT_FILE_BYTES = 100_000  # the tiny model's 1.2 MB over several files, as --export_max_file_gb splits
 
 
-def tiny_t5(seed: int = 0, on_meta: bool = False, attn_implementation: str = "sdpa") -> T5ForConditionalGeneration:
-    config = T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0, use_cache=False)
+def tiny_t5(
+    seed: int = 0, on_meta: bool = False, attn_implementation: str = "sdpa", blocks: int | None = None
+) -> T5ForConditionalGeneration:
+    """The embedded tiny T5's shape, randomly initialised from `seed` (or on the meta device); `blocks`: that many
+    T5Blocks in each stack instead of its 2."""
+    stacks = {} if blocks is None else {"num_layers": blocks, "num_decoder_layers": blocks}
+    config = T5Config.from_pretrained(EMBEDDED_MODEL_DIR, dropout_rate=0.0, use_cache=False, **stacks)
     config._attn_implementation = attn_implementation
     if on_meta:
         with torch.device("meta"):

@@ -103,6 +103,7 @@ def pooled(
     timeout: float = DEFAULT_TIMEOUT_S,
     env: dict | None = None,
     script: str = "T5_training.py",
+    fresh_workers: bool = False,
 ) -> Run:
     """`torchrun --nproc_per_node nproc T5_training.py args` (or another `script`: a path from the repository's
     root, or an absolute one) on the pooled rank processes: each rank runs it
@@ -111,7 +112,8 @@ def pooled(
     result reads as torchrun's, each rank's stdout (then stderr) after the other's; torchrun's own lines and
     closing report are absent. When a rank exits non-zero, the others get SIGTERM, as torchrun sends it; a rank
     still running `timeout` s after the start, or 10 s after another failed, is killed. The run's exit status is
-    the first non-zero one of a rank that was not stopped by that SIGTERM."""
+    the first non-zero one of a rank that was not stopped by that SIGTERM. `fresh_workers`: on workers that ran
+    nothing before, whose memory is a new rank's after its imports (tests/rank_pool.py)."""
     start = time.monotonic()
     port = free_port()
     with scenario_files(nproc) as files:
@@ -132,7 +134,7 @@ def pooled(
             )
             for rank, (stdout, stderr) in enumerate(files)
         ]
-        outcomes = pool().run(scenarios, timeout)
+        outcomes = pool().run(scenarios, timeout, fresh_workers)
         stdout = "".join(read_text(out) for out, _ in files)
         stderr = "".join(read_text(err) for _, err in files)
         written = {rank: read_text(path) for rank, path in enumerate(error_files) if os.path.exists(path)}

@@ -549,6 +549,7 @@ class _Worker:
             raise AssertionError(died) from None
         child_end.close()
         self.ready = False
+        self.ran = False  # a scenario: its heap may hold that scenario's freed memory
 
     def wait_ready(self) -> None:
         if self.ready:
@@ -649,12 +650,21 @@ class RankPool:
         self._workers[index].kill()
         self._workers[index] = self._start_worker()  # starts now; the next scenario waits until it is ready
 
-    def run(self, scenarios: list[Scenario], timeout_s: float) -> list[Outcome]:
+    def run(self, scenarios: list[Scenario], timeout_s: float, fresh_workers: bool = False) -> list[Outcome]:
         """Each scenario on the worker of its rank; every rank's outcome, in rank order. When a rank fails, the
         others get SIGTERM, as torchrun sends it. A rank that does not end within `timeout_s`, or within
-        FAILED_PEER_GRACE_S after another rank failed, is killed ("died")."""
+        FAILED_PEER_GRACE_S after another rank failed, is killed ("died"). `fresh_workers`: on workers that ran
+        no scenario before, whose memory is a new process's after its imports (what a memory measure needs: a
+        reused worker's heap may hold an earlier scenario's freed tensors, which a new allocation then reuses
+        without raising the resident memory)."""
+        if fresh_workers:
+            for rank, worker in enumerate(self._workers[: len(scenarios)]):
+                if worker.ran:
+                    self.replaced.append(f"rank {rank}: the next scenario measures memory (fresh_workers)")
+                    self._replace(rank)
         workers = self._take(len(scenarios))
         for worker, scenario in zip(workers, scenarios, strict=True):
+            worker.ran = True
             worker.conn.send(scenario)
         deadline = time.monotonic() + timeout_s
         outcomes: list[Outcome | None] = [None] * len(scenarios)

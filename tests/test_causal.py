@@ -602,10 +602,10 @@ CODE_CHAT = REPO_ROOT / "data" / "code_chat"
 LLAMA2_CONFIG = REPO_ROOT / "configs" / "accelerate_llama2_fsdp.yaml"
 
 
-def seed_004_flags(model: str, output_dir: str) -> list[str]:
-    return ["--model_name", model, "--dataset_name", str(CODE_CHAT), "--max_seq_len", "512", "--max_steps", "12",
-            "--logging_steps", "4", "--eval_steps", "6", "--save_steps", "6", "--bf16", "True",
-            "--packing", "True",
+def seed_004_flags(model: str, output_dir: str, max_steps: int = 12) -> list[str]:
+    return ["--model_name", model, "--dataset_name", str(CODE_CHAT), "--max_seq_len", "512",
+            "--max_steps", str(max_steps), "--logging_steps", "4", "--eval_steps", "6", "--save_steps", "6",
+            "--bf16", "True", "--packing", "True",
             "--output_dir", output_dir, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
             "--dataset_text_field", "content", "--use_gradient_checkpointing", "True", "--learning_rate", "5e-3",
             "--lr_scheduler_type", "cosine", "--weight_decay", "0.01", "--warmup_ratio", "0.03",

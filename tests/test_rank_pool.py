@@ -119,6 +119,25 @@ def test_a_scenario_finds_what_a_fresh_process_has_whatever_the_one_before_chang
         }, rank
 
 
+def test_fresh_workers_are_new_processes_that_ran_nothing(tmp_path):
+    """pooled(fresh_workers=True), for a memory measure: workers that ran a scenario are replaced first (a new
+    pid on each rank), and the next plain scenario reuses the fresh ones."""
+    from tests.launch import pooled
+
+    script = tmp_path / "pid.py"
+    script.write_text("import os\nprint('pid', os.getpid())\n", encoding="utf-8")
+
+    def pids(**options) -> list[str]:
+        run = pooled([], script=str(script), **options)
+        assert run.returncode == 0, run.describe()
+        return sorted(line for line in run.output.splitlines() if line.startswith("pid"))
+
+    used = pids()
+    fresh = pids(fresh_workers=True)
+    assert len(fresh) == 2 and not set(fresh) & set(used)
+    assert pids() == fresh
+
+
 def sleeps(rank: int, world_size: int, seconds: float) -> None:
     time.sleep(seconds)
 
