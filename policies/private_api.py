@@ -163,6 +163,13 @@ def default_store():
     return torch.distributed.distributed_c10d._get_default_store()
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far: dynamo's own count (the one torch's tests read),
+    one per graph handed to the backend, each recompile included (a new shape, a recompile to dynamic shapes).
+    Public replacement: none in torch 2.13; torch._dynamo.utils.compile_times() gives seconds, not graphs."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def cpu_has_native_bf16() -> bool:
     """Does oneDNN have bf16 kernels for this CPU (AVX512 or AMX on x86, the bf16 extension on ARM)? Elsewhere
     torch emulates bf16, more slowly than it computes fp32. Public replacement: none in torch 2.13 (torch's

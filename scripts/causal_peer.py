@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from causal_lm_dataset import CausalLMDataset, PackedCausalDataset  # noqa: E402
 from configs.data import DataConfig  # noqa: E402
 from configs.training import TrainConfig  # noqa: E402
+from policies.private_api import compiled_graphs  # noqa: E402
 from utils.data.samplers import train_sampler_for  # noqa: E402
 from utils.model.loading import load_tokenizer  # noqa: E402
 from utils.observe.flops import CausalFlops  # noqa: E402
-from utils.train.records import compiled_graphs  # noqa: E402
 
 TEXT_FIELD = "text"  # the field scripts/benchmark.py writes the rows' texts in
 

@@ -189,3 +189,12 @@ def test_the_profilers_allocation_events_are_every_allocation_and_free():
         del tensor
     sizes = [size for _, size in private_api.profiled_allocations(prof)]
     assert sizes[sizes.index(4000) + 1 :].count(-4000) >= 1, sizes
+
+
+def test_compiled_graphs_counts_each_graph_compiled():
+    """The epoch records' compiled_graphs: one more for a new function compiled, none for its second call."""
+    before = private_api.compiled_graphs()
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    compiled(torch.ones(3))
+    compiled(torch.ones(3))
+    assert private_api.compiled_graphs() - before == 1

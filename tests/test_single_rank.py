@@ -14,6 +14,7 @@ from transformers import T5ForConditionalGeneration
 from configs.errors import ConfigError
 from configs.validate import check_settings
 from policies.mixed_precision import Precision
+from policies.private_api import compiled_graphs
 from scripts.compare_step_losses import step_losses
 from tests.dist_harness import one_process_group
 from tests.dist_workers import (
@@ -37,7 +38,6 @@ from tests.run_configs import run_config
 from utils.eval.generation import generate
 from utils.fsdp.parallelism import FSDP1, Parallelism
 from utils.spec import SEQ2SEQ
-from utils.train.records import compiled_graphs
 from utils.train.step import StepSettings, train_step
 from utils.train.step_log import StepLog
 

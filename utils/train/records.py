@@ -13,6 +13,7 @@ from tqdm import tqdm
 from configs.observability import ObserveConfig
 from configs.recipe import RecipeConfig
 from configs.training import TrainConfig
+from policies.private_api import compiled_graphs
 from utils.base import layout
 from utils.base.log import format_duration, get_logger
 from utils.checkpoint.progress import TrainProgress
@@ -169,12 +170,6 @@ class RunRecords:
             ", ".join(os.path.join(self.train.output_dir, folder) for folder in models),
             os.path.join(self.train.output_dir, layout.METRICS_FILE), final_models.generation_stops(),
         )  # fmt: skip
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far: dynamo's own count (the one torch's tests read),
-    one per graph handed to the backend, each recompile included (a new shape, a recompile to dynamic shapes)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def val_loss_text(record: dict) -> str:
