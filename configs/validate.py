@@ -247,8 +247,8 @@ def check_units_inside_per_op_checkpoints(fsdp_config: FSDPConfig, lora: LoraCon
     not found in storage")."""
     if fsdp_config.activation_checkpointing_scope != "ops" or fsdp_config.fsdp_version != 1:
         return
-    inside = "--peft lora" if lora.peft == "lora" else "--wrap_policy size_based"
     if lora.peft == "lora" or fsdp_config.wrap_policy == "size_based":
+        inside = "--peft lora" if lora.peft == "lora" else "--wrap_policy size_based"
         raise ConfigError(
             f"--activation_checkpointing_scope ops with FSDP1 and {inside}: FSDP1 makes units inside the "
             "checkpointed layers, whose hooks torch's per-op recompute does not replay as in the forward (the "

@@ -31,7 +31,6 @@ peak RSS) and the graphs torch.compile made (dynamo's count, as the package's ep
 import argparse
 import importlib.util
 import json
-import resource
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from causal_lm_dataset import CausalLMDataset, PackedCausalDataset  # noqa: E402
 from configs.data import DataConfig  # noqa: E402
 from configs.training import TrainConfig  # noqa: E402
 from policies.private_api import compiled_graphs  # noqa: E402
+from scripts.peers import peak_memory_bytes  # noqa: E402
 from utils.data.samplers import train_sampler_for  # noqa: E402
 from utils.model.loading import load_tokenizer  # noqa: E402
 from utils.observe.flops import CausalFlops  # noqa: E402
@@ -178,12 +178,6 @@ def train(args, device: torch.device) -> dict:
         "peak_memory_bytes": [peak_memory_bytes(device)],
         "compiled_graphs": compiled_graphs(),
     }
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def main(argv: list[str] | None = None) -> int:

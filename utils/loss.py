@@ -36,12 +36,17 @@ LOGIT_BIAS_BUFFER = "final_logits_bias"  # BART, mBART, PEGASUS, Blenderbot, Mar
 LOGIT_CONFIG_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma 2/3, Cohere, Granite
 
 
+def position_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of each row of `logits` (positions x vocabulary) against its target, in float32 (0
+    where IGNORED): the one loss both the whole logits and each chunk's go through."""
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORED, reduction="none")
+
+
 def chunk_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
 ) -> torch.Tensor:
-    """The cross-entropy of one chunk's logits (float32, as the plain loss upcasts them; 0 where IGNORED)."""
-    logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits, targets, ignore_index=IGNORED, reduction="none")
+    """The cross-entropy of one chunk's logits."""
+    return position_cross_entropy(F.linear(hidden, weight, bias), targets)
 
 
 @dataclasses.dataclass
@@ -125,9 +130,7 @@ def token_cross_entropy(model: nn.Module, inputs: dict, targets: torch.Tensor) -
     finally:
         SCORING.reset(token)
     if scoring.losses is None:  # the plain head: the whole logits
-        return F.cross_entropy(
-            output.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORED, reduction="none"
-        ).view_as(targets)
+        return position_cross_entropy(output.flatten(0, 1), targets.flatten()).view_as(targets)
     if output is not scoring.losses:  # a family chunk_the_loss does not know changed its head's output
         raise ConfigError(
             f"--loss_chunk_tokens: a {model.config.model_type} model changes its output head's logits before "

@@ -158,10 +158,6 @@ class CausalFlops:
         linear = 2 * (self.block_weights + (self.head_weights if head else 0)) * tokens
         return linear, 4 * self.attention_width * self.layers * attended
 
-    def forward(self, batch: dict, head: bool = True) -> torch.Tensor:
-        """Forward FLOPs of a batch, summed over its documents."""
-        return sum(self.forward_parts(*attended_pairs(batch), head=head))
-
     def training(
         self, batch: dict, recompute: bool, recompute_head: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
