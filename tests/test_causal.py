@@ -284,6 +284,11 @@ def test_a_packed_block_keeps_its_documents_apart_each_with_the_losses_it_has_al
     assert len(packed) < len(plain)  # several rows per block
     model = AutoModelForCausalLM.from_pretrained(causal_dirs[family], attn_implementation=attention)
     model.requires_grad_(attention != "flex_attention")
+    # Each row alone through SDPA where the packed block goes through FlexAttention: torch 2.13's CPU FlexAttention
+    # kernel is wrong at some lengths of this tiny model's 16-wide heads (40 tokens: errors of 1.8, or NaN), and
+    # the rows alone come in many lengths (the packed blocks in one). SDPA alone equals eager alone (above).
+    reference = model if attention != "flex_attention" else AutoModelForCausalLM.from_pretrained(
+        causal_dirs[family], attn_implementation="sdpa").requires_grad_(False)  # fmt: skip
     batch = causal_collate([packed[0], packed[1]], pad_token_id=tokenizer.pad_token_id)
     packed_losses, labels = CAUSAL.token_losses(model, batch)
     for block in (0, 1):
@@ -291,7 +296,7 @@ def test_a_packed_block_keeps_its_documents_apart_each_with_the_losses_it_has_al
         assert len(rows) >= 2 or block == 1
         alone = []
         for row in rows:
-            losses, _ = CAUSAL.token_losses(model, causal_collate([plain[row]], tokenizer.pad_token_id))
+            losses, _ = CAUSAL.token_losses(reference, causal_collate([plain[row]], tokenizer.pad_token_id))
             alone += [torch.zeros(1), losses[0]]  # the row's first token is no target, alone or packed
         expected = torch.cat(alone)[1:]
         got = packed_losses[block, : len(expected)]

@@ -1,20 +1,31 @@
 """The repository stands on its own: nothing points outside it, and every pitfall reference exists."""
 
+import functools
+import os
 import re
+from pathlib import Path
 
 import pytest
 
 from configs.paths import REPO_ROOT
 
+TEXT_SUFFIXES = (".py", ".md", ".toml", ".txt")
 PITFALL_REFERENCE = re.compile(r"docs/pitfalls\.md\s+#(\d+)")
 
 
-def repository_text_files() -> list:
-    return [p for p in REPO_ROOT.rglob("*") if p.suffix in (".py", ".md", ".toml", ".txt") and p.is_file()
-            and not any(part.startswith(".") for part in p.relative_to(REPO_ROOT).parts)]  # fmt: skip
+@functools.cache
+def repository_text_files() -> tuple[Path, ...]:
+    """Text files outside hidden folders; those folders (.git, a .venv of thousands of files) are never walked."""
+    found = []
+    for folder, subfolders, files in os.walk(REPO_ROOT):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        texts = [name for name in files if Path(name).suffix in TEXT_SUFFIXES and not name.startswith(".")]
+        found += [Path(folder, name) for name in texts]
+    return tuple(found)
 
 
-def text_of(path) -> str:
+@functools.cache
+def text_of(path: Path) -> str:
     """The file's text; a file in another encoding (the Latin-1 FinancialPhraseBank sample) is searched too."""
     return path.read_text(encoding="utf-8", errors="replace")
 
