@@ -329,6 +329,7 @@ def test_accelerate_launch_runs_seed_001_with_the_config_file_settings_and_recor
     assert evaluation["accuracy"] == pytest.approx(100 * correct / 60) and correct > 0
 
 
+@pytest.mark.slow  # a real accelerate launch (4-5 s)
 def test_accelerate_launch_with_a_refused_value_stops_with_one_message(tmp_path):
     config = config_file(tmp_path, {"fsdp_state_dict_type": "LOCAL_STATE_DICT"})
     run = accelerate_launch_run(["--output_dir", str(tmp_path / "run")], config=config)
@@ -338,6 +339,7 @@ def test_accelerate_launch_with_a_refused_value_stops_with_one_message(tmp_path)
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a real accelerate launch (4-5 s)
 def test_accelerate_launch_with_a_setting_refused_by_a_flag_names_the_configs_key_once(tmp_path):
     config = config_file(tmp_path, {"fsdp_use_orig_params": False})
     run = accelerate_launch_run(["--weight_decay", "0.01", "--output_dir", str(tmp_path / "run")], config=config)

@@ -203,6 +203,7 @@ def _wait_for(predicate, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # a build process killed half way, then a rebuild (6 s)
 def test_a_build_killed_half_way_is_never_used_and_the_next_run_rebuilds_and_says_so(tmp_path, log_records):
     data_dir = write_data(tmp_path / "data")
     cache = data_dir / "cache"

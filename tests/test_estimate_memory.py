@@ -182,6 +182,7 @@ def causal_saved(folder: str, attn: str, dtype: torch.dtype, checkpointing: bool
     return counter.bytes
 
 
+@pytest.mark.slow  # 64 forwards per family (6 s); the fast subset keeps T5's
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_decoder_only_figures_are_the_models_own(causal_folders, family):
     """A decoder-only model's forward run on fake tensors keeps what the real one keeps, byte for byte: Llama
@@ -223,6 +224,7 @@ def test_the_dropout_flag_reaches_a_decoder_only_models_fields(causal_folders):
     assert none == causal_saved(folder, "sdpa", torch.float32, False, 32, **fields) < own
 
 
+@pytest.mark.slow  # fake-tensor forwards of three published shapes (5.5 s)
 def test_published_llama_shapes_have_their_parameter_counts_and_seed_004s_plan_prints(capsys):
     """Llama 2's published parameter counts (7B: 6,738,415,616; 70B: 68,976,648,192), and seed 004's 70B on
     16 ranks, bf16, checkpointing, 2048 tokens: every component printed."""

@@ -241,6 +241,7 @@ def test_a_broken_tokenizer_stops_the_run_before_the_data_cache_is_written(tmp_p
     assert not cache.exists() and not program_tracebacks(output), output
 
 
+@pytest.mark.slow  # a real torchrun launch of 2 ranks (5 s)
 def test_an_unreachable_hub_name_ends_every_rank_in_seconds_with_one_message(tmp_path):
     """The issue's command, through torchrun on 2 ranks, with HF_HUB_OFFLINE unset and nothing on the hub's
     port: before, 263 s and 539 lines (220 of them retries); now rank 0 asks once and says it once."""

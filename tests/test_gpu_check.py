@@ -3,6 +3,8 @@ say they were skipped, and a check that breaks is reported, not raised."""
 
 import re
 
+import pytest
+
 from scripts import gpu_check
 from tests.dist_harness import one_process_group, run_ranks
 
@@ -17,6 +19,7 @@ def checks_worker(rank: int, world_size: int, folder: str, break_one: bool) -> d
         gpu_check.check_bf16 = original
 
 
+@pytest.mark.slow  # the whole check at tiny scale (3-4 s); the fast subset keeps its one-rank comparison
 def test_the_gpu_check_runs_its_cpu_checks_at_tiny_scale(tmp_path, capfd):
     findings = run_ranks(checks_worker, str(tmp_path), False)[0]
     statuses = {name: check["status"] for name, check in findings.items()}

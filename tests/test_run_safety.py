@@ -206,6 +206,7 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # processes of its own: a lock holder, then a killed one (5 s)
 def test_a_second_run_is_refused_while_a_live_one_holds_the_folder_and_a_dead_ones_lock_is_taken_over(
     tmp_path, log_records
 ):

@@ -186,6 +186,7 @@ RUN = ["--epochs", "1", "--num_train_samples", "24", "--num_val_samples", "8", "
        "3", "--checkpoint_type", "SHARDED_STATE_DICT"]  # fmt: skip
 
 
+@pytest.mark.slow  # three whole runs on a pooled rank (8 s); the fast subset keeps the step parity
 def test_a_run_without_fsdp_trains_saves_and_resumes_as_fsdp1_does(tmp_path):
     unwrapped, fsdp1, resumed = tmp_path / "unwrapped", tmp_path / "fsdp1", tmp_path / "resumed"
     run = pooled([*RUN, "--output_dir", str(unwrapped), "--single_rank_fsdp", "false"], nproc=1)

@@ -139,6 +139,7 @@ def source_parity_worker(rank: int, world_size: int, sources: dict, steps: int) 
     return out
 
 
+@pytest.mark.slow  # a whole run per format (6 s); the fast subset keeps each format's rows
 def test_every_format_trains_exactly_as_the_wikihow_path(sample_as_files):
     steps = 3
     sources_ = {"wikihow": {}}

@@ -63,6 +63,7 @@ SHAPE = ["--epochs", "1", "--num_train_samples", "24", "--num_val_samples", "8",
          "--mixed_precision", "false", "--log_every_n_steps", "2", "--save_every_n_steps", "1000"]  # fmt: skip
 
 
+@pytest.mark.slow  # two whole runs on a pooled rank (3.5 s)
 def test_a_collapsed_run_says_it_stalled_and_a_healthy_one_does_not(tmp_path):
     stalled = pooled([*SHAPE, "--lr", "1e6", "--output_dir", str(tmp_path / "stalled")], nproc=1)
     assert stalled.returncode == 0, stalled.describe()

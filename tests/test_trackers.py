@@ -107,6 +107,7 @@ def wandb_scalars(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return {tag: sorted(points) for tag, points in scalars.items()}
 
 
+@pytest.mark.slow  # two whole runs with both trackers (3.5 s)
 def test_both_trackers_hold_the_records_and_a_resume_continues_their_runs(tmp_path, tracker_environment):
     (tmp_path / CONFIG_FILE).write_text(json.dumps({"train_config": {"lr": 0.001, "epochs": 2}}))
     observe = ObserveConfig(wandb=True, mlflow=True, tracker_project="tests")
