@@ -285,8 +285,8 @@ def test_a_packed_block_keeps_its_documents_apart_each_with_the_losses_it_has_al
     model = AutoModelForCausalLM.from_pretrained(causal_dirs[family], attn_implementation=attention)
     model.requires_grad_(attention != "flex_attention")
     # Each row alone through SDPA where the packed block goes through FlexAttention: torch 2.13's CPU FlexAttention
-    # kernel is wrong at some lengths of this tiny model's 16-wide heads (40 tokens: errors of 1.8, or NaN), and
-    # the rows alone come in many lengths (the packed blocks in one). SDPA alone equals eager alone (above).
+    # kernel is wrong at some lengths of this tiny model's 16-wide heads (40 tokens: errors of 1 to 2, or NaN;
+    # docs/pitfalls.md #52), and the rows alone come in many lengths (the packed blocks in one).
     reference = model if attention != "flex_attention" else AutoModelForCausalLM.from_pretrained(
         causal_dirs[family], attn_implementation="sdpa").requires_grad_(False)  # fmt: skip
     batch = causal_collate([packed[0], packed[1]], pad_token_id=tokenizer.pad_token_id)
